@@ -1,0 +1,273 @@
+"""Topology and settings of one ftbridge process, resolved once.
+
+Every setting is resolved with one precedence, written down here and nowhere
+else: **explicit argument, then environment variable, then default**. The
+environment variables read are ``FTBRIDGE_*`` plus the ones torchft and
+torchrun already define (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
+``TORCHFT_LIGHTHOUSE``, ``TORCHFT_*_SEC``, ``TORCHFT_QUORUM_RETRIES``,
+``TORCHFT_MANAGER_PORT``, ``RANK``, ``WORLD_SIZE``); where both an
+``FTBRIDGE_*`` and a torchft name exist, the ``FTBRIDGE_*`` one wins.
+
+Timeout hierarchy (checked by :meth:`FTBridgeConfig.validate`)::
+
+    heartbeat_interval < cross_replica_timeout < in_group_timeout
+    cross_replica_timeout <= quorum_timeout
+
+The cross-replica timeout bounds every collective between replica groups; it
+must fire before the in-group watchdog (DeepSpeed's own process group
+timeout), otherwise a dead peer group makes the in-group collective of the
+*survivors* time out first and kills them.
+
+Example::
+
+    cfg = FTBridgeConfig.resolve(replica_group_id=0, lighthouse="http://localhost:29510")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Mapping, Optional
+
+SYNC_MODES = ("per_bucket", "post_backward")
+
+
+def _env(environ: Mapping[str, str], *names: str) -> Optional[str]:
+    """First non-empty value among ``names`` in ``environ``, else ``None``."""
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return value
+    return None
+
+
+def _parse(kind: type, raw: str, name: str) -> Any:
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a valid {kind.__name__}; "
+            f"set it to a {kind.__name__} or unset it"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FTBridgeConfig:
+    """Settings of one rank of one replica group.
+
+    Build it with :meth:`resolve` (argument, then environment, then default);
+    the constructor itself does not read the environment. :meth:`validate`
+    runs in :meth:`resolve` and raises ``ValueError`` naming the bad value and
+    the fix, before any process group or engine exists.
+    """
+
+    replica_group_id: int = 0
+    """Id of this replica group, 0-based, stable across restarts of the group
+    (``FTBRIDGE_REPLICA_GROUP_ID`` / ``REPLICA_GROUP_ID``)."""
+
+    num_replica_groups: int = 1
+    """Number of replica groups the job is planned for; used for data
+    sharding and logs, the live count comes from the quorum
+    (``FTBRIDGE_NUM_REPLICA_GROUPS`` / ``NUM_REPLICA_GROUPS``)."""
+
+    group_rank: int = 0
+    """Rank of this process inside its replica group (``RANK`` from torchrun)."""
+
+    group_size: int = 1
+    """Ranks per replica group; ZeRO shards across exactly these ranks
+    (``WORLD_SIZE`` from torchrun)."""
+
+    lighthouse: str = "http://localhost:29510"
+    """Address of the torchft lighthouse (``TORCHFT_LIGHTHOUSE``)."""
+
+    min_replicas: int = 1
+    """Fewest replica groups that may commit a step (``FTBRIDGE_MIN_REPLICAS``)."""
+
+    cross_replica_timeout: timedelta = timedelta(seconds=10)
+    """Bound on every collective between replica groups and on heal transfers
+    (``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S`` / ``TORCHFT_TIMEOUT_SEC``)."""
+
+    in_group_timeout: timedelta = timedelta(seconds=60)
+    """Timeout of the replica group's own torch.distributed world, used by
+    DeepSpeed's collectives (``FTBRIDGE_IN_GROUP_TIMEOUT_S``)."""
+
+    quorum_timeout: timedelta = timedelta(seconds=30)
+    """How long one quorum request to the lighthouse may take
+    (``FTBRIDGE_QUORUM_TIMEOUT_S`` / ``TORCHFT_QUORUM_TIMEOUT_SEC``)."""
+
+    connect_timeout: timedelta = timedelta(seconds=10)
+    """Timeout to open gRPC connections to the lighthouse and managers
+    (``FTBRIDGE_CONNECT_TIMEOUT_S`` / ``TORCHFT_CONNECT_TIMEOUT_SEC``)."""
+
+    heartbeat_interval: timedelta = timedelta(milliseconds=100)
+    """Interval of the manager's heartbeats to the lighthouse
+    (``FTBRIDGE_HEARTBEAT_INTERVAL_MS``)."""
+
+    quorum_retries: int = 5
+    """Quorum requests retried before the job gives up, so a short lighthouse
+    outage does not kill it; torchft's default is 0
+    (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
+
+    manager_port: int = 0
+    """Port of the torchft manager server on group rank 0; 0 picks a free one
+    (``FTBRIDGE_MANAGER_PORT`` / ``TORCHFT_MANAGER_PORT``)."""
+
+    heal_bind: str = "127.0.0.1"
+    """Interface the heal transport (state served to joining groups) binds to;
+    must be reachable from the other replica groups (``FTBRIDGE_HEAL_BIND``)."""
+
+    sync_mode: str = "per_bucket"
+    """``per_bucket``: all-reduce each reduced ZeRO bucket across replica
+    groups as soon as DeepSpeed has reduced it in the group (overlaps with
+    backward); ``post_backward``: one all-reduce of the whole partition after
+    backward (``FTBRIDGE_SYNC_MODE``)."""
+
+    event_log: Optional[str] = None
+    """Path of the JSON-lines event log; ``{replica_group}`` and
+    ``{group_rank}`` are substituted (``FTBRIDGE_EVENT_LOG``)."""
+
+    # (field name, type, env names) in precedence order.
+    _ENV = {
+        "replica_group_id": (int, ("FTBRIDGE_REPLICA_GROUP_ID", "REPLICA_GROUP_ID")),
+        "num_replica_groups": (int, ("FTBRIDGE_NUM_REPLICA_GROUPS", "NUM_REPLICA_GROUPS")),
+        "group_rank": (int, ("RANK",)),
+        "group_size": (int, ("WORLD_SIZE",)),
+        "lighthouse": (str, ("FTBRIDGE_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")),
+        "min_replicas": (int, ("FTBRIDGE_MIN_REPLICAS",)),
+        "cross_replica_timeout": ("s", ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "TORCHFT_TIMEOUT_SEC")),
+        "in_group_timeout": ("s", ("FTBRIDGE_IN_GROUP_TIMEOUT_S",)),
+        "quorum_timeout": ("s", ("FTBRIDGE_QUORUM_TIMEOUT_S", "TORCHFT_QUORUM_TIMEOUT_SEC")),
+        "connect_timeout": ("s", ("FTBRIDGE_CONNECT_TIMEOUT_S", "TORCHFT_CONNECT_TIMEOUT_SEC")),
+        "heartbeat_interval": ("ms", ("FTBRIDGE_HEARTBEAT_INTERVAL_MS",)),
+        "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
+        "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
+        "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
+        "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
+        "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
+    }
+
+    @classmethod
+    def resolve(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "FTBridgeConfig":
+        """Resolve every field: ``overrides`` (not ``None``), then ``environ``, then default.
+
+        Args:
+            environ: environment to read; ``os.environ`` when ``None``.
+            **overrides: field values; ``None`` means "not given". Timeouts
+                accept a ``timedelta`` or a number of seconds.
+
+        Returns:
+            A validated, frozen config.
+
+        Raises:
+            ValueError: an unknown field, an unparsable environment variable,
+                or any rule of :meth:`validate`.
+        """
+        environ = os.environ if environ is None else environ
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown ftbridge setting(s) {unknown}; valid ones are {sorted(names)}")
+        values: dict[str, Any] = {}
+        for name, (kind, env_names) in cls._ENV.items():
+            given = overrides.get(name)
+            if given is not None:
+                values[name] = _as_timedelta(given, name) if kind in ("s", "ms") else given
+                continue
+            raw = _env(environ, *env_names)
+            if raw is None:
+                continue
+            env_name = next(n for n in env_names if environ.get(n) not in (None, ""))
+            if kind == "s":
+                values[name] = timedelta(seconds=_parse(float, raw, env_name))
+            elif kind == "ms":
+                values[name] = timedelta(milliseconds=_parse(float, raw, env_name))
+            else:
+                values[name] = _parse(kind, raw, env_name)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check every value and the timeout hierarchy.
+
+        Raises:
+            ValueError: naming the bad value and how to fix it.
+        """
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.replica_group_id >= 0,
+             f"replica_group_id={self.replica_group_id} is negative; use 0, 1, 2, ...")
+        need(self.num_replica_groups >= 1,
+             f"num_replica_groups={self.num_replica_groups} must be at least 1")
+        need(self.group_size >= 1, f"group_size={self.group_size} must be at least 1")
+        need(0 <= self.group_rank < self.group_size,
+             f"group_rank={self.group_rank} is outside the replica group of size {self.group_size}; "
+             "launch with torchrun (ftbridge-run), which sets RANK and WORLD_SIZE")
+        need(1 <= self.min_replicas,
+             f"min_replicas={self.min_replicas} must be at least 1")
+        need(self.min_replicas <= self.num_replica_groups,
+             f"min_replicas={self.min_replicas} exceeds num_replica_groups={self.num_replica_groups}: "
+             "no step could ever commit; lower min_replicas or launch more groups")
+        need(self.lighthouse.startswith(("http://", "https://")) and ":" in self.lighthouse[8:],
+             f"lighthouse={self.lighthouse!r} is not an address like http://HOST:PORT; "
+             "pass the address printed by 'ftbridge-lighthouse serve'")
+        for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
+                     "connect_timeout", "heartbeat_interval"):
+            value = getattr(self, name)
+            need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
+        need(self.heartbeat_interval < self.cross_replica_timeout,
+             f"heartbeat_interval={self.heartbeat_interval.total_seconds()} s must be below "
+             f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s")
+        need(self.cross_replica_timeout < self.in_group_timeout,
+             f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s is not below "
+             f"in_group_timeout={self.in_group_timeout.total_seconds()} s: the in-group watchdog would "
+             "kill the surviving groups before a cross-replica failure is noticed; lower "
+             "cross_replica_timeout or raise in_group_timeout")
+        need(self.cross_replica_timeout <= self.quorum_timeout,
+             f"quorum_timeout={self.quorum_timeout.total_seconds()} s is below "
+             f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s; a quorum must be "
+             "allowed at least as long as one cross-replica collective")
+        need(self.quorum_retries >= 0, f"quorum_retries={self.quorum_retries} must be >= 0")
+        need(0 <= self.manager_port < 65536,
+             f"manager_port={self.manager_port} is not a port; use 0 for a free one")
+        need(self.sync_mode in SYNC_MODES,
+             f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
+        need(bool(self.heal_bind), "heal_bind is empty; give the interface address to serve heals on")
+
+    def event_log_path(self) -> Optional[str]:
+        """The event log path for this rank with placeholders substituted, or ``None``."""
+        if not self.event_log:
+            return None
+        return self.event_log.format(replica_group=self.replica_group_id, group_rank=self.group_rank)
+
+    def torchft_environ(self) -> dict[str, str]:
+        """torchft's environment variables for these settings.
+
+        torchft's ``Manager`` lets its environment variables override its
+        arguments; ftbridge sets them to the resolved values so both agree.
+        """
+        return {
+            "TORCHFT_TIMEOUT_SEC": str(max(1, int(self.cross_replica_timeout.total_seconds()))),
+            "TORCHFT_QUORUM_TIMEOUT_SEC": str(max(1, int(self.quorum_timeout.total_seconds()))),
+            "TORCHFT_CONNECT_TIMEOUT_SEC": str(max(1, int(self.connect_timeout.total_seconds()))),
+            "TORCHFT_QUORUM_RETRIES": str(self.quorum_retries),
+        }
+
+
+def _as_timedelta(value: Any, name: str) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return timedelta(seconds=value)
+    raise ValueError(f"{name}={value!r} must be a datetime.timedelta or a number of seconds")
