@@ -222,6 +222,15 @@ class LighthouseService:
         return f"LighthouseService({state} on {self.address}, min_replicas={self.settings.min_replicas})"
 
 
+def _warn_exposed(bind: str) -> None:
+    logger.warning(
+        "exposed bind=%s: the lighthouse and the managers' gRPC/HTTP endpoints have NO "
+        "authentication (anyone who reaches them can, e.g., POST /replica/{id}/kill to stop a "
+        "replica group, or join quorums); keep them on a private network or firewall the ports",
+        bind,
+    )
+
+
 def start_lighthouse(
     bind: str = DEFAULT_BIND,
     min_replicas: int = DEFAULT_MIN_REPLICAS,
@@ -263,12 +272,7 @@ def start_lighthouse(
     )
     host, _ = settings.validate()
     if not is_loopback(host):
-        logger.warning(
-            "exposed bind=%s: the lighthouse and the managers' gRPC/HTTP endpoints have NO "
-            "authentication (anyone who reaches them can, e.g., POST /replica/{id}/kill to stop a "
-            "replica group, or join quorums); keep them on a private network or firewall the ports",
-            bind,
-        )
+        _warn_exposed(bind)
 
     from torchft._torchft import LighthouseServer  # heavy import, only when starting
 

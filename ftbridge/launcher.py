@@ -1,0 +1,514 @@
+"""``ftbridge-run``: launch one replica group as its own torchrun job.
+
+An ftbridge job is N replica groups; each is started by one ``ftbridge-run``
+(on one or more nodes), which runs torchrun for that group only, so every
+group has its own torch.distributed world and rendezvous, and DeepSpeed's
+collectives never span groups. The groups meet only through torchft's
+lighthouse (``ftbridge-lighthouse serve``).
+
+Usage, two groups of two ranks on one machine::
+
+    ftbridge-lighthouse serve --min-replicas 1 &
+    ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
+    ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
+
+A group on two nodes (run on both; the endpoint is one of them)::
+
+    ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 8 \\
+        --nnodes 2 --rdzv-endpoint node3:29400 --lighthouse http://head:29510 -- train.py
+
+What it runs::
+
+    python -m torch.distributed.run --nnodes 1 --nproc-per-node M --node-rank 0
+        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:<free port> --rdzv-id ftbridge-group-I
+        --max-restarts R SCRIPT ARGS...
+
+with, in the environment of every rank (the launcher's own environment is
+passed through; these win over inherited values):
+
+* ``REPLICA_GROUP_ID``/``FTBRIDGE_REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``/
+  ``FTBRIDGE_NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``/``FTBRIDGE_LIGHTHOUSE``
+  (both names, so a stale inherited ``FTBRIDGE_*`` cannot override the flags);
+* ``FTBRIDGE_MIN_REPLICAS``, ``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S``,
+  ``FTBRIDGE_QUORUM_TIMEOUT_S``, ``FTBRIDGE_HEARTBEAT_INTERVAL_MS``,
+  ``FTBRIDGE_EVENT_LOG``, only for the flags given (see ftbridge/config.py);
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with it, a restarted group gets a
+  fresh rendezvous store. Without it (and with torchrun's default rendezvous)
+  restarted ranks read stale gloo addresses from the store shared across
+  restart attempts (pytorch/pytorch#135712); measured here, DeepSpeed restarts
+  failed 4/4 without and recovered 3/3 with c10d and this variable;
+* ``OMP_NUM_THREADS=1`` unless set: two ranks on two cores otherwise stall
+  for 1-2.5 s per step;
+* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``: seconds torchrun gives ranks between
+  SIGTERM and SIGKILL (``--shutdown-timeout-s``);
+* ``FTBRIDGE_LAUNCH_ID``: a random tag the launcher uses to find and end
+  every process it started, however deep.
+
+``--max-restarts R`` (default 3): torchrun restarts the whole group when any
+rank fails; the restarted group rejoins the quorum and heals from a peer group.
+
+Signals and orphans: torchrun runs in its own session. SIGTERM, SIGINT or
+SIGHUP to the launcher is forwarded to torchrun, which stops its ranks; after
+``--shutdown-timeout-s`` + 5 s the launcher SIGKILLs torchrun, a second
+signal does so at once. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM`` (Linux), so
+it stops its ranks even if the launcher is SIGKILLed. When torchrun has exited
+the launcher ends any process still carrying its ``FTBRIDGE_LAUNCH_ID``
+(SIGTERM, then SIGKILL after 3 s).
+
+Exit codes: torchrun's (128+N if torchrun died of signal N); 2 for a bad
+argument, found before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import logging
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from typing import Callable, Mapping, Optional, Sequence
+from urllib.parse import urlsplit
+
+from ftbridge.config import FTBridgeConfig
+
+log = logging.getLogger("ftbridge.launcher")
+
+DEFAULT_LIGHTHOUSE = "http://127.0.0.1:29510"
+"""Where ``ftbridge-lighthouse serve`` listens by default."""
+
+LAUNCH_ID_ENV = "FTBRIDGE_LAUNCH_ID"
+KILL_AFTER_SHUTDOWN_S = 5.0
+"""Extra time torchrun gets, beyond its ranks' shutdown timeout, before SIGKILL (s)."""
+STRAGGLER_GRACE_S = 3.0
+"""Time between SIGTERM and SIGKILL for processes left behind by torchrun (s)."""
+
+# Flag given -> (environment variable set for the ranks, config field it feeds).
+_OPTIONAL_SETTINGS = {
+    "min_replicas": ("FTBRIDGE_MIN_REPLICAS", "min_replicas"),
+    "cross_replica_timeout_s": ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "cross_replica_timeout"),
+    "quorum_timeout_s": ("FTBRIDGE_QUORUM_TIMEOUT_S", "quorum_timeout"),
+    "heartbeat_interval_ms": ("FTBRIDGE_HEARTBEAT_INTERVAL_MS", "heartbeat_interval"),
+    "event_log": ("FTBRIDGE_EVENT_LOG", "event_log"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the launcher's own flags (everything before ``--``)."""
+    p = argparse.ArgumentParser(
+        prog="ftbridge-run",
+        usage="ftbridge-run --replica-group-id I --num-replica-groups N --nproc-per-node M "
+              "[options] -- SCRIPT [ARGS...]",
+        description="Run one ftbridge replica group under torchrun (c10d rendezvous, restarts).",
+    )
+    g = p.add_argument_group("replica group")
+    g.add_argument("--replica-group-id", type=int, required=True, help="id of this group, 0..N-1")
+    g.add_argument("--num-replica-groups", type=int, required=True, help="groups the job is planned for")
+    g.add_argument("--nproc-per-node", type=int, required=True, help="ranks of this group per node")
+    g.add_argument("--lighthouse", default=None,
+                   help=f"torchft lighthouse address (default $FTBRIDGE_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE "
+                        f"or {DEFAULT_LIGHTHOUSE})")
+    g.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of the whole group after a rank fails (default %(default)s)")
+    g.add_argument("--shutdown-timeout-s", type=float, default=10.0,
+                   help="seconds ranks get between SIGTERM and SIGKILL (default %(default)s)")
+    f = p.add_argument_group("ftbridge settings (set as FTBRIDGE_* for the ranks when given)")
+    f.add_argument("--min-replicas", type=int, help="fewest groups that may commit a step")
+    f.add_argument("--cross-replica-timeout-s", type=float, help="bound on cross-group collectives, s")
+    f.add_argument("--quorum-timeout-s", type=float, help="bound on one quorum request, s")
+    f.add_argument("--heartbeat-interval-ms", type=float, help="manager heartbeat interval, ms")
+    f.add_argument("--event-log", help="JSON-lines event log; {replica_group} and {group_rank} substituted")
+    r = p.add_argument_group("torchrun rendezvous (one rendezvous per replica group)")
+    r.add_argument("--nnodes", default="1", help="nodes of this group, N or MIN:MAX (default 1)")
+    r.add_argument("--node-rank", type=int, default=0, help="this node's rank (static rendezvous)")
+    r.add_argument("--rdzv-backend", default="c10d", help="default c10d; others restart unreliably")
+    r.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the group's rendezvous (default "
+                                          "MASTER_ADDR:<free port>, one node only)")
+    r.add_argument("--rdzv-id", help="rendezvous id (default ftbridge-group-I)")
+    r.add_argument("--master-addr", default="127.0.0.1",
+                   help="host of the default rendezvous endpoint (default %(default)s)")
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``FLAGS -- SCRIPT [ARGS...]``; ``script`` and ``script_args`` hold what follows ``--``.
+
+    Raises:
+        ValueError: no ``-- SCRIPT``.
+        SystemExit: from argparse, for ``--help`` (0) or a missing, unknown or
+            ill-typed flag (2).
+    """
+    argv = list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:cut])
+    script = argv[cut + 1:]
+    if not script:
+        raise ValueError(
+            "missing '-- SCRIPT [ARGS...]': put the training script after '--', e.g. "
+            "ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- train.py"
+        )
+    args.script, args.script_args = script[0], script[1:]
+    return args
+
+
+def _nnodes_range(nnodes: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes.strip())
+    lo, hi = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--nnodes={nnodes!r} is not N or MIN:MAX with 1 <= MIN <= MAX; use e.g. 1 or 2")
+    return lo, hi
+
+
+def check_lighthouse_url(url: str, source: str = "--lighthouse") -> str:
+    """Return ``url`` if it is ``http(s)://HOST:PORT``.
+
+    Args:
+        url: the address to check.
+        source: where it came from (flag or environment variable), for the message.
+
+    Raises:
+        ValueError: naming the source, the URL and the fix.
+    """
+    fix = ("pass the address printed by 'ftbridge-lighthouse serve', e.g. "
+           f"--lighthouse {DEFAULT_LIGHTHOUSE}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{source}={url!r} has an invalid port; {fix}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or port == 0 \
+            or parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"{source}={url!r} is not http://HOST:PORT; {fix}")
+    return url
+
+
+def _resolve_lighthouse(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """Flag, then ``FTBRIDGE_LIGHTHOUSE``, then ``TORCHFT_LIGHTHOUSE``, then the default."""
+    for source, value in (("--lighthouse", args.lighthouse),
+                          ("FTBRIDGE_LIGHTHOUSE", environ.get("FTBRIDGE_LIGHTHOUSE")),
+                          ("TORCHFT_LIGHTHOUSE", environ.get("TORCHFT_LIGHTHOUSE"))):
+        if value:
+            return check_lighthouse_url(value, source)
+    return DEFAULT_LIGHTHOUSE
+
+
+def _check_group_args(args: argparse.Namespace) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    need(args.num_replica_groups >= 1,
+         f"--num-replica-groups={args.num_replica_groups} must be at least 1")
+    need(0 <= args.replica_group_id < args.num_replica_groups,
+         f"--replica-group-id={args.replica_group_id} is outside 0..{args.num_replica_groups - 1} "
+         f"for --num-replica-groups={args.num_replica_groups}; number the groups 0, 1, ..., N-1")
+    need(args.nproc_per_node >= 1,
+         f"--nproc-per-node={args.nproc_per_node} must be at least 1 (ranks of this group on this node)")
+    need(args.max_restarts >= 0,
+         f"--max-restarts={args.max_restarts} is negative; use 0 to never restart the group")
+    need(args.shutdown_timeout_s > 0, f"--shutdown-timeout-s={args.shutdown_timeout_s} must be positive")
+    need(args.node_rank >= 0, f"--node-rank={args.node_rank} is negative")
+    need(os.path.isfile(args.script),
+         f"script {args.script!r} after '--' is not a file (cwd {os.getcwd()}); "
+         "give the path of the training script")
+    if args.event_log is not None:
+        try:
+            args.event_log.format(replica_group=0, group_rank=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"--event-log={args.event_log!r} has a bad placeholder ({exc}); only {{replica_group}} and "
+                "{group_rank} are substituted, write other braces as {{ }}") from None
+
+
+def _rendezvous(args: argparse.Namespace, pick_port: Callable[[], int]) -> tuple[str, str]:
+    """``(endpoint, rdzv_id)`` for this group's own rendezvous."""
+    _, max_nodes = _nnodes_range(args.nnodes)
+    endpoint = args.rdzv_endpoint
+    if endpoint is None:
+        if max_nodes > 1:
+            raise ValueError(
+                f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node of "
+                f"replica group {args.replica_group_id} (e.g. its first node and a free port); the default "
+                "endpoint (a free port on this machine) only works for one node")
+        endpoint = f"{args.master_addr}:{pick_port()}"
+    else:
+        host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+        if not host or (port and (not port.isdigit() or not 0 < int(port) < 65536)):
+            raise ValueError(f"--rdzv-endpoint={endpoint!r} is not HOST[:PORT]; use e.g. node3:29400")
+    if args.rdzv_backend != "c10d":
+        log.warning("--rdzv-backend=%s: restarts of DeepSpeed groups failed 4/4 here with torchrun's default "
+                    "rendezvous; c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 recovered 3/3",
+                    args.rdzv_backend)
+    return endpoint, args.rdzv_id or f"ftbridge-group-{args.replica_group_id}"
+
+
+def _fmt(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Resolve ftbridge's config as rank 0 will, so its rules run now, not in every rank."""
+    overrides = {field: getattr(args, flag) for flag, (_, field) in _OPTIONAL_SETTINGS.items()}
+    if overrides["heartbeat_interval"] is not None:
+        overrides["heartbeat_interval"] = timedelta(milliseconds=overrides["heartbeat_interval"])
+    try:
+        FTBridgeConfig.resolve(environ=env, group_rank=0, group_size=args.nproc_per_node, **overrides)
+    except ValueError as exc:
+        named = [f"--{flag.replace('_', '-')} or {var}" for flag, (var, field) in _OPTIONAL_SETTINGS.items()
+                 if field in str(exc)]
+        where = "; set by " + ", ".join(named) if named else ""
+        raise ValueError(f"{exc}{where} (or inherited FTBRIDGE_*/TORCHFT_* environment)") from exc
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (another process may take it later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_torchrun_command(
+    args: argparse.Namespace,
+    environ: Optional[Mapping[str, str]] = None,
+    *,
+    pick_port: Callable[[], int] = find_free_port,
+    launch_id: Optional[str] = None,
+) -> tuple[list[str], dict[str, str]]:
+    """Check the arguments and build torchrun's argv and environment; starts nothing.
+
+    Args:
+        args: from :func:`parse_args`.
+        environ: the environment to pass on; ``os.environ`` when ``None``.
+        pick_port: returns a free port for the default rendezvous endpoint
+            (called only when one is needed).
+        launch_id: the ``FTBRIDGE_LAUNCH_ID`` tag; random when ``None``.
+
+    Returns:
+        ``(argv, env)``: ``argv`` starts with ``sys.executable -m
+        torch.distributed.run``; ``env`` is ``environ`` plus the variables
+        listed in the module docstring.
+
+    Raises:
+        ValueError: naming the bad value and the fix (nothing was started).
+    """
+    environ = dict(os.environ if environ is None else environ)
+    _check_group_args(args)
+    lighthouse = _resolve_lighthouse(args, environ)
+    endpoint, rdzv_id = _rendezvous(args, pick_port)
+
+    env = dict(environ)
+    env.update({
+        "REPLICA_GROUP_ID": str(args.replica_group_id),
+        "FTBRIDGE_REPLICA_GROUP_ID": str(args.replica_group_id),
+        "NUM_REPLICA_GROUPS": str(args.num_replica_groups),
+        "FTBRIDGE_NUM_REPLICA_GROUPS": str(args.num_replica_groups),
+        "TORCHFT_LIGHTHOUSE": lighthouse,
+        "FTBRIDGE_LIGHTHOUSE": lighthouse,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, math.ceil(args.shutdown_timeout_s))),
+        LAUNCH_ID_ENV: launch_id or uuid.uuid4().hex,
+    })
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = "1"
+    for flag, (var, _) in _OPTIONAL_SETTINGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            env[var] = value if isinstance(value, str) else _fmt(value)
+    _check_config(args, env)
+
+    argv = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", args.nnodes,
+        "--nproc-per-node", str(args.nproc_per_node),
+        "--node-rank", str(args.node_rank),
+        "--rdzv-backend", args.rdzv_backend,
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", rdzv_id,
+        "--max-restarts", str(args.max_restarts),
+        args.script, *args.script_args,
+    ]
+    return argv, env
+
+
+# ---------------------------------------------------------------- processes
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _child_preexec(parent_pid: int) -> Callable[[], None]:
+    """Runs in torchrun's process before exec: SIGTERM it when the launcher dies."""
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def tagged_processes(launch_id: str) -> list[int]:
+    """PIDs of live processes whose environment holds ``FTBRIDGE_LAUNCH_ID=launch_id`` (Linux)."""
+    marker = f"{LAUNCH_ID_ENV}={launch_id}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def kill_tagged(launch_id: str, grace_s: float = STRAGGLER_GRACE_S) -> list[int]:
+    """End every process tagged with ``launch_id``: SIGTERM, then SIGKILL after ``grace_s`` (s).
+
+    Returns:
+        The PIDs that were still running and got a signal.
+    """
+    pids = tagged_processes(launch_id)
+    if not pids:
+        return []
+    log.warning("ending %d process(es) torchrun left behind: %s", len(pids), pids)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return pids
+
+
+class _Supervisor:
+    """Forwards signals to torchrun's process group and escalates to SIGKILL."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, proc: subprocess.Popen, kill_after_s: float) -> None:
+        self.proc = proc
+        self.kill_after_s = kill_after_s
+        self.kill_at: Optional[float] = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Supervisor":
+        try:
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        except ValueError:  # not the main thread: the caller handles signals
+            log.debug("not in the main thread; signals are not forwarded")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.kill_at is None:
+            log.warning("got %s; forwarding it to torchrun (pid %d), SIGKILL in %.0f s",
+                        signal.Signals(signum).name, self.proc.pid, self.kill_after_s)
+            self.kill_at = time.monotonic() + self.kill_after_s
+            _signal_group(self.proc.pid, signum)
+        else:
+            log.warning("got %s again; SIGKILL to torchrun now", signal.Signals(signum).name)
+            self.kill_at = time.monotonic()
+
+    def wait(self) -> int:
+        while True:
+            try:
+                return self.proc.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                    _signal_group(self.proc.pid, signal.SIGKILL)
+
+
+def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeout_s: float = 10.0) -> int:
+    """Run torchrun until it exits, forwarding signals, and leave no process behind.
+
+    Args:
+        argv, env: from :func:`build_torchrun_command` (``env`` must hold
+            ``FTBRIDGE_LAUNCH_ID``).
+        shutdown_timeout_s: the ranks' SIGTERM-to-SIGKILL time (s); torchrun
+            itself is SIGKILLed ``KILL_AFTER_SHUTDOWN_S`` later.
+
+    Returns:
+        torchrun's exit code, or 128+N if it died of signal N.
+    """
+    kill_after_s = shutdown_timeout_s + KILL_AFTER_SHUTDOWN_S
+    proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                            preexec_fn=_child_preexec(os.getpid()))
+    log.info("torchrun pid %d", proc.pid)
+    try:
+        with _Supervisor(proc, kill_after_s) as sup:
+            rc = sup.wait()
+    finally:
+        if proc.poll() is None:  # an exception in the launcher itself
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=kill_after_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        kill_tagged(env[LAUNCH_ID_ENV])
+    code = 128 - rc if rc < 0 else rc
+    log.log(logging.INFO if code == 0 else logging.WARNING, "torchrun exited with code %d", code)
+    return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``ftbridge-run``; returns the exit code (2: bad arguments)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+        torchrun_argv, env = build_torchrun_command(args)
+    except SystemExit as exc:  # argparse: --help or a malformed flag
+        return exc.code if isinstance(exc.code, int) else 2
+    except ValueError as exc:
+        print(f"ftbridge-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%Y-%m-%d %H:%M:%S",
+                            format=f"%(asctime)s %(levelname)s [replica {args.replica_group_id} launcher] "
+                                   "%(message)s")
+    shown = {k: env[k] for k in sorted(env) if env.get(k) != os.environ.get(k)}
+    log.info("running: env %s %s", " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()),
+             shlex.join(torchrun_argv))
+    return run_torchrun(torchrun_argv, env, shutdown_timeout_s=args.shutdown_timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
