@@ -125,7 +125,12 @@ class FTBridgeConfig:
     """Interface the heal transport (state served to joining groups) binds to;
     must be reachable from the other replica groups (``FTBRIDGE_HEAL_BIND``)."""
 
-    sync_mode: str = "per_bucket"
+    init_sync: bool = False
+    """Heal every replica group from one peer at step 0. Off by default: models
+    built from the same seed start identical (the event log's checksums show
+    it); turn on when initialisation is not seeded (``FTBRIDGE_INIT_SYNC``)."""
+
+    sync_mode: str = "post_backward"
     """``per_bucket``: all-reduce each reduced ZeRO bucket across replica
     groups as soon as DeepSpeed has reduced it in the group (overlaps with
     backward); ``post_backward``: one all-reduce of the whole partition after
@@ -151,6 +156,7 @@ class FTBridgeConfig:
         "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
+        "init_sync": (bool, ("FTBRIDGE_INIT_SYNC",)),
         "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
     }

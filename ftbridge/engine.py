@@ -1,0 +1,261 @@
+"""The DeepSpeed engine wrapper: quorum, gradient sync, commit or discard.
+
+:func:`initialize` mirrors ``deepspeed.initialize`` and returns a
+:class:`FaultTolerantEngine` that composes (never subclasses) the DeepSpeed
+engine, as torchft's ``OptimizerWrapper`` does for a plain optimizer::
+
+    engine, optimizer, _, scheduler = ftbridge.initialize(model=model, optimizer=opt, config=ds_config)
+    for batch in data:
+        loss = engine(batch)          # 1st micro-step: starts the quorum (async)
+        engine.backward(loss)         # boundary: cross-replica all-reduce of the partition
+        engine.step()                 # boundary: should_commit -> DeepSpeed step, or discard
+
+Per optimizer step (``gradient_accumulation_steps`` micro-steps):
+
+1. first forward: ``start_quorum`` (torchft reconfigures the cross-replica
+   process group if the quorum changed, and serves or fetches heal state);
+2. backward of the boundary micro-step: the rank's reduced gradient partition
+   is averaged across replica groups (:mod:`ftbridge.grad_sync`);
+3. ``step()`` at the boundary: wait for that work, then ``should_commit``
+   (applies a pending heal first). Commit runs DeepSpeed's own step (overflow
+   check, norm, clipping, optimizer, scheduler, counters). Discard drops the
+   gradients and leaves optimizer, scheduler, loss scaler and the
+   ``global_steps``/``global_samples``/``skipped_steps`` counters untouched;
+   only ``micro_steps`` advances so the next accumulation window starts aligned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ftbridge.config import FTBridgeConfig
+from ftbridge.events import EventLog, tensor_checksum
+from ftbridge.grad_sync import PostBackwardSync
+from ftbridge.log import get_logger
+from ftbridge.manager import ReplicaManager
+from ftbridge.zero.stages import ZeroAdapter, adapter_for, check_deepspeed_version
+from ftbridge.zero.state import from_wire, to_wire
+
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+class FaultTolerantEngine:
+    """A DeepSpeed engine whose optimizer steps follow torchft's commit protocol.
+
+    Attribute access falls through to the wrapped ``deepspeed.DeepSpeedEngine``
+    (``engine.module``, ``engine.global_steps``, ``save_checkpoint`` ...).
+
+    Args:
+        engine: an initialised DeepSpeed engine whose world is one replica group.
+        cfg: resolved ftbridge configuration.
+        checksum_every: write a parameter checksum to the event log every N
+            steps (0: never). Under ZeRO-3 this gathers the parameters.
+    """
+
+    def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: int = 1) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.adapter: ZeroAdapter = adapter_for(engine)
+        self.checksum_every = checksum_every
+        self._extra_state: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any]], None]]] = {}
+        self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
+        self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
+                                      use_cuda=next(engine.module.parameters()).is_cuda)
+        self.sync = PostBackwardSync(self.manager, self.adapter)
+        self.sync.install()
+        self.events = EventLog(cfg.event_log_path(),
+                               {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
+        self.cross_replica_sync = True
+        """Testing only: ``False`` skips the cross-replica all-reduce (replicas then diverge)."""
+        self._in_step = False
+        self._window_start = 0
+        self._losses: list = []
+        self._t0 = 0.0
+        self.last_committed: Optional[bool] = None
+        self.events.write(event="start", time=time.time(), step=0, zero_stage=self.adapter.stage,
+                          group_size=cfg.group_size, sync_mode=cfg.sync_mode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["engine"], name)
+
+    # -- user-registered state (e.g. the data position) ---------------------
+    def register_state(self, key: str, state_dict: Callable[[], Dict[str, Any]],
+                       load_state_dict: Callable[[Dict[str, Any]], None]) -> None:
+        """Add state that a heal must carry, e.g. the data loader position.
+
+        Args:
+            key: unique name.
+            state_dict: returns a nested dict of tensors and JSON scalars.
+            load_state_dict: applies a peer's value.
+
+        Raises:
+            ValueError: ``key`` is already registered.
+        """
+        if key in self._extra_state:
+            raise ValueError(f"heal state key {key!r} is already registered; pick another name")
+        self._extra_state[key] = (state_dict, load_state_dict)
+
+    # -- training loop ----------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed forward; the first micro-step of a window starts the quorum."""
+        if self.engine.module.training and not self._in_step:
+            self._begin_step()
+        return self.engine(*args, **kwargs)
+
+    def _begin_step(self) -> None:
+        self._in_step = True
+        self._t0 = time.time()
+        self._losses = []
+        self._window_start = int(self.engine.micro_steps)
+        self.manager.start_quorum()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
+        """DeepSpeed backward; at the boundary, start the cross-replica all-reduce.
+
+        Raises:
+            RuntimeError: called outside a step (no forward in training mode first).
+        """
+        if not self._in_step:
+            raise RuntimeError("backward() without a training forward(): call engine(batch) in train() mode first")
+        self._losses.append(float(loss.detach().float()))
+        out = self.engine.backward(loss, **kwargs)
+        if self.engine.is_gradient_accumulation_boundary() and self.cross_replica_sync:
+            self.sync.on_boundary_backward()
+        return out
+
+    def step(self, **kwargs: Any) -> None:
+        """DeepSpeed step; at the boundary, commit or discard on every replica."""
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step(**kwargs)
+            return
+        self.sync.wait()
+        committed = self.manager.should_commit()
+        if committed:
+            self.engine.step(**kwargs)
+        else:
+            self.sync.reset()
+            self.adapter.discard_grads()
+            self.engine.micro_steps += 1
+        self._in_step = False
+        self.last_committed = committed
+        self._record(committed)
+
+    def _record(self, committed: bool) -> None:
+        m = self.manager
+        step = m.current_step
+        checksum = None
+        if self.checksum_every and step % self.checksum_every == 0:
+            checksum = tensor_checksum(self.adapter.full_parameters())
+        loss = sum(self._losses) / len(self._losses) if self._losses else None
+        rec = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
+                   replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
+                   loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum)
+        self.events.write(**rec)
+        level = logging.INFO if committed else logging.WARNING
+        self.log.log(level, "%s loss=%.4f participants=%d quorum=%d%s",
+                     "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
+                     rec["quorum_id"], " healed" if rec["healed"] else "")
+
+    # -- heal -------------------------------------------------------------
+    def heal_state(self) -> Dict[str, Any]:
+        """This rank's live state for a joining peer (nested dict of tensors and scalars).
+
+        Holds: ZeRO optimizer partition and its optimizer state (with the
+        fp32 master weights), lr scheduler, engine counters, and registered
+        extra state. Taken at the start of a step, before its optimizer step.
+        """
+        e = self.engine
+        state: Dict[str, Any] = {
+            "optimizer": self.adapter.heal_state(),
+            "counters": {k: int(getattr(e, k)) for k in _COUNTERS},
+            "micro_steps_at_window_start": self._window_start,
+            "extra": {k: to_wire(fn()) for k, (fn, _) in self._extra_state.items()},
+        }
+        if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict"):
+            state["lr_scheduler"] = to_wire(e.lr_scheduler.state_dict())
+        return state
+
+    def load_heal_state(self, state: Dict[str, Any]) -> None:
+        """Load a peer's :meth:`heal_state`; all ranks of the group call it together.
+
+        Raises:
+            ValueError: the peer's shapes or keys differ from this rank's.
+        """
+        e = self.engine
+        self.adapter.load_heal_state(state["optimizer"])
+        for k in _COUNTERS:
+            setattr(e, k, int(state["counters"][k]))
+        # The peer's window started at its counter; keep our offset into the window.
+        into_window = int(e.micro_steps) - self._window_start
+        self._window_start = int(state["micro_steps_at_window_start"])
+        e.micro_steps = self._window_start + into_window
+        if "lr_scheduler" in state and e.lr_scheduler is not None:
+            e.lr_scheduler.load_state_dict(from_wire(e.lr_scheduler.state_dict(), state["lr_scheduler"]))
+        for k, (fn, load) in self._extra_state.items():
+            load(from_wire(fn(), state["extra"][k]))
+        self.log.info("healed from a peer at step %d", self.manager.current_step)
+
+    def shutdown(self) -> None:
+        """Stop the manager and heal transport, close the event log."""
+        self.manager.shutdown()
+        self.events.close()
+
+
+def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBridgeConfig] = None,
+               checksum_every: int = 1, **kwargs: Any) -> Tuple[FaultTolerantEngine, Any, Any, Any]:
+    """``deepspeed.initialize`` for one replica group of a fault-tolerant job.
+
+    Args:
+        model: the module (identically initialised on every replica group,
+            unless ``ft_config.init_sync``).
+        config: the DeepSpeed config (dict or JSON path), ZeRO stage 1, 2 or 3.
+        ft_config: ftbridge settings; resolved from the environment when ``None``.
+        checksum_every: see :class:`FaultTolerantEngine`.
+        **kwargs: passed to ``deepspeed.initialize`` (``optimizer``,
+            ``model_parameters``, ``lr_scheduler``, ``training_data`` ...).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed,
+        with ``engine`` a :class:`FaultTolerantEngine`.
+
+    Raises:
+        ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported
+            optimizer path, or a torch.distributed world whose size is not the
+            replica group size — all before the engine is built where possible.
+        RuntimeError: an untested DeepSpeed version.
+    """
+    cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve()
+    cfg.validate()
+    check_deepspeed_version()
+    stage = _zero_stage(config)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero_optimization.stage={stage}: set it to 1, 2 or 3 in the DeepSpeed config")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, timeout=cfg.in_group_timeout)
+    if dist.get_world_size() != cfg.group_size or dist.get_rank() != cfg.group_rank:
+        raise ValueError(
+            f"torch.distributed world is rank {dist.get_rank()} of {dist.get_world_size()} but ftbridge expects "
+            f"group rank {cfg.group_rank} of a replica group of {cfg.group_size}: each replica group must be "
+            "its own world (launch each group with its own ftbridge-run / torchrun)"
+        )
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+    ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every)
+    return ft_engine, optimizer, loader, scheduler
+
+
+def _zero_stage(config: Any) -> int:
+    if isinstance(config, str):
+        import json
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    return int(dict(config).get("zero_optimization", {}).get("stage", 0))

@@ -1,0 +1,105 @@
+"""Structured per-step event log (JSON lines) and parameter checksums.
+
+One line per rank per optimizer step, written by the engine wrapper; tests,
+plots and the chaos report read it back with :func:`read_events`. Fields::
+
+    time            float  seconds since the epoch, after the step
+    replica_group   int    replica group id
+    group_rank      int    rank inside the replica group
+    step            int    manager step after the step (committed steps so far)
+    quorum_id       int    torchft quorum id of the step
+    participants    int    replica groups that took part in the step
+    replica_rank    int|None  rank of this group in the quorum (None: healing)
+    committed       bool   the optimizer step was applied
+    healed          bool   this rank received a peer's state during the step
+    loss            float|None  mean training loss over the step's micro-batches
+    step_time_s     float  wall time of the step (first forward to step end)
+    param_checksum  str|None    SHA-256 (first 16 hex digits) of the parameters
+
+Extra keys may be added by callers (``event`` for non-step events such as
+``"start"`` or ``"validation"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+
+
+def tensor_checksum(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 over the raw bytes of ``tensors`` in order; first 16 hex digits.
+
+    Args:
+        tensors: any dtypes/shapes/devices; each is copied to contiguous CPU.
+
+    Returns:
+        16 lowercase hex characters. Bit-identical tensors give equal digests.
+    """
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+class EventLog:
+    """Append-only JSON-lines writer, flushed after every record.
+
+    Args:
+        path: file to append to; parent folders are created. ``None`` makes
+            every call a no-op.
+        identity: fields added to every record (e.g. replica_group, group_rank).
+    """
+
+    def __init__(self, path: Optional[str], identity: Optional[Dict[str, Any]] = None) -> None:
+        self.path = path
+        self._identity = dict(identity or {})
+        self._lock = threading.Lock()
+        self._file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, **fields: Any) -> None:
+        """Append one record: identity fields, then ``fields``."""
+        if self._file is None:
+            return
+        record = {**self._identity, **fields}
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_events(paths: Iterable[str]) -> List[Dict[str, Any]]:
+    """Read and merge JSON-lines event logs, skipping a torn last line.
+
+    A process killed mid-write may leave a partial last line; it is ignored.
+    Records are returned sorted by ``time``.
+    """
+    out: List[Dict[str, Any]] = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    out.sort(key=lambda r: r.get("time", 0.0))
+    return out

