@@ -26,7 +26,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, Optional
@@ -192,10 +194,8 @@ class FTBridgeConfig:
             if raw is None:
                 continue
             env_name = next(n for n in env_names if environ.get(n) not in (None, ""))
-            if kind == "s":
-                values[name] = timedelta(seconds=_parse(float, raw, env_name))
-            elif kind == "ms":
-                values[name] = timedelta(milliseconds=_parse(float, raw, env_name))
+            if kind in ("s", "ms"):
+                values[name] = _as_timedelta(_parse(float, raw, env_name), env_name, scale=1.0 if kind == "s" else 1e-3)
             else:
                 values[name] = _parse(kind, raw, env_name)
         cfg = cls(**values)
@@ -225,9 +225,17 @@ class FTBridgeConfig:
         need(self.min_replicas <= self.num_replica_groups,
              f"min_replicas={self.min_replicas} exceeds num_replica_groups={self.num_replica_groups}: "
              "no step could ever commit; lower min_replicas or launch more groups")
-        need(self.lighthouse.startswith(("http://", "https://")) and ":" in self.lighthouse[8:],
+        need(_is_host_port_url(self.lighthouse),
              f"lighthouse={self.lighthouse!r} is not an address like http://HOST:PORT; "
              "pass the address printed by 'ftbridge-lighthouse serve'")
+        if self.event_log:
+            try:
+                self.event_log_path()
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(
+                    f"event_log={self.event_log!r} has an unknown placeholder ({e}); only {{replica_group}} and "
+                    "{group_rank} are substituted"
+                ) from None
         for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
                      "connect_timeout", "heartbeat_interval"):
             value = getattr(self, name)
@@ -271,9 +279,23 @@ class FTBridgeConfig:
         }
 
 
-def _as_timedelta(value: Any, name: str) -> timedelta:
+def _as_timedelta(value: Any, name: str, scale: float = 1.0) -> timedelta:
+    """``value`` (a timedelta, or a number of seconds times ``scale``) as a timedelta."""
     if isinstance(value, timedelta):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return timedelta(seconds=value)
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} is not a finite number; give a positive duration")
+        try:
+            return timedelta(seconds=value * scale)
+        except OverflowError:
+            raise ValueError(f"{name}={value!r} is too large for a duration; give a realistic timeout") from None
     raise ValueError(f"{name}={value!r} must be a datetime.timedelta or a number of seconds")
+
+
+def _is_host_port_url(url: str) -> bool:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
+    except ValueError:
+        return False

@@ -27,6 +27,7 @@ Per optimizer step (``gradient_accumulation_steps`` micro-steps):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -78,7 +79,7 @@ class FaultTolerantEngine:
         self._losses: list = []
         self._t0 = 0.0
         self.last_committed: Optional[bool] = None
-        self.events.write(event="start", time=time.time(), step=0, zero_stage=self.adapter.stage,
+        self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode)
 
     def __getattr__(self, name: str) -> Any:

@@ -65,6 +65,12 @@ class EventLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", buffering=1, encoding="utf-8")
+            # A previous process killed mid-write may have left a torn last line: end it.
+            if self._file.tell() > 0:
+                with open(path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        self._file.write("\n")
 
     def write(self, **fields: Any) -> None:
         """Append one record: identity fields, then ``fields``."""

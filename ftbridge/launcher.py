@@ -37,6 +37,7 @@ passed through; these win over inherited values):
   restarted ranks read stale gloo addresses from the store shared across
   restart attempts (pytorch/pytorch#135712); measured here, DeepSpeed restarts
   failed 4/4 without and recovered 3/3 with c10d and this variable;
+* ``RUST_LOG=warn`` unless set (torchft's Rust side logs every quorum at INFO);
 * ``OMP_NUM_THREADS=1`` unless set: two ranks on two cores otherwise stall
   for 1-2.5 s per step;
 * ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``: seconds torchrun gives ranks between
@@ -319,6 +320,8 @@ def build_torchrun_command(
     })
     if not env.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = "1"
+    # torchft's Rust manager logs every quorum and commit at INFO; ftbridge's event log has them.
+    env.setdefault("RUST_LOG", "warn")
     for flag, (var, _) in _OPTIONAL_SETTINGS.items():
         value = getattr(args, flag)
         if value is not None:

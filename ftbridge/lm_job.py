@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
     p.add_argument("--result", default=None, help="write final parameters/optimizer state digest JSON here")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on group rank 0")
+    p.add_argument("--stop-file", default=None,
+                   help="a file holding a step number; once it exists, train until that step (at most --steps)")
+    p.add_argument("--save-params", default=None,
+                   help="write the final full parameters (safetensors) here; placeholders as in --result")
+    fault = p.add_argument_group("fault injection (tests and chaos runs)")
+    fault.add_argument("--fault-kill-after-backward", default=None, metavar="FILE",
+                       help="once FILE exists, SIGKILL this process right after the next boundary backward, "
+                            "i.e. while its cross-replica all-reduce is in flight")
+    fault.add_argument("--fault-group", type=int, default=0, help="replica group that injects the fault")
+    fault.add_argument("--fault-rank", type=int, default=0, help="group rank that injects the fault")
     return p
 
 
@@ -109,8 +119,13 @@ def build_data_and_model(args: argparse.Namespace):
     return data, model
 
 
-def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int) -> float:
+def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
+               after_boundary_backward: Optional[Any] = None) -> float:
     """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
+
+    Args:
+        after_boundary_backward: called with the step number between the last
+            backward and ``step()`` (fault injection).
 
     Returns:
         Mean training loss of this rank over the micro-steps.
@@ -121,6 +136,8 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
         x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
         _, loss = engine(x, y)
         engine.backward(loss)
+        if after_boundary_backward is not None and micro == grad_accum - 1:
+            after_boundary_backward(step)
         engine.step()
         losses.append(float(loss.detach().float()))
     return sum(losses) / len(losses)
@@ -170,6 +187,48 @@ def final_digest(engine: Any, adapter: Any = None) -> Dict[str, Any]:
     return {"params": params, "optimizer": tensor_checksum(tensors), "lr": engine.get_lr()[0],
             "global_steps": int(engine.global_steps),
             "scheduler_step": int(getattr(sched, "last_batch_iteration", -1)) if sched is not None else None}
+
+
+def save_params(path: Optional[str], engine: Any, adapter: Any, fields: Dict[str, Any]) -> None:
+    """Write the full parameters of ``engine`` (gathered under ZeRO-3) as safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = adapter.full_parameters()
+    if not path:
+        return
+    path = path.format(**fields)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    names = [n for n, _ in engine.module.named_parameters()]
+    save_file({n: t.detach().float().contiguous() for n, t in zip(names, tensors)}, path)
+
+
+def fault_injector(args: argparse.Namespace, topo: Topology):
+    """The ``after_boundary_backward`` callback for the fault flags, or ``None``."""
+    if args.fault_kill_after_backward is None or (topo.replica_group, topo.group_rank) != (args.fault_group,
+                                                                                          args.fault_rank):
+        return None
+    # Only the first launch injects: a restarted group must not kill itself again.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+
+    def inject(step: int) -> None:
+        if os.path.exists(args.fault_kill_after_backward):
+            import signal
+            print(f"FAULT replica {topo.replica_group} rank {topo.group_rank}: SIGKILL self after backward of "
+                  f"step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return inject
+
+
+def target_steps(args: argparse.Namespace) -> int:
+    """Steps to train: ``--steps``, lowered by the step in ``--stop-file`` once it exists."""
+    if args.stop_file and os.path.exists(args.stop_file):
+        with open(args.stop_file, encoding="utf-8") as f:
+            text = f.read().strip()
+        if text:
+            return min(args.steps, int(text))
+    return args.steps
 
 
 def write_result(path: Optional[str], record: Dict[str, Any]) -> None:

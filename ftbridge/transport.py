@@ -69,8 +69,9 @@ def encode_state(state: Dict[str, Any]) -> bytes:
             if not node and path:
                 header[path] = {"d": True}
             for key, value in node.items():
-                if not isinstance(key, str) or _SEP in key:
-                    raise TypeError(f"heal state key {key!r} at {path or '<root>'!r} must be a str without '/'")
+                if not isinstance(key, str) or _SEP in key or not key:
+                    raise TypeError(f"heal state key {key!r} at {path or '<root>'!r} must be a non-empty str "
+                                    "without '/'")
                 walk(value, f"{path}{_SEP}{key}" if path else key)
         elif isinstance(node, torch.Tensor):
             name = f"t{len(tensors)}"
@@ -103,10 +104,20 @@ def decode_state(body: bytes) -> Dict[str, Any]:
         raise ValueError(f"heal state header of {n} bytes exceeds body of {len(body)} bytes")
     try:
         header = json.loads(body[8 : 8 + n])
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"heal state header is not JSON: {e}") from None
     blob = body[8 + n :]
-    tensors = st_load(blob) if blob else {}
+    try:
+        tensors = st_load(blob) if blob else {}
+    except Exception as e:  # safetensors raises its own error type on a corrupt blob
+        raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"heal state header is a {type(header).__name__}, not a mapping")
+    for path, entry in header.items():
+        if not path or not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in "tvd":
+            raise ValueError(f"heal state header entry {path!r}: {entry!r} is not one of t/v/d")
+        if "t" in entry and entry["t"] not in tensors:
+            raise ValueError(f"heal state header entry {path!r} names missing tensor {entry['t']!r}")
     out: Dict[str, Any] = {}
     for path, entry in header.items():
         *parents, leaf = path.split(_SEP)

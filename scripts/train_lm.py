@@ -50,26 +50,38 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=args.steps, disable=not (args.progress and topo.group_rank == 0), unit="step",
                desc=f"replica {topo.replica_group}")
     val_loss = None
-    while engine.global_steps < args.steps:
+    inject = lm_job.fault_injector(args, topo)
+    while engine.global_steps < lm_job.target_steps(args):
         before = int(engine.global_steps)
-        loss = lm_job.train_step(engine, data, topo, args.grad_accum)
+        loss = lm_job.train_step(engine, data, topo, args.grad_accum, inject)
         bar.update(int(engine.global_steps) - before)
         participants = engine.manager.participants if cfg else topo.dp_world_size
         bar.set_postfix(loss=f"{loss:.3f}", participants=participants)
         if args.val_every and engine.global_steps % args.val_every == 0 and engine.global_steps > before:
             val_loss = lm_job.validate(engine, data, args.val_batches, args.micro_batch)
+            if cfg:
+                engine.events.write(event="validation", time=lm_job.now(), step=int(engine.global_steps),
+                                    val_loss=val_loss)
             if topo.group_rank == 0:
                 print(f"[replica {topo.replica_group}] step {engine.global_steps} val_loss {val_loss:.4f}",
                       flush=True)
     bar.close()
     if val_loss is None or engine.global_steps % max(args.val_every, 1) != 0:
         val_loss = lm_job.validate(engine, data, args.val_batches, args.micro_batch)
-    digest = lm_job.final_digest(engine, getattr(engine, "adapter", None))
+    from ftbridge.zero.stages import adapter_for
+
+    adapter = engine.adapter if cfg else adapter_for(engine)
+    digest = lm_job.final_digest(engine, adapter)
+    fields = {"replica_group": topo.replica_group, "group_rank": topo.group_rank, "dp_rank": topo.dp_rank}
+    lm_job.save_params(args.save_params if topo.group_rank == 0 else None, engine, adapter, fields)
     heals = engine.manager.heals if cfg else 0
     print(f"FINAL replica {topo.replica_group} rank {topo.group_rank} step {engine.global_steps} "
           f"val_loss {val_loss:.4f} param_checksum {digest['params']} heals {heals}", flush=True)
-    lm_job.write_result(args.result, {**digest, "replica_group": topo.replica_group, "group_rank": topo.group_rank,
-                                      "dp_rank": topo.dp_rank, "val_loss": val_loss, "heals": heals})
+    if cfg:
+        engine.events.write(event="final", time=lm_job.now(), step=int(engine.global_steps), val_loss=val_loss,
+                            param_checksum=digest["params"], optimizer_checksum=digest["optimizer"],
+                            lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals)
+    lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals})
     if cfg:
         engine.shutdown()
     return 0

@@ -185,9 +185,6 @@ def test_fractional_seconds_and_milliseconds_from_env():
     assert cfg.heartbeat_interval == timedelta(microseconds=12500)
 
 
-@pytest.mark.xfail(strict=True, raises=(OverflowError, AssertionError), reason=(
-    "bug: config.py resolve() converts the parsed float with timedelta(...) outside _parse, so "
-    "'inf' raises OverflowError and 'nan' a ValueError that does not name the variable"))
 @pytest.mark.parametrize("env, raw", [
     ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "inf"),
     ("FTBRIDGE_IN_GROUP_TIMEOUT_S", "nan"),
@@ -383,9 +380,6 @@ def test_torchft_environ_round_trips_through_resolve():
     assert again.quorum_retries == cfg.quorum_retries
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: validate() does not check event_log placeholders; an unknown one such as {rank} passes "
-    "validation and event_log_path() later raises KeyError"))
 def test_event_log_with_unknown_placeholder_is_refused_at_validation():
     try:
         resolve(event_log="/logs/{rank}.jsonl")
@@ -395,9 +389,6 @@ def test_event_log_with_unknown_placeholder_is_refused_at_validation():
     raise AssertionError("resolve accepted an event_log with an unknown placeholder")
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "bug: validate() checks only for a ':' after the 8th character of lighthouse, so addresses "
-    "without a port ('http://host:', 'http://[::1]') pass"))
 @pytest.mark.parametrize("address", ["http://host:", "http://[::1]"])
 def test_lighthouse_without_port_is_refused(address):
     with pytest.raises(ValueError, match="lighthouse="):

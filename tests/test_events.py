@@ -239,9 +239,6 @@ def test_read_events_accepts_any_iterable_of_paths(tmp_path):
     assert read_events(p for p in [str(path)]) == [{"time": 1.0}]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: EventLog opens the file in append mode without starting a new line, so after a process is "
-    "killed mid-write and restarted, its first record is glued onto the torn line and lost"))
 def test_first_record_after_a_torn_line_survives_a_restart(tmp_path):
     path = tmp_path / "ev.jsonl"
     log = EventLog(str(path), identity={"replica_group": 0})

@@ -234,10 +234,6 @@ def _malformed_bodies():
 _MALFORMED = _malformed_bodies()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: decode_state only range-checks the 8-byte length and the JSON syntax; a malformed header "
-    "or safetensors blob escapes as AttributeError/TypeError/KeyError/SafetensorError instead of "
-    "the documented ValueError"))
 @pytest.mark.parametrize("name", sorted(_MALFORMED))
 def test_malformed_body_with_valid_framing_raises_value_error(name):
     try:
@@ -249,9 +245,6 @@ def test_malformed_body_with_valid_framing_raises_value_error(name):
     raise AssertionError(f"{name}: decoded without error")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: encode_state treats an empty-string key at the root like the root itself "
-    "(path '' is falsy), so {'': {'x': 1}} decodes as {'x': 1}"))
 def test_empty_string_key_at_root_survives_or_is_refused():
     state = {"": {"x": 1}}
     try:

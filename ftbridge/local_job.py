@@ -1,0 +1,276 @@
+"""A whole ftbridge job on one machine: lighthouse plus K replica groups.
+
+Used by the main demo (``scripts/demo.py``), the multi-process tests and,
+later, the chaos and benchmark tools. Each replica group is one
+``ftbridge-run`` (so one torchrun, its own world) started as a subprocess;
+the lighthouse is torchft's real server, in this process. Every process is
+tracked by PID and ended by :meth:`LocalJob.stop`; conditions are awaited by
+reading the per-rank event logs (:mod:`ftbridge.events`), with a deadline.
+
+Example::
+
+    with LocalJob(workdir, num_groups=2, nproc_per_node=2, script_args=["--steps", "50"]) as job:
+        job.start()
+        job.wait_step(group=1, step=10, timeout_s=120)
+        job.kill_workers(1)                 # torchrun restarts the group, which heals
+        codes = job.wait(timeout_s=300)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ftbridge.events import read_events
+
+REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+@dataclass
+class GroupProcess:
+    """One launch of one replica group."""
+
+    group: int
+    proc: subprocess.Popen
+    log_path: str
+    started: float = field(default_factory=time.time)
+
+
+class LocalJob:
+    """Lighthouse and replica groups on this machine, for demos and tests.
+
+    Args:
+        workdir: folder for event logs (``events_G_R.jsonl``) and group logs.
+        num_groups: replica groups to run.
+        nproc_per_node: ranks per replica group.
+        script_args: arguments of the training script.
+        script: training script (default ``scripts/train_lm.py``).
+        min_replicas: fewest groups that may commit a step.
+        lighthouse_min_replicas: groups the lighthouse waits for before the
+            first quorum (default ``min_replicas``); ``num_groups`` makes all
+            groups start together.
+        max_restarts: torchrun restarts per group.
+        heartbeat_timeout_ms, join_timeout_ms: lighthouse settings.
+        env: extra environment for every group.
+    """
+
+    def __init__(self, workdir: str, num_groups: int, nproc_per_node: int, script_args: Sequence[str], *,
+                 script: str = TRAIN_SCRIPT, min_replicas: int = 1, lighthouse_min_replicas: Optional[int] = None,
+                 max_restarts: int = 3, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000,
+                 env: Optional[Dict[str, str]] = None) -> None:
+        if num_groups < 1 or nproc_per_node < 1:
+            raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}: both must be >= 1")
+        self.workdir = os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.num_groups = num_groups
+        self.nproc = nproc_per_node
+        self.script = script
+        self.script_args = list(script_args)
+        self.min_replicas = min_replicas
+        self.lighthouse_min_replicas = lighthouse_min_replicas or min_replicas
+        self.max_restarts = max_restarts
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
+        self.join_timeout_ms = join_timeout_ms
+        self.env = dict(env or {})
+        self.lighthouse: Any = None
+        self.groups: Dict[int, List[GroupProcess]] = {}
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self, groups: Optional[Sequence[int]] = None) -> None:
+        """Start the lighthouse (once) and the given groups (default: all)."""
+        if self.lighthouse is None:
+            os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust logger starts
+            from lighthouse.server import start_lighthouse
+
+            self.lighthouse = start_lighthouse("127.0.0.1:0", self.lighthouse_min_replicas,
+                                               join_timeout_ms=self.join_timeout_ms,
+                                               heartbeat_timeout_ms=self.heartbeat_timeout_ms)
+        for g in range(self.num_groups) if groups is None else groups:
+            self.start_group(g)
+
+    def event_log(self, group: int, rank: int) -> str:
+        """Event log path of ``group``/``rank``."""
+        return os.path.join(self.workdir, f"events_{group}_{rank}.jsonl")
+
+    def start_group(self, group: int) -> GroupProcess:
+        """Launch replica group ``group`` with ``ftbridge-run``."""
+        n = len(self.groups.get(group, []))
+        log_path = os.path.join(self.workdir, f"group_{group}.{n}.log")
+        cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", str(group),
+               "--num-replica-groups", str(self.num_groups), "--nproc-per-node", str(self.nproc),
+               "--lighthouse", self.lighthouse.address, "--max-restarts", str(self.max_restarts),
+               "--min-replicas", str(self.min_replicas),
+               "--event-log", os.path.join(self.workdir, "events_{replica_group}_{group_rank}.jsonl"),
+               "--", self.script, *self.script_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        gp = GroupProcess(group, proc, log_path)
+        self.groups.setdefault(group, []).append(gp)
+        return gp
+
+    def wait(self, timeout_s: float, groups: Optional[Sequence[int]] = None) -> Dict[int, int]:
+        """Wait for the latest launch of each group to exit.
+
+        Returns:
+            ``{group: exit code}``.
+
+        Raises:
+            TimeoutError: a group still runs after ``timeout_s`` (log tails included).
+        """
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for g in (sorted(self.groups) if groups is None else groups):
+            gp = self.groups[g][-1]
+            try:
+                codes[g] = gp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"replica group {g} still running after {timeout_s} s\n{self.tails()}") from None
+        return codes
+
+    def stop(self) -> None:
+        """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
+        procs = [gp.proc for launches in self.groups.values() for gp in launches]
+        for p in procs:
+            if p.poll() is None:
+                _killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for pid in self.all_worker_pids():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- observation ------------------------------------------------------
+    def events(self, group: Optional[int] = None, rank: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Event records (sorted by time), optionally for one group/rank."""
+        groups = range(self.num_groups) if group is None else [group]
+        ranks = range(self.nproc) if rank is None else [rank]
+        return read_events([self.event_log(g, r) for g in groups for r in ranks])
+
+    def steps(self, group: int, rank: int = 0) -> List[Dict[str, Any]]:
+        """Step records (no ``event`` key) of one rank."""
+        return [e for e in self.events(group, rank) if "event" not in e]
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+        """Poll ``condition`` (reads files) until true.
+
+        Raises:
+            TimeoutError: after ``timeout_s``, naming ``what`` and the group log tails.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}\n{self.tails()}")
+            time.sleep(poll_s)
+
+    def wait_step(self, group: int, step: int, timeout_s: float, since: float = 0.0) -> None:
+        """Wait until ``group`` rank 0 has committed ``step`` (after wall time ``since``)."""
+        self.wait_until(lambda: any(e["committed"] and e["step"] >= step and e["time"] >= since
+                                    for e in self.steps(group)), timeout_s,
+                        f"replica group {group} to commit step {step}")
+
+    def worker_pids(self, group: int) -> Dict[int, int]:
+        """PIDs of the current ranks of ``group`` (from their latest start events)."""
+        pids = {}
+        for r in range(self.nproc):
+            starts = [e for e in self.events(group, r) if e.get("event") == "start"]
+            if starts:
+                pids[r] = starts[-1]["pid"]
+        return pids
+
+    def all_worker_pids(self) -> List[int]:
+        """Every rank PID ever recorded by this job."""
+        return [e["pid"] for e in self.events() if e.get("event") == "start"]
+
+    def kill_workers(self, group: int, sig: int = signal.SIGKILL, timeout_s: float = 30) -> List[int]:
+        """Send ``sig`` to every rank of ``group`` (its torchrun stays) and wait until they are gone.
+
+        Returns:
+            The PIDs killed.
+
+        Raises:
+            RuntimeError: the group has no recorded ranks.
+            TimeoutError: a rank is still alive after ``timeout_s``.
+        """
+        pids = list(self.worker_pids(group).values())
+        if not pids:
+            raise RuntimeError(f"replica group {group} has no running ranks to kill")
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGKILL:
+            self.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"ranks {pids} to die")
+        return pids
+
+    def write_file(self, name: str, text: str) -> str:
+        """Atomically create ``workdir/name`` holding ``text`` (stop and fault trigger files)."""
+        path = os.path.join(self.workdir, name)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return path
+
+    def max_step(self) -> int:
+        """Highest committed step of any rank so far."""
+        return max((e["step"] for e in self.events() if "event" not in e and e["committed"]), default=0)
+
+    def log_text(self, group: int) -> str:
+        """Everything the launches of ``group`` printed so far."""
+        out = []
+        for gp in self.groups.get(group, []):
+            with open(gp.log_path, encoding="utf-8", errors="replace") as f:
+                out.append(f.read())
+        return "".join(out)
+
+    def tails(self, lines: int = 25) -> str:
+        """Last ``lines`` of every group log, for failure messages."""
+        out = []
+        for launches in self.groups.values():
+            for gp in launches:
+                try:
+                    with open(gp.log_path, encoding="utf-8", errors="replace") as f:
+                        tail = f.readlines()[-lines:]
+                except OSError:
+                    tail = []
+                out.append(f"--- {gp.log_path} ---\n{''.join(tail)}")
+        return "\n".join(out)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
