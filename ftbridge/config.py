@@ -132,11 +132,13 @@ class FTBridgeConfig:
     built from the same seed start identical (the event log's checksums show
     it); turn on when initialisation is not seeded (``FTBRIDGE_INIT_SYNC``)."""
 
-    sync_mode: str = "post_backward"
+    sync_mode: str = "per_bucket"
     """``per_bucket``: all-reduce each reduced ZeRO bucket across replica
     groups as soon as DeepSpeed has reduced it in the group (overlaps with
     backward); ``post_backward``: one all-reduce of the whole partition after
-    backward (``FTBRIDGE_SYNC_MODE``)."""
+    backward. Where DeepSpeed assembles the partition after its last bucket
+    (ZeRO-1/2 with gradient accumulation, bf16 compact path) ``per_bucket``
+    falls back to ``post_backward`` with a warning (``FTBRIDGE_SYNC_MODE``)."""
 
     event_log: Optional[str] = None
     """Path of the JSON-lines event log; ``{replica_group}`` and

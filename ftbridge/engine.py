@@ -40,6 +40,7 @@ from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.grad_sync import PostBackwardSync
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
+from ftbridge.zero.bucket_hook import PerBucketSync
 from ftbridge.zero.stages import ZeroAdapter, adapter_for, check_deepspeed_version
 from ftbridge.zero.state import from_wire, to_wire
 
@@ -68,12 +69,14 @@ class FaultTolerantEngine:
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
         self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
                                       use_cuda=next(engine.module.parameters()).is_cuda)
-        self.sync = PostBackwardSync(self.manager, self.adapter)
+        if cfg.sync_mode == "per_bucket":
+            self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary)
+        else:
+            self.sync = PostBackwardSync(self.manager, self.adapter)
         self.sync.install()
         self.events = EventLog(cfg.event_log_path(),
                                {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
-        self.cross_replica_sync = True
-        """Testing only: ``False`` skips the cross-replica all-reduce (replicas then diverge)."""
+
         self._in_step = False
         self._window_start = 0
         self._losses: list = []
@@ -81,6 +84,15 @@ class FaultTolerantEngine:
         self.last_committed: Optional[bool] = None
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode)
+
+    @property
+    def cross_replica_sync(self) -> bool:
+        """Testing only: ``False`` skips the cross-replica all-reduce (replicas then diverge)."""
+        return self.sync.enabled
+
+    @cross_replica_sync.setter
+    def cross_replica_sync(self, value: bool) -> None:
+        self.sync.enabled = value
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["engine"], name)
@@ -129,7 +141,7 @@ class FaultTolerantEngine:
             raise RuntimeError("backward() without a training forward(): call engine(batch) in train() mode first")
         self._losses.append(float(loss.detach().float()))
         out = self.engine.backward(loss, **kwargs)
-        if self.engine.is_gradient_accumulation_boundary() and self.cross_replica_sync:
+        if self.engine.is_gradient_accumulation_boundary():
             self.sync.on_boundary_backward()
         return out
 

@@ -39,13 +39,23 @@ class PostBackwardSync:
         self.adapter = adapter
         self._pending: List[Tuple[Any, torch.Tensor, List[torch.Tensor]]] = []
         self.bytes_sent = 0
+        """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
+        self.allreduces = 0
+        """Cross-replica all-reduce calls so far."""
+        self.enabled = True
+        """Testing only: ``False`` skips the all-reduce, and the replica groups diverge."""
 
     def install(self) -> None:
         """Nothing to patch in this mode."""
 
     def on_boundary_backward(self) -> None:
         """Start the asynchronous all-reduce of the partition (after the boundary backward)."""
-        tensors = [t for t in self.adapter.partition_grads() if t.numel() > 0]
+        if self.enabled:
+            self._issue(self.adapter.partition_grads())
+
+    def _issue(self, tensors: List[torch.Tensor]) -> None:
+        """Start averaging ``tensors`` in place across replica groups (one all-reduce)."""
+        tensors = [t for t in tensors if t.numel() > 0]
         if not tensors:
             return
         if len(tensors) == 1 and tensors[0].is_contiguous():
@@ -55,6 +65,7 @@ class PostBackwardSync:
             flat = torch.cat([t.reshape(-1) for t in tensors])
             targets = tensors
         self.bytes_sent += flat.numel() * flat.element_size()
+        self.allreduces += 1
         self._pending.append((self.manager.allreduce(flat), flat, targets))
 
     def wait(self) -> None:

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000, help="DeepSpeed bucket size (elements)")
     p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
-                   help="cross-replica gradient sync (default: $FTBRIDGE_SYNC_MODE or post_backward)")
+                   help="cross-replica gradient sync (default: $FTBRIDGE_SYNC_MODE or per_bucket)")
     p.add_argument("--val-every", type=int, default=50, help="validate every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=4)
     p.add_argument("--plain", action="store_true",

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg:
         engine.events.write(event="final", time=lm_job.now(), step=int(engine.global_steps), val_loss=val_loss,
                             param_checksum=digest["params"], optimizer_checksum=digest["optimizer"],
-                            lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals)
+                            lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals,
+                            cross_replica_allreduces=engine.sync.allreduces,
+                            cross_replica_bytes=engine.sync.bytes_sent)
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals})
     if cfg:
         engine.shutdown()

@@ -29,7 +29,7 @@ def test_defaults_resolve_and_validate():
     assert cfg.heartbeat_interval == timedelta(milliseconds=100)
     assert cfg.quorum_retries == 5 and cfg.manager_port == 0
     assert cfg.heal_bind == "127.0.0.1" and cfg.init_sync is False
-    assert cfg.sync_mode == "post_backward" and cfg.event_log is None
+    assert cfg.sync_mode == "per_bucket" and cfg.event_log is None
     FTBridgeConfig().validate()  # the defaults themselves satisfy every rule
 
 
@@ -104,7 +104,7 @@ def test_precedence_argument_then_ftbridge_env_then_torchft_env_then_default(
      timedelta(milliseconds=100)),
     ("heal_bind", "FTBRIDGE_HEAL_BIND", "10.0.0.7", "10.0.0.7", "127.0.0.1"),
     ("init_sync", "FTBRIDGE_INIT_SYNC", "true", True, False),
-    ("sync_mode", "FTBRIDGE_SYNC_MODE", "per_bucket", "per_bucket", "post_backward"),
+    ("sync_mode", "FTBRIDGE_SYNC_MODE", "post_backward", "post_backward", "per_bucket"),
     ("event_log", "FTBRIDGE_EVENT_LOG", "/tmp/ev.jsonl", "/tmp/ev.jsonl", None),
 ])
 def test_single_env_name_fields(field, env, raw, value, default):

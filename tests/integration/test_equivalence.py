@@ -20,21 +20,25 @@ STEPS = 6
 
 # (zero stage, grad accumulation, overlap_comm, bf16, sync mode): CI runs these, the rest is `-m slow`.
 FAST = [
-    (1, 1, False, False, "post_backward"),
+    (1, 1, False, False, "per_bucket"),
+    (2, 4, True, False, "per_bucket"),   # falls back to post-backward (see zero/bucket_hook.py)
+    (3, 1, False, False, "per_bucket"),
     (2, 1, False, False, "post_backward"),
-    (3, 1, False, False, "post_backward"),
-    (2, 4, True, False, "post_backward"),
+    (3, 4, False, False, "post_backward"),
+    (2, 1, False, True, "post_backward"),
 ]
 SLOW = [
     (stage, gas, overlap, bf16, mode)
     for stage in (1, 2, 3) for gas in (1, 4) for overlap in (False, True) for bf16 in (False, True)
-    for mode in ("post_backward",)
+    for mode in ("per_bucket", "post_backward")
     if (stage, gas, overlap, bf16, mode) not in FAST
 ]
 
 
 def _args(stage: int, gas: int, overlap: bool, bf16: bool) -> list:
-    args = [*TINY, "--steps", str(STEPS), "--zero-stage", str(stage), "--grad-accum", str(gas)]
+    # Small buckets: several reduced buckets per step, so the per-bucket hook really fires per bucket.
+    args = [*TINY, "--steps", str(STEPS), "--zero-stage", str(stage), "--grad-accum", str(gas),
+            "--reduce-bucket-size", "20000"]
     if overlap:
         args.append("--overlap-comm")
     if bf16:
@@ -63,6 +67,12 @@ def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode):
         for name in plain:
             torch.testing.assert_close(ft[name], plain[name], atol=atol, rtol=0,
                                        msg=lambda m: f"group {g} param {name}: {m}")
+    finals = [e for e in job.events() if e.get("event") == "final"]
+    per_step = {f["cross_replica_allreduces"] / STEPS for f in finals}
+    if mode == "per_bucket" and not (stage in (1, 2) and gas > 1):
+        assert min(per_step) > 1, f"per-bucket mode issued {per_step} all-reduces per step"
+    else:
+        assert per_step == {1}, f"post-backward mode issued {per_step} all-reduces per step"
     # No failures: every step of every rank committed, and the step counter equals the steps run.
     for g in (0, 1):
         for r in (0, 1):

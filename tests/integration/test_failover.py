@@ -18,8 +18,8 @@ from ftbridge.local_job import pid_alive
 from tests.conftest import TINY
 
 
-def _start_staggered(local_job, fault=False, stage=2):
-    job = local_job(2, 2, [*TINY, "--steps", "100000", "--zero-stage", str(stage)], max_restarts=2)
+def _start_staggered(local_job, fault=False, stage=2, env=None):
+    job = local_job(2, 2, [*TINY, "--steps", "100000", "--zero-stage", str(stage)], max_restarts=2, env=env)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     if fault:
         job.script_args += ["--fault-kill-after-backward", f"{job.workdir}/FAULT", "--fault-group", "1",
@@ -99,7 +99,9 @@ def test_killed_group_restarts_heals_once_and_ends_identical(local_job):
 
 @pytest.mark.timeout(420)
 def test_peer_killed_during_cross_replica_allreduce_discards_step(local_job):
-    job = _start_staggered(local_job, fault=True)
+    # post_backward: the fault fires after backward, while the one partition all-reduce is in flight
+    # (per-bucket all-reduces have completed by then, and the step rightly commits).
+    job = _start_staggered(local_job, fault=True, env={"FTBRIDGE_SYNC_MODE": "post_backward"})
     job.write_file("FAULT", "")
     job.wait_until(lambda: "FAULT replica 1 rank 0" in job.log_text(1), 120, "the fault to fire")
     job.wait_until(lambda: any(e["healed"] for e in job.steps(1)[-3:]) and len(_launches(job, 1)) == 2, 180,
