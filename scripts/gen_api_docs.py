@@ -39,6 +39,7 @@ MODULES = [
     "ftbridge.engine",
     "ftbridge.manager",
     "ftbridge.grad_sync",
+    "ftbridge.zero.bucket_hook",
     "ftbridge.transport",
     "ftbridge.zero.stages",
     "ftbridge.zero.state",
@@ -122,6 +123,21 @@ def attribute_docs(body: List[ast.stmt]) -> Dict[str, Tuple[Optional[str], Optio
         if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             doc = inspect.cleandoc(nxt.value.value)
         out[name] = (ann, default, doc)
+    return out
+
+
+def instance_attribute_docs(init: Optional[ast.AST]) -> Dict[str, str]:
+    """``{name: docstring}`` for ``self.name = ...`` in ``__init__`` followed by a string literal."""
+    out: Dict[str, str] = {}
+    body = getattr(init, "body", [])
+    for stmt, nxt in zip(body, body[1:]):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+            [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if (len(targets) == 1 and isinstance(targets[0], ast.Attribute) and isinstance(targets[0].value, ast.Name)
+                and targets[0].value.id == "self" and not targets[0].attr.startswith("_")
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            out[targets[0].attr] = inspect.cleandoc(nxt.value.value)
     return out
 
 
@@ -458,6 +474,10 @@ class Page:
                 self.function_section(sub, level=4, owner=(e.defined_in, f"{cls.__qualname__}.{attr}"))
         if overrides:
             self.emit(f"Implements {', '.join(overrides)} for this case (documented on the base class).", "")
+        for attr, doc in instance_attribute_docs(init).items():
+            self.emit(f'<a id="{anchor_for(e.qualname + "." + attr)}"></a>', "",
+                      f"#### `{e.name}.{attr}`", "", "*instance attribute*", "")
+            self.emit(self.render.render(doc))
         class_attrs = {k: v for k, v in attribute_docs(node.body).items()
                        if v[2] and not k.startswith("_") and k not in field_names}
         for attr, (ann, default, doc) in class_attrs.items():
