@@ -88,7 +88,7 @@ class FTBridgeConfig:
     """Ranks per replica group; ZeRO shards across exactly these ranks
     (``WORLD_SIZE`` from torchrun)."""
 
-    lighthouse: str = "http://localhost:29510"
+    lighthouse: str = "http://127.0.0.1:29510"
     """Address of the torchft lighthouse (``TORCHFT_LIGHTHOUSE``)."""
 
     min_replicas: int = 1
@@ -124,8 +124,11 @@ class FTBridgeConfig:
     (``FTBRIDGE_MANAGER_PORT`` / ``TORCHFT_MANAGER_PORT``)."""
 
     heal_bind: str = "127.0.0.1"
-    """Interface the heal transport (state served to joining groups) binds to;
-    must be reachable from the other replica groups (``FTBRIDGE_HEAL_BIND``)."""
+    """Address of this node that the other replica groups can dial: the heal
+    transport (state served to joining groups) binds to it, and group rank 0
+    advertises its torchft manager under it (to its own ranks, the lighthouse
+    and healing groups). 127.0.0.1 works on one machine only; across machines
+    set the node's address on the private network (``FTBRIDGE_HEAL_BIND``)."""
 
     init_sync: bool = False
     """Heal every replica group from one peer at step 0. Off by default: models
@@ -259,7 +262,9 @@ class FTBridgeConfig:
              f"manager_port={self.manager_port} is not a port; use 0 for a free one")
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
-        need(bool(self.heal_bind), "heal_bind is empty; give the interface address to serve heals on")
+        need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),
+             f"heal_bind={self.heal_bind!r} is not an address peers can dial; give this node's address "
+             "(127.0.0.1 on one machine, the private-network address across machines)")
 
     def event_log_path(self) -> Optional[str]:
         """The event log path for this rank with placeholders substituted, or ``None``."""
@@ -272,11 +277,13 @@ class FTBridgeConfig:
 
         torchft's ``Manager`` lets its environment variables override its
         arguments; ftbridge sets them to the resolved values so both agree.
+        torchft reads whole seconds: fractions are rounded *up* (never shorter
+        than configured), with a minimum of 1 s.
         """
         return {
-            "TORCHFT_TIMEOUT_SEC": str(max(1, int(self.cross_replica_timeout.total_seconds()))),
-            "TORCHFT_QUORUM_TIMEOUT_SEC": str(max(1, int(self.quorum_timeout.total_seconds()))),
-            "TORCHFT_CONNECT_TIMEOUT_SEC": str(max(1, int(self.connect_timeout.total_seconds()))),
+            "TORCHFT_TIMEOUT_SEC": _whole_seconds(self.cross_replica_timeout),
+            "TORCHFT_QUORUM_TIMEOUT_SEC": _whole_seconds(self.quorum_timeout),
+            "TORCHFT_CONNECT_TIMEOUT_SEC": _whole_seconds(self.connect_timeout),
             "TORCHFT_QUORUM_RETRIES": str(self.quorum_retries),
         }
 
@@ -293,6 +300,10 @@ def _as_timedelta(value: Any, name: str, scale: float = 1.0) -> timedelta:
         except OverflowError:
             raise ValueError(f"{name}={value!r} is too large for a duration; give a realistic timeout") from None
     raise ValueError(f"{name}={value!r} must be a datetime.timedelta or a number of seconds")
+
+
+def _whole_seconds(value: timedelta) -> str:
+    return str(max(1, math.ceil(value.total_seconds())))
 
 
 def _is_host_port_url(url: str) -> bool:

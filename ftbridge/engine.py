@@ -83,7 +83,8 @@ class FaultTolerantEngine:
         self._t0 = 0.0
         self.last_committed: Optional[bool] = None
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
-                          group_size=cfg.group_size, sync_mode=cfg.sync_mode)
+                          group_size=cfg.group_size, sync_mode=cfg.sync_mode,
+                          sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
 
     @property
     def cross_replica_sync(self) -> bool:
@@ -174,9 +175,10 @@ class FaultTolerantEngine:
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum)
         self.events.write(**rec)
         level = logging.INFO if committed else logging.WARNING
-        self.log.log(level, "%s loss=%.4f participants=%d quorum=%d%s",
+        samples_per_s = self.engine.train_batch_size() / max(rec["step_time_s"], 1e-9)
+        self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s",
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
-                     rec["quorum_id"], " healed" if rec["healed"] else "")
+                     rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "")
 
     # -- heal -------------------------------------------------------------
     def heal_state(self) -> Dict[str, Any]:

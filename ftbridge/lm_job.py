@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the final full parameters (safetensors) here; placeholders as in --result")
     fault = p.add_argument_group("fault injection (tests and chaos runs)")
     fault.add_argument("--fault-kill-after-backward", default=None, metavar="FILE",
-                       help="once FILE exists, SIGKILL this process right after the next boundary backward, "
-                            "i.e. while its cross-replica all-reduce is in flight")
+                       help="once FILE exists, SIGKILL this process right after the next boundary backward "
+                            "(with --sync-mode post_backward its cross-replica all-reduce is then in flight)")
     fault.add_argument("--fault-group", type=int, default=0, help="replica group that injects the fault")
     fault.add_argument("--fault-rank", type=int, default=0, help="group rank that injects the fault")
     return p

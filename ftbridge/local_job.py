@@ -61,9 +61,10 @@ class LocalJob:
         script_args: arguments of the training script.
         script: training script (default ``scripts/train_lm.py``).
         min_replicas: fewest groups that may commit a step.
-        lighthouse_min_replicas: groups the lighthouse waits for before the
-            first quorum (default ``min_replicas``); ``num_groups`` makes all
-            groups start together.
+        lighthouse_min_replicas: the lighthouse's ``min_replicas`` (default
+            ``min_replicas``); it applies to every quorum, so ``num_groups``
+            makes all groups start together but stalls the job once one dies:
+            use it only for runs without failures.
         max_restarts: torchrun restarts per group.
         heartbeat_timeout_ms, join_timeout_ms: lighthouse settings.
         env: extra environment for every group.

@@ -76,6 +76,7 @@ class ReplicaManager:
             rank=cfg.group_rank,
             world_size=cfg.group_size,
             replica_id=f"replica_group_{cfg.replica_group_id}",
+            lighthouse_addr=cfg.lighthouse,
             port=cfg.manager_port,
             hostname=cfg.heal_bind,
             heartbeat_interval=cfg.heartbeat_interval,

@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tqdm import tqdm  # noqa: E402
+
 from ftbridge.local_job import LocalJob  # noqa: E402
 from ftbridge.report import summarize, plot_run  # noqa: E402
 
@@ -45,6 +47,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def watch(job: LocalJob, args: argparse.Namespace, t0: float) -> dict:
+    """Show progress from the event logs, kill group 1 at --kill-at, report its heal; return exit codes."""
+    kill_time = None
+    heal_reported = False
+    bar = tqdm(total=args.steps, unit="step", desc="job", dynamic_ncols=True)
+    while any(launches[-1].proc.poll() is None for launches in job.groups.values()):
+        if time.time() - t0 > args.timeout_s:
+            raise TimeoutError(f"demo did not finish in {args.timeout_s} s\n{job.tails()}")
+        steps = [e for e in job.events(rank=0) if "event" not in e]
+        done = [e for e in steps if e["committed"]]
+        if done:
+            last = done[-1]
+            bar.update(max(0, last["step"] - bar.n))
+            bar.set_postfix(loss=f"{last['loss']:.3f}", participants=last["participants"], quorum=last["quorum_id"])
+        mine = [e for e in steps if e["replica_group"] == 1]
+        if not args.no_kill and kill_time is None and any(e["step"] >= args.kill_at for e in mine):
+            pids = job.kill_workers(1)
+            kill_time = time.time()
+            bar.write(f"[{kill_time - t0:6.1f}s] SIGKILLed every rank of replica group 1 (pids {pids}) after "
+                      f"step {args.kill_at}; the survivors go on, torchrun restarts group 1")
+        healed = [e for e in mine if kill_time and e["healed"] and e["time"] > kill_time]
+        if healed and not heal_reported:
+            heal_reported = True
+            bar.write(f"[{healed[0]['time'] - t0:6.1f}s] replica group 1 restarted and healed from a live peer "
+                      f"at step {healed[0]['step']}, {healed[0]['time'] - kill_time:.1f} s after the kill")
+        time.sleep(0.5)  # polling the event logs for display, not synchronisation
+    bar.close()
+    return job.wait(30)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
@@ -58,17 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         job.start()
         print(f"lighthouse {job.lighthouse.address}; {args.groups} replica groups x {args.nproc_per_node} ranks, "
               f"ZeRO-{args.zero_stage}, {args.steps} steps; logs in {args.workdir}", flush=True)
-        if not args.no_kill:
-            job.wait_step(1, args.kill_at, timeout_s=args.timeout_s)
-            pids = job.kill_workers(1)
-            print(f"[{time.time() - t0:6.1f}s] SIGKILLed every rank of replica group 1 (pids {pids}) "
-                  f"after step {args.kill_at}; torchrun restarts it", flush=True)
-            job.wait_until(lambda: any(e.get("healed") for e in job.steps(1)), args.timeout_s,
-                           "replica group 1 to heal")
-            healed = next(e for e in job.steps(1) if e.get("healed"))
-            print(f"[{time.time() - t0:6.1f}s] replica group 1 restarted and healed from a peer at step "
-                  f"{healed['step']}", flush=True)
-        codes = job.wait(args.timeout_s)
+        codes = watch(job, args, t0)
     summary = summarize(job.events(), args.groups, args.nproc_per_node)
     print(summary.table(), flush=True)
     png = plot_run(job.events(), os.path.join(args.workdir, "run.png"))

@@ -51,9 +51,12 @@ def main(argv: list[str] | None = None) -> int:
                desc=f"replica {topo.replica_group}")
     val_loss = None
     inject = lm_job.fault_injector(args, topo)
+    step_times = []
     while engine.global_steps < lm_job.target_steps(args):
         before = int(engine.global_steps)
+        t = lm_job.now()
         loss = lm_job.train_step(engine, data, topo, args.grad_accum, inject)
+        step_times.append(lm_job.now() - t)
         bar.update(int(engine.global_steps) - before)
         participants = engine.manager.participants if cfg else topo.dp_world_size
         bar.set_postfix(loss=f"{loss:.3f}", participants=participants)
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                             lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals,
                             cross_replica_allreduces=engine.sync.allreduces,
                             cross_replica_bytes=engine.sync.bytes_sent)
-    lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals})
+    lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
+                                      "step_times_s": step_times})
     if cfg:
         engine.shutdown()
     return 0

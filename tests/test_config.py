@@ -21,7 +21,7 @@ def test_defaults_resolve_and_validate():
     assert cfg == FTBridgeConfig()
     assert cfg.replica_group_id == 0 and cfg.num_replica_groups == 1
     assert cfg.group_rank == 0 and cfg.group_size == 1
-    assert cfg.lighthouse == "http://localhost:29510"
+    assert cfg.lighthouse == "http://127.0.0.1:29510"
     assert cfg.cross_replica_timeout == timedelta(seconds=10)
     assert cfg.in_group_timeout == timedelta(seconds=60)
     assert cfg.quorum_timeout == timedelta(seconds=30)
@@ -62,7 +62,7 @@ def test_resolve_reads_os_environ_when_no_environ_given(monkeypatch):
         ("num_replica_groups", "FTBRIDGE_NUM_REPLICA_GROUPS", "NUM_REPLICA_GROUPS", 7, "6", "5", 7, 6, 5, 1),
         ("lighthouse", "FTBRIDGE_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE",
          "http://a:1", "http://b:2", "http://c:3", "http://a:1", "http://b:2", "http://c:3",
-         "http://localhost:29510"),
+         "http://127.0.0.1:29510"),
         ("cross_replica_timeout", "FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "TORCHFT_TIMEOUT_SEC",
          timedelta(seconds=4), "5", "6", timedelta(seconds=4), timedelta(seconds=5), timedelta(seconds=6),
          timedelta(seconds=10)),
@@ -257,7 +257,7 @@ def test_timeout_override_of_wrong_type_is_refused(bad):
     (dict(manager_port=-1), "manager_port=-1"),
     (dict(manager_port=65536), "manager_port=65536"),
     (dict(sync_mode="per_step"), "sync_mode='per_step'"),
-    (dict(heal_bind=""), "heal_bind is empty"),
+    (dict(heal_bind=""), "is not an address peers can dial"),
 ])
 def test_each_validation_rule_names_the_bad_value(kwargs, needle):
     with pytest.raises(ValueError) as err:
@@ -361,12 +361,12 @@ def test_torchft_environ_mirrors_the_resolved_values():
     }
 
 
-def test_torchft_environ_truncates_to_whole_seconds_at_least_one():
+def test_torchft_environ_rounds_up_to_whole_seconds_at_least_one():
     cfg = resolve(cross_replica_timeout=0.5, quorum_timeout=2.9, connect_timeout=0.2,
                   heartbeat_interval=0.1)
     env = cfg.torchft_environ()
     assert env["TORCHFT_TIMEOUT_SEC"] == "1"  # never 0: torchft would treat it as no time at all
-    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "2"
+    assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "3"  # rounded up: torchft never waits less than configured
     assert env["TORCHFT_CONNECT_TIMEOUT_SEC"] == "1"
     assert all(isinstance(v, str) for v in env.values())
 

@@ -76,6 +76,7 @@ def test_default_command_is_c10d_with_own_rendezvous_per_group(script):
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10",
         "OMP_NUM_THREADS": "1",
+        "RUST_LOG": "warn",
         "FTBRIDGE_LAUNCH_ID": "tag123",
     }
 

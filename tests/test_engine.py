@@ -1,0 +1,168 @@
+"""Engine wrapper and ZeRO adapters on a real single-rank DeepSpeed engine (no network).
+
+The torchft manager is replaced by a scripted stand-in (the manager is not
+under test here; the multi-process tests use the real one), so commit,
+discard and heal can be checked exactly, for ZeRO stages 1, 2 and 3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.timeout(300)
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_world(tmp_path_factory):
+    """A torch.distributed world of one rank for this module (gloo, file store)."""
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    os.environ.update({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"})  # DeepSpeed insists on them
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+class FakeManager:
+    """Scripted stand-in for ReplicaManager: commits unless told to discard a step."""
+
+    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False):
+        self.state_dict, self.load_state_dict_fn = state_dict, load_state_dict
+        self.discard_calls = set()
+        self.calls = 0
+        self.step = 0
+        self.heals = 0
+        self.allreduced = []
+
+    def start_quorum(self):
+        pass
+
+    def allreduce(self, tensor):
+        self.allreduced.append(tensor.numel())
+
+        class Done:
+            def wait(self_inner):
+                return True
+        return Done()
+
+    def should_commit(self):
+        self.calls += 1
+        ok = self.calls not in self.discard_calls
+        self.step += ok
+        return ok
+
+    current_step = property(lambda self: self.step)
+    participants = 1
+    replica_rank = 0
+    quorum_id = 1
+    healed_this_step = False
+
+    def shutdown(self):
+        pass
+
+
+def _engine(monkeypatch, stage, mode="per_bucket", gas=1):
+    import deepspeed
+
+    from ftbridge import engine as engine_mod
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.models import GPTConfig, build_model
+
+    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
+    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+                 "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+                 "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 3}}}
+    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   config=ds_config)
+    cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode)
+    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randint(0, 17, (2, 16), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _train(engine, batches, gas=1):
+    for i in batches:
+        for m in range(gas):
+            _, loss = engine(*_batch(10 * i + m))
+            engine.backward(loss)
+            engine.step()
+
+
+def _state(engine):
+    from ftbridge.lm_job import final_digest
+
+    return final_digest(engine.engine, engine.adapter), int(engine.global_steps), int(engine.micro_steps)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_discarded_step_changes_nothing(monkeypatch, stage):
+    ref = _engine(monkeypatch, stage)
+    _train(ref, [0, 2])
+    eng = _engine(monkeypatch, stage)
+    eng.manager.discard_calls = {2}          # the step on batch 1 is discarded
+    _train(eng, [0, 1, 2])
+    assert eng.last_committed is True
+    (d_ref, steps_ref, _), (d, steps, _) = _state(ref), _state(eng)
+    assert d == d_ref, "a discarded step changed parameters, optimizer state, lr or scheduler"
+    assert steps == steps_ref == 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_heal_state_round_trip_restores_everything(monkeypatch, stage):
+    from ftbridge.transport import decode_state, encode_state
+
+    donor = _engine(monkeypatch, stage)
+    _train(donor, [0, 1, 2])
+    donor._window_start = int(donor.micro_steps)  # as at the start of the donor's next step
+    joiner = _engine(monkeypatch, stage)          # fresh: no optimizer state yet
+    joiner.load_heal_state(decode_state(encode_state(donor.heal_state())))
+    assert _state(joiner) == _state(donor)
+    # Both train on identically from here.
+    _train(donor, [3])
+    _train(joiner, [3])
+    assert _state(joiner) == _state(donor)
+
+
+@pytest.mark.parametrize("stage,gas,expect_buckets", [(1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
+                                                       (2, 2, False)])
+def test_per_bucket_hook_fires_per_bucket_once_per_step(monkeypatch, stage, gas, expect_buckets):
+    eng = _engine(monkeypatch, stage, "per_bucket", gas)
+    _train(eng, [0, 1], gas)
+    per_step = eng.sync.allreduces / 2
+    if expect_buckets:
+        assert not eng.sync.fallback_reason
+        assert per_step > 1, f"{per_step} all-reduces per step: the hook did not fire per bucket"
+    else:
+        assert "gradient_accumulation_steps" in eng.sync.fallback_reason
+        assert per_step == 1
+    # Whatever the mode, the whole partition went across replicas exactly once per step.
+    post = _engine(monkeypatch, stage, "post_backward", gas)
+    _train(post, [0, 1], gas)
+    assert post.sync.allreduces == 2
+    if stage == 3 or not expect_buckets:
+        assert eng.sync.bytes_sent == post.sync.bytes_sent
+    else:
+        assert eng.sync.bytes_sent >= post.sync.bytes_sent   # edge parameters of the partition travel whole
+
+
+def test_backward_without_forward_is_refused(monkeypatch):
+    eng = _engine(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="without a training forward"):
+        eng.backward(torch.tensor(1.0, requires_grad=True))
