@@ -143,6 +143,11 @@ class FTBridgeConfig:
     (ZeRO-1/2 with gradient accumulation, bf16 compact path) ``per_bucket``
     falls back to ``post_backward`` with a warning (``FTBRIDGE_SYNC_MODE``)."""
 
+    cross_replica_bucket_bytes: int = 1 << 20
+    """Per-bucket mode: reduced ZeRO buckets are coalesced until this many
+    bytes are ready, then sent in one cross-replica all-reduce (bytes; 0 sends
+    every bucket on its own) (``FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES``)."""
+
     event_log: Optional[str] = None
     """Path of the JSON-lines event log; ``{replica_group}`` and
     ``{group_rank}`` are substituted (``FTBRIDGE_EVENT_LOG``)."""
@@ -165,6 +170,7 @@ class FTBridgeConfig:
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
         "init_sync": (bool, ("FTBRIDGE_INIT_SYNC",)),
         "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
+        "cross_replica_bucket_bytes": (int, ("FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
     }
 
@@ -260,6 +266,8 @@ class FTBridgeConfig:
         need(self.quorum_retries >= 0, f"quorum_retries={self.quorum_retries} must be >= 0")
         need(0 <= self.manager_port < 65536,
              f"manager_port={self.manager_port} is not a port; use 0 for a free one")
+        need(self.cross_replica_bucket_bytes >= 0,
+             f"cross_replica_bucket_bytes={self.cross_replica_bucket_bytes} must be >= 0 (0: one message per bucket)")
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
         need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),

@@ -70,7 +70,8 @@ class FaultTolerantEngine:
         self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
                                       use_cuda=next(engine.module.parameters()).is_cuda)
         if cfg.sync_mode == "per_bucket":
-            self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary)
+            self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary,
+                                      min_bytes=cfg.cross_replica_bucket_bytes)
         else:
             self.sync = PostBackwardSync(self.manager, self.adapter)
         self.sync.install()

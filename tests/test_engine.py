@@ -73,7 +73,7 @@ class FakeManager:
         pass
 
 
-def _engine(monkeypatch, stage, mode="per_bucket", gas=1):
+def _engine(monkeypatch, stage, mode="per_bucket", gas=1, bucket_bytes=0):
     import deepspeed
 
     from ftbridge import engine as engine_mod
@@ -87,7 +87,7 @@ def _engine(monkeypatch, stage, mode="per_bucket", gas=1):
                  "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 3}}}
     raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                    config=ds_config)
-    cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode)
+    cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode, cross_replica_bucket_bytes=bucket_bytes)
     return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
 
 
@@ -160,6 +160,17 @@ def test_per_bucket_hook_fires_per_bucket_once_per_step(monkeypatch, stage, gas,
         assert eng.sync.bytes_sent == post.sync.bytes_sent
     else:
         assert eng.sync.bytes_sent >= post.sync.bytes_sent   # edge parameters of the partition travel whole
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_buckets_are_coalesced_up_to_the_cross_replica_message_size(monkeypatch, stage):
+    every = _engine(monkeypatch, stage, bucket_bytes=0)
+    _train(every, [0])
+    coalesced = _engine(monkeypatch, stage, bucket_bytes=12_000)
+    _train(coalesced, [0])
+    assert 1 < coalesced.sync.allreduces < every.sync.allreduces
+    assert coalesced.sync.bytes_sent == every.sync.bytes_sent
+    assert _state(coalesced) == _state(every)
 
 
 def test_backward_without_forward_is_refused(monkeypatch):

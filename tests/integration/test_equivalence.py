@@ -47,8 +47,9 @@ def _args(stage: int, gas: int, overlap: bool, bf16: bool) -> list:
 
 
 def _run_ftbridge(local_job, args, mode, extra=()):
+    # One cross-replica message per DeepSpeed bucket: the hook's finest granularity.
     job = local_job(2, 2, [*args, *extra], min_replicas=2, lighthouse_min_replicas=2,
-                    env={"FTBRIDGE_SYNC_MODE": mode})
+                    env={"FTBRIDGE_SYNC_MODE": mode, "FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES": "0"})
     job.start()
     codes = job.wait(timeout_s=240)
     assert codes == {0: 0, 1: 0}, job.tails()
