@@ -69,12 +69,14 @@ def summarize(events: List[Dict[str, Any]], num_groups: int, nproc: int) -> Summ
     return Summary(finals, num_groups * nproc, committed, discarded, heals)
 
 
-def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = None) -> str:
+def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = None,
+             markers: Optional[List[Tuple[float, str]]] = None) -> str:
     """Plot training loss and participants against wall time; mark heals, discards and starts.
 
     Args:
         events: merged event records.
         path: PNG file to write.
+        markers: extra ``(time since the epoch, label)`` marks, e.g. injected failures.
 
     Returns:
         ``path``.
@@ -116,6 +118,11 @@ def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = Non
             ax_loss.axvline(e["time"] - t0, color="red", ls=":", lw=1)
             ax_loss.annotate(f"group {e['replica_group']} (re)started", (e["time"] - t0, 0.98), fontsize=7,
                              color="red", xycoords=("data", "axes fraction"), va="top", rotation=90)
+    for when, label in markers or []:
+        for ax in (ax_loss, ax_part):
+            ax.axvline(when - t0, color="black", lw=1.5)
+        ax_loss.annotate(label, (when - t0, 0.5), xycoords=("data", "axes fraction"), rotation=90, fontsize=8,
+                         va="center", ha="right")
     ax_loss.set_ylabel("training loss")
     ax_loss.set_title(title or "ftbridge run: loss per replica group (x = discarded step)")
     ax_loss.legend(loc="upper right", fontsize=8)

@@ -47,8 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def watch(job: LocalJob, args: argparse.Namespace, t0: float) -> dict:
-    """Show progress from the event logs, kill group 1 at --kill-at, report its heal; return exit codes."""
+def watch(job: LocalJob, args: argparse.Namespace, t0: float):
+    """Show progress from the event logs, kill group 1 at --kill-at, report its heal.
+
+    Returns:
+        ``({group: exit code}, kill time or None)``.
+    """
     kill_time = None
     heal_reported = False
     bar = tqdm(total=args.steps, unit="step", desc="job", dynamic_ncols=True)
@@ -74,7 +78,7 @@ def watch(job: LocalJob, args: argparse.Namespace, t0: float) -> dict:
                       f"at step {healed[0]['step']}, {healed[0]['time'] - kill_time:.1f} s after the kill")
         time.sleep(0.5)  # polling the event logs for display, not synchronisation
     bar.close()
-    return job.wait(30)
+    return job.wait(30), kill_time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         job.start()
         print(f"lighthouse {job.lighthouse.address}; {args.groups} replica groups x {args.nproc_per_node} ranks, "
               f"ZeRO-{args.zero_stage}, {args.steps} steps; logs in {args.workdir}", flush=True)
-        codes = watch(job, args, t0)
+        codes, kill_time = watch(job, args, t0)
     summary = summarize(job.events(), args.groups, args.nproc_per_node)
     print(summary.table(), flush=True)
-    png = plot_run(job.events(), os.path.join(args.workdir, "run.png"))
+    marks = [(kill_time, "SIGKILL replica group 1")] if kill_time else []
+    png = plot_run(job.events(), os.path.join(args.workdir, "run.png"), markers=marks)
     print(f"plot: {png}; wall time {time.time() - t0:.1f} s")
     ok = all(c == 0 for c in codes.values()) and summary.identical
     if not ok:
