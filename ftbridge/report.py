@@ -113,11 +113,15 @@ def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = Non
                                  fontsize=7, color="green", va="top")
             if not e["committed"]:
                 ax_loss.plot(e["time"] - t0, e["loss"] or 0, "rx", ms=7)
+    seen: set = set()
     for e in starts:
+        g = e["replica_group"]
+        label = f"group {g} restarted" if g in seen else f"group {g} started"
+        seen.add(g)
         if e["time"] - t0 > 1.0:
             ax_loss.axvline(e["time"] - t0, color="red", ls=":", lw=1)
-            ax_loss.annotate(f"group {e['replica_group']} (re)started", (e["time"] - t0, 0.98), fontsize=7,
-                             color="red", xycoords=("data", "axes fraction"), va="top", rotation=90)
+            ax_loss.annotate(label, (e["time"] - t0, 0.98), fontsize=7, color="red",
+                             xycoords=("data", "axes fraction"), va="top", rotation=90)
     for when, label in markers or []:
         for ax in (ax_loss, ax_part):
             ax.axvline(when - t0, color="black", lw=1.5)

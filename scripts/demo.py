@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=2, help="replica groups")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per replica group")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=150,
+                   help="steps to train; more if group 1 heals less than 20 steps before the end")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--kill-at", type=int, default=None, help="kill group 1 after this step (default steps/3)")
     p.add_argument("--no-kill", action="store_true", help="run without a failure")
@@ -74,6 +75,9 @@ def watch(job: LocalJob, args: argparse.Namespace, t0: float):
         healed = [e for e in mine if kill_time and e["healed"] and e["time"] > kill_time]
         if healed and not heal_reported:
             heal_reported = True
+            target = max(args.steps, job.max_step() + 20)
+            job.write_file("stop", str(target))
+            bar.total = target
             bar.write(f"[{healed[0]['time'] - t0:6.1f}s] replica group 1 restarted and healed from a live peer "
                       f"at step {healed[0]['step']}, {healed[0]['time'] - kill_time:.1f} s after the kill")
         time.sleep(0.5)  # polling the event logs for display, not synchronisation
@@ -87,10 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     for f in os.listdir(args.workdir):
         if f.startswith(("events_", "group_")):
             os.remove(os.path.join(args.workdir, f))
-    train = ["--steps", str(args.steps), "--zero-stage", str(args.zero_stage), "--val-every", "50",
-             *args.train_args]
+    # The end is set through a stop file: with a kill, only once group 1 has healed, so the survivors
+    # cannot finish (leaving no peer to heal from) while group 1 is still restarting.
+    stop_file = os.path.join(os.path.abspath(args.workdir), "stop")
+    if os.path.exists(stop_file):
+        os.remove(stop_file)
+    train = ["--steps", str(10**9), "--stop-file", stop_file, "--zero-stage", str(args.zero_stage),
+             "--val-every", "50", *args.train_args]
     t0 = time.time()
     with LocalJob(args.workdir, args.groups, args.nproc_per_node, train) as job:
+        if args.no_kill:
+            job.write_file("stop", str(args.steps))
         job.start()
         print(f"lighthouse {job.lighthouse.address}; {args.groups} replica groups x {args.nproc_per_node} ranks, "
               f"ZeRO-{args.zero_stage}, {args.steps} steps; logs in {args.workdir}", flush=True)
