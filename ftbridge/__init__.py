@@ -5,9 +5,16 @@ Public API: :func:`initialize` (mirrors ``deepspeed.initialize``),
 imported lazily so that light tools (the launcher) do not import DeepSpeed.
 """
 
+import os
+import sys
 from typing import Any
 
-from ftbridge.config import FTBridgeConfig
+# DeepSpeed JIT-builds a small op (deepspeed_shm_comm, ~30 s) into TORCH_EXTENSIONS_DIR. The shared
+# default (~/.cache/torch_extensions) is rebuilt whenever another venv built it last (its build files
+# hold absolute site-packages paths), so each environment gets its own cache; scripts/setup.sh fills it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+from ftbridge.config import FTBridgeConfig  # noqa: E402
 
 __all__ = ["FTBridgeConfig", "FaultTolerantEngine", "initialize"]
 __version__ = "0.1.0"

@@ -271,7 +271,7 @@ class FTBridgeConfig:
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
         need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),
-             f"heal_bind={self.heal_bind!r} is not an address peers can dial; give this node's address "
+             f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; give this node's address "
              "(127.0.0.1 on one machine, the private-network address across machines)")
 
     def event_log_path(self) -> Optional[str]:

