@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -241,16 +240,6 @@ def write_result(path: Optional[str], record: Dict[str, Any]) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(tmp, path)
-
-
-def tokens_per_step(args: argparse.Namespace, world: int) -> int:
-    """Tokens one rank processes per optimizer step times ``world``."""
-    return args.micro_batch * args.grad_accum * args.context * world
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), capped to avoid overflow."""
-    return math.exp(min(loss, 50.0))
 
 
 def now() -> float:
