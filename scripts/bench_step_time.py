@@ -47,10 +47,13 @@ def run_plain(workdir: str, train_args: list, timeout_s: float) -> list:
         return json.load(f)["step_times_s"]
 
 
-def run_ftbridge(workdir: str, train_args: list, mode: str, timeout_s: float) -> list:
+def run_ftbridge(workdir: str, train_args: list, mode: str, timeout_s: float, bucket_bytes=None) -> list:
     result = os.path.join(workdir, "ft_{replica_group}.json")
+    env = {"FTBRIDGE_SYNC_MODE": mode}
+    if bucket_bytes is not None:
+        env["FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES"] = str(bucket_bytes)
     with LocalJob(workdir, 2, 1, [*train_args, "--result", result], min_replicas=2, lighthouse_min_replicas=2,
-                  env={"FTBRIDGE_SYNC_MODE": mode}) as job:
+                  env=env) as job:
         job.start()
         codes = job.wait(timeout_s)
         if codes != {0: 0, 1: 0}:
@@ -66,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     p.add_argument("--reduce-bucket-size", type=int, default=100_000)
     p.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
+    p.add_argument("--cross-replica-bucket-bytes", type=int, default=None,
+                   help="ftbridge's cross-replica message size (default: ftbridge's default, 25 MiB)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--timeout-s", type=float, default=600)
     args = p.parse_args(argv)
@@ -80,7 +85,7 @@ def main(argv=None) -> int:
         for name in order:
             with tempfile.TemporaryDirectory(prefix=f"bench_{name}_") as wd:
                 times = run_plain(wd, train, args.timeout_s) if name == "plain" else \
-                    run_ftbridge(wd, train, name, args.timeout_s)
+                    run_ftbridge(wd, train, name, args.timeout_s, args.cross_replica_bucket_bytes)
             med = statistics.median(times[args.warmup:])
             medians[name].append(med)
             print(f"rep {rep} {name:>13}: median step {med * 1e3:7.1f} ms", flush=True)

@@ -70,7 +70,7 @@ class PerBucketSync(PostBackwardSync):
     """
 
     def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, is_boundary: Callable[[], bool],
-                 min_bytes: int = 1 << 20) -> None:
+                 min_bytes: int = 25 << 20) -> None:
         super().__init__(manager, adapter)
         self.is_boundary = is_boundary
         self.min_bytes = min_bytes
