@@ -94,4 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and closed by now. DeepSpeed's ZeRO-3 with overlap_comm leaves a native
+    # thread that aborts interpreter shutdown on CPU ("terminate called without an active exception",
+    # exit -6, seen with plain DeepSpeed too), so leave without running finalizers.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
