@@ -111,8 +111,12 @@ def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = Non
                   and e["loss"] is not None]
             ax_loss.plot([e["time"] - t0 for e in ok], [e["loss"] for e in ok], ".-", ms=2, lw=0.8,
                          color=colors[i % len(colors)], label=f"replica group {g}" if a == cuts[0] else None)
-        ax_part.step([e["time"] - t0 for e in mine], [e["participants"] for e in mine], where="post",
-                     label=f"group {g}")
+            # Participants as seen by this launch; the line stops at the launch's last step (no bridge
+            # across the time the group was dead).
+            seen = [e for e in mine if a <= e["time"] < b]
+            ax_part.step([e["time"] - t0 for e in seen], [e["participants"] for e in seen], where="post",
+                         color=colors[i % len(colors)])
+
         for e in mine:
             if e["healed"]:
                 ax_loss.axvline(e["time"] - t0, color="green", ls="--", lw=1)
