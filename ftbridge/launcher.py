@@ -367,7 +367,7 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
@@ -415,7 +415,7 @@ def kill_tagged(launch_id: str, grace_s: float = STRAGGLER_GRACE_S) -> list[int]
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
     return pids
 

@@ -27,18 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ftbridge.events import read_events
+from ftbridge.launcher import find_free_port, pid_alive
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 @dataclass
@@ -268,6 +260,44 @@ class LocalJob:
                     tail = []
                 out.append(f"--- {gp.log_path} ---\n{''.join(tail)}")
         return "\n".join(out)
+
+
+def run_plain_deepspeed(workdir: str, nproc: int, script_args: Sequence[str], timeout_s: float,
+                        script: str = TRAIN_SCRIPT) -> str:
+    """Run ``script --plain`` (plain DeepSpeed data parallel) under torchrun with ``nproc`` ranks.
+
+    The baseline of the equivalence tests and benchmarks: one torch.distributed world, no ftbridge.
+
+    Returns:
+        Everything the run printed.
+
+    Raises:
+        RuntimeError: a non-zero exit or a run still going after ``timeout_s`` (torchrun is sent
+            SIGTERM, which stops its ranks, then SIGKILL), with the end of the log.
+    """
+    port = find_free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"plain{port}", script, "--plain", *script_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "warn"}
+    log_path = os.path.join(workdir, f"plain_{port}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            code = None
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if code != 0:
+        what = f"timed out after {timeout_s} s" if code is None else f"failed ({code})"
+        raise RuntimeError(f"plain DeepSpeed run {what}:\n{text[-4000:]}")
+    return text
 
 
 def _killpg(pid: int, sig: int) -> None:

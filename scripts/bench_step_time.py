@@ -24,25 +24,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ftbridge.launcher import find_free_port  # noqa: E402
-from ftbridge.local_job import TRAIN_SCRIPT, LocalJob  # noqa: E402
+from ftbridge.local_job import LocalJob, run_plain_deepspeed  # noqa: E402
 
 
 def run_plain(workdir: str, train_args: list, timeout_s: float) -> list:
-    port = find_free_port()
     result = os.path.join(workdir, "plain_{dp_rank}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}", TRAIN_SCRIPT, "--plain",
-           *train_args, "--result", result]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "warn"}
-    with open(os.path.join(workdir, "plain.log"), "wb") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=True)
+    run_plain_deepspeed(workdir, 2, [*train_args, "--result", result], timeout_s)
     with open(result.format(dp_rank=0), encoding="utf-8") as f:
         return json.load(f)["step_times_s"]
 

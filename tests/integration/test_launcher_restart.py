@@ -20,20 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from ftbridge.launcher import pid_alive
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "integration" / "workers" / "restart_worker.py"
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 class Launch:
@@ -98,7 +88,7 @@ def _pids(out: Path, prefix: str) -> list[int]:
 
 def _kill_leftovers(pids: list[int]) -> None:
     for pid in pids:
-        if _alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -113,7 +103,7 @@ def test_group_restarts_twice_after_sigkill_and_then_succeeds(tmp_path):
         for attempt in (0, 1):
             killed = int((tmp_path / f"killing-{attempt}-1").read_text())
             assert not (tmp_path / f"survived-{attempt}-1").exists(), log
-            assert not _alive(killed)
+            assert not pid_alive(killed)
             assert re.search(rf"exitcode: -9\)? local_rank: 1 \(pid: {killed}\)", log), log
             assert not (tmp_path / f"rank0-passed-barrier-{attempt}").exists(), log
         # Attempt 2 (the third rendezvous of the same group): a correct all-reduce on both ranks.
@@ -123,7 +113,7 @@ def test_group_restarts_twice_after_sigkill_and_then_succeeds(tmp_path):
             assert (tmp_path / f"done-{rank}").read_text() == "ok"
         assert not list(tmp_path.glob("pid-3-*")), "a fourth attempt ran"
         # Every rank of every attempt is gone.
-        assert not [p for p in _pids(tmp_path, "pid-") if _alive(p)]
+        assert not [p for p in _pids(tmp_path, "pid-") if pid_alive(p)]
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in log and "--rdzv-backend c10d" in log
     finally:
         launch.kill()
@@ -138,13 +128,13 @@ def test_signal_to_launcher_leaves_no_process(tmp_path, sig):
     try:
         pids += [int(p) for p in launch.wait_for_matches(r"READY rank \d pid (\d+)", 2, timeout_s=60)]
         pids.append(int(re.search(r"torchrun pid (\d+)", "".join(launch.stderr)).group(1)))
-        assert all(_alive(p) for p in pids)
+        assert all(pid_alive(p) for p in pids)
         launch.proc.send_signal(sig)
         rc = launch.wait(timeout_s=40)
         log = launch.output()
         assert rc != 0, log
         assert f"got {sig.name}; forwarding it to torchrun" in log
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if pid_alive(p)]
         assert not left, f"still alive after {sig.name}: {left}\n{log}"
     finally:
         launch.kill()
@@ -161,9 +151,9 @@ def test_sigkilled_launcher_takes_torchrun_and_ranks_down(tmp_path):
         pids.append(int(re.search(r"torchrun pid (\d+)", "".join(launch.stderr)).group(1)))
         launch.kill()
         deadline = time.monotonic() + 30  # torchrun gives ranks --shutdown-timeout-s 5 after SIGTERM
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)  # waiting on processes owned by another parent: nothing to block on
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if pid_alive(p)]
         assert not left, f"still alive after SIGKILL of the launcher: {left}\n{launch.output()}"
     finally:
         launch.kill()
@@ -186,7 +176,7 @@ def test_second_signal_kills_torchrun_and_the_launcher_ends_its_orphans(tmp_path
         assert rc == 128 + signal.SIGKILL, log  # torchrun's fate
         assert "got SIGTERM again; SIGKILL to torchrun now" in log
         assert "ending 2 process(es) torchrun left behind" in log
-        left = [p for p in [*pids, torchrun] if _alive(p)]
+        left = [p for p in [*pids, torchrun] if pid_alive(p)]
         assert not left, f"still alive: {left}\n{log}"
     finally:
         launch.kill()
