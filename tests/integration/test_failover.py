@@ -18,11 +18,11 @@ from ftbridge.local_job import pid_alive
 from tests.conftest import TINY
 
 
-def _start_staggered(local_job, fault=False, stage=2, env=None):
+def _start_staggered(local_job, fault=None, stage=2, env=None):
     job = local_job(2, 2, [*TINY, "--steps", "100000", "--zero-stage", str(stage)], max_restarts=2, env=env)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     if fault:
-        job.script_args += ["--fault-kill-after-backward", f"{job.workdir}/FAULT", "--fault-group", "1",
+        job.script_args += [fault, f"{job.workdir}/FAULT", "--fault-group", "1",
                             "--fault-rank", "0"]
     job.start(groups=[0])
     job.wait_step(0, 1, timeout_s=120)
@@ -104,14 +104,15 @@ def test_killed_group_restarts_heals_once_and_ends_identical(local_job):
 
 @pytest.mark.timeout(420)
 def test_peer_killed_during_cross_replica_allreduce_discards_step(local_job):
-    # post_backward: the fault fires after backward, while the one partition all-reduce is in flight
-    # (per-bucket all-reduces have completed by then, and the step rightly commits).
-    job = _start_staggered(local_job, fault=True, env={"FTBRIDGE_SYNC_MODE": "post_backward"})
+    # Group 1 rank 0 dies once it is in the step's quorum, before its backward: group 0's all-reduce of
+    # that step has a participant that never sends. (Killing it after its backward races: the
+    # all-reduce may already have completed, and then the step rightly commits.)
+    job = _start_staggered(local_job, fault="--fault-kill-in-allreduce")
     job.write_file("FAULT", "")
     job.wait_until(lambda: "FAULT replica 1 rank 0" in job.log_text(1), 120, "the fault to fire")
     job.wait_until(lambda: _healed_after_restart(job, 1), 240, "group 1 to restart and heal")
     target = _finish(job)
-    fault_step = int(re.search(r"FAULT replica 1 rank 0: SIGKILL self after backward of step (\d+)",
+    fault_step = int(re.search(r"FAULT replica 1 rank 0: SIGKILL self after joining the quorum of step (\d+)",
                                job.log_text(1)).group(1))
 
     # On the survivor the step whose all-reduce lost its peer is discarded on both ranks; the next commits.
