@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
     p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000, help="DeepSpeed bucket size (elements)")
     p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
@@ -95,8 +97,8 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
                                          "stage3_prefetch_bucket_size": args.reduce_bucket_size})
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
-        # fp32 gradient accumulation with ZeRO-1 selects BF16_Optimizer, which ftbridge does not patch yet.
-        cfg["data_types"] = {"grad_accum_dtype": "bf16" if args.zero_stage == 1 else "fp32"}
+        # fp32 accumulation: ZeRO-1 then runs DeepSpeed's BF16_Optimizer, ZeRO-2 its compact fp32 path.
+        cfg["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     return cfg
 
 

@@ -73,20 +73,32 @@ class FakeManager:
         pass
 
 
-def _engine(monkeypatch, stage, mode="per_bucket", gas=1, bucket_bytes=0):
+BF16_OPT = "bf16-optimizer"
+"""ZeRO-1 with bf16 parameters and fp32 gradient accumulation: DeepSpeed selects ``BF16_Optimizer``."""
+
+
+def _engine(monkeypatch, stage, mode="per_bucket", gas=1, bucket_bytes=0, sgd=False, manager_cls=None):
     import deepspeed
 
     from ftbridge import engine as engine_mod
     from ftbridge.config import FTBridgeConfig
     from ftbridge.models import GPTConfig, build_model
 
-    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
+    monkeypatch.setattr(engine_mod, "ReplicaManager", manager_cls or FakeManager)
     model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    bf16 = stage == BF16_OPT
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-                 "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+                 "steps_per_print": 10**9,
+                 "zero_optimization": {"stage": 1 if bf16 else stage, "reduce_bucket_size": 3000},
                  "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 3}}}
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   config=ds_config)
+    if sgd:
+        ds_config["zero_allow_untested_optimizer"] = True
+    if bf16:
+        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    opt = (torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+    raw, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    if bf16:
+        assert type(raw.optimizer).__name__ == "BF16_Optimizer"
     cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode, cross_replica_bucket_bytes=bucket_bytes)
     return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
 
@@ -111,7 +123,7 @@ def _state(engine):
     return final_digest(engine.engine, engine.adapter), int(engine.global_steps), int(engine.micro_steps)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT])
 def test_discarded_step_changes_nothing(monkeypatch, stage):
     ref = _engine(monkeypatch, stage)
     _train(ref, [0, 2])
@@ -124,7 +136,7 @@ def test_discarded_step_changes_nothing(monkeypatch, stage):
     assert steps == steps_ref == 2
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT])
 def test_heal_state_round_trip_restores_everything(monkeypatch, stage):
     from ftbridge.transport import decode_state, encode_state
 
@@ -160,6 +172,28 @@ def test_per_bucket_hook_fires_per_bucket_once_per_step(monkeypatch, stage, gas,
         assert eng.sync.bytes_sent == post.sync.bytes_sent
     else:
         assert eng.sync.bytes_sent >= post.sync.bytes_sent   # edge parameters of the partition travel whole
+
+
+class ZeroingManager(FakeManager):
+    """A cross-replica 'average' that zeroes the gradient: shows whether the optimizer steps on it."""
+
+    def allreduce(self, tensor):
+        tensor.zero_()
+        return super().allreduce(tensor)
+
+
+@pytest.mark.parametrize("mode", ["per_bucket", "post_backward"])
+@pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT])
+def test_cross_replica_average_is_what_the_optimizer_steps_on(monkeypatch, stage, mode):
+    plain = _engine(monkeypatch, stage, mode, sgd=True)
+    before = _state(plain)[0]["params"]
+    _train(plain, [0, 1, 2])              # WarmupLR: the first two steps have lr 0
+    assert _state(plain)[0]["params"] != before, "SGD did not move the parameters at all"
+
+    eng = _engine(monkeypatch, stage, mode, sgd=True, manager_cls=ZeroingManager)
+    _train(eng, [0, 1, 2])
+    assert eng.sync.allreduces >= 1
+    assert _state(eng)[0]["params"] == before, "the optimizer stepped on a gradient the cross-replica sync did not touch"
 
 
 @pytest.mark.parametrize("stage", [2, 3])

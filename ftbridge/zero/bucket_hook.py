@@ -45,7 +45,7 @@ import torch
 
 from ftbridge.grad_sync import PostBackwardSync
 from ftbridge.manager import ReplicaManager
-from ftbridge.zero.stages import Stage3Adapter, ZeroAdapter
+from ftbridge.zero.stages import BF16OptimizerAdapter, Stage3Adapter, ZeroAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,8 @@ def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
 def unsupported_reason(adapter: ZeroAdapter) -> str:
     """Why the per-bucket hook cannot run on this optimizer, or ``""`` if it can."""
     opt = adapter.optimizer
+    if isinstance(adapter, BF16OptimizerAdapter):
+        return "BF16_Optimizer reduces its full flat fp32 gradients after backward, not per bucket"
     if isinstance(adapter, Stage3Adapter):
         if not hasattr(opt, "grad_partitions_flat_buffer"):
             return "ZeRO-3 optimizer without grad_partitions_flat_buffer"

@@ -16,9 +16,14 @@ Where the gradient partition lives at the accumulation boundary (deepspeed
   fp32 ``flat_partition``.
 * ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): one flat
   ``grad_partitions_flat_buffer`` for all groups.
+* ``BF16_Optimizer`` (ZeRO-1 with bf16 parameters and fp32 gradient
+  accumulation): ``fp32_groups_gradients_flat[g]``, the *full* flat fp32
+  gradient of group ``g``, all-reduced in the group by the engine. Its step
+  clips by a norm over all of it, so the whole flat gradient is averaged
+  across replicas, not only the rank's partition (``group_size`` times the
+  bytes of a ZeRO-1/2 partition).
 
-Optimizer offload and ``BF16_Optimizer`` (ZeRO-1 + bf16 with fp32 gradient
-accumulation) are refused at start-up for now, with the reason.
+Optimizer offload is refused at start-up for now, with the reason.
 """
 
 from __future__ import annotations
@@ -171,12 +176,35 @@ class Stage3Adapter(ZeroAdapter):
             return [p.detach().clone() for p in params]
 
 
+class BF16OptimizerAdapter(ZeroAdapter):
+    """ZeRO-1 with bf16 parameters and fp32 gradient accumulation (``BF16_Optimizer``)."""
+
+    stage = 1
+
+    def partition_grads(self) -> List[torch.Tensor]:
+        # The boundary micro-step is folded into these fp32 buffers (backward_epilogue or the
+        # immediate_grad_update hooks) before the engine's in-group all-reduce of them
+        # (deepspeed/runtime/engine.py _backward_epilogue), so after backward they hold the group average.
+        return list(self.optimizer.fp32_groups_gradients_flat)
+
+    def discard_grads(self) -> None:
+        # What BF16_Optimizer.step does itself on an overflow: drop both gradient copies.
+        self.optimizer.clear_hp_grads()
+        self.optimizer.clear_lp_grads()
+
+    def load_heal_state(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(self._state_list(state), load_optimizer_states=True,
+                                       load_from_fp32_weights=True)
+        # fp32 master partitions -> bf16 parameters, all-gathered in the group.
+        self.optimizer.update_lp_params()
+
+
 def adapter_for(engine: Any) -> ZeroAdapter:
     """Pick the adapter for ``engine``'s ZeRO stage and optimizer.
 
     Raises:
-        ValueError: ZeRO stage 0, optimizer offload, or ``BF16_Optimizer``,
-            with what to change in the DeepSpeed config.
+        ValueError: ZeRO stage 0 or optimizer offload, with what to change in
+            the DeepSpeed config.
     """
     stage = engine.zero_optimization_stage()
     name = type(engine.optimizer).__name__
@@ -185,17 +213,13 @@ def adapter_for(engine: Any) -> ZeroAdapter:
             f"zero_optimization.stage={stage}: ftbridge shards optimizer state with ZeRO; "
             "set zero_optimization.stage to 1, 2 or 3 in the DeepSpeed config"
         )
-    if name == "BF16_Optimizer":
-        raise ValueError(
-            "DeepSpeed selected BF16_Optimizer (ZeRO-1 with bf16 and fp32 gradient accumulation), "
-            "which ftbridge does not support yet; use zero_optimization.stage 2, or set "
-            "data_types.grad_accum_dtype to 'bf16'"
-        )
     if getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer", False):
         raise ValueError(
             "zero_optimization.offload_optimizer is set; ftbridge does not support optimizer offload "
             "yet: remove offload_optimizer from the DeepSpeed config"
         )
+    if name == "BF16_Optimizer":
+        return BF16OptimizerAdapter(engine)
     if stage == 3:
         return Stage3Adapter(engine)
     return Stage12Adapter(engine)

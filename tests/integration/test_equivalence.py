@@ -26,6 +26,7 @@ FAST = [
     (2, 1, False, False, "post_backward"),
     (3, 4, False, False, "post_backward"),
     (2, 1, False, True, "post_backward"),
+    (1, 1, False, True, "per_bucket"),   # DeepSpeed's BF16_Optimizer; falls back to post-backward
 ]
 SLOW = [
     (stage, gas, overlap, bf16, mode)
@@ -70,9 +71,9 @@ def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode):
                                        msg=lambda m: f"group {g} param {name}: {m}")
     finals = [e for e in job.events() if e.get("event") == "final"]
     per_step = {f["cross_replica_allreduces"] / STEPS for f in finals}
-    # ZeRO-1/2 fall back to one post-backward all-reduce with gradient accumulation, and ZeRO-2 with bf16
-    # (fp32 accumulation: the compact path; the main job's ZeRO-1 bf16 accumulates in bf16).
-    fallback = stage in (1, 2) and gas > 1 or stage == 2 and bf16
+    # ZeRO-1/2 fall back to one post-backward all-reduce with gradient accumulation, and with bf16
+    # (fp32 accumulation: BF16_Optimizer for ZeRO-1, the compact path for ZeRO-2).
+    fallback = stage in (1, 2) and (gas > 1 or bf16)
     if mode == "per_bucket" and not fallback:
         assert min(per_step) > 1, f"per-bucket mode issued {per_step} all-reduces per step"
     else:
