@@ -211,3 +211,19 @@ def test_backward_without_forward_is_refused(monkeypatch):
     eng = _engine(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="without a training forward"):
         eng.backward(torch.tensor(1.0, requires_grad=True))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_optimizer_offload_is_refused_with_the_fix(monkeypatch, stage):
+    import deepspeed
+
+    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.zero.stages import adapter_for
+
+    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
+                 "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   config=ds_config)
+    with pytest.raises(ValueError, match="remove offload_optimizer"):
+        adapter_for(raw)
