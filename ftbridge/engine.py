@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.grad_sync import PostBackwardSync
+from ftbridge.heal import agree_on_heal, guard_heal
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.bucket_hook import PerBucketSync
@@ -69,6 +70,7 @@ class FaultTolerantEngine:
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
         self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
                                       use_cuda=next(engine.module.parameters()).is_cuda)
+        guard_heal(self.manager.torchft)
         if cfg.sync_mode == "per_bucket":
             self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary,
                                       min_bytes=cfg.cross_replica_bucket_bytes)
@@ -154,6 +156,7 @@ class FaultTolerantEngine:
             self.engine.step(**kwargs)
             return
         self.sync.wait()
+        agree_on_heal(self.manager.torchft)
         committed = self.manager.should_commit()
         if committed:
             self.engine.step(**kwargs)

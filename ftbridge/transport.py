@@ -40,6 +40,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torchft.checkpointing.transport import CheckpointTransport
 
+from ftbridge import faults
+
 logger = logging.getLogger(__name__)
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -170,7 +172,11 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                half = len(body) // 2
+                self.wfile.write(body[:half])
+                self.wfile.flush()
+                faults.point("heal_send")
+                self.wfile.write(body[half:])
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("heal transport: " + fmt, *args)
@@ -227,12 +233,20 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
         Raises:
             urllib.error.URLError / OSError: the donor is unreachable or died.
+            ConnectionError / http.client.IncompleteRead: the body ended early
+                (the donor died while sending).
             ValueError: a malformed body.
         """
         url = f"{metadata}{step}"
         t0 = time.perf_counter()
         with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as resp:
-            body = resp.read()
+            size = int(resp.headers.get("Content-Length", "0"))
+            first = resp.read(size // 2)
+            faults.point("heal_recv")
+            body = first + resp.read()
+        if len(body) != size:
+            raise ConnectionError(f"heal state for step {step} from {url}: received {len(body)} of {size} bytes "
+                                  "(the donor died or the connection broke)")
         state = decode_state(body)
         logger.info("received heal state for step %d from replica rank %d (%s): %.1f MB in %.3f s",
                     step, src_rank, url, len(body) / 1e6, time.perf_counter() - t0)

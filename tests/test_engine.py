@@ -64,6 +64,7 @@ class FakeManager:
         return ok
 
     current_step = property(lambda self: self.step)
+    torchft = None  # no torchft Manager underneath: nothing heals
     participants = 1
     replica_rank = 0
     quorum_id = 1

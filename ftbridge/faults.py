@@ -1,0 +1,112 @@
+"""Named fault points: SIGKILL this process at a precise place, for chaos runs and tests.
+
+Some failures cannot be hit reliably from outside by timing a signal: "the
+donor dies half-way through sending its state" lasts milliseconds. The code
+at such a place calls :func:`point`; it does nothing unless the run armed it.
+
+Arming: set ``FTBRIDGE_FAULT_DIR`` (a folder) in the environment of the
+processes, then create ``$FTBRIDGE_FAULT_DIR/<name>`` holding which process
+should die:
+
+* empty: the first process to reach the point;
+* ``"G"``: the first rank of replica group ``G`` to reach it;
+* ``"G R"``: group rank ``R`` of replica group ``G``.
+
+A point fires **once**: the process that fires renames the trigger file to
+``<name>.fired`` (an atomic rename, so two processes never both fire) and
+appends its identity and the time to it, then kills itself with SIGKILL.
+With ``FTBRIDGE_FAULT_DIR`` unset, :func:`point` costs one dictionary lookup.
+
+Points in ftbridge:
+
+=================  ==========================================================
+``heal_send``      donor, after sending half of its heal state
+``heal_recv``      joiner, after receiving half of the heal state
+=================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Optional, Tuple
+
+ENV_DIR = "FTBRIDGE_FAULT_DIR"
+POINTS = ("heal_send", "heal_recv")
+"""Fault point names that ftbridge's code calls."""
+
+
+def _identity() -> Tuple[Optional[int], Optional[int]]:
+    def num(*names: str) -> Optional[int]:
+        for n in names:
+            v = os.environ.get(n)
+            if v is not None and v.strip().lstrip("-").isdigit():
+                return int(v)
+        return None
+    return num("FTBRIDGE_REPLICA_GROUP_ID", "REPLICA_GROUP_ID"), num("FTBRIDGE_GROUP_RANK", "RANK")
+
+
+def matches(target: str, group: Optional[int], rank: Optional[int]) -> bool:
+    """Whether trigger file content ``target`` selects the process ``group``/``rank``.
+
+    Raises:
+        ValueError: ``target`` is not empty, ``"G"`` or ``"G R"`` with integers.
+    """
+    fields = target.split()
+    if len(fields) > 2 or not all(f.lstrip("-").isdigit() for f in fields):
+        raise ValueError(f"fault trigger {target!r}: write '' (any process), 'G' (replica group G) or "
+                         "'G R' (group rank R of replica group G)")
+    want = [int(f) for f in fields]
+    return all(w == have for w, have in zip(want, (group, rank)))
+
+
+def arm(fault_dir: str, name: str, group: Optional[int] = None, rank: Optional[int] = None) -> str:
+    """Create the trigger for point ``name`` in ``fault_dir`` (atomically); return its path.
+
+    Raises:
+        ValueError: ``name`` is not a known point, or ``rank`` without ``group``.
+    """
+    if name not in POINTS:
+        raise ValueError(f"fault point {name!r}: choose one of {', '.join(POINTS)}")
+    if rank is not None and group is None:
+        raise ValueError("a fault target with a group rank needs its replica group too")
+    os.makedirs(fault_dir, exist_ok=True)
+    path = os.path.join(fault_dir, name)
+    tmp = f"{path}.arming"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(" ".join(str(x) for x in (group, rank) if x is not None))
+    os.replace(tmp, path)
+    return path
+
+
+def fired(fault_dir: str, name: str) -> bool:
+    """Whether point ``name`` has fired in this run."""
+    return os.path.exists(os.path.join(fault_dir, f"{name}.fired"))
+
+
+def point(name: str) -> None:
+    """Fault point ``name``: SIGKILL this process here if the run armed it for this process."""
+    fault_dir = os.environ.get(ENV_DIR)
+    if not fault_dir:
+        return
+    path = os.path.join(fault_dir, name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            target = f.read()
+    except OSError:
+        return
+    group, rank = _identity()
+    if not matches(target, group, rank):
+        return
+    done = f"{path}.fired"
+    try:
+        os.rename(path, done)            # exactly one process wins
+    except OSError:
+        return
+    with open(done, "a", encoding="utf-8") as f:
+        f.write(f"\nreplica_group={group} group_rank={rank} pid={os.getpid()} time={time.time():.3f}\n")
+    print(f"FAULT {name}: replica group {group} rank {rank} (pid {os.getpid()}) kills itself", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
