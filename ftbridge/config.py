@@ -218,6 +218,8 @@ class FTBridgeConfig:
         for name, (kind, env_names) in cls._ENV.items():
             given = overrides.get(name)
             if given is not None:
+                if kind == "json" and isinstance(given, str):
+                    given = _parse_json_object(given, name)
                 values[name] = _as_timedelta(given, name) if kind in ("s", "ms") else given
                 continue
             raw = _env(environ, *env_names)
@@ -328,8 +330,8 @@ def _parse_json_object(raw: str, name: str) -> dict:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise ValueError(f"environment variable {name}={raw!r} is not a JSON object; "
-                         'set it like \'{"matrix_approximation_rank": 2}\' or unset it')
+        raise ValueError(f"{name}={raw!r} is not a JSON object; give one like "
+                         """'{"matrix_approximation_rank": 2}', or unset it""")
     return value
 
 

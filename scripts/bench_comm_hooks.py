@@ -56,6 +56,29 @@ def run_hook(workdir: str, train_args: list, hook: str, wrapper: str, nproc: int
             "bytes_all_ranks": sum(f["cross_replica_bytes"] for f in finals if f["replica_group"] == 0)}
 
 
+def report(rows: list, args: argparse.Namespace) -> None:
+    """Steady-state bytes per step, and the table with ratios against the first row (``no``)."""
+    full = rows[0]["bytes_total_per_rank"] / args.steps if rows[0]["hook"] == "no" else None
+    for row in rows:
+        if full is not None and row["hook"].endswith("power_sgd"):
+            # before start_powerSGD_iter the hook averages the whole partition (in the wrapper's dtype)
+            warm = full / 2 if row["wrapper"] in ("fp16", "bf16") else full
+            row["bytes_per_step"] = (row["bytes_total_per_rank"] - args.warmup * warm) / (args.steps - args.warmup)
+        else:
+            row["bytes_per_step"] = row["bytes_total_per_rank"] / args.steps
+    base = rows[0]
+    print(f"\n{args.steps} steps, 2 replica groups x {args.nproc} rank(s), ZeRO-{args.zero_stage}, "
+          f"PowerSGD rank {args.rank} from step {args.warmup}; ratios against {base['hook']}")
+    print(f"{'hook':<26}{'bytes/step':>12}{'x':>7}{'step ms':>9}{'x':>7}{'val loss':>10}{'x':>7}"
+          f"{'train loss':>12}{'x':>7}")
+    for row in rows:
+        name = row["hook"] + ("" if row["wrapper"] == "no" else f"+{row['wrapper']}")
+        print(f"{name:<26}{row['bytes_per_step']:>12,.0f}{row['bytes_per_step'] / base['bytes_per_step']:>7.3f}"
+              f"{row['step_time_s'] * 1e3:>9.1f}{row['step_time_s'] / base['step_time_s']:>7.2f}"
+              f"{row['val_loss']:>10.4f}{row['val_loss'] / base['val_loss']:>7.3f}"
+              f"{row['train_loss_last10']:>12.4f}{row['train_loss_last10'] / base['train_loss_last10']:>7.3f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100)
@@ -68,7 +91,13 @@ def main(argv=None) -> int:
                    help="comma-separated hook+wrapper pairs")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--report", default=None, metavar="JSON", help="print the table of an earlier --json run")
     args = p.parse_args(argv)
+    if args.report:
+        with open(args.report, encoding="utf-8") as f:
+            saved = json.load(f)
+        report(saved["rows"], argparse.Namespace(**saved["args"]))
+        return 0
     if args.steps <= args.warmup + 10:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup} by more than 10")
     train = ["--steps", str(args.steps), "--zero-stage", str(args.zero_stage), "--val-every", "0",
@@ -85,23 +114,7 @@ def main(argv=None) -> int:
                      "val_loss": r["final"]["val_loss"], "train_loss_last10": statistics.mean(r["losses"][-10:]),
                      "compression_rate": r["final"].get("comm_hook_compression_rate")})
         print(f"done {hook}+{wrapper or 'no'}", flush=True)
-    full = rows[0]["bytes_total_per_rank"] / args.steps if rows[0]["hook"] == "no" else None
-    for row in rows:
-        if full is not None and row["hook"].endswith("power_sgd"):
-            row["bytes_per_step"] = (row["bytes_total_per_rank"] - args.warmup * full) / (args.steps - args.warmup)
-        else:
-            row["bytes_per_step"] = row["bytes_total_per_rank"] / args.steps
-    base = rows[0]
-    print(f"\n{args.steps} steps, 2 replica groups x {args.nproc} rank(s), ZeRO-{args.zero_stage}, "
-          f"PowerSGD rank {args.rank} from step {args.warmup}; ratios against {base['hook']}")
-    print(f"{'hook':<26}{'bytes/step':>12}{'x':>7}{'step ms':>9}{'x':>7}{'val loss':>10}{'x':>7}"
-          f"{'train loss':>12}{'x':>7}")
-    for row in rows:
-        name = row["hook"] + ("" if row["wrapper"] == "no" else f"+{row['wrapper']}")
-        print(f"{name:<26}{row['bytes_per_step']:>12,.0f}{row['bytes_per_step'] / base['bytes_per_step']:>7.3f}"
-              f"{row['step_time_s'] * 1e3:>9.1f}{row['step_time_s'] / base['step_time_s']:>7.2f}"
-              f"{row['val_loss']:>10.4f}{row['val_loss'] / base['val_loss']:>7.3f}"
-              f"{row['train_loss_last10']:>12.4f}{row['train_loss_last10'] / base['train_loss_last10']:>7.3f}")
+    report(rows, args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:

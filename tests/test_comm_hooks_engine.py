@@ -22,13 +22,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_world(tmp_path_factory):
+    """A one-rank gloo world, left up for tests/test_engine.py (DeepSpeed caches its groups, so a
+    second world in the same session breaks it; that module destroys the world when it ends)."""
     saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     os.environ.update({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"})
     if not dist.is_initialized():
         store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -80,13 +80,17 @@ class CommHookState:
             Never raises for a peer's failure: the manager records it and the
             step is discarded.
         """
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        self.allreduces += 1
+        self.count(tensor)
         if average and tensor.dtype not in LOW_PRECISION:
             return self.manager.allreduce(tensor)
         if average:
             tensor.div_(self.participants)
         return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """Record one cross-replica message of ``tensor`` (hooks that call the manager directly)."""
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.allreduces += 1
 
     # -- step outcome and heal (stateless by default) ------------------------
     def commit(self) -> None:

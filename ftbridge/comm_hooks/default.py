@@ -38,13 +38,13 @@ def allreduce_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
     Returns:
         Work; after ``wait()`` ``tensor`` holds the average.
     """
-    return state.allreduce(tensor)
+    state.count(tensor)
+    return state.manager.allreduce(tensor)  # torchft's AVG for every dtype: ftbridge's behaviour without hooks
 
 
 def _compress_hook(dtype: torch.dtype, state: CommHookState, tensor: torch.Tensor) -> Any:
     low = tensor.div(state.participants).to(dtype)
-    state.bytes_sent += low.numel() * low.element_size()
-    state.allreduces += 1
+    state.count(low)
     work = state.manager.allreduce(low, reduce_op=ReduceOp.SUM)
     return CastBackWork(work, low, tensor)
 
