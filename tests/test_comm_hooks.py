@@ -388,3 +388,28 @@ def test_a_failing_hook_discards_the_step():
     sync.on_boundary_backward()
     sync.wait()
     assert len(world.errors) == 1 and "boom" in str(world.errors[0])
+
+
+def test_launcher_flags_become_ftbridge_variables(tmp_path):
+    from tests.test_launcher import GROUP, build
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    opts = '{"matrix_approximation_rank": 2}'
+    _, env, _ = build([*GROUP, "--comm-hook", "power_sgd", "--comm-wrapper", "fp16", "--comm-state-option", opts,
+                       "--", str(script)], environ={})
+    assert (env["FTBRIDGE_COMM_HOOK"], env["FTBRIDGE_COMM_WRAPPER"], env["FTBRIDGE_COMM_STATE_OPTION"]) == \
+        ("power_sgd", "fp16", opts)
+    with pytest.raises(ValueError, match="comm_state_option.*--comm-state-option or FTBRIDGE_COMM_STATE_OPTION"):
+        build([*GROUP, "--comm-hook", "power_sgd", "--comm-state-option", '{"rank": 2}', "--", str(script)],
+              environ={})
+
+
+def test_user_hook_can_ask_for_the_whole_partition():
+    def my_hook(state, tensor):
+        return state.allreduce(tensor)
+
+    assert comm_hooks.build(my_hook)[1].needs_partition is False
+    my_hook.needs_partition = True
+    hook, state = comm_hooks.build(my_hook)
+    assert hook is my_hook and state.needs_partition is True

@@ -141,7 +141,9 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
 
     Args:
         comm_hook: a :class:`DDPCommunicationHookType` (or its value), or a
-            callable ``hook(state, tensor) -> work`` of the user's.
+            callable ``hook(state, tensor) -> work`` of the user's (with an
+            attribute ``needs_partition = True`` it gets the whole partition
+            after backward and ``state.layout``, like PowerSGD).
         comm_wrapper: ``no``, ``fp16`` or ``bf16`` cast around a PowerSGD hook.
         comm_state_option: PowerSGD options (:data:`POWER_SGD_DEFAULTS`).
         manager: the rank's :class:`ftbridge.manager.ReplicaManager`.
@@ -157,7 +159,10 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
     from ftbridge.comm_hooks.base import CommHookState
 
     if callable(comm_hook) and not isinstance(comm_hook, (str, DDPCommunicationHookType)):
-        return comm_hook, CommHookState(manager)
+        state = CommHookState(manager)
+        # A user hook that needs the whole partition and its layout sets ``hook.needs_partition = True``.
+        state.needs_partition = bool(getattr(comm_hook, "needs_partition", False))
+        return comm_hook, state
     validate(comm_hook, comm_wrapper, comm_state_option)
     kind, wrapper = hook_type(comm_hook), hook_type(comm_wrapper, "comm_wrapper")
     if kind in POWER_SGD_HOOKS:

@@ -273,67 +273,80 @@ def _power_sgd(state: PowerSGDState, tensor: torch.Tensor) -> Any:
     if step < state.start_powerSGD_iter:
         state._pending = {"step": step}
         return state.allreduce(tensor)
-    plan = state.plan(tensor.numel())
-    dtype = tensor.dtype
-    source = tensor
-    if state.batched:  # the square matrix is a zero-padded copy
-        side = plan.matrices[0].rows
-        source = torch.zeros(side * side, dtype=dtype)
-        source[:tensor.numel()].copy_(tensor)
-    mats = [source.narrow(0, m.offset, m.numel).view(m.rows, m.cols) for m in plan.matrices]
-    state.total_numel_before_compression += tensor.numel()
-    state.total_numel_after_compression += plan.plain_numel + plan.p_numel + plan.q_numel
+    return _Step(state, tensor, step).start()
 
-    m_in = None
-    if state.use_error_feedback and mats:
-        err = state.error
-        if err is None or err.numel() != plan.compressed_numel or err.dtype != dtype:
-            err = torch.zeros(plan.compressed_numel, dtype=dtype)
+
+class _Step:
+    """One PowerSGD step on one partition: P message, then Q message, then decompression."""
+
+    def __init__(self, state: PowerSGDState, tensor: torch.Tensor, step: int) -> None:
+        self.state, self.tensor, self.step = state, tensor, step
+        self.plan = plan = state.plan(tensor.numel())
+        dtype = tensor.dtype
+        self.source = tensor
+        if state.batched:  # the square matrix is a zero-padded copy
+            side = plan.matrices[0].rows
+            self.source = torch.zeros(side * side, dtype=dtype)
+            self.source[:tensor.numel()].copy_(tensor)
+        self.mats = [self.source.narrow(0, m.offset, m.numel).view(m.rows, m.cols) for m in plan.matrices]
+        state.total_numel_before_compression += tensor.numel()
+        state.total_numel_after_compression += plan.plain_numel + plan.p_numel + plan.q_numel
+        self.m_in = self._add_error() if state.use_error_feedback and self.mats else None
+        self.batches = [self.mats[g[0]].unsqueeze(0) if len(g) == 1 else torch.stack([self.mats[i] for i in g])
+                        for g in plan.groups]
+        if state.warm_start and state.q is not None and state.q.numel() == plan.q_numel:
+            self.q = state.q.to(dtype=dtype, copy=True)
+        else:
+            self.q = _random_q(state, step, plan.q_numel, dtype)
+        self.first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype)
+        self.ps, self.qs = _factor_views(plan, self.first, plan.plain_numel, self.q)
+
+    def _add_error(self) -> torch.Tensor:
+        """``M += e`` for every compressed matrix; returns the flat ``M_in`` for the next error."""
+        err = self.state.error
+        n = self.plan.compressed_numel
+        if err is None or err.numel() != n or err.dtype != self.tensor.dtype:
+            err = torch.zeros(n, dtype=self.tensor.dtype)
         offset = 0
-        for m in mats:
+        for m in self.mats:
             m.add_(err[offset:offset + m.numel()].view_as(m))
             offset += m.numel()
-        m_in = torch.cat([m.reshape(-1) for m in mats])
+        return torch.cat([m.reshape(-1) for m in self.mats])
 
-    batches = [mats[g[0]].unsqueeze(0) if len(g) == 1 else torch.stack([mats[i] for i in g]) for g in plan.groups]
-    if state.warm_start and state.q is not None and state.q.numel() == plan.q_numel:
-        q = state.q.to(dtype=dtype, copy=True)
-    else:
-        q = _random_q(state, step, plan.q_numel, dtype)
-    first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype)
-    offset = 0
-    for off, n in plan.plain:
-        first[offset:offset + n].copy_(tensor[off:off + n])
-        offset += n
-    ps, qs = _factor_views(plan, first, plan.plain_numel, q)
-    for m, p_, q_ in zip(batches, ps, qs):
-        orthogonalize(q_, state.orthogonalization_epsilon)
-        torch.bmm(m, q_, out=p_)
-    work = state.allreduce(first)
-
-    def compute_q() -> Any:
+    def start(self) -> Any:
+        """``P = M Q`` and the first message: uncompressed elements and P, averaged."""
         offset = 0
-        for off, n in plan.plain:
-            tensor[off:off + n].copy_(first[offset:offset + n])
+        for off, n in self.plan.plain:
+            self.first[offset:offset + n].copy_(self.tensor[off:off + n])
             offset += n
-        for m, p_, q_ in zip(batches, ps, qs):
-            orthogonalize(p_, state.orthogonalization_epsilon)
-            torch.bmm(m.transpose(1, 2), p_, out=q_)
-        return ChainWork(state.allreduce(q), decompress)
+        for m, p, q in zip(self.batches, self.ps, self.qs):
+            orthogonalize(q, self.state.orthogonalization_epsilon)
+            torch.bmm(m, q, out=p)
+        return ChainWork(self.state.allreduce(self.first), self.compute_q)
 
-    def decompress() -> None:
-        for g, m, p_, q_ in zip(plan.groups, batches, ps, qs):
-            approx = torch.bmm(p_, q_.transpose(1, 2))
+    def compute_q(self) -> Any:
+        """Unpack the uncompressed elements; ``Q = M^T orth(P)`` and the second message."""
+        offset = 0
+        for off, n in self.plan.plain:
+            self.tensor[off:off + n].copy_(self.first[offset:offset + n])
+            offset += n
+        for m, p, q in zip(self.batches, self.ps, self.qs):
+            orthogonalize(p, self.state.orthogonalization_epsilon)
+            torch.bmm(m.transpose(1, 2), p, out=q)
+        return ChainWork(self.state.allreduce(self.q), self.decompress)
+
+    def decompress(self) -> None:
+        """``M = P Q^T``; keep the new Q and error aside until the step commits."""
+        for g, p, q in zip(self.plan.groups, self.ps, self.qs):
+            approx = torch.bmm(p, q.transpose(1, 2))
             for j, i in enumerate(g):
-                mats[i].copy_(approx[j])
-        pending: Dict[str, Any] = {"step": step, "q": q.float()}
-        if m_in is not None:
-            pending["error"] = m_in - torch.cat([m.reshape(-1) for m in mats])
-        if state.batched:
-            tensor.copy_(source[:tensor.numel()])
-        state._pending = pending
-
-    return ChainWork(work, compute_q)
+                self.mats[i].copy_(approx[j])
+        pending: Dict[str, Any] = {"step": self.step, "q": self.q.float()}
+        if self.m_in is not None:
+            pending["error"] = self.m_in - torch.cat([m.reshape(-1) for m in self.mats])
+        if self.state.batched:
+            self.tensor.copy_(self.source[:self.tensor.numel()])
+        self.state._pending = pending
 
 
 def _factor_views(plan: _Plan, p_buf: torch.Tensor, p_start: int,
