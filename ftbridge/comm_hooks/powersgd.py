@@ -106,7 +106,7 @@ class PowerSGDState(CommHookState):
         self.iter = 0
         """Committed steps seen by this hook (shared: a joiner receives it)."""
         self.q: Optional[torch.Tensor] = None
-        """Last committed Q of every matrix, flat fp32 (shared; warm start)."""
+        """Last committed Q of every matrix, flat fp32 on the CPU (shared; warm start)."""
         self.error: Optional[torch.Tensor] = None
         """Local error-feedback buffer over the compressed elements (not shared)."""
         self.total_numel_before_compression = 0
@@ -168,7 +168,7 @@ class PowerSGDState(CommHookState):
             raise ValueError(f"peer's PowerSGD random_seed={state['random_seed']} differs from ours "
                              f"({self.random_seed}); run every replica group with the same comm_state_option")
         self.iter = int(state["iter"])
-        self.q = state["q"].detach().float().clone() if state["has_q"] else None
+        self.q = state["q"].detach().float().cpu().clone() if state["has_q"] else None
         self.error = None
         self._healed = True
 
@@ -219,6 +219,7 @@ class _Plan:
 
 
 def _random_q(state: PowerSGDState, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A random Q on the CPU (as PyTorch, so every device draws the same), from (random_seed, step)."""
     g = torch.Generator().manual_seed((state.random_seed * 1_000_003 + step) % (2 ** 63))
     return torch.randn(numel, generator=g, dtype=torch.float32).to(dtype)
 
@@ -286,7 +287,7 @@ class _Step:
         self.source = tensor
         if state.batched:  # the square matrix is a zero-padded copy
             side = plan.matrices[0].rows
-            self.source = torch.zeros(side * side, dtype=dtype)
+            self.source = tensor.new_zeros(side * side)
             self.source[:tensor.numel()].copy_(tensor)
         self.mats = [self.source.narrow(0, m.offset, m.numel).view(m.rows, m.cols) for m in plan.matrices]
         state.total_numel_before_compression += tensor.numel()
@@ -295,10 +296,10 @@ class _Step:
         self.batches = [self.mats[g[0]].unsqueeze(0) if len(g) == 1 else torch.stack([self.mats[i] for i in g])
                         for g in plan.groups]
         if state.warm_start and state.q is not None and state.q.numel() == plan.q_numel:
-            self.q = state.q.to(dtype=dtype, copy=True)
+            self.q = state.q.to(device=tensor.device, dtype=dtype, copy=True)
         else:
-            self.q = _random_q(state, step, plan.q_numel, dtype)
-        self.first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype)
+            self.q = _random_q(state, step, plan.q_numel, dtype).to(tensor.device)
+        self.first = tensor.new_empty(plan.plain_numel + plan.p_numel)
         self.ps, self.qs = _factor_views(plan, self.first, plan.plain_numel, self.q)
 
     def _add_error(self) -> torch.Tensor:
@@ -306,7 +307,7 @@ class _Step:
         err = self.state.error
         n = self.plan.compressed_numel
         if err is None or err.numel() != n or err.dtype != self.tensor.dtype:
-            err = torch.zeros(n, dtype=self.tensor.dtype)
+            err = self.tensor.new_zeros(n)
         offset = 0
         for m in self.mats:
             m.add_(err[offset:offset + m.numel()].view_as(m))
@@ -341,7 +342,7 @@ class _Step:
             approx = torch.bmm(p, q.transpose(1, 2))
             for j, i in enumerate(g):
                 self.mats[i].copy_(approx[j])
-        pending: Dict[str, Any] = {"step": self.step, "q": self.q.float()}
+        pending: Dict[str, Any] = {"step": self.step, "q": self.q.float().cpu()}
         if self.m_in is not None:
             pending["error"] = self.m_in - torch.cat([m.reshape(-1) for m in self.mats])
         if self.state.batched:
