@@ -154,6 +154,20 @@ class FTBridgeConfig:
     """Path of the JSON-lines event log; ``{replica_group}`` and
     ``{group_rank}`` are substituted (``FTBRIDGE_EVENT_LOG``)."""
 
+    comm_hook: str = "no"
+    """Communication hook of the cross-replica all-reduce, Accelerate's names:
+    ``no``, ``fp16``, ``bf16``, ``power_sgd``, ``batched_power_sgd``
+    (``FTBRIDGE_COMM_HOOK``); see :mod:`ftbridge.comm_hooks`."""
+
+    comm_wrapper: str = "no"
+    """``fp16`` or ``bf16`` cast around a PowerSGD hook; ``no`` for none
+    (``FTBRIDGE_COMM_WRAPPER``)."""
+
+    comm_state_option: Mapping[str, Any] = field(default_factory=dict)
+    """PowerSGD options under PyTorch's names (``matrix_approximation_rank``,
+    ``start_powerSGD_iter``, ...); unset ones take PyTorch's defaults
+    (``FTBRIDGE_COMM_STATE_OPTION``, a JSON object)."""
+
     # (field name, type, env names) in precedence order.
     _ENV = {
         "replica_group_id": (int, ("FTBRIDGE_REPLICA_GROUP_ID", "REPLICA_GROUP_ID")),
@@ -174,6 +188,9 @@ class FTBridgeConfig:
         "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
         "cross_replica_bucket_bytes": (int, ("FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
+        "comm_hook": (str, ("FTBRIDGE_COMM_HOOK",)),
+        "comm_wrapper": (str, ("FTBRIDGE_COMM_WRAPPER",)),
+        "comm_state_option": ("json", ("FTBRIDGE_COMM_STATE_OPTION",)),
     }
 
     @classmethod
@@ -201,6 +218,8 @@ class FTBridgeConfig:
         for name, (kind, env_names) in cls._ENV.items():
             given = overrides.get(name)
             if given is not None:
+                if kind == "json" and isinstance(given, str):
+                    given = _parse_json_object(given, name)
                 values[name] = _as_timedelta(given, name) if kind in ("s", "ms") else given
                 continue
             raw = _env(environ, *env_names)
@@ -209,6 +228,8 @@ class FTBridgeConfig:
             env_name = next(n for n in env_names if environ.get(n) not in (None, ""))
             if kind in ("s", "ms"):
                 values[name] = _as_timedelta(_parse(float, raw, env_name), env_name, scale=1.0 if kind == "s" else 1e-3)
+            elif kind == "json":
+                values[name] = _parse_json_object(raw, env_name)
             else:
                 values[name] = _parse(kind, raw, env_name)
         cfg = cls(**values)
@@ -272,6 +293,9 @@ class FTBridgeConfig:
              f"cross_replica_bucket_bytes={self.cross_replica_bucket_bytes} must be >= 0 (0: one message per bucket)")
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
+        from ftbridge import comm_hooks
+
+        comm_hooks.validate(self.comm_hook, self.comm_wrapper, self.comm_state_option)
         need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),
              f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; give this node's address "
              "(127.0.0.1 on one machine, the private-network address across machines)")
@@ -296,6 +320,19 @@ class FTBridgeConfig:
             "TORCHFT_CONNECT_TIMEOUT_SEC": _whole_seconds(self.connect_timeout),
             "TORCHFT_QUORUM_RETRIES": str(self.quorum_retries),
         }
+
+
+def _parse_json_object(raw: str, name: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={raw!r} is not a JSON object; give one like "
+                         """'{"matrix_approximation_rank": 2}', or unset it""")
+    return value
 
 
 def _as_timedelta(value: Any, name: str, scale: float = 1.0) -> timedelta:

@@ -35,6 +35,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from ftbridge import comm_hooks
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.grad_sync import PostBackwardSync
@@ -59,9 +60,12 @@ class FaultTolerantEngine:
         cfg: resolved ftbridge configuration.
         checksum_every: write a parameter checksum to the event log every N
             steps (0: never). Under ZeRO-3 this gathers the parameters.
+        comm_hook: a user communication hook ``hook(state, flat) -> work``
+            (:mod:`ftbridge.comm_hooks`); default: ``cfg.comm_hook``.
     """
 
-    def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: int = 1) -> None:
+    def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: int = 1,
+                 comm_hook: Optional[Callable[..., Any]] = None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.adapter: ZeroAdapter = adapter_for(engine)
@@ -71,12 +75,16 @@ class FaultTolerantEngine:
         self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
                                       use_cuda=next(engine.module.parameters()).is_cuda)
         guard_heal(self.manager.torchft)
+        hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
+                                            self.manager)
         if cfg.sync_mode == "per_bucket":
             self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary,
-                                      min_bytes=cfg.cross_replica_bucket_bytes)
+                                      min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
         else:
-            self.sync = PostBackwardSync(self.manager, self.adapter)
+            self.sync = PostBackwardSync(self.manager, self.adapter, hook=hook, hook_state=hook_state)
         self.sync.install()
+        if hook_state.state_dict() is not None:  # shared hook state (PowerSGD's Q, iteration) travels in a heal
+            self.register_state("comm_hook", hook_state.state_dict, hook_state.load_state_dict)
         self.events = EventLog(cfg.event_log_path(),
                                {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
 
@@ -159,6 +167,7 @@ class FaultTolerantEngine:
         agree_on_heal(self.manager.torchft)
         committed = self.manager.should_commit()
         if committed:
+            self.sync.commit()
             self.engine.step(**kwargs)
         else:
             self.sync.reset()
@@ -244,15 +253,21 @@ class FaultTolerantEngine:
 
 
 def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBridgeConfig] = None,
-               checksum_every: int = 1, **kwargs: Any) -> Tuple[FaultTolerantEngine, Any, Any, Any]:
+               checksum_every: int = 1, comm_hook: Optional[Callable[..., Any]] = None,
+               **kwargs: Any) -> Tuple[FaultTolerantEngine, Any, Any, Any]:
     """``deepspeed.initialize`` for one replica group of a fault-tolerant job.
 
     Args:
         model: the module (identically initialised on every replica group,
             unless ``ft_config.init_sync``).
         config: the DeepSpeed config (dict or JSON path), ZeRO stage 1, 2 or 3.
+            An ``"ftbridge"`` section (``comm_hook``, ``comm_wrapper``,
+            ``comm_state_option``, or any other :class:`FTBridgeConfig` field)
+            is removed before DeepSpeed sees the config and overrides the
+            environment (an explicit ``ft_config`` wins over both).
         ft_config: ftbridge settings; resolved from the environment when ``None``.
         checksum_every: see :class:`FaultTolerantEngine`.
+        comm_hook: a user communication hook, see :class:`FaultTolerantEngine`.
         **kwargs: passed to ``deepspeed.initialize`` (``optimizer``,
             ``model_parameters``, ``lr_scheduler``, ``training_data`` ...).
 
@@ -272,7 +287,8 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             "(or torchrun), e.g. ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 "
             "-- train.py"
         )
-    cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve()
+    config, section = split_ds_config(config)
+    cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve(**section)
     cfg.validate()
     check_deepspeed_version()
     stage = _zero_stage(config)
@@ -288,8 +304,26 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             "its own world (launch each group with its own ftbridge-run / torchrun)"
         )
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
-    ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every)
+    ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook)
     return ft_engine, optimizer, loader, scheduler
+
+
+def split_ds_config(config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The DeepSpeed config (dict or JSON path) without its ``"ftbridge"`` section, and that section.
+
+    Raises:
+        ValueError: the section is not a JSON object.
+    """
+    if isinstance(config, str):
+        import json
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    config = dict(config)
+    section = config.pop("ftbridge", None) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f'DeepSpeed config "ftbridge" section is {section!r}; make it an object like '
+                         '{"comm_hook": "power_sgd", "comm_state_option": {"matrix_approximation_rank": 2}}')
+    return config, section
 
 
 def _zero_stage(config: Any) -> int:

@@ -11,15 +11,25 @@ completes before DeepSpeed's overflow check, gradient norm and clipping in
 when the backward pass of the accumulation boundary has finished: simple,
 no overlap with backward, and the baseline the per-bucket hook
 (:mod:`ftbridge.zero.bucket_hook`) is measured against.
+
+Every cross-replica message goes through a communication hook
+(:mod:`ftbridge.comm_hooks`; the default is the plain average): the hook
+gets the flat partition and a state whose ``allreduce`` is torchft's managed
+one. A hook that raises is reported to the manager, so the step is
+discarded on every replica, like a failed all-reduce. Hooks with state
+(PowerSGD) are told whether the step committed (:meth:`commit`,
+:meth:`reset`), and get the partition's fragment layout once, at install.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from ftbridge.comm_hooks.base import CommHookState, wait_result
+from ftbridge.comm_hooks.default import allreduce_hook
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.stages import ZeroAdapter
 
@@ -32,21 +42,41 @@ class PostBackwardSync:
     Args:
         manager: the rank's replica manager.
         adapter: where the partition lives for this ZeRO stage.
+        hook: communication hook ``hook(state, flat) -> work``; default plain average.
+        hook_state: its state; default a :class:`CommHookState` of ``manager``.
     """
 
-    def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter) -> None:
+    def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter,
+                 hook: Optional[Callable[..., Any]] = None, hook_state: Optional[CommHookState] = None) -> None:
         self.manager = manager
         self.adapter = adapter
+        self.hook = hook or allreduce_hook
+        self.hook_state = hook_state if hook_state is not None else CommHookState(manager)
         self._pending: List[Tuple[Any, torch.Tensor, List[torch.Tensor]]] = []
-        self.bytes_sent = 0
-        """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
-        self.allreduces = 0
-        """Cross-replica all-reduce calls so far."""
         self.enabled = True
         """Testing only: ``False`` skips the all-reduce, and the replica groups diverge."""
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
+        return self.hook_state.bytes_sent
+
+    @property
+    def allreduces(self) -> int:
+        """Cross-replica all-reduce calls so far."""
+        return self.hook_state.allreduces
+
     def install(self) -> None:
-        """Nothing to patch in this mode."""
+        """Give a hook that needs it the partition's fragment layout (nothing to patch)."""
+        if self.hook_state.needs_partition and self.hook_state.layout is None:
+            from ftbridge.comm_hooks.fragments import PartitionLayout, layout_for
+
+            try:
+                self.hook_state.layout = layout_for(self.adapter)
+            except ValueError:
+                if not getattr(self.hook_state, "batched", False):
+                    raise
+                self.hook_state.layout = PartitionLayout(sum(t.numel() for t in self.adapter.partition_grads()))
 
     def on_boundary_backward(self) -> None:
         """Start the asynchronous all-reduce of the partition (after the boundary backward)."""
@@ -64,9 +94,14 @@ class PostBackwardSync:
         else:
             flat = torch.cat([t.reshape(-1) for t in tensors])
             targets = tensors
-        self.bytes_sent += flat.numel() * flat.element_size()
-        self.allreduces += 1
-        self._pending.append((self.manager.allreduce(flat), flat, targets))
+        try:
+            work = self.hook(self.hook_state, flat)
+        except Exception as e:  # a hook's failure discards the step, like a failed all-reduce
+            logger.exception("communication hook %s failed; the step will be discarded",
+                             getattr(self.hook, "__name__", self.hook))
+            self.manager.report_error(e)
+            return
+        self._pending.append((work, flat, targets))
 
     def wait(self) -> None:
         """Block until every pending all-reduce finished and results are in place.
@@ -75,13 +110,23 @@ class PostBackwardSync:
         """
         pending, self._pending = self._pending, []
         for work, flat, targets in pending:
-            work.wait()
+            try:
+                wait_result(work, flat)
+            except Exception as e:
+                logger.exception("communication hook work failed; the step will be discarded")
+                self.manager.report_error(e)
+                continue
             offset = 0
             for t in targets:
                 n = t.numel()
                 t.copy_(flat[offset:offset + n].view_as(t))
                 offset += n
 
+    def commit(self) -> None:
+        """The step committed on every replica: the hook applies its state changes."""
+        self.hook_state.commit()
+
     def reset(self) -> None:
-        """Forget pending work (after a discarded step)."""
+        """Forget pending work (after a discarded step); the hook forgets its state changes."""
         self._pending = []
+        self.hook_state.discard()

@@ -100,6 +100,9 @@ _OPTIONAL_SETTINGS = {
     "quorum_timeout_s": ("FTBRIDGE_QUORUM_TIMEOUT_S", "quorum_timeout"),
     "heartbeat_interval_ms": ("FTBRIDGE_HEARTBEAT_INTERVAL_MS", "heartbeat_interval"),
     "event_log": ("FTBRIDGE_EVENT_LOG", "event_log"),
+    "comm_hook": ("FTBRIDGE_COMM_HOOK", "comm_hook"),
+    "comm_wrapper": ("FTBRIDGE_COMM_WRAPPER", "comm_wrapper"),
+    "comm_state_option": ("FTBRIDGE_COMM_STATE_OPTION", "comm_state_option"),
 }
 
 
@@ -130,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--quorum-timeout-s", type=float, help="bound on one quorum request, s")
     f.add_argument("--heartbeat-interval-ms", type=float, help="manager heartbeat interval, ms")
     f.add_argument("--event-log", help="JSON-lines event log; {replica_group} and {group_rank} substituted")
+    f.add_argument("--comm-hook", help="cross-replica communication hook: no, fp16, bf16, power_sgd, "
+                                       "batched_power_sgd (docs/comm_hooks.md)")
+    f.add_argument("--comm-wrapper", help="fp16 or bf16 cast around a PowerSGD hook")
+    f.add_argument("--comm-state-option", metavar="JSON", help="PowerSGD options as a JSON object")
     r = p.add_argument_group("torchrun rendezvous (one rendezvous per replica group)")
     r.add_argument("--nnodes", default="1", help="nodes of this group, N or MIN:MAX (default 1)")
     r.add_argument("--node-rank", type=int, default=0, help="this node's rank (static rendezvous)")

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000, help="DeepSpeed bucket size (elements)")
     p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
                    help="cross-replica gradient sync (default: $FTBRIDGE_SYNC_MODE or per_bucket)")
+    p.add_argument("--comm-hook", default=None,
+                   help="cross-replica communication hook: no, fp16, bf16, power_sgd, batched_power_sgd "
+                        "(default: $FTBRIDGE_COMM_HOOK or no)")
+    p.add_argument("--comm-wrapper", default=None, help="fp16 or bf16 cast around a PowerSGD hook")
+    p.add_argument("--comm-state-option", type=json.loads, default=None, metavar="JSON",
+                   help='PowerSGD options, e.g. \'{"matrix_approximation_rank": 2, "start_powerSGD_iter": 10}\'')
     p.add_argument("--val-every", type=int, default=50, help="validate every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=4)
     p.add_argument("--plain", action="store_true",

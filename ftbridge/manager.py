@@ -25,6 +25,7 @@ import os
 from typing import Any, Callable, Dict, Optional
 
 import torch
+from torch.distributed import ReduceOp
 from torchft import Manager
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 from torchft.work import _DummyWork
@@ -96,8 +97,8 @@ class ReplicaManager:
         self._healed_this_step = False
         self.torchft.start_quorum()
 
-    def allreduce(self, tensor: torch.Tensor) -> Any:
-        """Average ``tensor`` in place over the participating replica groups.
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+        """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.
 
         A healing replica contributes zeros and receives the average of the
         others. Errors never raise: they are recorded, the returned work
@@ -105,11 +106,13 @@ class ReplicaManager:
 
         Args:
             tensor: floating point, any shape, on the process group's device.
+            reduce_op: ``AVG`` (sum, then divide by the participants) or ``SUM``
+                (communication hooks that divide before a low-precision cast).
 
         Returns:
-            A ``Work`` whose ``wait()`` returns once ``tensor`` holds the average.
+            A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
         """
-        return self.torchft.allreduce(tensor)
+        return self.torchft.allreduce(tensor, reduce_op=reduce_op)
 
     def should_commit(self) -> bool:
         """Whether every rank of every participating group may apply this step.

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         deepspeed.init_distributed(dist_backend="gloo")
         topo = lm_job.Topology(dist.get_rank(), dist.get_world_size(), 0, dist.get_rank())
     else:
-        cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode)
+        cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
+                                     comm_wrapper=args.comm_wrapper, comm_state_option=args.comm_state_option)
         topo = lm_job.Topology(cfg.replica_group_id * cfg.group_size + cfg.group_rank,
                                cfg.num_replica_groups * cfg.group_size, cfg.replica_group_id, cfg.group_rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                             param_checksum=digest["params"], optimizer_checksum=digest["optimizer"],
                             lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals,
                             cross_replica_allreduces=engine.sync.allreduces,
-                            cross_replica_bytes=engine.sync.bytes_sent)
+                            cross_replica_bytes=engine.sync.bytes_sent, **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
                                       "step_times_s": step_times})
     if cfg:

@@ -34,12 +34,16 @@ micro-steps into ``all_grad_tensors`` in the epilogue, after the last bucket),
 the compact fp32-accumulation path for bf16/fp16 parameters,
 ``contiguous_gradients: false``, and a gradient accumulation dtype different
 from the parameters'. ZeRO-3 accumulates in place and has no such limit.
+A communication hook that needs the whole partition and its fragment layout
+(PowerSGD, :mod:`ftbridge.comm_hooks.powersgd`) also selects the
+post-backward all-reduce; elementwise hooks (``no``, ``fp16``, ``bf16``, and
+user hooks by default) run on each coalesced message.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -67,19 +71,25 @@ class PerBucketSync(PostBackwardSync):
             gradient accumulation boundary (the engine's own test).
         min_bytes: smallest cross-replica message, bytes; the remainder is
             sent when backward ends.
+        hook, hook_state: the communication hook (see :class:`PostBackwardSync`).
     """
 
     def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, is_boundary: Callable[[], bool],
-                 min_bytes: int = 25 << 20) -> None:
-        super().__init__(manager, adapter)
+                 min_bytes: int = 25 << 20, hook: Optional[Callable[..., Any]] = None,
+                 hook_state: Optional[Any] = None) -> None:
+        super().__init__(manager, adapter, hook, hook_state)
         self.is_boundary = is_boundary
         self.min_bytes = min_bytes
         self.fallback_reason = unsupported_reason(adapter)
+        if self.hook_state.needs_partition and not self.fallback_reason:
+            self.fallback_reason = (f"communication hook {getattr(self.hook, '__name__', self.hook)} needs the "
+                                    "whole partition and its fragment layout")
         self._open: List[torch.Tensor] = []
         self._open_bytes = 0
 
     def install(self) -> None:
         """Wrap the optimizer's per-bucket method (or log the fallback)."""
+        super().install()
         if self.fallback_reason:
             logger.warning("per-bucket cross-replica sync unavailable (%s); using one post-backward all-reduce",
                            self.fallback_reason)

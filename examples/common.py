@@ -1,0 +1,75 @@
+"""Shared body of the communication-hook examples: a tiny model trained by 2 replica groups.
+
+Each example (``python examples/fp16.py`` ...) calls :func:`run` with its
+``"ftbridge"`` DeepSpeed-config section. Started without torchrun it
+launches itself as a whole local job (lighthouse + 2 replica groups x 1 rank,
+:class:`ftbridge.local_job.LocalJob`) and prints every group's last line;
+under ``ftbridge-run`` (``RANK`` set) it trains::
+
+    ftbridge-lighthouse serve --bind 127.0.0.1:29510 &
+    ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 1 -- examples/fp16.py
+    ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 1 -- examples/fp16.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any, Callable, Dict, Optional
+
+STEPS = 30
+
+
+def run(script: str, section: Dict[str, Any], comm_hook: Optional[Callable] = None) -> None:
+    """Train under ftbridge-run, or launch this example as a 2-group local job."""
+    if "RANK" not in os.environ:
+        _launch(script)
+    else:
+        _train(section, comm_hook)
+
+
+def _train(section: Dict[str, Any], comm_hook: Optional[Callable]) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+
+    import ftbridge
+
+    torch.manual_seed(0)           # same initial model in every replica group
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    ds_config = {"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+                 "zero_optimization": {"stage": 2}, "ftbridge": section}
+    engine, *_ = ftbridge.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                     config=ds_config, comm_hook=comm_hook)
+    group = engine.cfg.replica_group_id
+    target = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) / 8
+    data = torch.Generator().manual_seed(100 + group)   # each group reads its own data
+    while engine.global_steps < STEPS:
+        x = torch.randn(16, 64, generator=data)
+        loss = torch.nn.functional.mse_loss(engine(x), torch.tanh(x @ target))
+        engine.backward(loss)
+        engine.step()
+    extra = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in engine.sync.hook_state.describe().items())
+    print(f"[replica {group}] step {engine.global_steps} loss {float(loss):.4f} "
+          f"cross-replica bytes {engine.sync.bytes_sent:,} in {engine.sync.allreduces} all-reduces {extra}",
+          flush=True)
+    engine.shutdown()
+    sys.stdout.flush()
+    os._exit(0)   # DeepSpeed's threads can abort interpreter shutdown on CPU
+
+
+def _launch(script: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from ftbridge.local_job import LocalJob
+
+    with tempfile.TemporaryDirectory(prefix="ftbridge_example_") as wd, \
+            LocalJob(wd, 2, 1, [], script=os.path.abspath(script), min_replicas=2, lighthouse_min_replicas=2,
+                     env={"OMP_NUM_THREADS": "1"}) as job:
+        job.start()
+        codes = job.wait(timeout_s=300)
+        for g in (0, 1):
+            lines = [line for line in job.log_text(g).splitlines() if line.startswith("[replica")]
+            print(lines[-1] if lines else f"replica group {g} printed nothing:\n{job.tails()}")
+        if codes != {0: 0, 1: 0}:
+            raise SystemExit(f"exit codes {codes}\n{job.tails()}")

@@ -1,0 +1,164 @@
+"""What a communication hook sees: the fault-tolerant all-reduce and the step.
+
+:class:`CommHookState` plays the part of DDP's ``process_group`` argument
+(PyTorch's hooks take ``(process_group_or_state, bucket)``): its
+:meth:`~CommHookState.allreduce` is torchft's managed all-reduce through the
+:class:`ftbridge.manager.ReplicaManager`, so errors are recorded (never
+raised) and the step is then discarded on every replica; a healing replica's
+tensor is zeroed before it is sent. It also counts the bytes each rank hands
+to the cross-replica link, which the tests and the benchmark read.
+
+Hooks with state that must survive membership changes (PowerSGD) subclass it
+and implement :meth:`commit`, :meth:`discard`, :meth:`state_dict` and
+:meth:`load_state_dict`; the gradient sync calls the first two after
+``should_commit``, the engine ships the last two in a heal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.distributed import ReduceOp
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class CommHookState:
+    """The manager-backed process group of one rank, as a hook sees it.
+
+    Args:
+        manager: the rank's replica manager (``allreduce(tensor, reduce_op=...)``,
+            ``participants``, ``current_step``).
+    """
+
+    needs_partition = False
+    """True for hooks that need the whole partition and its layout (PowerSGD):
+    the gradient sync then sends the partition after backward, not per bucket."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.layout: Any = None
+        """The :class:`ftbridge.comm_hooks.fragments.PartitionLayout` of the
+        rank's partition, set by the gradient sync before the first step."""
+        self.bytes_sent = 0
+        """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
+        self.allreduces = 0
+        """Cross-replica all-reduce calls so far."""
+
+    # -- what hooks call ----------------------------------------------------
+    @property
+    def participants(self) -> int:
+        """Replica groups taking part in this step (waits for the quorum)."""
+        return int(self.manager.participants)
+
+    @property
+    def step(self) -> int:
+        """Committed steps before this one, the same on every replica.
+
+        Read after the quorum: a healing replica's torchft step is then
+        already the quorum's ``max_step``, so it agrees with its peers before
+        the first collective (its own hook state is replaced only later, in
+        ``should_commit``).
+        """
+        self.participants  # noqa: B018  (waits for the quorum)
+        return int(self.manager.current_step)
+
+    def allreduce(self, tensor: torch.Tensor, average: bool = True) -> Any:
+        """Start averaging (or summing) ``tensor`` in place across replica groups.
+
+        Averages of fp32/fp64 tensors use torchft's ``AVG`` (sum, then divide
+        by the participants). fp16/bf16 tensors are divided first and summed,
+        so values near the format's maximum do not overflow in the sum.
+
+        Args:
+            tensor: contiguous floating point tensor, any shape.
+            average: ``False`` sums instead.
+
+        Returns:
+            Work whose ``wait()`` returns once ``tensor`` holds the result.
+            Never raises for a peer's failure: the manager records it and the
+            step is discarded.
+        """
+        self.count(tensor)
+        if average and tensor.dtype not in LOW_PRECISION:
+            return self.manager.allreduce(tensor)
+        if average:
+            tensor.div_(self.participants)
+        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """Record one cross-replica message of ``tensor`` (hooks that call the manager directly)."""
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.allreduces += 1
+
+    # -- step outcome and heal (stateless by default) ------------------------
+    def commit(self) -> None:
+        """The step was committed on every replica: apply this step's state changes."""
+
+    def discard(self) -> None:
+        """The step was discarded: forget this step's state changes."""
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """State shared by every replica that a joiner must receive, or ``None``."""
+        return None
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load a peer's :meth:`state_dict` (called during a heal)."""
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON scalars for the event log's final record (shared state digests)."""
+        return {}
+
+
+class CastBackWork:
+    """Completes a hook run on a low-precision copy: copies the result back.
+
+    Args:
+        work: the work of the hook run on ``low``.
+        low: the copy the hook averaged in place.
+        target: the caller's tensor, which receives ``low`` cast to its dtype.
+    """
+
+    def __init__(self, work: Any, low: torch.Tensor, target: torch.Tensor) -> None:
+        self.work, self.low, self.target = work, low, target
+
+    def wait(self, timeout: Any = None) -> bool:
+        wait_result(self.work, self.low)
+        self.target.copy_(self.low)
+        return True
+
+
+class ChainWork:
+    """Runs ``then()`` once ``first`` completed; ``then`` may return more work to wait for."""
+
+    def __init__(self, first: Any, then: Any) -> None:
+        self.first, self.then = first, then
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.first.wait()
+        more = self.then()
+        if more is not None:
+            more.wait()
+        return True
+
+
+def wait_result(work: Any, tensor: torch.Tensor) -> None:
+    """Wait for a hook's ``work`` and make sure ``tensor`` holds its result.
+
+    Accepts torch ``Work`` (the result is in place) and ``torch.futures.Future``
+    (DDP hooks' style: its value, a tensor or a one-tensor list, is copied in
+    if it is not ``tensor`` itself).
+    """
+    value = work.wait()
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, torch.Tensor) and value is not tensor:
+        same = value.numel() == tensor.numel() and value.data_ptr() == tensor.data_ptr()
+        if not same:
+            tensor.copy_(value.reshape(tensor.shape))
+
+
+def flat_views(tensor: torch.Tensor, spans: List[Any]) -> List[torch.Tensor]:
+    """Views of 1-D ``tensor`` at ``(offset, numel)`` spans."""
+    return [tensor.narrow(0, off, n) for off, n in spans]

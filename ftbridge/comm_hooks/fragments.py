@@ -1,0 +1,210 @@
+"""Which parameter each element of a ZeRO gradient partition belongs to, and as which matrix.
+
+PowerSGD compresses a gradient *matrix* (Vogels, Karimireddy, Jaggi,
+"PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization", NeurIPS 2019); PyTorch's ``powerSGD_hook`` views each
+parameter's gradient as ``(shape[0], numel / shape[0])``. A ZeRO partition is
+a flat slice of the concatenated parameters cut at arbitrary offsets, so a
+rank holds *fragments*: ZeRO-1/2 hold whole parameters plus at most a tail
+of the parameter straddling the partition start and a head of the one
+straddling its end; ZeRO-3 holds ``1/group_size`` of every parameter.
+
+Mapping (this module):
+
+* a fragment of a parameter with ``ndim >= 2`` and ``cols = numel / shape[0]``
+  covers elements ``[a, b)`` of the parameter. Its **whole rows**
+  ``ceil(a / cols) .. floor(b / cols)`` form a ``rows x cols`` matrix, a
+  contiguous view of the partition (no copy), compressed when PyTorch's test
+  ``(rows + cols) * r * min_compression_rate < rows * cols`` holds;
+* the partial row before and after them (fewer than ``cols`` elements each)
+  and every fragment of a 1-D parameter (biases, norms) are sent uncompressed;
+* alignment padding is not sent at all (it is zero on every replica).
+
+Cost: at most ``2 * cols`` uncompressed elements per cut parameter. ZeRO-1/2
+cut at most two parameters per partition; ZeRO-3 cuts every parameter into
+``group_size`` fragments, so its uncompressed share grows with the group size
+(each fragment also has fewer rows: PowerSGD's saving ``rows*cols / ((rows+cols)*r)``
+drops when ``rows`` is small, and the compression test then falls back to
+uncompressed). ``batched_power_sgd`` needs no layout: it compresses the whole
+partition as one square matrix (PyTorch's ``batched_powerSGD_hook``), cheaper
+to run but a worse approximation.
+
+The layout is read once, from DeepSpeed's own bookkeeping
+(deepspeed 0.19, see :mod:`ftbridge.zero.stages`): ZeRO-1/2
+``params_in_partition``, ``grad_start_offset``,
+``grad_partition_insertion_offset`` and ``partition_size`` per parameter
+group; ZeRO-3 ``fp16_groups`` with each parameter's ``partition_numel()`` and
+``ds_shape``. Its total must equal the partition the adapter returns, or
+:func:`layout_for` raises.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Elements ``[param_start, param_start + numel)`` of a parameter, at ``offset`` in the partition."""
+
+    offset: int
+    numel: int
+    shape: Tuple[int, ...]
+    param_start: int = 0
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A ``rows x cols`` matrix stored contiguously at ``offset`` of the flat partition."""
+
+    offset: int
+    rows: int
+    cols: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
+class PartitionLayout:
+    """The fragments of one rank's flat partition; pads are the gaps between them."""
+
+    numel: int
+    fragments: List[Fragment] = field(default_factory=list)
+
+    def split(self, rank: int, min_compression_rate: float) -> Tuple[List[Matrix], List[Tuple[int, int]]]:
+        """Matrices to compress and ``(offset, numel)`` spans to send uncompressed.
+
+        Args:
+            rank: PowerSGD's ``matrix_approximation_rank``.
+            min_compression_rate: compress a matrix only if it shrinks at least this much.
+
+        Returns:
+            ``(matrices, plain_spans)``; elements in neither are padding.
+        """
+        matrices: List[Matrix] = []
+        plain: List[Tuple[int, int]] = []
+        for f in self.fragments:
+            m, spans = _split_fragment(f, rank, min_compression_rate)
+            if m is not None:
+                matrices.append(m)
+            plain.extend(spans)
+        return matrices, _merge(plain)
+
+
+def _split_fragment(f: Fragment, rank: int, min_rate: float) -> Tuple[Any, List[Tuple[int, int]]]:
+    if f.numel <= 0:
+        return None, []
+    if len(f.shape) < 2 or f.shape[0] == 0:
+        return None, [(f.offset, f.numel)]
+    cols = math.prod(f.shape) // f.shape[0]
+    first_row = -(-f.param_start // cols)
+    end_row = (f.param_start + f.numel) // cols
+    rows = end_row - first_row
+    if rows <= 0 or not should_compress(rows, cols, rank, min_rate):
+        return None, [(f.offset, f.numel)]
+    head = first_row * cols - f.param_start
+    body = rows * cols
+    spans = [(f.offset, head)] if head else []
+    tail = f.numel - head - body
+    if tail:
+        spans.append((f.offset + head + body, tail))
+    return Matrix(f.offset + head, rows, cols), spans
+
+
+def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """PyTorch's test: ``(rows + cols) * r * min_compression_rate < rows * cols``, ``r = min(rows, cols, rank)``."""
+    r = min(rows, cols, rank)
+    return (rows + cols) * r * min_compression_rate < rows * cols
+
+
+def _merge(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for off, n in sorted(spans):
+        if n <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
+def layout_from_shapes(shapes: Sequence[Sequence[int]]) -> PartitionLayout:
+    """Layout of whole parameters concatenated in order (no ZeRO; tests and DDP-like use)."""
+    frags, offset = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        frags.append(Fragment(offset, n, tuple(s)))
+        offset += n
+    return PartitionLayout(offset, frags)
+
+
+def layout_for(adapter: Any) -> PartitionLayout:
+    """The layout of ``adapter``'s gradient partition (as ``partition_grads()`` concatenated).
+
+    Raises:
+        ValueError: DeepSpeed's bookkeeping is missing or disagrees with the partition size.
+    """
+    opt = adapter.optimizer
+    if getattr(adapter, "stage", 0) == 3:
+        return _stage3_layout(opt)
+    return _stage12_layout(opt)
+
+
+def _stage12_layout(opt: Any) -> PartitionLayout:
+    try:
+        frags: List[Fragment] = []
+        base = 0
+        for i in range(len(opt.bit16_groups)):
+            pid = dist.get_rank(group=opt.real_dp_process_group[i])
+            size = int(opt.partition_size[i])
+            for p in opt.params_in_partition[i]:
+                pid_ = opt.get_param_id(p)
+                src = int(opt.grad_start_offset[i][pid][pid_])
+                dst = int(opt.grad_partition_insertion_offset[i][pid][pid_])
+                n = int(min(p.numel() - src, size - dst))
+                frags.append(Fragment(base + dst, n, tuple(p.shape), src))
+            base += size
+    except (AttributeError, KeyError, IndexError) as e:
+        raise ValueError(f"cannot read the ZeRO-1/2 partition layout from {type(opt).__name__} ({e!r}); "
+                         "use comm_hook='batched_power_sgd', which needs no layout") from e
+    return _checked(PartitionLayout(base, frags))
+
+
+def _stage3_layout(opt: Any) -> PartitionLayout:
+    try:
+        rank = dist.get_rank(group=opt.dp_process_group)
+        frags, offset = [], 0
+        for group in opt.fp16_groups:
+            for p in group:
+                n = int(p.partition_numel())
+                start = rank * n
+                valid = max(0, min(n, int(p.ds_numel) - start))
+                frags.append(Fragment(offset, valid, tuple(p.ds_shape), start))
+                offset += n
+    except AttributeError as e:
+        raise ValueError(f"cannot read the ZeRO-3 partition layout from {type(opt).__name__} ({e!r}); "
+                         "use comm_hook='batched_power_sgd', which needs no layout") from e
+    return _checked(PartitionLayout(offset, frags))
+
+
+def _checked(layout: PartitionLayout) -> PartitionLayout:
+    end = 0
+    for f in sorted(layout.fragments, key=lambda f: f.offset):
+        if f.offset < end or f.offset + f.numel > layout.numel:
+            raise ValueError(f"inconsistent partition layout at offset {f.offset} (fragment {f}); "
+                             "use comm_hook='batched_power_sgd', which needs no layout")
+        end = f.offset + f.numel
+    return layout
+
+
+def flat_numel(tensors: Sequence[torch.Tensor]) -> int:
+    """Total elements of ``tensors``."""
+    return sum(t.numel() for t in tensors)

@@ -1,0 +1,200 @@
+"""Communication hooks inside a real single-rank DeepSpeed engine (ZeRO-1/2/3), scripted manager.
+
+Checks the plumbing the in-process hook tests cannot: the fragment layout read
+from DeepSpeed matches where each parameter's gradient sits in the partition,
+the hook runs at the boundary, PowerSGD forces the post-backward path, its
+state follows commit and discard, and it travels in the engine's heal state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+pytestmark = pytest.mark.timeout(300)
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_world(tmp_path_factory):
+    """A one-rank gloo world, left up for tests/test_engine.py (DeepSpeed caches its groups, so a
+    second world in the same session breaks it; that module destroys the world when it ends)."""
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    os.environ.update({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"})
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+
+class FakeManager:
+    """One replica group alone: all-reduces are identities; commits unless told otherwise."""
+
+    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False):
+        self.state_dict, self.load_state_dict_fn = state_dict, load_state_dict
+        self.discard_calls, self.calls, self.step, self.errors = set(), 0, 0, []
+        self.ops = []
+
+    def start_quorum(self):
+        pass
+
+    def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
+        self.ops.append((tensor.numel(), tensor.dtype, reduce_op))
+        return _Done()
+
+    def report_error(self, e):
+        self.errors.append(e)
+
+    def should_commit(self):
+        self.calls += 1
+        ok = self.calls not in self.discard_calls and not self.errors
+        self.step += ok
+        self.errors = []
+        return ok
+
+    current_step = property(lambda self: self.step)
+    participants = 1
+    replica_rank = 0
+    quorum_id = 1
+    healed_this_step = False
+
+    def shutdown(self):
+        pass
+
+
+def _engine(monkeypatch, stage, hook="no", options=None, mode="per_bucket", bf16=False):
+    import deepspeed
+
+    from ftbridge import engine as engine_mod
+    from ftbridge.models import GPTConfig, build_model
+
+    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
+    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+                 "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+                 "ftbridge": {"comm_hook": hook, "sync_mode": mode, "cross_replica_bucket_bytes": 0,
+                              **({"comm_state_option": options} if options else {})}}
+    if bf16:
+        model = model.to(torch.bfloat16)
+        ds_config["bf16"] = {"enabled": True}
+        ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
+    ds_config, section = engine_mod.split_ds_config(ds_config)
+    from ftbridge.config import FTBridgeConfig
+
+    cfg = FTBridgeConfig.resolve(environ={}, **section)
+    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   config=ds_config)
+    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0), model
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randint(0, 17, (2, 16), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _train(engine, batches):
+    for i in batches:
+        _, loss = engine(*_batch(i))
+        engine.backward(loss)
+        engine.step()
+
+
+@pytest.mark.parametrize("stage,bf16", [(1, False), (2, False), (3, False), (2, True)])
+def test_layout_matches_where_deepspeed_puts_each_gradient(monkeypatch, stage, bf16):
+    from ftbridge.models import GPTConfig, build_model
+
+    eng, _ = _engine(monkeypatch, stage, "power_sgd", {"start_powerSGD_iter": 0}, bf16=bf16)
+    eng.cross_replica_sync = False
+    ref = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    if bf16:
+        ref = ref.to(torch.bfloat16)
+    x, y = _batch(0)
+    ref(x, y)[1].backward()
+    ref_grads = [p.grad.float().reshape(-1) for p in ref.parameters()]
+    _, loss = eng(x, y)
+    eng.backward(loss)
+    flat = torch.cat([t.reshape(-1).float() for t in eng.adapter.partition_grads()])
+    layout = eng.sync.hook_state.layout
+    assert layout.numel == flat.numel()
+    by_shape = {}
+    for g, p in zip(ref_grads, ref.parameters()):
+        by_shape.setdefault(tuple(p.shape), []).append(g)
+    covered = 0
+    for f in layout.fragments:
+        got = flat[f.offset:f.offset + f.numel]
+        cands = [g[f.param_start:f.param_start + f.numel] for g in by_shape[f.shape]]
+        assert any(torch.allclose(got, c, rtol=1e-2, atol=1e-5) for c in cands), f
+        covered += f.numel
+    assert covered == sum(p.numel() for p in ref.parameters())
+    eng.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_powersgd_runs_post_backward_and_follows_commit_and_discard(monkeypatch, stage):
+    eng, _ = _engine(monkeypatch, stage, "power_sgd", {"start_powerSGD_iter": 1, "matrix_approximation_rank": 2})
+    assert "needs the whole partition" in eng.sync.fallback_reason
+    state = eng.sync.hook_state
+    _train(eng, [0])                                       # plain average
+    assert state.iter == 1 and state.q is None
+    assert eng.manager.ops[0][0] == eng.sync.hook_state.layout.numel
+    _train(eng, [1, 2])                                    # PowerSGD: two messages per step
+    assert state.iter == 3 and state.q is not None and state.error is not None
+    assert len(eng.manager.ops) == 1 + 2 * 2
+    plan = state.plan(state.layout.numel)
+    assert eng.manager.ops[-2][0] == plan.plain_numel + plan.p_numel and eng.manager.ops[-1][0] == plan.q_numel
+    assert plan.p_numel + plan.q_numel + plan.plain_numel < state.layout.numel / 2
+    q, err = state.q.clone(), state.error.clone()
+    eng.manager.discard_calls = {eng.manager.calls + 1}
+    _train(eng, [3])
+    assert eng.last_committed is False
+    assert state.iter == 3 and torch.equal(state.q, q) and torch.equal(state.error, err)
+    heal = eng.heal_state()["extra"]["comm_hook"]
+    assert heal["iter"] == 3 and torch.equal(heal["q"], q)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_elementwise_hooks_run_per_bucket(monkeypatch, hook):
+    eng, _ = _engine(monkeypatch, 2, hook)
+    assert not eng.sync.fallback_reason
+    _train(eng, [0, 1])
+    dtype = torch.float16 if hook == "fp16" else torch.bfloat16
+    assert len(eng.manager.ops) > 2 and all(op[1] == dtype and op[2] == ReduceOp.SUM for op in eng.manager.ops)
+
+
+def test_user_hook_is_called_with_the_managed_state(monkeypatch):
+    import deepspeed
+
+    from ftbridge import engine as engine_mod
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.models import GPTConfig, build_model
+
+    calls = []
+
+    def my_hook(state, tensor):
+        calls.append((tensor.numel(), state.participants))
+        return state.allreduce(tensor)
+
+    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
+    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
+    eng = engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, sync_mode="post_backward"),
+                                         checksum_every=0, comm_hook=my_hook)
+    _train(eng, [0])
+    assert calls and calls[0][1] == 1 and eng.last_committed
