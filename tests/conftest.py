@@ -7,9 +7,11 @@ end every process they started by PID.
 
 from __future__ import annotations
 
+import os
 from typing import Iterator, List
 
 import pytest
+import torch.distributed as dist
 
 import ftbridge.local_job as local_job_module
 from ftbridge.local_job import LocalJob
@@ -40,3 +42,27 @@ def run_plain_deepspeed(tmp_path, nproc: int, script_args: List[str], timeout_s:
         return local_job_module.run_plain_deepspeed(str(tmp_path), nproc, script_args, timeout_s)
     except RuntimeError as e:
         raise AssertionError(str(e)) from None
+
+
+@pytest.fixture(scope="session")
+def single_rank_world(tmp_path_factory) -> Iterator[None]:
+    """One gloo world of one rank for every in-process DeepSpeed test of the session.
+
+    DeepSpeed caches its process groups, so a second world created after a
+    first was destroyed breaks the engines built on it: the world is created
+    once and destroyed at the end of the session.
+    """
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    os.environ.update({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"})  # DeepSpeed insists on them
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -15,26 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_rank_world(tmp_path_factory):
-    """A one-rank gloo world, left up for tests/test_engine.py (DeepSpeed caches its groups, so a
-    second world in the same session breaks it; that module destroys the world when it ends)."""
-    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    os.environ.update({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"})
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 class _Done:
@@ -68,6 +51,7 @@ class FakeManager:
         return ok
 
     current_step = property(lambda self: self.step)
+    torchft = None  # no torchft Manager underneath: nothing heals
     participants = 1
     replica_rank = 0
     quorum_id = 1

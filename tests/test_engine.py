@@ -13,26 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_rank_world(tmp_path_factory):
-    """A torch.distributed world of one rank for this module (gloo, file store)."""
-    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    os.environ.update({"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"})  # DeepSpeed insists on them
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 class FakeManager:
