@@ -137,6 +137,24 @@ class LocalJob:
                 raise TimeoutError(f"replica group {g} still running after {timeout_s} s\n{self.tails()}") from None
         return codes
 
+    def stop_group(self, group: int, timeout_s: float = 30) -> int:
+        """Make replica group ``group`` leave for good: SIGTERM its launcher (torchrun ends its ranks).
+
+        Returns:
+            The launcher's exit code.
+        """
+        gp = self.groups[group][-1]
+        pids = list(self.worker_pids(group).values())
+        if gp.proc.poll() is None:
+            _killpg(gp.proc.pid, signal.SIGTERM)
+        try:
+            code = gp.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _killpg(gp.proc.pid, signal.SIGKILL)
+            code = gp.proc.wait(timeout=10)
+        self.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"ranks {pids} of group {group} to end")
+        return code
+
     def stop(self) -> None:
         """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
         procs = [gp.proc for launches in self.groups.values() for gp in launches]

@@ -1,0 +1,91 @@
+"""Chaos schedule and invariants: pure functions, checked on hand-written event records."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftbridge.chaos import invariants as inv
+from ftbridge.chaos.schedule import FailureKind, make_schedule, parse_kinds
+
+
+def test_schedule_is_seeded_has_every_kind_and_brings_the_group_back():
+    kinds = list(FailureKind)
+    a = make_schedule(seed=7, kinds=kinds, num_groups=3)
+    assert a == make_schedule(seed=7, kinds=kinds, num_groups=3)
+    assert a != make_schedule(seed=8, kinds=kinds, num_groups=3)
+    assert sorted(f.kind for f in a) == sorted(kinds)
+    assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+    order = [f.kind for f in a]
+    assert order.index(FailureKind.SCALE_UP) == order.index(FailureKind.SCALE_DOWN) + 1
+    hang = next(f for f in a if f.kind == FailureKind.HANG)
+    assert hang.duration_s > 0
+
+
+def test_soak_schedule_fills_the_duration():
+    s = make_schedule(seed=1, kinds=[FailureKind.KILL_RANK, FailureKind.HANG], num_groups=2, duration_s=300,
+                      mtbf_s=10)
+    assert len(s) > 10 and s[-1].at_s <= 300 + 100
+    assert {f.kind for f in s} == {FailureKind.KILL_RANK, FailureKind.HANG}
+
+
+def test_bad_schedules_are_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="needs at least 3 replica groups.*--groups 3"):
+        make_schedule(seed=0, kinds=[FailureKind.KILL_DONOR_IN_HEAL], num_groups=2)
+    with pytest.raises(ValueError, match="'kill_node'.*kill_rank"):
+        parse_kinds("kill_node")
+    with pytest.raises(ValueError, match="positive"):
+        make_schedule(seed=0, kinds=[FailureKind.KILL_RANK], num_groups=2, mtbf_s=0)
+
+
+def _rec(g, t, step, committed=True, quorum=1, participants=2, healed=False, checksum="a", rank=0):
+    return dict(replica_group=g, group_rank=rank, time=t, step=step, committed=committed, quorum_id=quorum,
+                participants=participants, healed=healed, param_checksum=checksum, loss=1.0)
+
+
+def _start(g, t, rank=0):
+    return dict(replica_group=g, group_rank=rank, event="start", time=t, step=0)
+
+
+def test_a_clean_run_breaks_nothing():
+    ev = [_start(0, 0), _start(1, 0)]
+    for s in range(1, 6):
+        ev += [_rec(0, s, s, checksum=f"c{s}"), _rec(1, s + 0.01, s, checksum=f"c{s}")]
+    assert inv.check_all(ev) == []
+
+
+def test_repeated_commit_in_one_launch_is_caught_but_not_across_launches():
+    ev = [_start(0, 0), _rec(0, 1, 1), _rec(0, 2, 2), _rec(0, 3, 2, checksum="a")]
+    assert [v.invariant for v in inv.commits_never_repeat_or_go_back(ev)] == ["monotonic commits"]
+    ev = [_start(0, 0), _rec(0, 1, 1), _rec(0, 2, 2), _start(0, 2.5), _rec(0, 3, 2)]
+    assert inv.commits_never_repeat_or_go_back(ev) == []
+
+
+def test_a_group_restarting_from_scratch_loses_steps():
+    ev = [_rec(0, t, t) for t in range(1, 50)] + [_rec(1, 60, 1)]
+    v = inv.no_committed_step_lost(ev)
+    assert len(v) == 1 and "step 1" in v[0].detail and "step 49" in v[0].detail
+    # A joiner that healed commits right at the frontier: fine.
+    assert inv.no_committed_step_lost([_rec(0, t, t) for t in range(1, 50)] + [_rec(1, 60, 50, healed=True)]) == []
+
+
+def test_different_parameters_after_the_same_commit_are_caught():
+    ev = [_rec(0, 1, 5, checksum="x"), _rec(1, 1.01, 5, checksum="y"), _rec(1, 1.02, 6, committed=False,
+                                                                             checksum="z")]
+    v = inv.replicas_identical_after_commit(ev)
+    assert len(v) == 1 and "step 5" in v[0].detail
+
+
+def test_recovery_measures_survivors_and_the_rejoin():
+    ev = [_rec(0, 9.9, 10, quorum=1), _rec(1, 9.9, 10, quorum=1),
+          _rec(0, 10.5, 11, committed=False, quorum=1),          # all-reduce with the dead peer failed
+          _rec(0, 11.0, 11, quorum=1),                            # old quorum: a step already under way
+          _rec(0, 13.0, 12, quorum=2, participants=1),            # new quorum without group 1
+          _rec(1, 30.0, 40, quorum=3, healed=True)]
+    r = inv.recovery(ev, t_inject=10.0, hit=[1])
+    assert r.survivors_s == pytest.approx(3.0) and r.rejoin_s == pytest.approx(20.0) and r.discarded == 1
+
+
+def test_final_loss_tolerance():
+    assert inv.final_loss_close(2.0, 2.05, 0.1) == []
+    assert inv.final_loss_close(2.0, 2.5, 0.1)[0].invariant == "final loss"
+    assert inv.final_loss_close(None, 2.5, 0.1)
