@@ -16,13 +16,63 @@ torchft lets them override its constructor arguments.
 Requires the replica group's own torch.distributed world to be initialised
 first (``MASTER_ADDR``/``MASTER_PORT`` name its TCPStore, which group rank 0
 hosts and the cross-replica process group's rendezvous may use).
+
+Lighthouse restarts
+-------------------
+The lighthouse keeps its state in memory; restarted, it numbers quorums from
+1 again. torchft 0.2.0's ``Manager`` rebuilds the cross-replica process group
+only when ``quorum_id != self._quorum_id`` and names the rendezvous keys
+``{store}/torchft/{quorum_id}/{group_rank}``. After a restart both go wrong:
+
+* a member that sees a repeated id with other members than last time (say
+  ``1: {A, B}`` before, ``1: {A}`` after) keeps a process group whose peers
+  are gone or rebuilt: its step fails and waits out ``cross_replica_timeout``;
+* a rebuilt group may rendezvous on the keys a quorum of the old lighthouse
+  left in the same TCPStore (same prefix) and dial dead addresses.
+
+:class:`_QuorumGuard` fixes both without touching torchft's code: it wraps the
+manager's client (``Manager._client``, checked against the installed torchft
+version) and, per quorum,
+
+1. detects a restart with :func:`detect_lighthouse_restart`: the id went
+   backwards, or repeated with other members (in one lighthouse's lifetime
+   ids never go down and a membership change always bumps the id);
+2. forces torchft to reconfigure (``_quorum_id = -1``) on a detected restart;
+3. while the new lighthouse's ids have not passed the highest id seen before
+   the restart, reports one commit failure with each quorum request, which
+   makes the lighthouse bump the id at every quorum: ids leave the range
+   where they can repeat an old one within a few steps, and every member
+   reconfigures at each of those quorums (its id changed);
+4. namespaces the rendezvous keys by the quorum's members and step
+   (``{store}/ftbridge/{digest}/torchft/...``), which all members share, so a
+   repeated id does not meet the keys of a quorum of the old lighthouse.
+
+One case stays undetectable from a quorum alone: a member whose last quorum
+had exactly the repeated id and members, while another member of it saw an
+intermediate quorum of the new lighthouse (torchft 0.2 does not show members'
+commit failures to Python, which would carry the signal). Then that step
+fails on a timeout, both report a commit failure, the lighthouse bumps the id
+and everyone reconfigures: the job loses one step and at most
+``cross_replica_timeout``, it does not stop.
+
+Riding out an outage needs torchft's own retries: its manager retries a
+failed lighthouse call ``quorum_retries`` times, sleeping
+``quorum_timeout / (quorum_retries + 1)`` between tries and reconnecting with
+backoff for up to ``connect_timeout``, all inside one quorum call that the
+training thread bounds by ``quorum_timeout``. See
+:class:`ftbridge.config.FTBridgeConfig` and ``docs/lighthouse.md`` for the
+defaults and what they survive.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
 import os
-from typing import Any, Callable, Dict, Optional
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torchft import Manager
@@ -33,6 +83,136 @@ from ftbridge.config import FTBridgeConfig
 from ftbridge.transport import SafeHTTPTransport
 
 logger = logging.getLogger(__name__)
+
+
+TORCHFT_GUARDED_VERSIONS = ("0.2.",)
+"""torchft versions whose ``Manager`` internals :class:`_QuorumGuard` was written against."""
+
+
+@dataclass(frozen=True)
+class QuorumSeen:
+    """What one rank remembers of the quorums it took part in."""
+
+    quorum_id: int
+    members: Tuple[str, ...]
+    restart_ceiling: int = -1
+    """Highest quorum id seen before the last detected lighthouse restart,
+    while the new lighthouse's ids are at or below it; -1 otherwise."""
+
+
+@dataclass(frozen=True)
+class QuorumDecision:
+    """What :func:`detect_lighthouse_restart` decides for one quorum."""
+
+    restarted: bool
+    """The lighthouse was restarted since the previous quorum."""
+    force_reconfigure: bool
+    """Rebuild the process group even if torchft would not (same id)."""
+    flag_next: bool
+    """Report a commit failure with the next quorum request (see the module docstring)."""
+    seen: QuorumSeen
+    """The state to keep for the next quorum."""
+
+
+def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int,
+                              members: Sequence[str]) -> QuorumDecision:
+    """Decide, from one quorum and this rank's history, whether to reconfigure (pure).
+
+    Within one lighthouse's lifetime quorum ids never go down, and a quorum
+    with other members always gets a new id. So a quorum that breaks this is
+    from a restarted lighthouse.
+
+    Args:
+        prev: state from the previous quorum (``None`` before the first).
+        quorum_id: id of the new quorum.
+        members: replica ids of its participants (any order).
+
+    Returns:
+        The decision and the state to pass with the next quorum.
+    """
+    members_t = tuple(sorted(members))
+    if prev is None:
+        return QuorumDecision(False, False, False, QuorumSeen(quorum_id, members_t))
+    restarted = quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and members_t != prev.members)
+    ceiling = max(prev.restart_ceiling, prev.quorum_id) if restarted else prev.restart_ceiling
+    if quorum_id > ceiling:
+        ceiling = -1
+    return QuorumDecision(
+        restarted=restarted,
+        force_reconfigure=restarted,
+        flag_next=ceiling >= 0,
+        seen=QuorumSeen(quorum_id, members_t, ceiling),
+    )
+
+
+def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
+    """The key namespace shared by all members of one quorum: 12 hex digits of its members and step."""
+    text = "|".join(sorted(members)) + f"|{max_step}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class _QuorumView:
+    """A torchft ``QuorumResult`` with ``store_address`` replaced; every other attribute is the original's."""
+
+    def __init__(self, result: Any, store_address: str) -> None:
+        self._result = result
+        self.store_address = store_address
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
+
+
+class _QuorumGuard:
+    """Wraps torchft's ``ManagerClient`` of one rank to survive lighthouse restarts.
+
+    Installed as ``Manager._client``; torchft calls ``_quorum`` from its
+    quorum thread, then compares ``quorum_id`` with ``Manager._quorum_id`` and
+    reconfigures with ``store_address``. Everything else is delegated.
+    See the module docstring for the four things it does.
+    """
+
+    def __init__(self, manager: Manager, on_restart: Callable[[int, int], None]) -> None:
+        self._manager = manager
+        self._client = manager._client
+        self._on_restart = on_restart
+        self._lock = threading.Lock()
+        self.seen: Optional[QuorumSeen] = None
+        self.restarts = 0
+        self._flag = False
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        if self._flag:
+            kwargs["commit_failures"] = max(1, int(kwargs.get("commit_failures", 0)))
+        result = self._client._quorum(**kwargs)
+        with self._lock:
+            previous = self.seen
+            decision = detect_lighthouse_restart(previous, int(result.quorum_id), list(result.replica_ids))
+            self.seen = decision.seen
+            self._flag = decision.flag_next
+        if decision.restarted:
+            self.restarts += 1
+            self._on_restart(previous.quorum_id if previous else -1, int(result.quorum_id))
+        if decision.force_reconfigure:
+            self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
+        namespace = rendezvous_namespace(result.replica_ids, int(result.max_step))
+        return _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _install_quorum_guard(manager: Manager, on_restart: Callable[[int, int], None]) -> Optional[_QuorumGuard]:
+    """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
+    version = importlib.metadata.version("torchft")
+    needed = ("_client", "_quorum_id", "_async_quorum")
+    if not version.startswith(TORCHFT_GUARDED_VERSIONS) or not all(hasattr(manager, a) for a in needed):
+        logger.warning("torchft %s is not one of %s: lighthouse-restart guard NOT installed; a restarted "
+                       "lighthouse may cost a failed step per repeated quorum id", version,
+                       TORCHFT_GUARDED_VERSIONS)
+        return None
+    guard = _QuorumGuard(manager, on_restart)
+    manager._client = guard
+    return guard
 
 
 class ReplicaManager:
@@ -84,6 +264,13 @@ class ReplicaManager:
             init_sync=cfg.init_sync,
             quorum_retries=cfg.quorum_retries,
         )
+        self.lighthouse_restarts = 0
+        self.quorum_guard = _install_quorum_guard(self.torchft, self._on_lighthouse_restart)
+
+    def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
+        self.lighthouse_restarts += 1
+        logger.warning("[replica %d rank %d] lighthouse restarted (quorum id %d after %d): rebuilding the "
+                       "cross-replica process group", self.cfg.replica_group_id, self.cfg.group_rank, new_id, old_id)
 
     def _load(self, state: Dict[str, Any]) -> None:
         self._load_state_dict(state)
