@@ -30,6 +30,11 @@ only when ``quorum_id != self._quorum_id`` and names the rendezvous keys
 * a rebuilt group may rendezvous on the keys a quorum of the old lighthouse
   left in the same TCPStore (same prefix) and dial dead addresses.
 
+The second case is common: the group whose retry reaches the new lighthouse
+first gets quorum 1 alone, the other joins at quorum 2, which both had
+before the restart. Measured here, that step failed after the 10 s
+cross-replica timeout and the job paused for 20 s instead of 10.
+
 :class:`_QuorumGuard` fixes both without touching torchft's code: it wraps the
 manager's client (``Manager._client``, checked against the installed torchft
 version) and, per quorum,
@@ -37,23 +42,20 @@ version) and, per quorum,
 1. detects a restart with :func:`detect_lighthouse_restart`: the id went
    backwards, or repeated with other members (in one lighthouse's lifetime
    ids never go down and a membership change always bumps the id);
-2. forces torchft to reconfigure (``_quorum_id = -1``) on a detected restart;
-3. while the new lighthouse's ids have not passed the highest id seen before
-   the restart, reports one commit failure with each quorum request, which
-   makes the lighthouse bump the id at every quorum: ids leave the range
-   where they can repeat an old one within a few steps, and every member
-   reconfigures at each of those quorums (its id changed);
-4. namespaces the rendezvous keys by the quorum's members and step
-   (``{store}/ftbridge/{digest}/torchft/...``), which all members share, so a
-   repeated id does not meet the keys of a quorum of the old lighthouse.
+2. votes: every member of the quorum writes whether it rebuilds (torchft's
+   rule, or a detected restart) to the quorum's TCPStore (``store_address``,
+   the same for all members of one cross-replica group) and reads the
+   others'; if any member rebuilds, all do (:func:`decide_reconfigure`), by
+   setting ``Manager._quorum_id = -1`` before torchft compares. One
+   ``set`` and one ``multi_get`` on that store per quorum, in torchft's
+   quorum thread, overlapped with the forward pass (about 1 ms here);
+3. namespaces the rendezvous keys by the quorum's members and step
+   (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
+   a repeated id does not meet the keys of a quorum of the old lighthouse.
 
-One case stays undetectable from a quorum alone: a member whose last quorum
-had exactly the repeated id and members, while another member of it saw an
-intermediate quorum of the new lighthouse (torchft 0.2 does not show members'
-commit failures to Python, which would carry the signal). Then that step
-fails on a timeout, both report a commit failure, the lighthouse bumps the id
-and everyone reconfigures: the job loses one step and at most
-``cross_replica_timeout``, it does not stop.
+A member that does not vote within ``cross_replica_timeout`` (it died after
+the quorum) counts as voting to rebuild; the rebuild then fails on it as the
+step would have anyway, and the next quorum leaves it out.
 
 Riding out an outage needs torchft's own retries: its manager retries a
 failed lighthouse call ``quorum_retries`` times, sleeping
@@ -70,13 +72,13 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchft import Manager
-from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
@@ -91,58 +93,41 @@ TORCHFT_GUARDED_VERSIONS = ("0.2.",)
 
 @dataclass(frozen=True)
 class QuorumSeen:
-    """What one rank remembers of the quorums it took part in."""
+    """What one rank remembers of the last quorum it took part in."""
 
     quorum_id: int
     members: Tuple[str, ...]
-    restart_ceiling: int = -1
-    """Highest quorum id seen before the last detected lighthouse restart,
-    while the new lighthouse's ids are at or below it; -1 otherwise."""
 
 
-@dataclass(frozen=True)
-class QuorumDecision:
-    """What :func:`detect_lighthouse_restart` decides for one quorum."""
-
-    restarted: bool
-    """The lighthouse was restarted since the previous quorum."""
-    force_reconfigure: bool
-    """Rebuild the process group even if torchft would not (same id)."""
-    flag_next: bool
-    """Report a commit failure with the next quorum request (see the module docstring)."""
-    seen: QuorumSeen
-    """The state to keep for the next quorum."""
-
-
-def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int,
-                              members: Sequence[str]) -> QuorumDecision:
-    """Decide, from one quorum and this rank's history, whether to reconfigure (pure).
+def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int, members: Sequence[str]) -> bool:
+    """Whether ``quorum_id``/``members`` must come from a restarted lighthouse (pure).
 
     Within one lighthouse's lifetime quorum ids never go down, and a quorum
-    with other members always gets a new id. So a quorum that breaks this is
-    from a restarted lighthouse.
+    with other members always gets a new id; a quorum that breaks either
+    rule comes from a restarted lighthouse (its ids start again at 1).
 
     Args:
-        prev: state from the previous quorum (``None`` before the first).
+        prev: the previous quorum this rank took part in (``None``: none yet).
         quorum_id: id of the new quorum.
         members: replica ids of its participants (any order).
+    """
+    if prev is None:
+        return False
+    return quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and tuple(sorted(members)) != prev.members)
+
+
+def decide_reconfigure(votes: Sequence[Optional[bool]]) -> bool:
+    """The quorum-wide decision from every member's vote (pure).
+
+    Args:
+        votes: one entry per member: ``True`` (rebuild), ``False`` (keep), or
+            ``None`` (did not vote in time; counts as rebuild).
 
     Returns:
-        The decision and the state to pass with the next quorum.
+        ``True`` if any member rebuilds: a process group must be rebuilt by
+        all its members or by none.
     """
-    members_t = tuple(sorted(members))
-    if prev is None:
-        return QuorumDecision(False, False, False, QuorumSeen(quorum_id, members_t))
-    restarted = quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and members_t != prev.members)
-    ceiling = max(prev.restart_ceiling, prev.quorum_id) if restarted else prev.restart_ceiling
-    if quorum_id > ceiling:
-        ceiling = -1
-    return QuorumDecision(
-        restarted=restarted,
-        force_reconfigure=restarted,
-        flag_next=ceiling >= 0,
-        seen=QuorumSeen(quorum_id, members_t, ceiling),
-    )
+    return any(v is None or v for v in votes)
 
 
 def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
@@ -167,50 +152,79 @@ class _QuorumGuard:
 
     Installed as ``Manager._client``; torchft calls ``_quorum`` from its
     quorum thread, then compares ``quorum_id`` with ``Manager._quorum_id`` and
-    reconfigures with ``store_address``. Everything else is delegated.
-    See the module docstring for the four things it does.
+    reconfigures with ``store_address``. Everything else is delegated. See
+    the module docstring for what it does.
     """
 
-    def __init__(self, manager: Manager, on_restart: Callable[[int, int], None]) -> None:
+    def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None]) -> None:
         self._manager = manager
         self._client = manager._client
+        self._timeout = timeout
         self._on_restart = on_restart
-        self._lock = threading.Lock()
+        self._stores: Dict[str, Any] = {}
+        self._last_vote: Optional[Tuple[Any, str, int]] = None
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
-        self._flag = False
+        self.forced = 0
 
     def _quorum(self, **kwargs: Any) -> Any:
-        if self._flag:
-            kwargs["commit_failures"] = max(1, int(kwargs.get("commit_failures", 0)))
         result = self._client._quorum(**kwargs)
-        with self._lock:
-            previous = self.seen
-            decision = detect_lighthouse_restart(previous, int(result.quorum_id), list(result.replica_ids))
-            self.seen = decision.seen
-            self._flag = decision.flag_next
-        if decision.restarted:
+        quorum_id, members = int(result.quorum_id), list(result.replica_ids)
+        restarted = detect_lighthouse_restart(self.seen, quorum_id, members)
+        if restarted:
             self.restarts += 1
-            self._on_restart(previous.quorum_id if previous else -1, int(result.quorum_id))
-        if decision.force_reconfigure:
+            self._on_restart(self.seen.quorum_id if self.seen else -1, quorum_id)
+        self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
+        namespace = rendezvous_namespace(members, int(result.max_step))
+        own = restarted or quorum_id != self._manager._quorum_id
+        if self._vote(result, namespace, own):
+            if not own:
+                self.forced += 1
+                logger.warning("quorum %d: another member rebuilds the cross-replica process group "
+                               "(its lighthouse history differs); rebuilding too", quorum_id)
             self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
-        namespace = rendezvous_namespace(result.replica_ids, int(result.max_step))
         return _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+
+    def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
+        """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`)."""
+        try:
+            store = self._stores.get(result.store_address)
+            if store is None:
+                store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=self._timeout)
+                self._stores = {result.store_address: store}  # one cached client: the current primary's
+            base = f"{int(result.quorum_id)}/{namespace}"
+            store.set(f"{base}/{int(result.replica_rank)}", b"1" if mine else b"0")
+            keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
+            store.wait(keys, self._timeout)
+            votes: List[Optional[bool]] = [v == b"1" for v in store.multi_get(keys)]
+            if self._last_vote is not None and self._last_vote[1] != base:
+                try:
+                    self._last_vote[0].delete_key(f"{self._last_vote[1]}/{self._last_vote[2]}")
+                except Exception:  # the old primary may be gone; its keys went with it
+                    pass
+            self._last_vote = (store, base, int(result.replica_rank))
+        except Exception as exc:  # a member or the store died: rebuilding is the safe side
+            logger.warning("quorum %d: reconfigure vote failed (%s: %s); rebuilding", int(result.quorum_id),
+                           type(exc).__name__, exc)
+            self._stores = {}
+            votes = [None]
+        return decide_reconfigure(votes)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
 
-def _install_quorum_guard(manager: Manager, on_restart: Callable[[int, int], None]) -> Optional[_QuorumGuard]:
+def _install_quorum_guard(manager: Manager, timeout: timedelta,
+                          on_restart: Callable[[int, int], None]) -> Optional[_QuorumGuard]:
     """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
     version = importlib.metadata.version("torchft")
     needed = ("_client", "_quorum_id", "_async_quorum")
     if not version.startswith(TORCHFT_GUARDED_VERSIONS) or not all(hasattr(manager, a) for a in needed):
-        logger.warning("torchft %s is not one of %s: lighthouse-restart guard NOT installed; a restarted "
-                       "lighthouse may cost a failed step per repeated quorum id", version,
+        logger.warning("torchft %s is not one of %s: lighthouse-restart guard NOT installed; after a "
+                       "lighthouse restart a repeated quorum id may cost a failed step", version,
                        TORCHFT_GUARDED_VERSIONS)
         return None
-    guard = _QuorumGuard(manager, on_restart)
+    guard = _QuorumGuard(manager, timeout, on_restart)
     manager._client = guard
     return guard
 
@@ -265,7 +279,8 @@ class ReplicaManager:
             quorum_retries=cfg.quorum_retries,
         )
         self.lighthouse_restarts = 0
-        self.quorum_guard = _install_quorum_guard(self.torchft, self._on_lighthouse_restart)
+        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout,
+                                                  self._on_lighthouse_restart)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1

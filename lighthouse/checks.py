@@ -68,7 +68,7 @@ class ManagerTimeouts:
     quorum_timeout: timedelta
     cross_replica_timeout: timedelta
     quorum_retries: int
-    expected_heal_time: timedelta = timedelta(seconds=5)
+    expected_heal_time: timedelta = timedelta(seconds=1)
     """How long one heal transfer is expected to take (state size / bandwidth)."""
     expected_outage: timedelta = timedelta(seconds=10)
     """Longest lighthouse outage (restart) the job should ride out."""
@@ -145,7 +145,7 @@ def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding
     if mgr.quorum_retries < 1:
         out.append(Finding("WARNING", "restart-retries",
                            f"quorum_retries={mgr.quorum_retries}: a lighthouse restart or network blip fails every "
-                           "manager's quorum call and kills every rank; set quorum_retries >= 1 (ftbridge's default 10)"))
+                           "manager's quorum call and kills every rank; set quorum_retries >= 1 (ftbridge's default is 5)"))
     needed = mgr.expected_outage + join + RECONNECT_ALLOWANCE
     if mgr.quorum_timeout < needed:
         out.append(Finding("WARNING", "restart-outage",

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="FTBRIDGE_CROSS_REPLICA_TIMEOUT_S of the job (default %(default)g)")
     group.add_argument("--manager-quorum-retries", type=int, default=defaults.quorum_retries,
                        help="FTBRIDGE_QUORUM_RETRIES of the job (default %(default)s)")
-    group.add_argument("--expected-heal-time-s", type=float, default=5.0,
+    group.add_argument("--expected-heal-time-s", type=float, default=1.0,
                        help="how long one heal transfer takes, s (default %(default)g)")
     group.add_argument("--expected-outage-s", type=float, default=10.0,
                        help="longest lighthouse restart the job should ride out, s (default %(default)g)")
