@@ -174,3 +174,21 @@ def test_cli_rejects_bad_values_with_exit_code_2():
             proc.wait()
     assert proc.returncode == 2
     assert "bind='nonsense'" in err and out == ""
+
+
+@pytest.mark.timeout(90)
+def test_cli_serve_on_all_interfaces_prints_the_authentication_warning():
+    proc = _start_cli("serve", "--bind", "0.0.0.0:0", "--health-bind", "none", "--status-bind", "none")
+    try:
+        line = _first_line(proc, timeout_s=60)
+        assert line.startswith("ftbridge-lighthouse: serving on http://"), line
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        warning = next(x for x in err.splitlines() if " WARNING [lighthouse] exposed" in x)
+        assert "0.0.0.0:0" in warning and "NO authentication" in warning and "/replica/{id}/kill" in warning
+        assert "private network" in warning
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
