@@ -24,15 +24,16 @@ The lighthouse keeps its state in memory; restarted, it numbers quorums from
 only when ``quorum_id != self._quorum_id`` and names the rendezvous keys
 ``{store}/torchft/{quorum_id}/{group_rank}``. After a restart both go wrong:
 
-* a member that sees a repeated id with other members than last time (say
-  ``1: {A, B}`` before, ``1: {A}`` after) keeps a process group whose peers
-  are gone or rebuilt: its step fails and waits out ``cross_replica_timeout``;
+* a member whose last quorum had the id the new one repeats keeps its process
+  group, while a member that saw an intermediate quorum of the new
+  lighthouse rebuilds: the step fails and waits out ``cross_replica_timeout``
+  (likewise a repeated id with other members than last time);
 * a rebuilt group may rendezvous on the keys a quorum of the old lighthouse
   left in the same TCPStore (same prefix) and dial dead addresses.
 
-The second case is common: the group whose retry reaches the new lighthouse
-first gets quorum 1 alone, the other joins at quorum 2, which both had
-before the restart. Measured here, that step failed after the 10 s
+The first case is the common one: the group whose retry reaches the new
+lighthouse first gets quorum 1 alone, the other joins at quorum 2, an id
+both had before. Measured here, that step failed after the 10 s
 cross-replica timeout and the job paused for 20 s instead of 10.
 
 :class:`_QuorumGuard` fixes both without touching torchft's code: it wraps the
