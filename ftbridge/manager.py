@@ -49,7 +49,7 @@ version) and, per quorum,
    others'; if any member rebuilds, all do (:func:`decide_reconfigure`), by
    setting ``Manager._quorum_id = -1`` before torchft compares. One
    ``set`` and one ``multi_get`` on that store per quorum, in torchft's
-   quorum thread, overlapped with the forward pass (about 1 ms here);
+   quorum thread, overlapped with the forward pass (0.3 ms on loopback here);
 3. namespaces the rendezvous keys by the quorum's members and step
    (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
    a repeated id does not meet the keys of a quorum of the old lighthouse.
