@@ -169,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
         with service:
             if health_bind is not None or status_bind is not None:
                 try:
-                    monitor = LighthouseMonitor(service.address, health_bind=health_bind or "127.0.0.1:0",
+                    monitor = LighthouseMonitor(service.local_address, health_bind=health_bind or "127.0.0.1:0",
                                                 status_bind=status_bind, probe_interval_s=args.probe_interval_s)
                 except (OSError, ValueError, RuntimeError) as exc:
                     print(f"ftbridge-lighthouse: error: health/status endpoints: {exc}", file=sys.stderr, flush=True)
