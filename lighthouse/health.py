@@ -219,7 +219,8 @@ def render_page(status: Optional[LighthouseStatus], *, lighthouse: str, serving:
                          "<th>group size</th><th>manager</th><th>heartbeat</th><th>state</th></tr>")
             for m in sorted(status.members, key=lambda m: m.replica_id):
                 hb = "-" if m.heartbeat_age_s is None else f"{m.heartbeat_age_s:.1f} s"
-                parts.append(f'<tr class="{"recovering" if m.recovering else ""}"><td>{m.replica_group}</td>'
+                group = "-" if m.replica_group is None else m.replica_group
+                parts.append(f'<tr class="{"recovering" if m.recovering else ""}"><td>{group}</td>'
                              f"<td>{esc(m.replica_id)}</td><td>{m.step}</td><td>{m.world_size}</td>"
                              f"<td>{esc(m.manager_address)}</td><td>{hb}</td>"
                              f"<td>{'recovering' if m.recovering else 'ok'}</td></tr>")
