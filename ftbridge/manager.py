@@ -54,9 +54,12 @@ version) and, per quorum,
    (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
    a repeated id does not meet the keys of a quorum of the old lighthouse.
 
-A member that does not vote within ``cross_replica_timeout`` (it died after
-the quorum) counts as voting to rebuild; the rebuild then fails on it as the
-step would have anyway, and the next quorum leaves it out.
+If the vote cannot complete within a quarter of ``cross_replica_timeout``
+(a member or the store's host died after the quorum), the rank falls back to
+torchft's own rule: that step fails on the dead member anyway, and the next
+quorum, without it, has a new id, which every member rebuilds for. (Rebuilding
+on a failed vote instead was tried: the rebuild dialled the dead store for
+10 s, the other ranks' ``should_commit`` timed out, and the survivor died.)
 
 Riding out an outage needs torchft's own retries: its manager retries a
 failed lighthouse call ``quorum_retries`` times, sleeping
@@ -117,18 +120,21 @@ def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int, member
     return quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and tuple(sorted(members)) != prev.members)
 
 
-def decide_reconfigure(votes: Sequence[Optional[bool]]) -> bool:
+def decide_reconfigure(own: bool, votes: Optional[Sequence[bool]]) -> bool:
     """The quorum-wide decision from every member's vote (pure).
 
     Args:
-        votes: one entry per member: ``True`` (rebuild), ``False`` (keep), or
-            ``None`` (did not vote in time; counts as rebuild).
+        own: this rank's own vote (torchft's rule or a detected restart).
+        votes: every member's vote (``True``: rebuild), or ``None`` when the
+            vote could not complete (a member or the store died).
 
     Returns:
         ``True`` if any member rebuilds: a process group must be rebuilt by
-        all its members or by none.
+        all its members or by none. ``own`` when the vote failed.
     """
-    return any(v is None or v for v in votes)
+    if votes is None:
+        return own
+    return own or any(votes)
 
 
 def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
@@ -158,6 +164,8 @@ class _QuorumGuard:
     """
 
     def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None]) -> None:
+        # timeout bounds the vote: keep it well below the cross-replica timeout, which bounds the
+        # other ranks' should_commit while this quorum thread votes.
         self._manager = manager
         self._client = manager._client
         self._timeout = timeout
@@ -188,6 +196,7 @@ class _QuorumGuard:
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
         """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`)."""
+        votes: Optional[List[bool]]
         try:
             store = self._stores.get(result.store_address)
             if store is None:
@@ -197,19 +206,20 @@ class _QuorumGuard:
             store.set(f"{base}/{int(result.replica_rank)}", b"1" if mine else b"0")
             keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
             store.wait(keys, self._timeout)
-            votes: List[Optional[bool]] = [v == b"1" for v in store.multi_get(keys)]
+            votes = [v == b"1" for v in store.multi_get(keys)]
             if self._last_vote is not None and self._last_vote[1] != base:
                 try:
                     self._last_vote[0].delete_key(f"{self._last_vote[1]}/{self._last_vote[2]}")
                 except Exception:  # the old primary may be gone; its keys went with it
                     pass
             self._last_vote = (store, base, int(result.replica_rank))
-        except Exception as exc:  # a member or the store died: rebuilding is the safe side
-            logger.warning("quorum %d: reconfigure vote failed (%s: %s); rebuilding", int(result.quorum_id),
-                           type(exc).__name__, exc)
+        except Exception as exc:  # a member or the store died: this step fails on it anyway
+            logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
+                           int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
+                           "rebuilding" if mine else "keeping the process group")
             self._stores = {}
-            votes = [None]
-        return decide_reconfigure(votes)
+            votes = None
+        return decide_reconfigure(mine, votes)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -280,7 +290,7 @@ class ReplicaManager:
             quorum_retries=cfg.quorum_retries,
         )
         self.lighthouse_restarts = 0
-        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout,
+        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
                                                   self._on_lighthouse_restart)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:

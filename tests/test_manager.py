@@ -27,10 +27,12 @@ def test_detect_lighthouse_restart(prev, qid, members, restarted):
     assert detect_lighthouse_restart(prev, qid, members) is restarted
 
 
-def test_any_rebuild_vote_or_a_missing_vote_rebuilds_everyone():
-    assert decide_reconfigure([False, False]) is False
-    assert decide_reconfigure([False, True]) is True
-    assert decide_reconfigure([False, None]) is True
+def test_any_rebuild_vote_rebuilds_everyone_and_a_failed_vote_keeps_the_own_decision():
+    assert decide_reconfigure(False, [False, False]) is False
+    assert decide_reconfigure(False, [False, True]) is True
+    assert decide_reconfigure(True, [True, False]) is True
+    assert decide_reconfigure(False, None) is False
+    assert decide_reconfigure(True, None) is True
 
 
 def test_rendezvous_namespace_is_shared_by_members_and_changes_with_step_and_members():
@@ -100,11 +102,11 @@ def test_steady_quorum_rebuilds_nobody():
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_store_rebuilds_on_the_safe_side():
+def test_unreachable_store_falls_back_to_torchfts_rule():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
     del store
     (mgr, guard), _ = _members(port, last_ids=[2, 2], qid=2)
     guard._timeout = timedelta(seconds=1)
     guard._quorum(group_rank=0)
-    assert mgr._quorum_id == -1
+    assert mgr._quorum_id == 2  # same id, no restart seen: keep the group, as torchft would
