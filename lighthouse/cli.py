@@ -172,7 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
                     monitor = LighthouseMonitor(service.local_address, health_bind=health_bind or "127.0.0.1:0",
                                                 status_bind=status_bind, probe_interval_s=args.probe_interval_s)
                 except (OSError, ValueError, RuntimeError) as exc:
-                    print(f"ftbridge-lighthouse: error: health/status endpoints: {exc}", file=sys.stderr, flush=True)
+                    print(f"ftbridge-lighthouse: error: health/status endpoints ({health_bind}, {status_bind}): {exc}; "
+                          "choose other ports with --health-bind/--status-bind, or 'none'", file=sys.stderr, flush=True)
                     return 1
             print(f"ftbridge-lighthouse: serving on {service.address}", flush=True)
             if monitor is not None and health_bind is not None:
