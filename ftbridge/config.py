@@ -103,7 +103,10 @@ class FTBridgeConfig:
     DeepSpeed's collectives (``FTBRIDGE_IN_GROUP_TIMEOUT_S``)."""
 
     quorum_timeout: timedelta = timedelta(seconds=30)
-    """How long one quorum request to the lighthouse may take
+    """How long one step's quorum call may take, torchft's retries included:
+    also the longest lighthouse outage (restart) a job rides out, less the
+    lighthouse's join timeout and about 2 s to reconnect; 30 s covered a 25 s
+    outage (``docs/lighthouse.md``)
     (``FTBRIDGE_QUORUM_TIMEOUT_S`` / ``TORCHFT_QUORUM_TIMEOUT_SEC``)."""
 
     connect_timeout: timedelta = timedelta(seconds=10)
@@ -115,8 +118,10 @@ class FTBridgeConfig:
     (``FTBRIDGE_HEARTBEAT_INTERVAL_MS``)."""
 
     quorum_retries: int = 5
-    """Quorum requests retried before the job gives up, so a short lighthouse
-    outage does not kill it; torchft's default is 0
+    """Lighthouse calls group rank 0's torchft manager retries within one
+    quorum call, sleeping ``quorum_timeout / (quorum_retries + 1)`` between
+    tries and reconnecting for up to ``connect_timeout``, so a lighthouse
+    restart does not kill the job; torchft's default 0 does
     (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
 
     manager_port: int = 0

@@ -13,6 +13,7 @@ Example::
         job.start()
         job.wait_step(group=1, step=10, timeout_s=120)
         job.kill_workers(1)                 # torchrun restarts the group, which heals
+        job.stop_lighthouse(); job.start_lighthouse()   # a lighthouse restart at the same address
         codes = job.wait(timeout_s=300)
 """
 
@@ -87,14 +88,45 @@ class LocalJob:
     def start(self, groups: Optional[Sequence[int]] = None) -> None:
         """Start the lighthouse (once) and the given groups (default: all)."""
         if self.lighthouse is None:
-            os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust logger starts
-            from lighthouse.server import start_lighthouse
-
-            self.lighthouse = start_lighthouse("127.0.0.1:0", self.lighthouse_min_replicas,
-                                               join_timeout_ms=self.join_timeout_ms,
-                                               heartbeat_timeout_ms=self.heartbeat_timeout_ms)
+            self.start_lighthouse()
         for g in range(self.num_groups) if groups is None else groups:
             self.start_group(g)
+
+    def start_lighthouse(self, timeout_s: float = 10.0) -> None:
+        """Start the in-process lighthouse: on a free port the first time, then on the same one.
+
+        After :meth:`stop_lighthouse` this restarts it at the same address (as an
+        operator restarting the service would), with a fresh in-memory state:
+        quorum ids start again at 0.
+
+        Raises:
+            RuntimeError: it is already running.
+            OSError: the port stays taken for ``timeout_s`` (another process grabbed it).
+        """
+        if self.lighthouse is not None:
+            raise RuntimeError(f"the lighthouse already runs at {self.lighthouse.address}")
+        os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust logger starts
+        from lighthouse.server import start_lighthouse
+
+        port = getattr(self, "_lighthouse_port", 0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.lighthouse = start_lighthouse(f"127.0.0.1:{port}", self.lighthouse_min_replicas,
+                                                   join_timeout_ms=self.join_timeout_ms,
+                                                   heartbeat_timeout_ms=self.heartbeat_timeout_ms)
+                break
+            except OSError:
+                if port == 0 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # the old socket may linger a moment; retry until the deadline
+        self._lighthouse_port = self.lighthouse.port
+
+    def stop_lighthouse(self) -> None:
+        """Stop the lighthouse (the groups keep running and retry their quorums); idempotent."""
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
 
     def event_log(self, group: int, rank: int) -> str:
         """Event log path of ``group``/``rank``."""
@@ -171,9 +203,7 @@ class LocalJob:
         for pid in self.all_worker_pids():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        if self.lighthouse is not None:
-            self.lighthouse.shutdown()
-            self.lighthouse = None
+        self.stop_lighthouse()
 
     def __enter__(self) -> "LocalJob":
         return self

@@ -1,42 +1,60 @@
-"""``ftbridge-lighthouse``: run torchft's lighthouse for an ftbridge job.
+"""``ftbridge-lighthouse``: run and inspect torchft's lighthouse for an ftbridge job.
 
 Usage::
 
-    ftbridge-lighthouse serve                                  # 127.0.0.1:29510
+    ftbridge-lighthouse serve                                  # 127.0.0.1:29510, health :29511, page :29512
     ftbridge-lighthouse serve --bind 127.0.0.1:0 --min-replicas 2
     ftbridge-lighthouse serve --bind 0.0.0.0:29510             # other machines; see the warning
+    ftbridge-lighthouse status http://127.0.0.1:29510          # quorum and members as a table
+    ftbridge-lighthouse status --json 127.0.0.1:29510
+    ftbridge-lighthouse health 127.0.0.1:29511                 # exit 0 when SERVING (Slurm, scripts)
 
-``serve`` prints one line to stdout once it listens, then runs until SIGTERM
-or SIGINT, and exits 0::
+``serve`` prints three lines to stdout once it listens, then runs until
+SIGTERM or SIGINT, and exits 0::
 
     ftbridge-lighthouse: serving on http://127.0.0.1:29510
+    ftbridge-lighthouse: health on 127.0.0.1:29511
+    ftbridge-lighthouse: status page on http://127.0.0.1:29512/
+
+Before starting, ``serve`` checks its timeouts against the managers' settings
+(``--manager-*`` flags, ftbridge's defaults unless given;
+:mod:`lighthouse.checks`) and refuses with exit code 2 when they cannot work.
 
 Point every launcher at that address (``ftbridge-run --lighthouse URL`` or
 ``TORCHFT_LIGHTHOUSE``). Logs go to stderr, one line each:
 ``2026-11-29 21:40:01 INFO [lighthouse] serving address=... min_replicas=1 ...``
 (torchft's own Rust logs keep their format). Exit codes: 0 after a signal,
-2 for a bad argument, 1 if the address cannot be bound.
+2 for a bad argument or timeouts that do not fit, 1 if an address cannot be
+bound. ``status`` exits 1 when the lighthouse cannot be reached; ``health``
+exits 0 for SERVING, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
+from datetime import timedelta
 from typing import Optional, Sequence
 
-from lighthouse import server
+from lighthouse import checks, server
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [lighthouse] %(message)s"
+DEFAULT_HEALTH_PORT = 29511
+DEFAULT_STATUS_PORT = 29512
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser: one subcommand per action (``serve`` for now)."""
+    """The argument parser: one subcommand per action (``serve``, ``status``, ``health``)."""
+    from ftbridge.config import FTBridgeConfig
+
+    defaults = FTBridgeConfig()
     parser = argparse.ArgumentParser(prog="ftbridge-lighthouse", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = sub.add_parser("serve", help="run the lighthouse until SIGTERM/SIGINT")
+    serve = sub.add_parser("serve", help="run the lighthouse (with health and status endpoints) until SIGTERM/SIGINT")
     serve.add_argument("--bind", default=server.DEFAULT_BIND,
                        help="HOST:PORT to listen on; port 0 picks a free one (default %(default)s)")
     serve.add_argument("--min-replicas", type=int, default=server.DEFAULT_MIN_REPLICAS,
@@ -48,13 +66,73 @@ def build_parser() -> argparse.ArgumentParser:
                        help="silence after which a replica group is dead, ms (default %(default)s)")
     serve.add_argument("--quorum-tick-ms", type=int, default=server.DEFAULT_QUORUM_TICK_MS,
                        help="how often a pending quorum is re-checked, ms (default %(default)s)")
+    serve.add_argument("--health-bind", default=None,
+                       help=f"HOST:PORT of the gRPC health service (grpc.health.v1); default: the --bind host, "
+                            f"port {DEFAULT_HEALTH_PORT} (0 when --bind uses port 0); 'none' disables it")
+    serve.add_argument("--status-bind", default=None,
+                       help=f"HOST:PORT of the HTTP status page (/, /status.json, /healthz); default: the --bind "
+                            f"host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
+    serve.add_argument("--probe-interval-s", type=float, default=1.0,
+                       help="seconds between health probes of the lighthouse (default %(default)s)")
+    group = serve.add_argument_group("managers' settings, checked against the lighthouse's (lighthouse.checks)")
+    group.add_argument("--manager-heartbeat-interval-ms", type=float,
+                       default=defaults.heartbeat_interval.total_seconds() * 1e3,
+                       help="FTBRIDGE_HEARTBEAT_INTERVAL_MS of the job (default %(default)g)")
+    group.add_argument("--manager-quorum-timeout-s", type=float, default=defaults.quorum_timeout.total_seconds(),
+                       help="FTBRIDGE_QUORUM_TIMEOUT_S of the job (default %(default)g)")
+    group.add_argument("--manager-cross-replica-timeout-s", type=float,
+                       default=defaults.cross_replica_timeout.total_seconds(),
+                       help="FTBRIDGE_CROSS_REPLICA_TIMEOUT_S of the job (default %(default)g)")
+    group.add_argument("--manager-quorum-retries", type=int, default=defaults.quorum_retries,
+                       help="FTBRIDGE_QUORUM_RETRIES of the job (default %(default)s)")
+    group.add_argument("--expected-heal-time-s", type=float, default=1.0,
+                       help="how long one heal transfer takes, s (default %(default)g)")
+    group.add_argument("--expected-outage-s", type=float, default=10.0,
+                       help="longest lighthouse restart the job should ride out, s (default %(default)g)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                        help="level of this program's log lines (default %(default)s)")
     serve.set_defaults(func=_serve)
+
+    status = sub.add_parser("status", help="print the current quorum and its members")
+    status.add_argument("address", help="the lighthouse, http://HOST:PORT or HOST:PORT")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--timeout-s", type=float, default=5.0, help="request timeout, s (default %(default)g)")
+    status.set_defaults(func=_status)
+
+    health = sub.add_parser("health", help="ask a gRPC health service; exit 0 when SERVING")
+    health.add_argument("address", help="HOST:PORT of the health service (serve's --health-bind)")
+    health.add_argument("--service", default="", help="service name (default: the overall status)")
+    health.add_argument("--timeout-s", type=float, default=5.0, help="call deadline, s (default %(default)g)")
+    health.set_defaults(func=_health)
     return parser
 
 
+def _side_bind(given: Optional[str], bind: str, default_port: int) -> Optional[str]:
+    """The bind of a side endpoint: as given, ``None`` for 'none', else the --bind host and a default port."""
+    if given is not None:
+        return None if given.lower() == "none" else given
+    host, port = server.parse_bind(bind)
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{default_port if port else 0}"
+
+
+def _check_timeouts(args: argparse.Namespace) -> None:
+    findings = checks.check_timeouts(
+        checks.LighthouseTimeouts(heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                                  join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=args.quorum_tick_ms),
+        checks.ManagerTimeouts(heartbeat_interval=timedelta(milliseconds=args.manager_heartbeat_interval_ms),
+                               quorum_timeout=timedelta(seconds=args.manager_quorum_timeout_s),
+                               cross_replica_timeout=timedelta(seconds=args.manager_cross_replica_timeout_s),
+                               quorum_retries=args.manager_quorum_retries,
+                               expected_heal_time=timedelta(seconds=args.expected_heal_time_s),
+                               expected_outage=timedelta(seconds=args.expected_outage_s)),
+    )
+    checks.enforce(findings)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from lighthouse.health import LighthouseMonitor
+
     stop = threading.Event()
     received: list[int] = []
 
@@ -63,8 +141,19 @@ def _serve(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monitor = None
     try:
         try:
+            health_bind = _side_bind(args.health_bind, args.bind, DEFAULT_HEALTH_PORT)
+            status_bind = _side_bind(args.status_bind, args.bind, DEFAULT_STATUS_PORT)
+            for name, value in (("--health-bind", health_bind), ("--status-bind", status_bind)):
+                if value is not None:
+                    host, _ = server.parse_bind(value)
+                    if not server.is_loopback(host):
+                        logging.getLogger("lighthouse").warning(
+                            "exposed %s=%s: health and status endpoints have no authentication "
+                            "(they only read); keep them on a private network", name, value)
+            _check_timeouts(args)
             service = server.start_lighthouse(
                 args.bind, args.min_replicas,
                 join_timeout_ms=args.join_timeout_ms,
@@ -78,15 +167,58 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"ftbridge-lighthouse: error: {exc}", file=sys.stderr, flush=True)
             return 1
         with service:
+            if health_bind is not None or status_bind is not None:
+                try:
+                    monitor = LighthouseMonitor(service.local_address, health_bind=health_bind or "127.0.0.1:0",
+                                                status_bind=status_bind, probe_interval_s=args.probe_interval_s)
+                except (OSError, ValueError, RuntimeError) as exc:
+                    print(f"ftbridge-lighthouse: error: health/status endpoints ({health_bind}, {status_bind}): {exc}; "
+                          "choose other ports with --health-bind/--status-bind, or 'none'", file=sys.stderr, flush=True)
+                    return 1
             print(f"ftbridge-lighthouse: serving on {service.address}", flush=True)
+            if monitor is not None and health_bind is not None:
+                print(f"ftbridge-lighthouse: health on {monitor.health_address}", flush=True)
+            if monitor is not None and monitor.page is not None:
+                print(f"ftbridge-lighthouse: status page on http://{monitor.page.address}/", flush=True)
             while not stop.wait(1.0):  # a timed wait keeps signal handling prompt everywhere
                 pass
             logging.getLogger("lighthouse").info(
                 "shutting down signal=%s", signal.Signals(received[0]).name)
+            if monitor is not None:
+                monitor.shutdown()
         return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from lighthouse.status import StatusFormatError, fetch_status, format_json, format_table
+
+    try:
+        status = fetch_status(args.address, timeout_s=args.timeout_s)
+    except StatusFormatError as exc:
+        print(f"ftbridge-lighthouse: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as exc:
+        print(f"ftbridge-lighthouse: error: cannot read the status of {args.address}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
+    print(format_json(status) if args.json else format_table(status), flush=True)
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+
+    from lighthouse.health import check_health
+
+    try:
+        state = check_health(args.address, args.service, timeout_s=args.timeout_s)
+    except grpc.RpcError as exc:
+        state = f"UNREACHABLE ({exc.code().name})"  # type: ignore[attr-defined]
+    print(json.dumps({"address": args.address, "service": args.service, "status": state}), flush=True)
+    return 0 if state == "SERVING" else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -184,6 +184,12 @@ class LighthouseService:
         self.port = port
         self.settings = settings
 
+    @property
+    def local_address(self) -> str:
+        """``http://HOST:PORT`` that reaches it from this machine (loopback for a wildcard bind)."""
+        host = self._connect_host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop serving and wait until the port refuses connections. Idempotent.
 

@@ -55,6 +55,9 @@ MODULES = [
     "ftbridge.local_job",
     "ftbridge.report",
     "lighthouse.server",
+    "lighthouse.status",
+    "lighthouse.health",
+    "lighthouse.checks",
 ]
 """Modules documented, in page order."""
 

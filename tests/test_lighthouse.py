@@ -174,3 +174,26 @@ def test_cli_rejects_bad_values_with_exit_code_2():
             proc.wait()
     assert proc.returncode == 2
     assert "bind='nonsense'" in err and out == ""
+
+
+@pytest.mark.timeout(90)
+def test_cli_serve_on_all_interfaces_prints_the_authentication_warning():
+    proc = _start_cli("serve", "--bind", "0.0.0.0:0", "--status-bind", "none")
+    try:
+        line = _first_line(proc, timeout_s=60)
+        assert line.startswith("ftbridge-lighthouse: serving on http://"), line
+        health = proc.stdout.readline().split(" on ", 1)[1].strip()  # 0.0.0.0:PORT, probing via loopback
+        from lighthouse.health import check_health
+
+        assert check_health(health.replace("0.0.0.0", "127.0.0.1")) == "SERVING"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        warning = next(x for x in err.splitlines() if " WARNING [lighthouse] exposed bind=" in x)
+        assert "0.0.0.0:0" in warning and "NO authentication" in warning and "/replica/{id}/kill" in warning
+        assert "private network" in warning
+        assert "exposed --health-bind=0.0.0.0:0" in err  # the health port warns too
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

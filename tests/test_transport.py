@@ -506,3 +506,39 @@ def test_recv_from_a_dead_donor_raises_oserror():
     t.shutdown()
     with pytest.raises(OSError):
         t.recv_checkpoint(0, address, 1, timedelta(seconds=2))
+
+
+@NET_TIMEOUT
+@pytest.mark.parametrize("method", ["POST", "PUT"])
+def test_pickle_sent_to_the_transport_is_refused_and_changes_nothing(transport, tmp_path, method):
+    """The heal server only answers GET: a pickle pushed at it is refused unread, and serving goes on."""
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"w": _Marker(str(marker))})
+    state = {"x": torch.arange(3.0)}
+    transport.send_checkpoint([1], 4, state, timedelta(seconds=5))
+    url = f"{transport.metadata()}4"
+    request = urllib.request.Request(url, data=payload, method=method,
+                                     headers={"Content-Type": "application/octet-stream"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=5)
+    assert err.value.code == 501
+    assert not marker.exists()
+    got = transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=5))
+    assert torch.equal(got["x"], state["x"])
+
+
+@NET_TIMEOUT
+def test_bound_socket_is_the_chosen_interface_only():
+    """Bound to 127.0.0.2, the port is closed on 127.0.0.1 (another address of the same machine)."""
+    try:
+        t = SafeHTTPTransport("127.0.0.2", timeout=timedelta(seconds=1))
+    except OSError as e:
+        pytest.skip(f"127.0.0.2 not usable here: {e}")
+    try:
+        host, port = t._server.socket.getsockname()[:2]
+        assert host == "127.0.0.2"
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        t.shutdown()

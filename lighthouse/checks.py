@@ -1,0 +1,170 @@
+"""Do the lighthouse's timeouts fit the managers' settings? A pure check.
+
+The lighthouse and the replica groups' torchft managers are configured
+separately (``ftbridge-lighthouse serve`` flags versus :class:`FTBridgeConfig`
+on every rank), yet their timeouts depend on each other. The rules, in the
+order :func:`check_timeouts` applies them (``ERROR`` refuses to start,
+``WARNING`` is logged):
+
+=====================  =======  ==============================================================
+rule                   level    why
+=====================  =======  ==============================================================
+heartbeat-interval     ERROR    ``heartbeat_timeout_ms`` must exceed 2 x the managers'
+                                ``heartbeat_interval``, or one late heartbeat declares a live
+                                group dead; below 5 x it is a WARNING (a GC pause or a loaded
+                                core can delay several beats)
+quorum-wait            ERROR    ``min(join_timeout_ms, heartbeat_timeout_ms) + quorum_tick_ms``
+                                must be below ``quorum_timeout``: that is how long a quorum can
+                                wait for a straggler or a dead group that still counts as
+                                heartbeating; longer, and every manager's quorum call times out
+                                before the lighthouse answers
+heal-time              ERROR    ``expected_heal_time`` must be below ``cross_replica_timeout``:
+                                a donor sends its state inside its quorum, while its peers wait
+                                for it in the step's cross-replica all-reduce, bounded by that
+                                timeout (and the transfer itself is bounded by it too)
+heal-join              WARNING  ``join_timeout_ms`` below ``expected_heal_time``: a group that
+                                just healed asks for its next quorum late, and the others go on
+                                without it for a step (harmless, it catches up by healing again)
+restart-retries        WARNING  ``quorum_retries`` 0: a lighthouse restart kills every rank
+restart-outage         WARNING  ``quorum_timeout`` must cover ``expected_outage`` +
+                                ``join_timeout_ms`` + reconnect (2 s): torchft's manager bounds
+                                one quorum call, retries included, by ``quorum_timeout``
+=====================  =======  ==============================================================
+
+Example::
+
+    findings = check_timeouts(LighthouseTimeouts(...), ManagerTimeouts.from_config(cfg))
+    enforce(findings)          # raises ValueError on any ERROR, logs the WARNINGs
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, List, Optional
+
+logger = logging.getLogger("lighthouse")
+
+RECONNECT_ALLOWANCE = timedelta(seconds=2)
+"""Time a manager needs to notice that a restarted lighthouse is back (its
+connect loop backs off by 1.5x from 100 ms) and send its quorum again."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LighthouseTimeouts:
+    """The lighthouse's timing settings (ms, as on its command line)."""
+
+    heartbeat_timeout_ms: int
+    join_timeout_ms: int
+    quorum_tick_ms: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerTimeouts:
+    """The managers' timing settings (as in :class:`ftbridge.config.FTBridgeConfig`)."""
+
+    heartbeat_interval: timedelta
+    quorum_timeout: timedelta
+    cross_replica_timeout: timedelta
+    quorum_retries: int
+    expected_heal_time: timedelta = timedelta(seconds=1)
+    """How long one heal transfer is expected to take (state size / bandwidth)."""
+    expected_outage: timedelta = timedelta(seconds=10)
+    """Longest lighthouse outage (restart) the job should ride out."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, expected_heal_time: Optional[timedelta] = None,
+                    expected_outage: Optional[timedelta] = None) -> "ManagerTimeouts":
+        """Take the fields from an :class:`~ftbridge.config.FTBridgeConfig`."""
+        extra = {k: v for k, v in (("expected_heal_time", expected_heal_time),
+                                   ("expected_outage", expected_outage)) if v is not None}
+        return cls(heartbeat_interval=cfg.heartbeat_interval, quorum_timeout=cfg.quorum_timeout,
+                   cross_replica_timeout=cfg.cross_replica_timeout, quorum_retries=cfg.quorum_retries, **extra)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One violated rule."""
+
+    level: str
+    """``"ERROR"`` (refuse) or ``"WARNING"``."""
+    rule: str
+    """Short rule name, as in the module docstring's table."""
+    message: str
+    """The values involved, the rule, and the fix."""
+
+
+def _s(td: timedelta) -> str:
+    return f"{td.total_seconds():g} s"
+
+
+def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding]:
+    """Check the rules of the module docstring; return the violated ones (pure, no I/O).
+
+    Args:
+        lh: the lighthouse's settings (ms).
+        mgr: the managers' settings.
+
+    Returns:
+        The findings, errors and warnings, in rule order; empty when all fit.
+    """
+    out: List[Finding] = []
+    hb_timeout = timedelta(milliseconds=lh.heartbeat_timeout_ms)
+    join = timedelta(milliseconds=lh.join_timeout_ms)
+    tick = timedelta(milliseconds=lh.quorum_tick_ms)
+
+    if hb_timeout <= 2 * mgr.heartbeat_interval:
+        out.append(Finding("ERROR", "heartbeat-interval",
+                           f"heartbeat_timeout_ms={lh.heartbeat_timeout_ms} is not above 2 x the managers' "
+                           f"heartbeat_interval={_s(mgr.heartbeat_interval)}: one late heartbeat would declare a live "
+                           "replica group dead; raise heartbeat_timeout_ms (>= 5 x the interval) or lower the interval"))
+    elif hb_timeout < 5 * mgr.heartbeat_interval:
+        out.append(Finding("WARNING", "heartbeat-interval",
+                           f"heartbeat_timeout_ms={lh.heartbeat_timeout_ms} is below 5 x the managers' "
+                           f"heartbeat_interval={_s(mgr.heartbeat_interval)}: a few delayed heartbeats would "
+                           "declare a live replica group dead"))
+    wait = min(join, hb_timeout) + tick
+    if wait >= mgr.quorum_timeout:
+        out.append(Finding("ERROR", "quorum-wait",
+                           f"min(join_timeout_ms={lh.join_timeout_ms}, heartbeat_timeout_ms={lh.heartbeat_timeout_ms})"
+                           f" + quorum_tick_ms={lh.quorum_tick_ms} = {_s(wait)} is not below the managers' "
+                           f"quorum_timeout={_s(mgr.quorum_timeout)}: a quorum waiting for a straggler would outlast "
+                           "every manager's quorum call; lower join_timeout_ms or raise quorum_timeout"))
+    if mgr.expected_heal_time >= mgr.cross_replica_timeout:
+        out.append(Finding("ERROR", "heal-time",
+                           f"expected_heal_time={_s(mgr.expected_heal_time)} is not below cross_replica_timeout="
+                           f"{_s(mgr.cross_replica_timeout)}: the donor's peers wait for it in the cross-replica "
+                           "all-reduce while it sends, and the transfer itself is bounded by that timeout; raise "
+                           "cross_replica_timeout (and in_group_timeout above it)"))
+    if join < mgr.expected_heal_time:
+        out.append(Finding("WARNING", "heal-join",
+                           f"join_timeout_ms={lh.join_timeout_ms} is below expected_heal_time="
+                           f"{_s(mgr.expected_heal_time)}: a group that just healed joins its next quorum late and "
+                           "the others go on without it for a step (it heals again; harmless but slower)"))
+    if mgr.quorum_retries < 1:
+        out.append(Finding("WARNING", "restart-retries",
+                           f"quorum_retries={mgr.quorum_retries}: a lighthouse restart or network blip fails every "
+                           "manager's quorum call and kills every rank; set quorum_retries >= 1 (ftbridge's default is 5)"))
+    needed = mgr.expected_outage + join + RECONNECT_ALLOWANCE
+    if mgr.quorum_timeout < needed:
+        out.append(Finding("WARNING", "restart-outage",
+                           f"quorum_timeout={_s(mgr.quorum_timeout)} does not cover expected_outage="
+                           f"{_s(mgr.expected_outage)} + join_timeout_ms={lh.join_timeout_ms} + reconnect "
+                           f"{_s(RECONNECT_ALLOWANCE)} = {_s(needed)}: a lighthouse restart that long fails every "
+                           "quorum call (torchft bounds one call, retries included, by quorum_timeout)"))
+    return out
+
+
+def enforce(findings: List[Finding], log: logging.Logger = logger) -> None:
+    """Log every WARNING; raise on ERRORs.
+
+    Raises:
+        ValueError: one or more ERROR findings, all their messages joined.
+    """
+    for f in findings:
+        if f.level == "WARNING":
+            log.warning("timeout check %s: %s", f.rule, f.message)
+    errors = [f"[{f.rule}] {f.message}" for f in findings if f.level == "ERROR"]
+    if errors:
+        raise ValueError("lighthouse and manager timeouts do not fit:\n" + "\n".join(errors))

@@ -1,0 +1,253 @@
+"""Read the state of a running torchft lighthouse: quorum, members, heartbeats.
+
+Why the HTTP status route and not gRPC: torchft 0.2's lighthouse has exactly
+two gRPC methods, ``LighthouseService.Quorum`` and ``.Heartbeat``, and both
+change its state. ``Quorum`` *joins* the next quorum as a replica group, and
+``Heartbeat`` adds a replica id to the heartbeat table, which then counts in
+the lighthouse's split-brain guard and makes quorums wait ``join_timeout_ms``
+for a group that never joins. There is no read-only RPC and no reflection.
+The only read-only interface is ``GET /status`` on the same port, the HTML
+fragment torchft's dashboard polls. This module fetches that fragment and
+parses it into :class:`LighthouseStatus`; :func:`parse_status` is a pure
+function over the text, tested against torchft 0.2's template
+(``templates/status.html``). A template change in a later torchft raises
+:class:`StatusFormatError` naming what was missing, rather than returning
+wrong numbers.
+
+What the fields mean (torchft 0.2):
+
+* ``quorum_id``: the lighthouse's current quorum id (bumped when membership
+  changes or a member reports commit failures; restarts at 0 with the
+  lighthouse, which keeps its state in memory only);
+* ``members``: the participants of the last quorum issued, each with the
+  ``step`` it reported when it asked for that quorum, its group size
+  (``world_size``, ranks per replica group), its torchft manager address and
+  its TCPStore; ``recovering`` when behind the quorum's highest step;
+* ``heartbeats``: every replica id the lighthouse has heard from, with the
+  seconds since its last heartbeat (``age_s``) and ``stale`` once older than
+  the lighthouse's heartbeat timeout.
+
+Example::
+
+    from lighthouse.status import fetch_status, format_table
+
+    print(format_table(fetch_status("http://127.0.0.1:29510")))
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class StatusFormatError(ValueError):
+    """The status route answered with text that is not torchft 0.2's status fragment."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One participant of the last quorum."""
+
+    replica_id: str
+    """torchft replica id, ``replica_group_G:UUID`` for ftbridge groups (the
+    UUID changes when the group restarts)."""
+    step: int
+    """Committed steps the group reported when it asked for this quorum."""
+    world_size: int
+    """Ranks in the replica group (its group size)."""
+    manager_address: str
+    """Address of the group's torchft manager server (group rank 0)."""
+    store_address: str
+    """``HOST:PORT`` of the group's TCPStore."""
+    recovering: bool
+    """Behind the quorum's highest step: this group heals from a peer."""
+    heartbeat_age_s: Optional[float] = None
+    """Seconds since the lighthouse last heard from it (``None``: never)."""
+
+    @property
+    def replica_group(self) -> Optional[int]:
+        """ftbridge's replica group id parsed from ``replica_group_G:...``, else ``None``."""
+        match = re.match(r"replica_group_(\d+)(:|$)", self.replica_id)
+        return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The lighthouse's last contact with one replica id."""
+
+    replica_id: str
+    age_s: float
+    """Seconds since its last heartbeat or quorum request."""
+    stale: bool
+    """Older than the lighthouse's heartbeat timeout: counted as dead."""
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """One snapshot of a lighthouse; see the module docstring for the fields."""
+
+    quorum_id: int
+    next_quorum: str
+    """torchft's explanation of whether the next quorum can form."""
+    previous_quorum_id: Optional[int] = None
+    """Id of the last quorum issued (``None`` before the first)."""
+    quorum_age_s: Optional[float] = None
+    """Seconds since the last quorum was issued."""
+    members: List[Member] = field(default_factory=list)
+    heartbeats: List[Heartbeat] = field(default_factory=list)
+
+    def to_json(self) -> Dict[str, Any]:
+        """A JSON-ready dict (members gain ``replica_group``)."""
+        out = asdict(self)
+        for m, d in zip(self.members, out["members"]):
+            d["replica_group"] = m.replica_group
+        return out
+
+
+_NUM = r"(-?[0-9.]+(?:e-?[0-9]+)?)"
+
+
+def _text(fragment: str) -> str:
+    """The fragment's text: tags removed, entities decoded, whitespace collapsed per line."""
+    no_tags = re.sub(r"<[^>]*>", "\n", fragment)
+    lines = (" ".join(line.split()) for line in html.unescape(no_tags).splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+def parse_status(fragment: str) -> LighthouseStatus:
+    """Parse the ``GET /status`` HTML fragment of torchft 0.2's lighthouse.
+
+    Args:
+        fragment: the response body (str).
+
+    Returns:
+        The parsed :class:`LighthouseStatus`; members carry the heartbeat age
+        of their replica id.
+
+    Raises:
+        StatusFormatError: the fragment lacks the current quorum id, or a
+            member block lacks one of its fields (names the field).
+    """
+    current = re.search(r"Current quorum_id:\s*(-?\d+)", fragment)
+    if current is None:
+        raise StatusFormatError(
+            "no 'Current quorum_id' in the status page: not a torchft 0.2 lighthouse, or its "
+            f"template changed; got {fragment[:200]!r}")
+    nxt = re.search(r"Next quorum status:\s*(.*?)\s*(?:<h3>|$)", fragment, re.S)
+    previous = re.search(r"Previous quorum id:\s*(-?\d+)", fragment)
+    age = re.search(r"Quorum age:\s*" + _NUM + r"s", fragment)
+
+    heartbeats = []
+    for li in re.finditer(r'<li class="heartbeat(.*?)">(.*?)</li>', fragment, re.S):
+        hb = re.fullmatch(r"\s*(.*?): seen " + _NUM + r"s ago\s*", html.unescape(li.group(2)), re.S)
+        if hb is None:
+            raise StatusFormatError(f"heartbeat entry {li.group(2).strip()!r} is not 'ID: seen Ns ago'")
+        heartbeats.append(Heartbeat(hb.group(1), float(hb.group(2)), "old" in li.group(1).split()))
+    ages = {h.replica_id: h.age_s for h in heartbeats}
+
+    members = []
+    for block in re.finditer(r'<div class="member(.*?)">(.*?)</div>', fragment, re.S):
+        body = block.group(2)
+
+        def field_of(label: str, body: str = body) -> str:
+            found = re.search(label + r":\s*(.*?)\s*<br", body, re.S)
+            if found is None:
+                raise StatusFormatError(f"quorum member block has no {label!r}: {_text(body)!r}")
+            return html.unescape(found.group(1))
+
+        rid = re.search(r"<b>(.*?)</b>", body, re.S)
+        if rid is None:
+            raise StatusFormatError(f"quorum member block has no replica id: {_text(body)!r}")
+        replica_id = html.unescape(rid.group(1)).strip()
+        members.append(Member(
+            replica_id=replica_id,
+            step=int(field_of("Step")),
+            world_size=int(field_of("World size")),
+            manager_address=field_of("Manager"),
+            store_address=field_of("TCPStore"),
+            recovering="recovering" in block.group(1).split(),
+            heartbeat_age_s=ages.get(replica_id),
+        ))
+    return LighthouseStatus(
+        quorum_id=int(current.group(1)),
+        next_quorum=_text(nxt.group(1)) if nxt else "",
+        previous_quorum_id=int(previous.group(1)) if previous else None,
+        quorum_age_s=float(age.group(1)) if age else None,
+        members=members,
+        heartbeats=heartbeats,
+    )
+
+
+def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
+    """GET ``{address}/status`` and parse it.
+
+    Args:
+        address: the lighthouse, ``http://HOST:PORT`` (a bare ``HOST:PORT`` is
+            taken as http).
+        timeout_s: connect and read timeout (s).
+
+    Returns:
+        The current :class:`LighthouseStatus`.
+
+    Raises:
+        OSError: the lighthouse cannot be reached or answers with an HTTP
+            error (``urllib.error.URLError`` is an ``OSError``).
+        StatusFormatError: it answered with something else than torchft 0.2's
+            status fragment.
+    """
+    url = status_url(address)
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        body = resp.read().decode("utf-8", errors="replace")
+    return parse_status(body)
+
+
+def status_url(address: str) -> str:
+    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL)."""
+    address = address.strip().rstrip("/")
+    if "://" not in address:
+        address = f"http://{address}"
+    return f"{address}/status"
+
+
+def _fmt_age(age: Optional[float]) -> str:
+    return "-" if age is None else f"{age:.1f}s"
+
+
+def format_table(status: LighthouseStatus) -> str:
+    """The status as a plain-text table (one line per quorum member).
+
+    Columns: replica group, replica id, step, group size, manager address,
+    heartbeat age, and ``recovering`` when the member heals.
+    """
+    head = [f"quorum_id {status.quorum_id}"]
+    if status.previous_quorum_id is not None:
+        head.append(f"last quorum {status.previous_quorum_id} issued {_fmt_age(status.quorum_age_s)} ago "
+                    f"with {len(status.members)} member(s)")
+    else:
+        head.append("no quorum issued yet")
+    lines = ["; ".join(head), f"next quorum: {status.next_quorum}"]
+    rows = [("group", "replica_id", "step", "group_size", "manager", "heartbeat", "state")]
+    for m in sorted(status.members, key=lambda m: m.replica_id):
+        rows.append((str(m.replica_group) if m.replica_group is not None else "-", m.replica_id, str(m.step),
+                     str(m.world_size), m.manager_address, _fmt_age(m.heartbeat_age_s),
+                     "recovering" if m.recovering else "ok"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    others = [h for h in status.heartbeats if h.replica_id not in {m.replica_id for m in status.members}]
+    for h in sorted(others, key=lambda h: h.replica_id):
+        lines.append(f"heartbeating, not in the last quorum: {h.replica_id} "
+                     f"(seen {_fmt_age(h.age_s)} ago{', stale' if h.stale else ''})")
+    return "\n".join(lines)
+
+
+def format_json(status: LighthouseStatus) -> str:
+    """The status as indented JSON (see :meth:`LighthouseStatus.to_json`)."""
+    return json.dumps(status.to_json(), indent=2, sort_keys=True)

@@ -1,0 +1,83 @@
+"""The lighthouse is stopped for 10 s and restarted at the same address while a job trains.
+
+Two replica groups (1 rank each, the tiny model) train with ftbridge's
+default quorum settings. The lighthouse goes down after both have committed
+a few steps together; the groups pause in their quorum calls (torchft's
+manager retries) and go on once it is back, with quorum ids starting again
+at 1, and no rank restarts. Also: ``ftbridge-lighthouse status`` lists both
+members with their steps while the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lighthouse.status import fetch_status
+from tests.conftest import TINY
+
+OUTAGE_S = 10.0
+
+
+def _both_at(job, step, since=0.0, participants=2):
+    return all(any(e["committed"] and e["step"] >= step and e["time"] >= since and e["participants"] == participants
+                   for e in job.steps(g)) for g in (0, 1))
+
+
+def _committed_between(job, group, t0, t1):
+    return [e for e in job.steps(group) if e["committed"] and t0 <= e["time"] < t1]
+
+
+@pytest.mark.timeout(240)
+def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job, tmp_path):
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0)
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.wait_until(lambda: _both_at(job, 3), 150, "both groups to commit step 3 together")
+
+    # status, while the job runs: both members, with their steps.
+    out = subprocess.run([sys.executable, "-m", "lighthouse.cli", "status", "--json", job.lighthouse.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert sorted(m["replica_group"] for m in status["members"]) == [0, 1], status
+    assert all(m["step"] >= 2 and m["world_size"] == 1 and m["heartbeat_age_s"] is not None
+               for m in status["members"]), status
+    assert status["quorum_id"] >= 1
+
+    address = job.lighthouse.address
+    stopped = time.time()
+    job.stop_lighthouse()
+    with pytest.raises(OSError):
+        fetch_status(address, timeout_s=1)
+    time.sleep(OUTAGE_S)  # the fault itself: the outage lasts this long (not a synchronisation)
+    during = {g: _committed_between(job, g, stopped + 1.0, time.time()) for g in (0, 1)}
+    job.start_lighthouse()
+    restarted = time.time()
+    assert job.lighthouse.address == address
+
+    job.wait_until(lambda: _both_at(job, job.max_step() + 3, since=restarted), 120,
+                   "both groups to commit 3 more steps together after the restart")
+    resumed = min(min(e["time"] for e in _committed_between(job, g, restarted, time.time())) for g in (0, 1))
+    assert fetch_status(address).quorum_id < 10  # a fresh lighthouse: ids started again
+
+    target = job.max_step() + 3
+    job.write_file("stop", str(target))
+    codes = job.wait(timeout_s=120)
+    assert codes == {0: 0, 1: 0}, job.tails()
+
+    # The job paused: at most the step in flight committed during the outage.
+    assert all(len(v) <= 1 for v in during.values()), during
+    # No rank restarted (one start event per group) and both end identical.
+    starts = [e for e in job.events() if e.get("event") == "start"]
+    assert len(starts) == 2, job.tails()
+    finals = [e for e in job.events() if e.get("event") == "final"]
+    assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals
+    assert {f["step"] for f in finals} == {target}
+    text = job.log_text(0) + job.log_text(1)
+    print(f"outage {restarted - stopped:.1f} s; first commit {resumed - restarted:.1f} s after the restart; "
+          f"lighthouse restarts detected: {text.count('lighthouse restarted')}")

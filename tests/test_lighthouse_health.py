@@ -1,0 +1,107 @@
+"""Tests of lighthouse/health.py: gRPC health across a lighthouse stop and start, the offline status page."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lighthouse.health import LIGHTHOUSE_SERVICE, LighthouseMonitor, check_health, render_page
+from lighthouse.server import start_lighthouse
+from lighthouse.status import parse_status
+from tests.test_lighthouse_status import FRAGMENT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.timeout(90)
+def test_health_serving_not_serving_serving_across_a_lighthouse_stop_and_start():
+    lh = start_lighthouse("127.0.0.1:0")
+    port = lh.port
+    mon = LighthouseMonitor(lh.address, health_bind="127.0.0.1:0", status_bind="127.0.0.1:0", probe_interval_s=0.2)
+    health = mon.health_address
+    try:
+        assert check_health(health) == "SERVING"
+        assert check_health(health, LIGHTHOUSE_SERVICE) == "SERVING"
+        assert _get(f"http://{mon.page.address}/healthz") == (200, "SERVING\n")
+
+        lh.shutdown()
+        _wait_for(lambda: check_health(health) == "NOT_SERVING", 30, "NOT_SERVING after the stop")
+        assert check_health(health, LIGHTHOUSE_SERVICE) == "NOT_SERVING"
+        code, body = _get(f"http://{mon.page.address}/healthz")
+        assert code == 503 and body == "NOT_SERVING\n"
+        code, page = _get(f"http://{mon.page.address}/")
+        assert code == 200 and "NOT_SERVING" in page and "last known state" in page
+
+        lh = start_lighthouse(f"127.0.0.1:{port}")
+        _wait_for(lambda: check_health(health) == "SERVING", 30, "SERVING after the restart")
+        code, data = _get(f"http://{mon.page.address}/status.json")
+        assert code == 200 and json.loads(data)["serving"] is True
+    finally:
+        mon.shutdown()
+        lh.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_monitor_of_an_absent_lighthouse_starts_not_serving():
+    with start_lighthouse("127.0.0.1:0") as lh:
+        address = lh.address
+    with LighthouseMonitor(address, health_bind="127.0.0.1:0", probe_interval_s=0.2) as mon:
+        assert check_health(mon.health_address) == "NOT_SERVING"
+        assert mon.last_error
+
+
+def test_status_page_is_self_contained():
+    page = render_page(parse_status(FRAGMENT), lighthouse="http://h:1", serving=True, error=None)
+    assert "<script" not in page and "http://" not in page.replace("http://h:", "").replace("http-equiv", "")
+    assert "src=" not in page and "<link" not in page and "@import" not in page
+    assert "replica_group_0:uuid0" in page and "recovering" in page and 'http-equiv="refresh"' in page
+
+
+@pytest.mark.timeout(90)
+def test_cli_serve_prints_health_and_page_and_health_command_checks_it():
+    proc = subprocess.Popen([sys.executable, "-m", "lighthouse.cli", "serve", "--bind", "127.0.0.1:0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]  # the test's timeout bounds these reads
+        assert lines[0].startswith("ftbridge-lighthouse: serving on http://127.0.0.1:"), lines
+        health = lines[1].split(" on ", 1)[1].strip()
+        page = lines[2].split(" on ", 1)[1].strip()
+        out = subprocess.run([sys.executable, "-m", "lighthouse.cli", "health", health],
+                             cwd=REPO, capture_output=True, text=True, timeout=50)
+        assert out.returncode == 0 and json.loads(out.stdout)["status"] == "SERVING", out
+        code, body = _get(page)
+        assert code == 200 and "SERVING" in body
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        out = subprocess.run([sys.executable, "-m", "lighthouse.cli", "health", health, "--timeout-s", "1"],
+                             cwd=REPO, capture_output=True, text=True, timeout=50)
+        assert out.returncode == 1 and "UNREACHABLE" in out.stdout
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

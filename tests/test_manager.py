@@ -1,0 +1,112 @@
+"""Tests of ftbridge/manager.py's lighthouse-restart guard: pure decisions, and the vote on a real TCPStore."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed import TCPStore
+
+from ftbridge.manager import (QuorumSeen, _QuorumGuard, decide_reconfigure, detect_lighthouse_restart,
+                              rendezvous_namespace)
+
+A, B, C = "replica_group_0:a", "replica_group_1:b", "replica_group_2:c"
+
+
+@pytest.mark.parametrize("prev, qid, members, restarted", [
+    (None, 1, [A], False),                       # first quorum
+    (QuorumSeen(3, (A, B)), 3, [B, A], False),   # same quorum again (order does not matter)
+    (QuorumSeen(3, (A, B)), 4, [A], False),      # normal membership change: new id
+    (QuorumSeen(3, (A, B)), 1, [A, B], True),    # ids went backwards
+    (QuorumSeen(1, (A, B)), 1, [A], True),       # id repeated with other members
+    (QuorumSeen(2, (A,)), 2, [A, C], True),
+])
+def test_detect_lighthouse_restart(prev, qid, members, restarted):
+    assert detect_lighthouse_restart(prev, qid, members) is restarted
+
+
+def test_any_rebuild_vote_rebuilds_everyone_and_a_failed_vote_keeps_the_own_decision():
+    assert decide_reconfigure(False, [False, False]) is False
+    assert decide_reconfigure(False, [False, True]) is True
+    assert decide_reconfigure(True, [True, False]) is True
+    assert decide_reconfigure(False, None) is False
+    assert decide_reconfigure(True, None) is True
+
+
+def test_rendezvous_namespace_is_shared_by_members_and_changes_with_step_and_members():
+    assert rendezvous_namespace([A, B], 7) == rendezvous_namespace([B, A], 7)
+    assert len({rendezvous_namespace([A, B], 7), rendezvous_namespace([A, B], 8), rendezvous_namespace([A], 7)}) == 3
+
+
+class _FakeClient:
+    def __init__(self, result):
+        self.result = result
+
+    def _quorum(self, **kwargs):
+        return self.result
+
+    def should_commit(self, *args):
+        return "delegated"
+
+
+def _members(store_port, last_ids, qid, step=5):
+    """One guard per member, each with its own torchft-like manager whose last quorum id is given."""
+    ids = sorted([A, B])
+    guards = []
+    for rank, last in enumerate(last_ids):
+        result = SimpleNamespace(quorum_id=qid, replica_ids=ids, max_step=step, replica_rank=rank,
+                                 replica_world_size=2, store_address=f"127.0.0.1:{store_port}")
+        mgr = SimpleNamespace(_client=_FakeClient(result), _quorum_id=last)
+        guard = _QuorumGuard(mgr, timedelta(seconds=10), on_restart=lambda old, new: None)
+        guard.seen = QuorumSeen(last, tuple(ids)) if last >= 0 else None
+        guards.append((mgr, guard))
+    return guards
+
+
+def _run_all(guards):
+    views = [None] * len(guards)
+
+    def run(i):
+        views[i] = guards[i][1]._quorum(group_rank=0, step=5, commit_failures=0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(guards))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return views
+
+
+@pytest.mark.timeout(60)
+def test_member_with_the_repeated_id_rebuilds_when_the_other_does():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # Before the restart both had quorum 2 = {A, B}; after it, A saw quorum 1 = {A} alone first.
+    guards = _members(store.port, last_ids=[1, 2], qid=2)
+    guards[0][1].seen = QuorumSeen(1, (A,))
+    views = _run_all(guards)
+    assert [mgr._quorum_id for mgr, _ in guards] == [-1, -1]  # both reconfigure
+    assert guards[1][1].forced == 1 and guards[0][1].forced == 0
+    assert views[0].store_address == views[1].store_address
+    assert views[0].store_address.startswith(f"127.0.0.1:{store.port}/ftbridge/")
+    assert views[0].replica_rank == 0 and guards[0][1].should_commit() == "delegated"
+
+
+@pytest.mark.timeout(60)
+def test_steady_quorum_rebuilds_nobody():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    guards = _members(store.port, last_ids=[2, 2], qid=2)
+    _run_all(guards)
+    assert [mgr._quorum_id for mgr, _ in guards] == [2, 2]
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_store_falls_back_to_torchfts_rule():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
+    del store
+    (mgr, guard), _ = _members(port, last_ids=[2, 2], qid=2)
+    guard._timeout = timedelta(seconds=1)
+    guard._quorum(group_rank=0)
+    assert mgr._quorum_id == 2  # same id, no restart seen: keep the group, as torchft would
