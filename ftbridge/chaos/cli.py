@@ -39,6 +39,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--mtbf", type=float, default=10.0, help="mean time between failures, seconds (default 10)")
     p.add_argument("--hang-s", type=float, default=None,
                    help="how long a hang lasts (default: cross-replica timeout + 3 s)")
+    p.add_argument("--outage-s", type=float, default=10.0, help="how long a lighthouse outage lasts (default 10)")
     p.add_argument("--cross-replica-timeout", type=float, default=5.0, help="seconds (default 5)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
@@ -73,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         hang_s = args.hang_s if args.hang_s is not None else args.cross_replica_timeout + 3.0
         schedule = make_schedule(seed=args.seed, kinds=kinds, num_groups=args.groups, count=args.count,
                                  duration_s=None if args.soak_minutes is None else args.soak_minutes * 60,
-                                 mtbf_s=args.mtbf, hang_s=hang_s)
+                                 mtbf_s=args.mtbf, hang_s=hang_s, outage_s=args.outage_s)
     except ValueError as e:
         print(f"ftbridge-chaos: {e}", file=sys.stderr)
         return 2

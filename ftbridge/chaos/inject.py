@@ -36,6 +36,8 @@ class Injected:
         rejoin: groups expected to heal back into the job afterwards.
         target: human-readable target, e.g. ``"group 1 rank 0 (pid 123)"``.
         skipped: why it was not injected ("" if it was).
+        ended: when a failure with a duration ended (the lighthouse back up),
+            seconds since the epoch; recovery is measured from here. None otherwise.
     """
 
     failure: Failure
@@ -44,6 +46,7 @@ class Injected:
     rejoin: List[int] = field(default_factory=list)
     target: str = ""
     skipped: str = ""
+    ended: Optional[float] = None
 
 
 class Injector:
@@ -79,6 +82,7 @@ class Injector:
             FailureKind.HANG: self._hang,
             FailureKind.KILL_JOINER_IN_HEAL: self._kill_in_heal,
             FailureKind.KILL_DONOR_IN_HEAL: self._kill_in_heal,
+            FailureKind.LIGHTHOUSE_OUTAGE: self._lighthouse_outage,
             FailureKind.SCALE_DOWN: self._scale_down,
             FailureKind.SCALE_UP: self._scale_up,
         }[kind]
@@ -134,6 +138,15 @@ class Injector:
         who = "joiner" if joiner else "donor"
         return Injected(failure, t, hit, hit, f"group {g} killed; its heal {who} group {victim} killed mid-transfer")
 
+    def _lighthouse_outage(self, failure: Failure, rng: random.Random) -> Injected:
+        t = time.time()
+        self.job.stop_lighthouse()
+        try:
+            time.sleep(failure.duration_s)  # the failure itself: no lighthouse for this long
+        finally:
+            self.job.start_lighthouse()
+        return Injected(failure, t, [], [], f"lighthouse down {failure.duration_s:.0f} s", ended=time.time())
+
     def _scale_down(self, failure: Failure, rng: random.Random) -> Injected:
         if len(self.alive) < 3:
             return Injected(failure, time.time(), skipped=f"only {len(self.alive)} replica groups running: "
@@ -166,7 +179,7 @@ def _kill_and_wait(job: LocalJob, pids: List[int], timeout_s: float) -> None:
 
 def describe(inj: Injected) -> Dict[str, object]:
     """A JSON-ready dict of an :class:`Injected`."""
-    return {**inj.failure.to_json(), "time": inj.time, "hit": inj.hit, "rejoin": inj.rejoin,
+    return {**inj.failure.to_json(), "time": inj.time, "ended": inj.ended, "hit": inj.hit, "rejoin": inj.rejoin,
             "target": inj.target, "skipped": inj.skipped}
 
 

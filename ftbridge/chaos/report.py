@@ -13,7 +13,7 @@ from ftbridge.chaos.schedule import FailureKind
 _COLORS = {
     FailureKind.KILL_RANK: "tab:red", FailureKind.KILL_GROUP: "darkred", FailureKind.HANG: "tab:orange",
     FailureKind.KILL_JOINER_IN_HEAL: "tab:purple", FailureKind.KILL_DONOR_IN_HEAL: "magenta",
-    FailureKind.SCALE_DOWN: "tab:gray", FailureKind.SCALE_UP: "tab:blue",
+    FailureKind.LIGHTHOUSE_OUTAGE: "black", FailureKind.SCALE_DOWN: "tab:gray", FailureKind.SCALE_UP: "tab:blue",
 }
 
 
@@ -125,7 +125,11 @@ def plot(result: ChaosResult, path: str) -> str:
         label = kind.value if kind not in seen else None
         seen.add(kind)
         for ax in (ax_t, ax_p):
-            ax.axvline(o.injected.time - t0, color=_COLORS[kind], lw=1.6, label=label if ax is ax_t else None)
+            if o.injected.ended is not None:  # a failure that lasts: shade it
+                ax.axvspan(o.injected.time - t0, o.injected.ended - t0, color=_COLORS[kind], alpha=0.15,
+                           label=label if ax is ax_t else None)
+            else:
+                ax.axvline(o.injected.time - t0, color=_COLORS[kind], lw=1.6, label=label if ax is ax_t else None)
     ax_t.plot([], [], color="green", ls="--", label="heal")
     ax_t.set_ylabel("training loss")
     ax_t.set_xlabel("wall time (s)")

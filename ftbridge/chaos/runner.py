@@ -191,7 +191,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                 logger.info("failure %d: %s: %s", failure.index, failure.kind.value, inj.target)
                 ok = _wait_recovered(job, inj, sorted(alive), settings.recovery_timeout_s)
                 events = job.events()
-                rec = invariants.recovery(events, inj.time, inj.hit, rejoin=inj.rejoin)
+                rec = invariants.recovery(events, inj.ended or inj.time, inj.hit, rejoin=inj.rejoin)
                 found = [str(v) for v in invariants.check_all(events)]
                 new = [v for v in found if all(v not in o.violations for o in outcomes)]
                 outcomes.append(Outcome(inj, ok, rec, new))

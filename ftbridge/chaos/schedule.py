@@ -28,6 +28,8 @@ class FailureKind(str, enum.Enum):
     """Kill a group; when it heals, kill it again half-way through receiving its state."""
     KILL_DONOR_IN_HEAL = "kill_donor_in_heal"
     """Kill a group; when it heals, kill its donor half-way through sending (needs 3 or more groups)."""
+    LIGHTHOUSE_OUTAGE = "lighthouse_outage"
+    """Stop the lighthouse for a set time, then start it again at the same address."""
     SCALE_DOWN = "scale_down"
     """A replica group leaves for good (its launcher is stopped; no restart)."""
     SCALE_UP = "scale_up"
@@ -47,7 +49,7 @@ class Failure:
         kind: what to inject.
         at_s: earliest injection time, seconds after the run's first commit.
             The runner also waits for the previous failure to be recovered from.
-        duration_s: how long a hang lasts (seconds); 0 for the other kinds.
+        duration_s: how long a hang or a lighthouse outage lasts (seconds); 0 for the other kinds.
     """
 
     index: int
@@ -84,7 +86,7 @@ def parse_kinds(text: str) -> List[FailureKind]:
 
 def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, count: Optional[int] = None,
                   duration_s: Optional[float] = None, mtbf_s: float = 20.0, hang_s: float = 15.0,
-                  first_at_s: float = 5.0) -> List[Failure]:
+                  outage_s: float = 10.0, first_at_s: float = 5.0) -> List[Failure]:
     """A seeded failure schedule.
 
     Every kind in ``kinds`` appears at least once (in a seeded order, with a
@@ -103,6 +105,7 @@ def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, c
         mtbf_s: mean time between failures, seconds.
         hang_s: how long a :attr:`FailureKind.HANG` lasts, seconds (make it
             longer than the cross-replica timeout).
+        outage_s: how long a :attr:`FailureKind.LIGHTHOUSE_OUTAGE` lasts, seconds.
         first_at_s: offset of the first failure, seconds.
 
     Returns:
@@ -140,6 +143,7 @@ def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, c
         if duration_s is not None and count is None and i >= len(order) and t > duration_s:
             break
         kind = FailureKind(order[i] if i < len(order) else rng.choice(list(kinds)))
-        out.append(Failure(i, kind, round(t, 3), hang_s if kind == FailureKind.HANG else 0.0))
+        lasts = {FailureKind.HANG: hang_s, FailureKind.LIGHTHOUSE_OUTAGE: outage_s}.get(kind, 0.0)
+        out.append(Failure(i, kind, round(t, 3), lasts))
         t += max(1.0, rng.expovariate(1.0 / mtbf_s))
     return out
