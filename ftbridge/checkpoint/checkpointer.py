@@ -168,17 +168,21 @@ class Checkpointer:
     def metadata(self, step: int) -> Dict[str, Any]:
         """``ftbridge.json`` for a checkpoint of ``step`` taken now."""
         e, m, cfg = self.engine.engine, self.engine.manager, self.engine.cfg
-        import torchft
+        from importlib.metadata import PackageNotFoundError, version
 
-        import ftbridge
+        def ver(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "?"
         param = next(e.module.parameters())
         participants = m.participants
         return {
             "format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "group_size": cfg.group_size, "zero_stage": self.engine.adapter.stage,
             "dtypes": {"params": str(param.dtype), "grad_accum": str(e.get_data_types()[1])},
-            "versions": {"ftbridge": getattr(ftbridge, "__version__", "0"), "deepspeed": deepspeed.__version__,
-                         "torch": torch.__version__, "torchft": getattr(torchft, "__version__", "?"),
+            "versions": {"ftbridge": ver("ftbridge"), "deepspeed": deepspeed.__version__,
+                         "torch": torch.__version__, "torchft": ver("torchft"),
                          "python": platform.python_version()},
             "quorum": {"quorum_id": m.quorum_id, "participants": participants, "replica_rank": m.replica_rank,
                        "replica_group_id": cfg.replica_group_id},
