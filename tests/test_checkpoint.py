@@ -207,3 +207,11 @@ def test_cli_list_inspect_verify(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "global_step2: OK" in out and "global_step4: BAD" in out and "mp_rank_00_model_states.pt" in out
     assert ckpt_cli(["list", str(tmp_path / "none")]) == 2
+
+
+def test_hash_while_writing_matches_the_file(tmp_path):
+    from ftbridge.checkpoint.async_save import write_state
+
+    path = str(tmp_path / "x.pt")
+    entry = write_state({"w": torch.randn(1000), "step": 3}, path)
+    assert entry == {"bytes": os.path.getsize(path), "sha256": mf.sha256_file(path)}

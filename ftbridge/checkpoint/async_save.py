@@ -22,6 +22,7 @@ The next save waits for the previous write (:meth:`BackgroundWriter.submit`).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import threading
@@ -69,12 +70,36 @@ def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -
         return obj
 
 
-def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> None:
-    """``torch.save`` ``state`` into ``path``, then flush and fsync it."""
+class _HashingFile:
+    """Write-only file wrapper that hashes the bytes as they pass (no second read for the manifest)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Dict[str, Any]:
+    """``torch.save`` ``state`` into ``path``, then flush and fsync it.
+
+    Returns:
+        ``{"bytes": n, "sha256": hex}`` of what was written (manifest entry).
+    """
     with open(path, "wb") as f:
-        torch.save(state, f, _use_new_zipfile_serialization=zipfile_serialization)
+        hf = _HashingFile(f)
+        torch.save(state, hf, _use_new_zipfile_serialization=zipfile_serialization)
         f.flush()
         os.fsync(f.fileno())
+    return {"bytes": hf.size, "sha256": hf.sha.hexdigest()}
 
 
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
@@ -92,6 +117,8 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         self.asynchronous = asynchronous
         self.zipfile_serialization = zipfile_serialization
         self.pending: List[Tuple[Any, str]] = []
+        self.written: Dict[str, Dict[str, Any]] = {}
+        """``{path: {"bytes", "sha256"}}`` of every file this engine wrote."""
 
     def create(self, info: Any) -> None:
         """Nothing to prepare (DeepSpeed calls it before the first file)."""
@@ -101,7 +128,7 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         if self.asynchronous:
             self.pending.append((snapshot(state_dict), path))
         else:
-            write_state(state_dict, path, self.zipfile_serialization)
+            self.written[path] = write_state(state_dict, path, self.zipfile_serialization)
 
     def take(self) -> List[Tuple[Any, str]]:
         """The queued ``(snapshot, path)`` pairs, emptying the queue."""
@@ -112,8 +139,8 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         """Write queued snapshots; returns the bytes written."""
         total = 0
         for state, path in pending:
-            write_state(state, path, self.zipfile_serialization)
-            total += os.path.getsize(path)
+            self.written[path] = write_state(state, path, self.zipfile_serialization)
+            total += self.written[path]["bytes"]
         return total
 
 

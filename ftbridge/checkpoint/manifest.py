@@ -46,29 +46,39 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def build_manifest(ckpt_dir: str) -> Dict[str, Dict[str, object]]:
+def build_manifest(ckpt_dir: str, known: Optional[Dict[str, Dict[str, object]]] = None) -> Dict[str, Dict[str, object]]:
     """``{relative path: {"bytes": n, "sha256": hex}}`` for every file under ``ckpt_dir``.
+
+    Args:
+        known: entries hashed while the files were written (by each rank);
+            used when the size on disk agrees, so files are not read twice.
 
     The manifest itself and hidden files (``.done_rank_*`` markers) are left out.
     """
     files: Dict[str, Dict[str, object]] = {}
+    known = known or {}
     for dirpath, _, names in os.walk(ckpt_dir):
         for name in sorted(names):
             if name == MANIFEST or name.startswith("."):
                 continue
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, ckpt_dir)
-            files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+            size = os.path.getsize(path)
+            entry = known.get(rel)
+            if entry is None or entry.get("bytes") != size:
+                entry = {"bytes": size, "sha256": sha256_file(path)}
+            files[rel] = {"bytes": size, "sha256": entry["sha256"]}
     return files
 
 
-def write_manifest(ckpt_dir: str, extra: Optional[Dict[str, object]] = None) -> Dict[str, object]:
-    """Hash ``ckpt_dir`` and write its ``manifest.json``, fsynced.
+def write_manifest(ckpt_dir: str, extra: Optional[Dict[str, object]] = None,
+                   known: Optional[Dict[str, Dict[str, object]]] = None) -> Dict[str, object]:
+    """Hash ``ckpt_dir`` (reusing ``known`` entries) and write its ``manifest.json``, fsynced.
 
     Returns:
         The manifest: ``{"files": {...}, "total_bytes": n, **extra}``.
     """
-    files = build_manifest(ckpt_dir)
+    files = build_manifest(ckpt_dir, known)
     manifest = {"files": files, "total_bytes": sum(int(f["bytes"]) for f in files.values()), **(extra or {})}
     write_json_atomic(os.path.join(ckpt_dir, MANIFEST), manifest)
     fsync_path(ckpt_dir)
@@ -118,18 +128,19 @@ def verify(ckpt_dir: str, required: Optional[List[str]] = None) -> List[str]:
     return problems
 
 
-def write_json_atomic(path: str, obj: object) -> None:
+def write_json_atomic(path: str, obj: object, durable: bool = True) -> None:
     """Write ``obj`` as JSON to ``path`` through a temporary file, fsync and ``os.replace``."""
-    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True), durable)
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and ``os.replace``."""
+def write_text_atomic(path: str, text: str, durable: bool = True) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync (if ``durable``) and ``os.replace``."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
