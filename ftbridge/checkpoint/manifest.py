@@ -89,7 +89,8 @@ def read_manifest(ckpt_dir: str) -> Dict[str, object]:
     """The parsed ``manifest.json`` of ``ckpt_dir``.
 
     Raises:
-        OSError: missing. ValueError: not valid JSON.
+        OSError: the manifest is missing or unreadable.
+        ValueError: it is not valid JSON.
     """
     with open(os.path.join(ckpt_dir, MANIFEST), encoding="utf-8") as f:
         return json.load(f)
