@@ -227,7 +227,8 @@ def main() -> int:
     print(f"  ftbridge:        verify + load {ft['load_s']:.3f} s, no conversion (load process {ft_proc_s:.1f} s wall)")
     print(f"  ratio plain/ftbridge: {plain_total / ft['load_s']:.1f}x (checkpoint to loaded state); end to end "
           f"incl. process start: {(convert_s + universal_proc_s) / ft_proc_s:.2f}x")
-    summary = {"stall": stall, "convert_s": convert_s, "load_universal_s": uni["load_s"], "load_ftbridge_s": ft["load_s"],
+    summary = {"stall": stall, "convert_s": convert_s, "load_universal_s": uni["load_s"],
+               "load_ftbridge_s": ft["load_s"],
                "universal_proc_s": universal_proc_s, "ftbridge_proc_s": ft_proc_s}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
