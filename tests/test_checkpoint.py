@@ -215,3 +215,16 @@ def test_hash_while_writing_matches_the_file(tmp_path):
     path = str(tmp_path / "x.pt")
     entry = write_state({"w": torch.randn(1000), "step": 3}, path)
     assert entry == {"bytes": os.path.getsize(path), "sha256": mf.sha256_file(path)}
+
+
+def test_damaged_checkpoint_is_moved_aside_before_the_same_step_is_published_again(tmp_path):
+    from ftbridge.checkpoint.group_io import _quarantine_if_bad
+
+    good = make_checkpoint(tmp_path, 2)
+    bad = make_checkpoint(tmp_path, 4)
+    os.truncate(os.path.join(bad, "ftbridge_rank_0.pt"), 3)
+    store = CheckpointStore(str(tmp_path))
+    _quarantine_if_bad(store, "global_step2", logging.getLogger("t"))
+    _quarantine_if_bad(store, "global_step4", logging.getLogger("t"))
+    assert os.path.isdir(good) and not os.path.exists(bad)
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".bad-global_step4-")]

@@ -123,14 +123,14 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
         manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known)
         if before_publish is not None:
             before_publish(staged)
+        _quarantine_if_bad(store, tag, log)
         if not mf.publish(staged, store.root, tag):
             log.warning("checkpoint %s is already published; this copy is dropped", tag)
             result.published = {"skipped": True, "path": os.path.join(store.root, tag)}
         else:
-            latest = mf.read_latest(store.root)
-            latest_step = int(latest[len("global_step"):]) if latest and latest[11:].isdigit() else -1
-            if step >= latest_step:
-                mf.update_latest(store.root, tag)
+            # The newest publish is the job's current state, even at a lower step (after a resume fell
+            # back past a damaged checkpoint): one writer at a time, so "latest" follows publish order.
+            mf.update_latest(store.root, tag)
             result.published = {"path": os.path.join(store.root, tag), "total_bytes": manifest["total_bytes"],
                                 "write_s": time.perf_counter() - tw}
         # Deleting old checkpoints needs no wait (unlinking 10s of MB took 30 ms per save here).
@@ -149,6 +149,22 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             log.error("checkpoint %s not published: %r", tag, e, exc_info=True)
         result.stall_s = time.perf_counter() - t0
     return result
+
+
+def _quarantine_if_bad(store: CheckpointStore, tag: str, log: Any) -> None:
+    """Move a published but damaged ``tag`` aside (``.bad-<tag>-<pid>``) so this save can replace it.
+
+    Happens after a resume fell back past a damaged checkpoint and training reached its step again.
+    """
+    final = os.path.join(store.root, tag)
+    if not os.path.isdir(final):
+        return
+    step = int(tag[len("global_step"):])
+    problems = CheckpointInfo(tag, step, final).problems()
+    if problems:
+        aside = os.path.join(store.root, f".bad-{tag}-{os.getpid()}")
+        os.rename(final, aside)
+        log.warning("moved the damaged checkpoint %s to %s (%s) to publish it again", final, aside, problems[0])
 
 
 def _cleanup(store: CheckpointStore, staging_root: str, keep: int, log: Any) -> None:
