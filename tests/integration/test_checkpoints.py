@@ -168,3 +168,31 @@ def test_killed_mid_write_latest_stays_previous_restart_falls_back_then_on_deman
 
 def _saves(job):
     return [e for e in job.events(0, 0) if e.get("event") == "checkpoint_saved"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_restarted_group_loads_checkpoint_then_heals_from_live_peer_ahead(local_job, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    job = local_job(2, 2, [*TINY, "--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "3",
+                           "--resume"], max_restarts=1)
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.wait_until(lambda: any(e.get("event") == "checkpoint_saved" and e["step"] >= 6 for e in job.events()),
+                   120, "a checkpoint at step 6 or later")
+    kill_time = job.events()[-1]["time"]
+    job.kill_workers(1)  # torchrun restarts group 1 with --resume; group 0 trains on alone
+    job.wait_until(lambda: any(e["healed"] and e["time"] > kill_time for e in job.steps(1)), 180,
+                   "restarted group 1 to heal")
+    job.write_file("stop", str(job.max_step() + 3))
+    assert job.wait(timeout_s=180) == {0: 0, 1: 0}, job.tails()
+
+    loaded = [e for e in job.events(1, 0) if e.get("event") == "checkpoint_loaded" and e["time"] > kill_time]
+    healed = [e for e in job.steps(1) if e["healed"] and e["time"] > kill_time]
+    assert len(loaded) == 1 and len(healed) == 1, (loaded, healed)
+    # The live peer was ahead of the checkpoint: its state won through the heal.
+    assert healed[0]["step"] > loaded[0]["step"] >= 6
+    finals = [e for e in job.events() if e.get("event") == "final"]
+    assert len(finals) == 4 and len({f["param_checksum"] for f in finals}) == 1, finals
+    for r in (0, 1):
+        assert len({f["optimizer_checksum"] for f in finals if f["group_rank"] == r}) == 1
