@@ -165,6 +165,13 @@ def _saved_bytes(obj):
     return buf.getvalue()
 
 
+def test_snapshot_keeps_module_state_dict_metadata():
+    sd = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).state_dict()
+    snap = snapshot(sd)
+    assert snap._metadata == sd._metadata
+    assert _saved_bytes(snap) == _saved_bytes(sd)
+
+
 def test_snapshot_preserves_sharing_bytes_and_is_isolated():
     flat = torch.arange(10, dtype=torch.float32)
     state = {"flat": flat, "views": [flat[:4], flat[4:].view(2, 3)], "step": 3, "meta": {"lr": 0.1}}

@@ -61,7 +61,11 @@ def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -
         out.set_(copied, obj.storage_offset(), obj.size(), obj.stride())
         return out
     if isinstance(obj, dict):
-        return type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        out = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        # Keep attributes of dict subclasses: a module state dict's ``_metadata`` (per-module versions).
+        for name, value in getattr(obj, "__dict__", {}).items():
+            setattr(out, name, snapshot(value, memo))
+        return out
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(snapshot(v, memo) for v in obj)
     try:

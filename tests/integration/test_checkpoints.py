@@ -46,10 +46,13 @@ def _file_sizes(ckpt_dir):
 def test_save_with_2_groups_resume_with_1_and_3_groups(local_job, tmp_path, stage):
     ckpt = str(tmp_path / "ckpt")
     common = ["--zero-stage", str(stage), "--checkpoint-every", "2", "--keep-checkpoints", "0"]
-    saver = _run(local_job, 2, [*common, "--steps", "4", "--checkpoint-dir", ckpt])
+    # The saving job writes asynchronously, the resumed ones synchronously: the loaded state must equal the
+    # saving job's final state, and the files of both modes must have the same sizes.
+    saver = _run(local_job, 2, [*common, "--steps", "4", "--checkpoint-dir", ckpt, "--checkpoint-async"])
     saved = {r: _one(saver, "final", 0, r) for r in (0, 1)}
     writes = [e for e in saver.events() if e.get("event") == "checkpoint_saved"]
     assert sorted(e["step"] for e in writes) == [2, 4] and {e["replica_group"] for e in writes} == {0}
+    assert all(e["asynchronous"] for e in writes)
     assert mf.read_latest(ckpt) == "global_step4"
 
     for groups in (1, 3):
