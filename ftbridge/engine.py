@@ -71,6 +71,7 @@ class FaultTolerantEngine:
         self.adapter: ZeroAdapter = adapter_for(engine)
         self.checksum_every = checksum_every
         self._extra_state: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any]], None]]] = {}
+        self._step_hooks: list = []
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
         self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
                                       use_cuda=next(engine.module.parameters()).is_cuda)
@@ -127,6 +128,10 @@ class FaultTolerantEngine:
             raise ValueError(f"heal state key {key!r} is already registered; pick another name")
         self._extra_state[key] = (state_dict, load_state_dict)
 
+    def add_step_hook(self, hook: Callable[[bool], None]) -> None:
+        """Call ``hook(committed)`` after every boundary step, on every rank (e.g. checkpoints)."""
+        self._step_hooks.append(hook)
+
     # -- training loop ----------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -176,6 +181,8 @@ class FaultTolerantEngine:
         self._in_step = False
         self.last_committed = committed
         self._record(committed)
+        for hook in self._step_hooks:
+            hook(committed)
 
     def _record(self, committed: bool) -> None:
         m = self.manager

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a file holding a step number; once it exists, train until that step (at most --steps)")
     p.add_argument("--save-params", default=None,
                    help="write the final full parameters (safetensors) here; placeholders as in --result")
+    from ftbridge.checkpoint.checkpointer import add_arguments as add_checkpoint_arguments
+
+    add_checkpoint_arguments(p)
     fault = p.add_argument_group("fault injection (tests and chaos runs)")
     fault.add_argument("--fault-kill-after-backward", default=None, metavar="FILE",
                        help="once FILE exists, SIGKILL this process right after the next boundary backward "

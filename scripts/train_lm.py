@@ -48,12 +48,20 @@ def main(argv: list[str] | None = None) -> int:
         engine, *_ = ftbridge.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args),
                                          ft_config=cfg)
         engine.cross_replica_sync = not args.no_cross_replica_sync
+    ckpt = None
+    if cfg and args.checkpoint_dir:
+        from ftbridge.checkpoint.checkpointer import Checkpointer, config_from_args
+
+        ckpt = Checkpointer(engine, config_from_args(args))
+        if args.resume and ckpt.resume() is not None:
+            engine.events.write(event="resumed", time=lm_job.now(), step=int(engine.global_steps),
+                                **lm_job.final_digest(engine, engine.adapter))
     bar = tqdm(total=args.steps, disable=not (args.progress and topo.group_rank == 0), unit="step",
                desc=f"replica {topo.replica_group}")
     val_loss = None
     inject = lm_job.fault_injector(args, topo)
     step_times = []
-    while engine.global_steps < lm_job.target_steps(args):
+    while engine.global_steps < lm_job.target_steps(args) and not (ckpt and ckpt.stopping):
         before = int(engine.global_steps)
         t = lm_job.now()
         loss = lm_job.train_step(engine, data, topo, args.grad_accum, inject)
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                             cross_replica_bytes=engine.sync.bytes_sent, **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
                                       "step_times_s": step_times})
+    if ckpt:
+        ckpt.close()
     if cfg:
         engine.shutdown()
     return 0

@@ -1,0 +1,200 @@
+"""Snapshot at the step boundary, write in the background.
+
+DeepSpeed's ``save_checkpoint`` assembles each file's state dict and hands it
+to its *checkpoint engine* (``engine.checkpoint_engine.save(state, path)``),
+the extension point DeepSpeed offers for other storage back ends.
+:class:`SnapshotCheckpointEngine` plugs in there:
+
+* ``sync``: ``torch.save`` into the file at once, then ``fsync`` (what
+  DeepSpeed's ``TorchCheckpointEngine`` does, plus durability);
+* ``async``: copy the state dict to CPU memory (:func:`snapshot`, preserving
+  storage sharing so the files are byte-for-byte what a sync save writes) and
+  queue ``(snapshot, path)``; :class:`BackgroundWriter` writes the queue in a
+  thread after ``save_checkpoint`` returns.
+
+So the files, names and layout are DeepSpeed's own in both modes; the
+training stall of an async save is DeepSpeed's state-dict assembly plus a
+memory copy. Live ZeRO state dicts hold views of the optimizer's flat
+buffers, which the next step overwrites: that is why the copy is needed.
+The next save waits for the previous write (:meth:`BackgroundWriter.submit`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+logger = logging.getLogger(__name__)
+
+
+def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -> Any:
+    """A CPU copy of a nested state dict that later training cannot change.
+
+    Tensors that share a storage in ``obj`` share one copied storage in the
+    result (same offsets and strides), so ``torch.save`` of the snapshot
+    writes the same bytes as ``torch.save`` of ``obj``. Non-tensor leaves are
+    deep-copied where possible.
+
+    Args:
+        obj: dicts, lists, tuples, tensors (any device) and other objects.
+
+    Returns:
+        The same structure with CPU tensors.
+    """
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), str(storage.device))
+        copied = memo.get(key)
+        if copied is None:
+            copied = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            memo[key] = copied
+        out = torch.empty(0, dtype=obj.dtype)
+        out.set_(copied, obj.storage_offset(), obj.size(), obj.stride())
+        return out
+    if isinstance(obj, dict):
+        out = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        # Keep attributes of dict subclasses: a module state dict's ``_metadata`` (per-module versions).
+        for name, value in getattr(obj, "__dict__", {}).items():
+            setattr(out, name, snapshot(value, memo))
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(snapshot(v, memo) for v in obj)
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # an object that cannot be copied is saved as it is at write time
+        return obj
+
+
+class _HashingFile:
+    """Write-only file wrapper that hashes the bytes as they pass (no second read for the manifest)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Dict[str, Any]:
+    """``torch.save`` ``state`` into ``path``, then flush and fsync it.
+
+    Returns:
+        ``{"bytes": n, "sha256": hex}`` of what was written (manifest entry).
+    """
+    with open(path, "wb") as f:
+        hf = _HashingFile(f)
+        torch.save(state, hf, _use_new_zipfile_serialization=zipfile_serialization)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": hf.size, "sha256": hf.sha.hexdigest()}
+
+
+class SnapshotCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed checkpoint engine that writes now (sync) or snapshots and queues (async).
+
+    Args:
+        asynchronous: queue CPU snapshots instead of writing.
+        zipfile_serialization: torch.save format (take the engine's own, so
+            files match a plain DeepSpeed save).
+    """
+
+    def __init__(self, *, asynchronous: bool, zipfile_serialization: bool = True) -> None:
+        super().__init__(None)
+        self.name = "FTBridgeSnapshotCheckpointEngine"
+        self.asynchronous = asynchronous
+        self.zipfile_serialization = zipfile_serialization
+        self.pending: List[Tuple[Any, str]] = []
+        self.written: Dict[str, Dict[str, Any]] = {}
+        """``{path: {"bytes", "sha256"}}`` of every file this engine wrote."""
+
+    def create(self, info: Any) -> None:
+        """Nothing to prepare (DeepSpeed calls it before the first file)."""
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Write ``state_dict`` to ``path`` now, or queue a CPU snapshot of it."""
+        if self.asynchronous:
+            self.pending.append((snapshot(state_dict), path))
+        else:
+            self.written[path] = write_state(state_dict, path, self.zipfile_serialization)
+
+    def take(self) -> List[Tuple[Any, str]]:
+        """The queued ``(snapshot, path)`` pairs, emptying the queue."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def write_pending(self, pending: List[Tuple[Any, str]]) -> int:
+        """Write queued snapshots; returns the bytes written."""
+        total = 0
+        for state, path in pending:
+            self.written[path] = write_state(state, path, self.zipfile_serialization)
+            total += self.written[path]["bytes"]
+        return total
+
+
+class BackgroundWriter:
+    """Runs one checkpoint write at a time in a daemon thread.
+
+    A failed write is logged and recorded in :attr:`last_error`; it never
+    stops training (the checkpoint is then simply not published).
+    """
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self.last_error: Optional[BaseException] = None
+        self.waited_s = 0.0
+
+    def busy(self) -> bool:
+        """Whether a write is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: Optional[float] = None) -> float:
+        """Wait for the running write; returns the seconds waited.
+
+        Raises:
+            TimeoutError: still running after ``timeout_s``.
+        """
+        t = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint write still running after {timeout_s} s")
+            self._thread = None
+        waited = time.perf_counter() - t
+        self.waited_s += waited
+        return waited
+
+    def submit(self, fn: Callable[[], None]) -> float:
+        """Run ``fn`` in the background after the previous write finished.
+
+        Returns:
+            Seconds spent waiting for the previous write (part of the stall).
+        """
+        waited = self.wait()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported, never raised into training
+                self.last_error = e
+                logger.error("background checkpoint write failed: %r", e, exc_info=True)
+
+        self._thread = threading.Thread(target=run, name="ftbridge-ckpt-writer", daemon=True)
+        self._thread.start()
+        return waited

@@ -1,0 +1,278 @@
+"""Checkpoints of a fault-tolerant job: when, who, and resume.
+
+:class:`Checkpointer` attaches to a :class:`ftbridge.engine.FaultTolerantEngine`
+(through ``engine.add_step_hook``) and, after every boundary step, on every
+rank:
+
+1. agrees inside the replica group (one small all-reduce) on whether a
+   SIGTERM arrived or a save was requested (trigger file or
+   :meth:`Checkpointer.request_save`), so all group ranks act at the same step;
+2. saves when :func:`~ftbridge.checkpoint.writer.save_due` and
+   :func:`~ftbridge.checkpoint.writer.is_writer` say so: the step is
+   committed, on the schedule (or requested, or the last before a graceful
+   stop) and this group is replica rank 0 of the step's quorum;
+3. after a SIGTERM, sets :attr:`Checkpointer.stopping`: the training loop
+   ends and the process exits 0.
+
+:meth:`Checkpointer.resume` loads the newest valid checkpoint on start-up,
+before the first quorum: a group restarted with no live peer continues from
+it instead of step 0; when a live peer is at a higher step, torchft's quorum
+still heals the group from that peer.
+
+Example::
+
+    ckpt = Checkpointer(engine, CheckpointConfig(dir="ckpt", every=50, keep=3, asynchronous=True))
+    ckpt.resume()
+    while engine.global_steps < steps and not ckpt.stopping:
+        train_step(engine)
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ftbridge.checkpoint.async_save import BackgroundWriter
+from ftbridge.checkpoint.group_io import kill_self_if, load_group_checkpoint, save_group_checkpoint
+from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible
+from ftbridge.checkpoint.writer import is_writer, save_due
+from ftbridge.events import tensor_checksum
+from ftbridge.log import get_logger
+
+FORMAT = "ftbridge-checkpoint/1"
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoint settings of one job (the same on every rank)."""
+
+    dir: str
+    """Checkpoint folder, shared by all replica groups (same file system)."""
+    every: int = 0
+    """Save every N committed steps (0: only on demand and on SIGTERM)."""
+    keep: int = 3
+    """Keep the newest K checkpoints (0: keep all)."""
+    asynchronous: bool = False
+    """Snapshot to CPU at the step boundary and write in the background."""
+    trigger_file: Optional[str] = None
+    """Save after the next step once this file exists (the writer deletes it). Default ``<dir>/SAVE_NOW``."""
+    handle_sigterm: bool = True
+    """SIGTERM: finish the step, save if writer, set :attr:`Checkpointer.stopping`."""
+    fault_kill_before_publish: Optional[str] = None
+    """Testing: once this file exists, group rank 0 SIGKILLs itself between the shard writes and the publish."""
+    publish_timeout_s: float = 300.0
+    """How long group rank 0 waits for the other ranks' files."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 0:
+            raise ValueError(f"checkpoint every={self.every}, keep={self.keep}: both must be >= 0")
+        if self.trigger_file is None:
+            self.trigger_file = os.path.join(self.dir, "SAVE_NOW")
+
+
+class Checkpointer:
+    """Saves and resumes replica-group checkpoints for one rank.
+
+    Args:
+        engine: the rank's :class:`~ftbridge.engine.FaultTolerantEngine`.
+        cfg: checkpoint settings.
+
+    Install it before the first step (it registers a step hook and, from the
+    main thread, a SIGTERM handler).
+    """
+
+    def __init__(self, engine: Any, cfg: CheckpointConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.store = CheckpointStore(cfg.dir)
+        self.writer = BackgroundWriter() if cfg.asynchronous else None
+        self.log = get_logger("ftbridge.checkpoint", engine.cfg, step_fn=lambda: engine.manager.current_step)
+        self.stopping = False
+        self.saves: list = []
+        self._sigterm = False
+        self._requested = False
+        self._last_saved = -1
+        engine.add_step_hook(self._after_step)
+        if cfg.handle_sigterm and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- requests ----------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True
+
+    def request_save(self) -> None:
+        """Save after the next committed step (if this group is then the writer)."""
+        self._requested = True
+
+    def _agree(self) -> tuple[bool, bool]:
+        trigger = bool(self.cfg.trigger_file and os.path.exists(self.cfg.trigger_file))
+        flags = torch.tensor([float(self._sigterm), float(self._requested or trigger)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def _after_step(self, committed: bool) -> None:
+        stopping, requested = self._agree()
+        m = self.engine.manager
+        step = m.current_step
+        if (committed and step != self._last_saved and save_due(step, self.cfg.every, requested=requested,
+                                                                 stopping=stopping)
+                and is_writer(m.replica_rank, committed)):
+            self.save(step)
+            if requested:
+                self._requested = False
+                if dist.get_rank() == 0 and self.cfg.trigger_file:
+                    try:
+                        os.remove(self.cfg.trigger_file)
+                    except FileNotFoundError:
+                        pass
+        if stopping:
+            self.stopping = True
+            self.log.warning("SIGTERM: stopping after step %d", step)
+
+    # -- save --------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """Write the state after committed ``step``; every rank of this group calls it together.
+
+        Callers decide who writes (the step hook does: replica rank 0 only).
+        """
+        e, m = self.engine, self.engine.manager
+        meta = self.metadata(step)
+        rank_state = {"micro_steps": int(e.engine.micro_steps),
+                      "extra": {k: fn() for k, (fn, _) in e._extra_state.items()}}
+
+        def published(info: Dict[str, Any]) -> None:
+            e.events.write(event="checkpoint_saved", time=time.time(), step=step, quorum_id=m.quorum_id,
+                           asynchronous=self.writer is not None, **info)
+            self.log.info("checkpoint %s published (%s bytes)", info.get("path"), info.get("total_bytes"))
+
+        res = save_group_checkpoint(
+            e.engine, self.store, step, quorum_id=m.quorum_id, metadata=meta, rank_state=rank_state,
+            keep=self.cfg.keep, writer=self.writer, before_publish=kill_self_if(self.cfg.fault_kill_before_publish),
+            on_published=published, publish_timeout_s=self.cfg.publish_timeout_s, log=self.log)
+        self._last_saved = step
+        self.saves.append(res)
+        e.events.write(event="checkpoint_stall", time=time.time(), step=step, stall_s=res.stall_s,
+                       asynchronous=self.writer is not None)
+
+    def metadata(self, step: int) -> Dict[str, Any]:
+        """``ftbridge.json`` for a checkpoint of ``step`` taken now."""
+        e, m, cfg = self.engine.engine, self.engine.manager, self.engine.cfg
+        from importlib.metadata import PackageNotFoundError, version
+
+        def ver(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "?"
+        param = next(e.module.parameters())
+        participants = m.participants
+        return {
+            "format": FORMAT, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "group_size": cfg.group_size, "zero_stage": self.engine.adapter.stage,
+            "dtypes": {"params": str(param.dtype), "grad_accum": str(e.get_data_types()[1])},
+            "versions": {"ftbridge": ver("ftbridge"), "deepspeed": deepspeed.__version__,
+                         "torch": torch.__version__, "torchft": ver("torchft"),
+                         "python": platform.python_version()},
+            "quorum": {"quorum_id": m.quorum_id, "participants": participants, "replica_rank": m.replica_rank,
+                       "replica_group_id": cfg.replica_group_id},
+            "manager": m.torchft.state_dict(),
+            "engine_counters": {k: int(getattr(e, k)) for k in
+                                ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+            "data_position": {"step": int(e.global_steps), "micro_steps": int(e.micro_steps),
+                              "dp_world_size": participants * cfg.group_size,
+                              "rule": "batch = f(seed, step, micro, dp_rank, dp_world_size), "
+                                      "dp_rank = replica_rank_in_job * group_size + group_rank"},
+            "asynchronous": self.writer is not None,
+        }
+
+    def close(self) -> None:
+        """Wait for a background write to finish."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    # -- resume ------------------------------------------------------------
+    def resume(self) -> Optional[int]:
+        """Load the newest valid checkpoint into this group; all group ranks call it before training.
+
+        Returns:
+            The step loaded, or ``None`` when the folder holds no checkpoint.
+
+        Raises:
+            NoValidCheckpointError: checkpoints exist but none verifies.
+            GroupSizeMismatchError: saved by groups of another size; raised
+                on every rank before any state is touched.
+        """
+        choice = [self._choose() if dist.get_rank() == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        kind, payload = choice[0]
+        if kind == "none":
+            self.log.info("no checkpoint in %s: starting from step 0", self.cfg.dir)
+            return None
+        if kind == "error":
+            raise NoValidCheckpointError(payload)
+        ckpt = next(c for c in self.store.list() if c.tag == payload["tag"])
+        meta = payload["meta"]
+        check_compatible(meta, ckpt.path, group_size=self.engine.cfg.group_size, zero_stage=self.engine.adapter.stage)
+        t = time.perf_counter()
+        rank_state = load_group_checkpoint(self.engine.engine, ckpt)
+        self._apply(meta, rank_state)
+        load_s = time.perf_counter() - t
+        step = int(meta["step"])
+        self._last_saved = step
+        self.engine.events.write(event="checkpoint_loaded", time=time.time(), step=step, path=ckpt.path,
+                                 load_s=load_s, saved_by=meta["quorum"]["replica_group_id"],
+                                 param_checksum=tensor_checksum(self.engine.adapter.full_parameters()))
+        self.log.info("resumed from %s (step %d) in %.2f s", ckpt.path, step, load_s)
+        return step
+
+    def _choose(self) -> tuple:
+        try:
+            ckpt = self.store.find_valid(self.log)
+        except NoValidCheckpointError as e:
+            return ("error", str(e))
+        if ckpt is None:
+            return ("none", None)
+        return ("ok", {"tag": ckpt.tag, "meta": ckpt.metadata()})
+
+    def _apply(self, meta: Dict[str, Any], rank_state: Dict[str, Any]) -> None:
+        e = self.engine
+        e.engine.micro_steps = int(rank_state["micro_steps"])
+        e.manager.torchft.load_state_dict(meta["manager"])
+        for k, (_, load) in e._extra_state.items():
+            if k in rank_state.get("extra", {}):
+                load(rank_state["extra"][k])
+
+
+def add_arguments(parser: Any) -> None:
+    """Add the checkpoint flags to a training script's ``argparse`` parser."""
+    g = parser.add_argument_group("checkpoints (fixed-size replica-group checkpoints)")
+    g.add_argument("--checkpoint-dir", default=None, help="checkpoint folder shared by all replica groups")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="save every N committed steps (0: never)")
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints (0: all)")
+    g.add_argument("--checkpoint-async", action="store_true",
+                   help="snapshot to CPU at the step boundary and write in the background")
+    g.add_argument("--resume", action="store_true",
+                   help="load the newest valid checkpoint of --checkpoint-dir on start-up (none: start at step 0)")
+    g.add_argument("--checkpoint-trigger", default=None,
+                   help="save after the next step once this file exists (default <checkpoint-dir>/SAVE_NOW)")
+    g.add_argument("--fault-kill-before-publish", default=None, metavar="FILE",
+                   help="testing: once FILE exists, the writer's group rank 0 SIGKILLs itself before publishing")
+
+
+def config_from_args(args: Any) -> CheckpointConfig:
+    """:class:`CheckpointConfig` from the flags of :func:`add_arguments`."""
+    return CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints,
+                            asynchronous=args.checkpoint_async, trigger_file=args.checkpoint_trigger,
+                            fault_kill_before_publish=args.fault_kill_before_publish)

@@ -1,0 +1,229 @@
+"""Save and load one replica group's checkpoint with DeepSpeed's own layout.
+
+Every rank of the writing group calls :func:`save_group_checkpoint` together
+(DeepSpeed's ``save_checkpoint`` holds in-group barriers); its world is the
+replica group, so the files are those of a data-parallel world of the group
+size, named by group rank. Sequence per rank:
+
+1. ``save_checkpoint(ROOT/.tmp-<tag>-q<Q>, tag)`` through a
+   :class:`~ftbridge.checkpoint.async_save.SnapshotCheckpointEngine`
+   (``save_latest=False``), plus ``ftbridge_rank_<k>.pt``; group rank 0 also
+   writes ``ftbridge.json``. This is the training stall.
+2. *finish* (inline, or in the background for async): write queued files,
+   fsync, then drop a ``.done_rank_<k>`` marker holding the SHA-256 of the
+   rank's files (hashed while writing). Group rank 0 waits for all markers,
+   writes the manifest, publishes with an atomic rename, moves
+   ``latest``, prunes to the last K. No collective runs in the background.
+
+:func:`load_group_checkpoint` is DeepSpeed's ``load_checkpoint`` of the
+chosen tag plus the per-rank file; callers check compatibility first
+(:func:`ftbridge.checkpoint.store.check_compatible`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftbridge.checkpoint import manifest as mf
+from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
+from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveResult:
+    """What one rank saw of one save."""
+
+    tag: str
+    stall_s: float
+    """Training-thread time of the save (state assembly, sync writes or snapshot copies, waits)."""
+    published: Dict[str, Any] = field(default_factory=dict)
+    """Filled by group rank 0 once published: ``path``, ``total_bytes``, ``write_s``; ``skipped`` if not."""
+
+
+def _rank_file(rank: int) -> str:
+    return f"ftbridge_rank_{rank}.pt"
+
+
+def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, quorum_id: int,
+                          metadata: Dict[str, Any], rank_state: Dict[str, Any], keep: int = 0,
+                          writer: Optional[BackgroundWriter] = None,
+                          before_publish: Optional[Callable[[str], None]] = None,
+                          on_published: Optional[Callable[[Dict[str, Any]], None]] = None,
+                          publish_timeout_s: float = 300.0, log: Any = logger) -> SaveResult:
+    """Write this group's checkpoint of ``step``; all ranks of the group call it together.
+
+    Args:
+        ds_engine: the DeepSpeed engine (its world is the replica group).
+        store: checkpoint folder.
+        step: committed steps (tag ``global_step<step>``).
+        quorum_id: quorum of the step (names the staging folder).
+        metadata: ``ftbridge.json`` content (JSON), written by group rank 0 and
+            also stored as DeepSpeed ``client_state["ftbridge"]``.
+        rank_state: this rank's extra state (tensors and scalars), saved as
+            ``ftbridge_rank_<k>.pt``.
+        keep: keep the newest K checkpoints (0: all).
+        writer: background writer for an async save; ``None`` writes now.
+        before_publish: called on group rank 0 with the staged folder, after
+            the manifest, before the rename (fault injection in tests).
+        on_published: called on group rank 0 with ``SaveResult.published``.
+        publish_timeout_s: how long group rank 0 waits for the other ranks' files.
+
+    Returns:
+        This rank's :class:`SaveResult` (``published`` fills in later when async).
+
+    Raises:
+        Whatever DeepSpeed's ``save_checkpoint`` raises (in-group failure);
+        errors of the finishing phase are logged, and nothing is published.
+    """
+    t0 = time.perf_counter()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    tag = tag_for(step)
+    staging_root = store.staging_dir(tag, quorum_id)
+    if rank == 0:
+        os.makedirs(store.root, exist_ok=True)
+        shutil.rmtree(staging_root, ignore_errors=True)  # an earlier attempt under the same name
+    waited = writer.wait() if writer is not None else 0.0  # the next save waits for the previous
+    previous = ds_engine.checkpoint_engine
+    ce = SnapshotCheckpointEngine(asynchronous=writer is not None,
+                                  zipfile_serialization=getattr(previous, "zipfile_serialization", True))
+    ds_engine.checkpoint_engine = ce
+    try:
+        ds_engine.save_checkpoint(staging_root, tag=tag, client_state={"ftbridge": metadata}, save_latest=False)
+    finally:
+        ds_engine.checkpoint_engine = previous
+    staged = os.path.join(staging_root, tag)
+    ce.save(rank_state, os.path.join(staged, _rank_file(rank)))
+    if rank == 0:
+        mf.write_json_atomic(os.path.join(staged, METADATA), metadata)
+    pending = ce.take()
+    result = SaveResult(tag=tag, stall_s=0.0)
+
+    def finish() -> None:
+        tw = time.perf_counter()
+        ce.write_pending(pending)
+        hashed = {os.path.relpath(p, staged): e for p, e in ce.written.items() if p.startswith(staged + os.sep)}
+        # The marker only coordinates the ranks (never part of the checkpoint): no fsync.
+        mf.write_json_atomic(os.path.join(staged, f".done_rank_{rank}"), hashed, durable=False)
+        if rank != 0:
+            return
+        known = _wait_for_markers(staged, size, publish_timeout_s)
+        manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known)
+        if before_publish is not None:
+            before_publish(staged)
+        _quarantine_if_bad(store, tag, log)
+        if not mf.publish(staged, store.root, tag):
+            log.warning("checkpoint %s is already published; this copy is dropped", tag)
+            result.published = {"skipped": True, "path": os.path.join(store.root, tag)}
+        else:
+            # The newest publish is the job's current state, even at a lower step (after a resume fell
+            # back past a damaged checkpoint): one writer at a time, so "latest" follows publish order.
+            mf.update_latest(store.root, tag)
+            result.published = {"path": os.path.join(store.root, tag), "total_bytes": manifest["total_bytes"],
+                                "write_s": time.perf_counter() - tw}
+        # Deleting old checkpoints needs no wait (unlinking 10s of MB took 30 ms per save here).
+        threading.Thread(target=_cleanup, args=(store, staging_root, keep, log), daemon=True,
+                         name="ftbridge-ckpt-prune").start()
+        if on_published is not None:
+            on_published(result.published)
+
+    if writer is not None:
+        waited += writer.submit(finish)
+        result.stall_s = time.perf_counter() - t0
+    else:
+        try:
+            finish()
+        except Exception as e:  # noqa: BLE001 - like a failed background write: logged, nothing published
+            log.error("checkpoint %s not published: %r", tag, e, exc_info=True)
+        result.stall_s = time.perf_counter() - t0
+    return result
+
+
+def _quarantine_if_bad(store: CheckpointStore, tag: str, log: Any) -> None:
+    """Move a published but damaged ``tag`` aside (``.bad-<tag>-<pid>``) so this save can replace it.
+
+    Happens after a resume fell back past a damaged checkpoint and training reached its step again.
+    """
+    final = os.path.join(store.root, tag)
+    if not os.path.isdir(final):
+        return
+    step = int(tag[len("global_step"):])
+    problems = CheckpointInfo(tag, step, final).problems()
+    if problems:
+        aside = os.path.join(store.root, f".bad-{tag}-{os.getpid()}")
+        os.rename(final, aside)
+        log.warning("moved the damaged checkpoint %s to %s (%s) to publish it again", final, aside, problems[0])
+
+
+def _cleanup(store: CheckpointStore, staging_root: str, keep: int, log: Any) -> None:
+    shutil.rmtree(staging_root, ignore_errors=True)
+    try:
+        store.prune(keep, log)
+    except OSError as e:  # a concurrent prune removed it first
+        log.warning("pruning old checkpoints: %r", e)
+
+
+def _wait_for_markers(staged: str, size: int, timeout_s: float) -> Dict[str, Any]:
+    """Wait for every rank's ``.done_rank_<k>`` marker; remove them; return their merged file hashes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [k for k in range(size) if not os.path.exists(os.path.join(staged, f".done_rank_{k}"))]
+        if not missing:
+            known: Dict[str, Any] = {}
+            for k in range(size):
+                marker = os.path.join(staged, f".done_rank_{k}")
+                with open(marker, encoding="utf-8") as f:
+                    known.update(json.load(f))
+                os.remove(marker)
+            return known
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"group ranks {missing} did not finish writing {staged} within {timeout_s} s; "
+                               "the checkpoint is not published")
+        time.sleep(0.005)
+
+
+def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any]:
+    """Load ``ckpt`` into ``ds_engine``; all ranks of the group call it together.
+
+    Loads module, ZeRO optimizer partition (with fp32 master weights and loss
+    scaler), lr scheduler and DeepSpeed's counters, through DeepSpeed's
+    ``load_checkpoint``.
+
+    Returns:
+        This rank's ``ftbridge_rank_<k>.pt`` content.
+
+    Raises:
+        RuntimeError: DeepSpeed found nothing to load.
+    """
+    path, _ = ds_engine.load_checkpoint(os.path.dirname(ckpt.path), tag=ckpt.tag, load_optimizer_states=True,
+                                        load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
+    return torch.load(os.path.join(ckpt.path, _rank_file(dist.get_rank())), map_location="cpu", weights_only=True)
+
+
+def kill_self_if(flag_path: Optional[str]) -> Callable[[str], None]:
+    """A ``before_publish`` hook that SIGKILLs this process once ``flag_path`` exists (tests)."""
+    def hook(staged: str) -> None:
+        if flag_path and os.path.exists(flag_path):
+            print(f"FAULT: SIGKILL self before publishing {staged}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def read_metadata(path: str) -> Dict[str, Any]:
+    """``ftbridge.json`` of a checkpoint folder."""
+    with open(os.path.join(path, METADATA), encoding="utf-8") as f:
+        return json.load(f)
