@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ftbridge import comm_hooks
+from ftbridge import faults
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.grad_sync import PostBackwardSync
@@ -148,6 +149,9 @@ class FaultTolerantEngine:
         self._losses = []
         self._window_start = int(self.engine.micro_steps)
         self.manager.start_quorum()
+        if not self._first_step_checked and faults.armed("first_quorum"):
+            self.manager.torchft.wait_quorum()  # in the quorum, before training a single step
+            faults.point("first_quorum")
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         """DeepSpeed backward; at the boundary, start the cross-replica all-reduce.

@@ -22,6 +22,8 @@ Points in ftbridge:
 =================  ==========================================================
 ``heal_send``      donor, after sending half of its heal state
 ``heal_recv``      joiner, after receiving half of the heal state
+``first_quorum``   a launch's first step, once its quorum is decided,
+                   before any training
 =================  ==========================================================
 """
 
@@ -34,7 +36,7 @@ import time
 from typing import Optional, Tuple
 
 ENV_DIR = "FTBRIDGE_FAULT_DIR"
-POINTS = ("heal_send", "heal_recv")
+POINTS = ("heal_send", "heal_recv", "first_quorum")
 """Fault point names that ftbridge's code calls."""
 
 
@@ -86,20 +88,25 @@ def fired(fault_dir: str, name: str) -> bool:
     return os.path.exists(os.path.join(fault_dir, f"{name}.fired"))
 
 
-def point(name: str) -> None:
-    """Fault point ``name``: SIGKILL this process here if the run armed it for this process."""
+def armed(name: str) -> bool:
+    """Whether point ``name`` is armed for this process (its trigger exists and names it)."""
     fault_dir = os.environ.get(ENV_DIR)
     if not fault_dir:
-        return
-    path = os.path.join(fault_dir, name)
+        return False
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(fault_dir, name), encoding="utf-8") as f:
             target = f.read()
     except OSError:
+        return False
+    return matches(target, *_identity())
+
+
+def point(name: str) -> None:
+    """Fault point ``name``: SIGKILL this process here if the run armed it for this process."""
+    if not armed(name):
         return
+    path = os.path.join(os.environ[ENV_DIR], name)
     group, rank = _identity()
-    if not matches(target, group, rank):
-        return
     done = f"{path}.fired"
     try:
         os.rename(path, done)            # exactly one process wins
