@@ -117,6 +117,15 @@ class FTBridgeConfig:
     """Interval of the manager's heartbeats to the lighthouse
     (``FTBRIDGE_HEARTBEAT_INTERVAL_MS``)."""
 
+    restart_peer_wait: timedelta = timedelta(seconds=30)
+    """How long a replica group restarted by torchrun, with nothing to start
+    from (step 0: no heal, no checkpoint), refuses to commit steps alone while
+    it waits for a live peer to heal from (``FTBRIDGE_RESTART_PEER_WAIT_S``;
+    0: never wait). Without it a group that restarts while the lighthouse is
+    restarting can get a quorum of its own and train from scratch until the
+    others come back. After the wait it trains on from step 0 with an ERROR.
+    Ignored with ``num_replica_groups`` 1."""
+
     quorum_retries: int = 5
     """Lighthouse calls group rank 0's torchft manager retries within one
     quorum call, sleeping ``quorum_timeout / (quorum_retries + 1)`` between
@@ -187,6 +196,7 @@ class FTBridgeConfig:
         "connect_timeout": ("s", ("FTBRIDGE_CONNECT_TIMEOUT_S", "TORCHFT_CONNECT_TIMEOUT_SEC")),
         "heartbeat_interval": ("ms", ("FTBRIDGE_HEARTBEAT_INTERVAL_MS",)),
         "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
+        "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
         "init_sync": (bool, ("FTBRIDGE_INIT_SYNC",)),
@@ -279,6 +289,8 @@ class FTBridgeConfig:
                      "connect_timeout", "heartbeat_interval"):
             value = getattr(self, name)
             need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
+        need(self.restart_peer_wait.total_seconds() >= 0,
+             f"restart_peer_wait={self.restart_peer_wait.total_seconds()} s must be 0 (never wait) or positive")
         need(self.heartbeat_interval < self.cross_replica_timeout,
              f"heartbeat_interval={self.heartbeat_interval.total_seconds()} s must be below "
              f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s")

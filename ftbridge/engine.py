@@ -40,7 +40,7 @@ from ftbridge import faults
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.grad_sync import PostBackwardSync
-from ftbridge.heal import agree_on_heal, guard_heal
+from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.bucket_hook import PerBucketSync
@@ -96,6 +96,7 @@ class FaultTolerantEngine:
         self._t0 = 0.0
         self.last_committed: Optional[bool] = None
         self._first_step_checked = False
+        self._launched = time.time()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode,
                           sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
@@ -173,6 +174,7 @@ class FaultTolerantEngine:
             self.engine.step(**kwargs)
             return
         self.sync.wait()
+        self._wait_for_peer_after_restart()
         agree_on_heal(self.manager.torchft)
         committed = self.manager.should_commit()
         if committed:
@@ -207,6 +209,19 @@ class FaultTolerantEngine:
         self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s",
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
                      rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "")
+
+    def _wait_for_peer_after_restart(self) -> None:
+        """Discard a restarted group's lone steps from step 0 while a peer may still come (heal.must_wait_for_peer)."""
+        m = self.manager
+        waited = time.time() - self._launched
+        if must_wait_for_peer(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                              num_replica_groups=self.cfg.num_replica_groups, step=m.current_step, heals=m.heals,
+                              participants=m.participants, waited_s=waited,
+                              limit_s=self.cfg.restart_peer_wait.total_seconds()):
+            self.log.warning("restarted with nothing to start from and alone in the quorum: step discarded while "
+                             "waiting for a live replica group to heal from (%.0f of %.0f s)", waited,
+                             self.cfg.restart_peer_wait.total_seconds())
+            m.report_error(RuntimeError("restarted replica group alone at step 0: waiting for a peer"))
 
     def _check_restart_had_peer(self, step: int) -> None:
         """Warn loudly when torchrun restarted this group but no live peer was there to heal from."""

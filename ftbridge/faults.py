@@ -19,12 +19,11 @@ With ``FTBRIDGE_FAULT_DIR`` unset, :func:`point` costs one dictionary lookup.
 
 Points in ftbridge:
 
-=================  ==========================================================
-``heal_send``      donor, after sending half of its heal state
-``heal_recv``      joiner, after receiving half of the heal state
-``first_quorum``   a launch's first step, once its quorum is decided,
-                   before any training
-=================  ==========================================================
+* ``heal_send``: the donor, after sending half of its heal state;
+* ``heal_recv``: the joiner, after receiving half of the heal state;
+* ``first_quorum``: a launch's first step, once its quorum is decided, before any training;
+* ``checkpoint_publish``: the checkpoint writer's group rank 0, with the checkpoint staged and its
+  manifest written, before the atomic publish.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import time
 from typing import Optional, Tuple
 
 ENV_DIR = "FTBRIDGE_FAULT_DIR"
-POINTS = ("heal_send", "heal_recv", "first_quorum")
+POINTS = ("heal_send", "heal_recv", "first_quorum", "checkpoint_publish")
 """Fault point names that ftbridge's code calls."""
 
 

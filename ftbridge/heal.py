@@ -93,3 +93,26 @@ def agree_on_heal(manager: Any, group: Optional[Any] = None) -> bool:
             "transfer broke); no rank applies a heal this step, the next quorum heals again"))
         logger.warning("heal dropped: another rank of this replica group failed to receive its state")
     return False
+
+
+def must_wait_for_peer(*, restart_count: int, num_replica_groups: int, step: int, heals: int, participants: int,
+                       waited_s: float, limit_s: float) -> bool:
+    """Whether a restarted replica group must discard this step and wait for a peer to heal from.
+
+    A group that torchrun restarted and that has nothing to start from (torchft
+    step 0, never healed, nothing resumed) would otherwise train from the
+    initial model whenever a quorum holds only itself: for instance right
+    after a lighthouse restart, before the other groups' managers are back
+    in the quorum. Pure function (the caller passes the clock).
+
+    Args:
+        restart_count: ``TORCHELASTIC_RESTART_COUNT`` (0: first launch).
+        num_replica_groups: planned replica groups of the job.
+        step: torchft's step of this replica (0: nothing loaded).
+        heals: heals applied in this launch.
+        participants: replica groups in this step's quorum.
+        waited_s: seconds since this launch's engine started.
+        limit_s: ``FTBridgeConfig.restart_peer_wait`` in seconds.
+    """
+    return (restart_count > 0 and num_replica_groups > 1 and step == 0 and heals == 0 and participants <= 1
+            and waited_s < limit_s)

@@ -73,3 +73,17 @@ def test_one_rank_failing_to_receive_drops_the_heal_on_every_rank(tmp_path):
     # Rank 0 received but rank 1 did not: rank 0 drops its state and takes back torchft's counters too.
     assert r0[2] == "001-3-12"
     assert r1[2] == "001-3-12"
+
+
+def test_a_restarted_group_with_nothing_waits_for_a_peer_before_training_alone():
+    from ftbridge.heal import must_wait_for_peer
+
+    base = dict(restart_count=1, num_replica_groups=3, step=0, heals=0, participants=1, waited_s=5.0, limit_s=30.0)
+    assert must_wait_for_peer(**base)
+    assert not must_wait_for_peer(**{**base, "waited_s": 31.0})          # waited long enough: train from step 0
+    assert not must_wait_for_peer(**{**base, "restart_count": 0})        # a first launch may start the job
+    assert not must_wait_for_peer(**{**base, "participants": 2})         # a peer is in the quorum: it heals
+    assert not must_wait_for_peer(**{**base, "step": 40})                # resumed from a checkpoint
+    assert not must_wait_for_peer(**{**base, "heals": 1})
+    assert not must_wait_for_peer(**{**base, "num_replica_groups": 1})   # nobody to wait for
+    assert not must_wait_for_peer(**{**base, "limit_s": 0.0})            # disabled

@@ -22,7 +22,7 @@ from ftbridge.launcher import pid_alive
 from ftbridge.local_job import LocalJob
 
 _KILLS = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
-          FailureKind.KILL_DONOR_IN_HEAL}
+          FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT}
 
 
 @dataclass
@@ -82,6 +82,7 @@ class Injector:
             FailureKind.HANG: self._hang,
             FailureKind.KILL_JOINER_IN_HEAL: self._kill_in_heal,
             FailureKind.KILL_DONOR_IN_HEAL: self._kill_in_heal,
+            FailureKind.KILL_IN_CHECKPOINT: self._kill_in_checkpoint,
             FailureKind.LIGHTHOUSE_OUTAGE: self._lighthouse_outage,
             FailureKind.SCALE_DOWN: self._scale_down,
             FailureKind.SCALE_UP: self._scale_up,
@@ -128,15 +129,28 @@ class Injector:
         faults.arm(self.fault_dir, name, group=g if joiner else None)
         t = time.time()
         self.job.kill_workers(g, timeout_s=self.timeout_s)
-        self.job.wait_until(lambda: faults.fired(self.fault_dir, name), self.timeout_s,
-                            f"fault point {name} to fire")
-        with open(os.path.join(self.fault_dir, f"{name}.fired"), encoding="utf-8") as f:
-            victim = int(f.read().split("replica_group=")[1].split()[0])
-        os.replace(os.path.join(self.fault_dir, f"{name}.fired"),
-                   os.path.join(self.fault_dir, f"{name}.fired.{failure.index}"))
+        victim = self._fire(name, g if joiner else None, failure.index, arm=False)
         hit = sorted({g, victim})
         who = "joiner" if joiner else "donor"
         return Injected(failure, t, hit, hit, f"group {g} killed; its heal {who} group {victim} killed mid-transfer")
+
+    def _kill_in_checkpoint(self, failure: Failure, rng: random.Random) -> Injected:
+        # Whichever group is the writer (replica rank 0 of the quorum) at the next scheduled save.
+        t = time.time()
+        victim = self._fire("checkpoint_publish", None, failure.index)
+        return Injected(failure, t, [victim], [victim], f"checkpoint writer group {victim} killed before publishing")
+
+    def _fire(self, name: str, group: Optional[int], index: int, arm: bool = True) -> int:
+        """Arm fault point ``name`` (unless already armed), wait until it fires, return the group that died."""
+        if arm:
+            faults.arm(self.fault_dir, name, group=group)
+        self.job.wait_until(lambda: faults.fired(self.fault_dir, name), self.timeout_s,
+                            f"fault point {name} to fire")
+        fired = os.path.join(self.fault_dir, f"{name}.fired")
+        with open(fired, encoding="utf-8") as f:
+            victim = int(f.read().split("replica_group=")[1].split()[0])
+        os.replace(fired, f"{fired}.{index}")
+        return victim
 
     def _lighthouse_outage(self, failure: Failure, rng: random.Random) -> Injected:
         t = time.time()

@@ -45,6 +45,8 @@ class ChaosSettings:
         join_timeout_ms: the lighthouse's join timeout.
         recovery_timeout_s: longest wait for the job to recover from one failure.
         tail_steps: steps trained after the last failure.
+        checkpoint_every: save a checkpoint every N steps (0: none; a
+            ``kill_in_checkpoint`` failure turns it on at 20).
         baseline: also train a failure-free run of the same length to compare the final loss.
         loss_tolerance: largest accepted |final val loss - failure-free val loss| (nats).
     """
@@ -59,6 +61,7 @@ class ChaosSettings:
     join_timeout_ms: int = 1000
     recovery_timeout_s: float = 240.0
     tail_steps: int = 20
+    checkpoint_every: int = 0
     baseline: bool = True
     loss_tolerance: float = 0.15
 
@@ -167,6 +170,10 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     t_start = time.time()
     fault_dir = os.path.join(settings.workdir, "faults")
     job = _job(settings, "chaos", {ENV_DIR: fault_dir})
+    ckpt_dir = os.path.join(job.workdir, "checkpoints")
+    every = settings.checkpoint_every or (20 if any(f.kind == FailureKind.KILL_IN_CHECKPOINT for f in schedule) else 0)
+    if every:
+        job.script_args += ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", str(every)]
     kinds = {f.kind for f in schedule}
     # A scale-up needs a group outside the job: hold one back unless a scale-down makes room first.
     first = {k: min(f.index for f in schedule if f.kind == k) for k in kinds}
@@ -213,6 +220,8 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     violations += _final_state_violations(events, sorted(alive), settings.nproc, final_step)
     if leftover:
         violations.append(f"processes left behind: pids {leftover}")
+    if every:
+        violations += checkpoints_valid(ckpt_dir)
     final_loss = _final_loss(events)
     baseline_loss = None
     if settings.baseline:
@@ -242,6 +251,21 @@ def _final_state_violations(events: Sequence[Dict[str, Any]], alive: Sequence[in
     for r in range(nproc):
         if len({f.get("optimizer_checksum") for f in finals if f["group_rank"] == r}) > 1:
             out.append(f"group rank {r} ends with different optimizer state across replica groups")
+    return out
+
+
+def checkpoints_valid(ckpt_dir: str) -> List[str]:
+    """Every published checkpoint matches its manifest, and ``latest`` names a valid one."""
+    from ftbridge.checkpoint import manifest as mf
+    from ftbridge.checkpoint.store import CheckpointStore
+
+    published = CheckpointStore(ckpt_dir).list()
+    if not published:
+        return [f"no checkpoint was published in {ckpt_dir}"]
+    out = [f"checkpoint {c.tag}: {'; '.join(bad)}" for c in published if (bad := c.problems())]
+    latest = mf.read_latest(ckpt_dir)
+    if latest is None or latest not in {c.tag for c in published}:
+        out.append(f"'latest' in {ckpt_dir} names {latest!r}, which is not a published checkpoint")
     return out
 
 

@@ -28,6 +28,8 @@ class FailureKind(str, enum.Enum):
     """Kill a group; when it heals, kill it again half-way through receiving its state."""
     KILL_DONOR_IN_HEAL = "kill_donor_in_heal"
     """Kill a group; when it heals, kill its donor half-way through sending (needs 3 or more groups)."""
+    KILL_IN_CHECKPOINT = "kill_in_checkpoint"
+    """Kill the checkpoint writer after it staged a checkpoint, before it publishes it."""
     LIGHTHOUSE_OUTAGE = "lighthouse_outage"
     """Stop the lighthouse for a set time, then start it again at the same address."""
     SCALE_DOWN = "scale_down"

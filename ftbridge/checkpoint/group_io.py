@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ftbridge import faults
 from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
@@ -121,6 +122,7 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             return
         known = _wait_for_markers(staged, size, publish_timeout_s)
         manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known)
+        faults.point("checkpoint_publish")
         if before_publish is not None:
             before_publish(staged)
         _quarantine_if_bad(store, tag, log)
