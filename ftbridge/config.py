@@ -95,8 +95,10 @@ class FTBridgeConfig:
     """Fewest replica groups that may commit a step (``FTBRIDGE_MIN_REPLICAS``)."""
 
     cross_replica_timeout: timedelta = timedelta(seconds=10)
-    """Bound on every collective between replica groups and on heal transfers
-    (``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S`` / ``TORCHFT_TIMEOUT_SEC``)."""
+    """Bound on every collective between replica groups (``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S`` /
+    ``TORCHFT_TIMEOUT_SEC``). torchft's own calls (``should_commit``, heal
+    transfers) get twice this: they wait for the group's slowest rank, which
+    may be waiting out a cross-replica all-reduce with a hung peer."""
 
     in_group_timeout: timedelta = timedelta(seconds=60)
     """Timeout of the replica group's own torch.distributed world, used by

@@ -276,7 +276,10 @@ class ReplicaManager:
             state_dict=state_dict,
             min_replica_size=cfg.min_replicas,
             use_async_quorum=True,
-            timeout=cfg.cross_replica_timeout,
+            # torchft's own calls (should_commit, heal fetches) wait for the group's slowest rank, which
+            # may itself be waiting out a cross-replica all-reduce on a hung peer (the process group's
+            # timeout): with the same timeout, should_commit expired first and crashed the survivor.
+            timeout=2 * cfg.cross_replica_timeout,
             quorum_timeout=cfg.quorum_timeout,
             connect_timeout=cfg.connect_timeout,
             rank=cfg.group_rank,

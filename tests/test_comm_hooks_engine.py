@@ -12,53 +12,13 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
+
+from tests.fakes import FakeManager
 from torch.distributed import ReduceOp
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-class _Done:
-    def wait(self, timeout=None):
-        return True
-
-
-class FakeManager:
-    """One replica group alone: all-reduces are identities; commits unless told otherwise."""
-
-    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False):
-        self.state_dict, self.load_state_dict_fn = state_dict, load_state_dict
-        self.discard_calls, self.calls, self.step, self.errors = set(), 0, 0, []
-        self.ops = []
-
-    def start_quorum(self):
-        pass
-
-    def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
-        self.ops.append((tensor.numel(), tensor.dtype, reduce_op))
-        return _Done()
-
-    def report_error(self, e):
-        self.errors.append(e)
-
-    def should_commit(self):
-        self.calls += 1
-        ok = self.calls not in self.discard_calls and not self.errors
-        self.step += ok
-        self.errors = []
-        return ok
-
-    current_step = property(lambda self: self.step)
-    torchft = None  # no torchft Manager underneath: nothing heals
-    participants = 1
-    replica_rank = 0
-    quorum_id = 1
-    healed_this_step = False
-
-    def shutdown(self):
-        pass
 
 
 def _engine(monkeypatch, stage, hook="no", options=None, mode="per_bucket", bf16=False):

@@ -11,50 +11,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
+
+from tests.fakes import FakeManager
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-class FakeManager:
-    """Scripted stand-in for ReplicaManager: commits unless told to discard a step."""
-
-    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False):
-        self.state_dict, self.load_state_dict_fn = state_dict, load_state_dict
-        self.discard_calls = set()
-        self.calls = 0
-        self.step = 0
-        self.heals = 0
-        self.allreduced = []
-
-    def start_quorum(self):
-        pass
-
-    def allreduce(self, tensor):
-        self.allreduced.append(tensor.numel())
-
-        class Done:
-            def wait(self_inner):
-                return True
-        return Done()
-
-    def should_commit(self):
-        self.calls += 1
-        ok = self.calls not in self.discard_calls
-        self.step += ok
-        return ok
-
-    current_step = property(lambda self: self.step)
-    torchft = None  # no torchft Manager underneath: nothing heals
-    participants = 1
-    replica_rank = 0
-    quorum_id = 1
-    healed_this_step = False
-
-    def shutdown(self):
-        pass
 
 
 BF16_OPT = "bf16-optimizer"
@@ -161,9 +123,9 @@ def test_per_bucket_hook_fires_per_bucket_once_per_step(monkeypatch, stage, gas,
 class ZeroingManager(FakeManager):
     """A cross-replica 'average' that zeroes the gradient: shows whether the optimizer steps on it."""
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor, **kwargs):
         tensor.zero_()
-        return super().allreduce(tensor)
+        return super().allreduce(tensor, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["per_bucket", "post_backward"])

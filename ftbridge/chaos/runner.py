@@ -240,7 +240,13 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
 
 def _final_state_violations(events: Sequence[Dict[str, Any]], alive: Sequence[int], nproc: int,
                             final_step: int) -> List[str]:
-    finals = [e for e in events if e.get("event") == "final" and e["replica_group"] in alive]
+    # A group that left (scale-down: SIGTERM, a graceful stop) wrote a final record then; if it joined
+    # again, only its last launch's record counts.
+    last: Dict[Any, Dict[str, Any]] = {}
+    for e in sorted((e for e in events if e.get("event") == "final" and e["replica_group"] in alive),
+                    key=lambda e: e["time"]):
+        last[(e["replica_group"], e["group_rank"])] = e
+    finals = list(last.values())
     out = []
     if len(finals) != len(alive) * nproc:
         out.append(f"{len(finals)} of {len(alive) * nproc} ranks of groups {list(alive)} wrote a final record")
