@@ -119,7 +119,9 @@ def test_rank_hung_past_the_cross_replica_timeout(local_job):
 def test_final_loss_matches_a_failure_free_run(local_job):
     job = _job(local_job, 2, 1)
     job.start()
-    job.wait_step(1, 50, timeout_s=120)
+    job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 for e in job.steps(1)), 120,
+                   "both groups to commit together")
+    job.wait_step(1, job.max_step() + 20, timeout_s=120)
     t_kill = time.time()
     job.kill_workers(1)
     job.wait_until(lambda: any(e["healed"] and e["time"] > t_kill for e in job.steps(1)), 180, "group 1 to heal")
