@@ -70,6 +70,12 @@ class ZeroAdapter:
         self.engine = engine
         self.optimizer = engine.optimizer
 
+    @property
+    def offload(self) -> bool:
+        """Whether ``zero_optimization.offload_optimizer`` moved the optimizer (and the fp32 partition) to the CPU."""
+        opt = self.optimizer
+        return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
+
     # -- gradients -------------------------------------------------------
     def partition_grads(self) -> List[torch.Tensor]:
         """This rank's reduced gradient partition at the accumulation boundary.
@@ -143,6 +149,13 @@ class Stage12Adapter(ZeroAdapter):
             opt.all_grad_tensors[k] = None
         # step() resets the id so the next window overwrites, not accumulates.
         opt.micro_step_id = -1
+        if self.offload:
+            # What step() resets under offload: per-parameter norms and the overflow flag computed in
+            # backward, and the window's active parameters. accumulated_grads_in_cpu and the fp32
+            # partition's .grad are overwritten (not added to) by the next window, as after a step.
+            opt._wait_for_offload_copies()
+            opt.reset_cpu_buffers()
+            opt._offload_accumulated_param_ids = set()
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(self._state_list(state), load_optimizer_states=True,
@@ -163,6 +176,11 @@ class Stage3Adapter(ZeroAdapter):
         opt = self.optimizer
         opt.zero_grad(set_to_none=True)  # also resets micro_step_id to 0
         opt.averaged_gradients = {}
+        if self.offload:
+            # As step() does: per-parameter norms from backward and the window's active parameters.
+            # The fp32 partition's .grad is overwritten at the next boundary.
+            opt.reset_cpu_buffers()
+            opt._offload_boundary_param_ids = set()
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         opt = self.optimizer
@@ -212,11 +230,6 @@ def adapter_for(engine: Any) -> ZeroAdapter:
         raise ValueError(
             f"zero_optimization.stage={stage}: ftbridge shards optimizer state with ZeRO; "
             "set zero_optimization.stage to 1, 2 or 3 in the DeepSpeed config"
-        )
-    if getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer", False):
-        raise ValueError(
-            "zero_optimization.offload_optimizer is set; ftbridge does not support optimizer offload "
-            "yet: remove offload_optimizer from the DeepSpeed config"
         )
     if name == "BF16_Optimizer":
         return BF16OptimizerAdapter(engine)
