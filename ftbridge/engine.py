@@ -15,7 +15,9 @@ Per optimizer step (``gradient_accumulation_steps`` micro-steps):
 1. first forward: ``start_quorum`` (torchft reconfigures the cross-replica
    process group if the quorum changed, and serves or fetches heal state);
 2. backward of the boundary micro-step: the rank's reduced gradient partition
-   is averaged across replica groups (:mod:`ftbridge.grad_sync`);
+   is averaged across replica groups (:mod:`ftbridge.grad_sync`); under
+   optimizer offload, every reduced bucket of every micro-step, synchronously
+   (:mod:`ftbridge.zero.offload_hook`);
 3. ``step()`` at the boundary: wait for that work, then ``should_commit``
    (applies a pending heal first). Commit runs DeepSpeed's own step (overflow
    check, norm, clipping, optimizer, scheduler, counters). Discard drops the
@@ -82,9 +84,9 @@ class FaultTolerantEngine:
                                             self.manager)
         if self.adapter.offload:
             if cfg.sync_mode == "post_backward":
-                self.log.warning("sync_mode=post_backward with zero_optimization.offload_optimizer: DeepSpeed takes "
-                                 "the gradient norm and the CPU copy in backward, so every bucket is averaged "
-                                 "across replicas there instead (ftbridge.zero.offload_hook)")
+                self.log.warning("sync_mode=post_backward with zero_optimization.offload_optimizer: DeepSpeed "
+                                 "takes the gradient norm and the CPU copy in backward, so every bucket is "
+                                 "averaged across replicas there instead (ftbridge.zero.offload_hook)")
             self.sync = OffloadSync(self.manager, self.adapter, hook=hook, hook_state=hook_state)
         elif cfg.sync_mode == "per_bucket":
             self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary,

@@ -174,7 +174,7 @@ def test_heal_state_round_trip_restores_everything(monkeypatch, stage):
 
 
 class ConstantManager(FakeManager):
-    """A cross-replica 'average' that sets every gradient element to 0.1 (norm ~12: clipped), whatever the local gradient."""
+    """A cross-replica 'average' setting every gradient element to 0.1 (norm ~12: clipped), whatever was local."""
 
     def allreduce(self, tensor):
         tensor.fill_(0.1)

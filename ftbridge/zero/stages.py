@@ -23,7 +23,13 @@ Where the gradient partition lives at the accumulation boundary (deepspeed
   across replicas, not only the rank's partition (``group_size`` times the
   bytes of a ZeRO-1/2 partition).
 
-Optimizer offload is refused at start-up for now, with the reason.
+With ``zero_optimization.offload_optimizer`` (:attr:`ZeroAdapter.offload`) the
+gradient reaches the CPU fp32 partition's ``.grad`` during backward, and the
+cross-replica average happens there (:mod:`ftbridge.zero.offload_hook`);
+:meth:`ZeroAdapter.partition_grads` is then not what the sync reads.
+:meth:`ZeroAdapter.discard_grads` also resets what DeepSpeed's ``step()``
+resets on that path (``reset_cpu_buffers``: per-parameter norms and, for
+ZeRO-1/2, ``local_overflow``).
 """
 
 from __future__ import annotations
@@ -221,8 +227,7 @@ def adapter_for(engine: Any) -> ZeroAdapter:
     """Pick the adapter for ``engine``'s ZeRO stage and optimizer.
 
     Raises:
-        ValueError: ZeRO stage 0 or optimizer offload, with what to change in
-            the DeepSpeed config.
+        ValueError: ZeRO stage 0, with what to change in the DeepSpeed config.
     """
     stage = engine.zero_optimization_stage()
     name = type(engine.optimizer).__name__
