@@ -80,7 +80,7 @@ def _assert_commits_consistent(job):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("extra", [
-    (),
+    pytest.param((), id="no-offload"),
     # Optimizer offload, the cross-replica all-reduce in every micro-step, CPU accumulation between them.
     pytest.param(("--offload-optimizer", "--grad-accum", "2"), marks=pytest.mark.slow, id="offload-gas2"),
     pytest.param(("--offload-optimizer", "--zero-stage", "3"), marks=pytest.mark.slow, id="offload-zero3"),
