@@ -19,9 +19,9 @@ hook point):
 
 * ZeRO-1/2: ``DeepSpeedZeroOptimizer.average_tensor(tensor, dtype)``, after
   it returns: ``tensor`` is the reduced bucket (or one oversized gradient);
-  the slices of this rank's partition are correct, the rest is not read.
-  The whole tensor is all-reduced (``group_size`` times the bytes of the
-  rank's own slices), then ``reduce_ipg_grads`` copies it on.
+  the slices of this rank's partition are correct, the rest is never read.
+  Only those slices are all-reduced (:func:`own_slices`), then
+  ``reduce_ipg_grads`` copies them on.
 * ZeRO-3: ``DeepSpeedZeroOptimizer_Stage3.partition_grads(params,
   grad_partitions)``, before the original: the bucket's reduced partitions
   are averaged, then DeepSpeed accumulates and offloads them.
@@ -46,6 +46,7 @@ import logging
 from typing import Any, Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ftbridge.comm_hooks.base import CommHookState
 from ftbridge.grad_sync import PostBackwardSync
@@ -100,9 +101,12 @@ class OffloadSync(PostBackwardSync):
                     type(opt).__name__, name)
 
     def _stage12_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def average_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            out = original(tensor, *args, **kwargs)
-            self._average_now([tensor])
+        opt = self.adapter.optimizer
+
+        def average_tensor(tensor: torch.Tensor, communication_data_type: torch.dtype, *args: Any,
+                           **kwargs: Any) -> Any:
+            out = original(tensor, communication_data_type, *args, **kwargs)
+            self._average_now(own_slices(opt, tensor, communication_data_type))
             return out
 
         return average_tensor
@@ -122,3 +126,39 @@ class OffloadSync(PostBackwardSync):
 
     def on_boundary_backward(self) -> None:
         """Nothing left to send: every bucket was averaged as DeepSpeed reduced it."""
+
+
+def own_slices(opt: Any, tensor: torch.Tensor, communication_data_type: torch.dtype) -> List[torch.Tensor]:
+    """The slices of a ZeRO-1/2 bucket ``tensor`` that belong to this rank's partition, merged when adjacent.
+
+    Mirrors the layout ``DeepSpeedZeroOptimizer.average_tensor`` (deepspeed 0.19.8) reduces by: the
+    bucket's parameters back to back in ``ipg_buckets[dtype].params`` order, each split at
+    ``grad_start_offset[group][partition][param]``. Only these slices are read after the call (the
+    rest are other ranks' and are dropped). Falls back to the whole tensor when the layout is not
+    the plain one (MoE buckets, all-reduce instead of reduce-scatter) or does not add up.
+
+    Returns:
+        1-D views of ``tensor`` (``tensor`` itself on fallback).
+    """
+    bucket = opt.ipg_buckets[communication_data_type]
+    if bucket.has_moe_params or not opt.reduce_scatter or tensor.dim() != 1:
+        return [tensor]
+    me = dist.get_rank(group=opt.dp_process_group)
+    ranges: List[List[int]] = []
+    offset = 0
+    for group_idx, idx_in_group, param_id in bucket.params:
+        numel = opt.bit16_groups[group_idx][idx_in_group].numel()
+        starts = opt.grad_start_offset[group_idx]
+        owners = opt.param_to_partition_ids[group_idx][param_id]
+        if me in owners:
+            start = int(starts[me][param_id])
+            after = [int(starts[p][param_id]) for p in owners if int(starts[p][param_id]) > start]
+            end = min(after) if after else numel
+            if ranges and ranges[-1][1] == offset + start:
+                ranges[-1][1] = offset + end
+            else:
+                ranges.append([offset + start, offset + end])
+        offset += numel
+    if offset != tensor.numel():
+        return [tensor]
+    return [tensor.narrow(0, a, b - a) for a, b in ranges if b > a]
