@@ -308,7 +308,8 @@ def test_optimizer_offload_builds_the_in_backward_sync(monkeypatch, stage):
     assert eng.sync.allreduces >= 1
 
 
-def test_optimizer_offload_refuses_a_whole_partition_hook(monkeypatch):
+@pytest.mark.parametrize("case", ["power_sgd", "bf16_fp32_accumulation"])
+def test_optimizer_offload_refuses_what_cannot_run_per_bucket(monkeypatch, case):
     import deepspeed
 
     from ftbridge import engine as engine_mod
@@ -319,8 +320,13 @@ def test_optimizer_offload_refuses_a_whole_partition_hook(monkeypatch):
     model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    ft = {}
+    if case == "power_sgd":     # compresses the whole partition at once
+        ft["comm_hook"] = "power_sgd"
+    else:                       # DeepSpeed's compact partition: the reduction lands outside the bucket
+        model = model.to(torch.bfloat16)
+        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                    config=ds_config)
-    cfg = FTBridgeConfig.resolve(environ={}, comm_hook="power_sgd")
     with pytest.raises(ValueError, match="remove offload_optimizer"):
-        engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
+        engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, **ft), checksum_every=0)

@@ -106,7 +106,12 @@ class OffloadSync(PostBackwardSync):
         def average_tensor(tensor: torch.Tensor, communication_data_type: torch.dtype, *args: Any,
                            **kwargs: Any) -> Any:
             out = original(tensor, communication_data_type, *args, **kwargs)
+            side = getattr(opt, "reduction_stream", None) if opt.overlap_comm and tensor.is_cuda else None
+            if side is not None:  # overlap_comm reduced on DeepSpeed's side stream: wait for it, and back
+                torch.cuda.current_stream().wait_stream(side)
             self._average_now(own_slices(opt, tensor, communication_data_type))
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream())
             return out
 
         return average_tensor
