@@ -36,9 +36,9 @@ SLOW = [
     for mode in ("per_bucket", "post_backward")
     if (stage, gas, overlap, bf16, mode, False) not in FAST
 ] + [
-    (stage, gas, False, False, "per_bucket", True)
-    for stage in (1, 2, 3) for gas in (1, 4)
-    if (stage, gas, False, False, "per_bucket", True) not in FAST
+    (stage, gas, overlap, False, "per_bucket", True)
+    for stage in (1, 2, 3) for gas in (1, 4) for overlap in (False, True)
+    if (stage, gas, overlap, False, "per_bucket", True) not in FAST
 ]
 
 
