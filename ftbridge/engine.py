@@ -15,7 +15,9 @@ Per optimizer step (``gradient_accumulation_steps`` micro-steps):
 1. first forward: ``start_quorum`` (torchft reconfigures the cross-replica
    process group if the quorum changed, and serves or fetches heal state);
 2. backward of the boundary micro-step: the rank's reduced gradient partition
-   is averaged across replica groups (:mod:`ftbridge.grad_sync`);
+   is averaged across replica groups (:mod:`ftbridge.grad_sync`); under
+   optimizer offload, every reduced bucket of every micro-step, synchronously
+   (:mod:`ftbridge.zero.offload_hook`);
 3. ``step()`` at the boundary: wait for that work, then ``should_commit``
    (applies a pending heal first). Commit runs DeepSpeed's own step (overflow
    check, norm, clipping, optimizer, scheduler, counters). Discard drops the
@@ -44,6 +46,7 @@ from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.bucket_hook import PerBucketSync
+from ftbridge.zero.offload_hook import OffloadSync
 from ftbridge.zero.stages import ZeroAdapter, adapter_for, check_deepspeed_version
 from ftbridge.zero.state import from_wire, to_wire
 
@@ -79,7 +82,13 @@ class FaultTolerantEngine:
         guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
-        if cfg.sync_mode == "per_bucket":
+        if self.adapter.offload:
+            if cfg.sync_mode == "post_backward":
+                self.log.warning("sync_mode=post_backward with zero_optimization.offload_optimizer: DeepSpeed "
+                                 "takes the gradient norm and the CPU copy in backward, so every bucket is "
+                                 "averaged across replicas there instead (ftbridge.zero.offload_hook)")
+            self.sync = OffloadSync(self.manager, self.adapter, hook=hook, hook_state=hook_state)
+        elif cfg.sync_mode == "per_bucket":
             self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary,
                                       min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
         else:
@@ -98,7 +107,7 @@ class FaultTolerantEngine:
         self._first_step_checked = False
         self._launched = time.time()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
-                          group_size=cfg.group_size, sync_mode=cfg.sync_mode,
+                          group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
                           sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
 
     @property

@@ -10,7 +10,9 @@ completes before DeepSpeed's overflow check, gradient norm and clipping in
 :class:`PostBackwardSync` issues one all-reduce of the whole flat partition
 when the backward pass of the accumulation boundary has finished: simple,
 no overlap with backward, and the baseline the per-bucket hook
-(:mod:`ftbridge.zero.bucket_hook`) is measured against.
+(:mod:`ftbridge.zero.bucket_hook`) is measured against. Under optimizer
+offload the partition is consumed during backward, and
+:mod:`ftbridge.zero.offload_hook` averages each bucket there instead.
 
 Every cross-replica message goes through a communication hook
 (:mod:`ftbridge.comm_hooks`; the default is the plain average): the hook

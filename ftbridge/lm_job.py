@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
     p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
     p.add_argument("--reduce-bucket-size", type=int, default=50_000_000, help="DeepSpeed bucket size (elements)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="DeepSpeed zero_optimization.offload_optimizer to the CPU (with this job's torch AdamW)")
     p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
                    help="cross-replica gradient sync (default: $FTBRIDGE_SYNC_MODE or per_bucket)")
     p.add_argument("--comm-hook", default=None,
@@ -104,6 +106,10 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     if args.zero_stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0,
                                          "stage3_prefetch_bucket_size": args.reduce_bucket_size})
+    if args.offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        # Keep the job's torch AdamW: DeepSpeedCPUAdam would need its C++ extension built.
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
         # fp32 accumulation: ZeRO-1 then runs DeepSpeed's BF16_Optimizer, ZeRO-2 its compact fp32 path.

@@ -45,6 +45,7 @@ MODULES = [
     "ftbridge.comm_hooks.powersgd",
     "ftbridge.comm_hooks.fragments",
     "ftbridge.zero.bucket_hook",
+    "ftbridge.zero.offload_hook",
     "ftbridge.transport",
     "ftbridge.zero.stages",
     "ftbridge.zero.state",

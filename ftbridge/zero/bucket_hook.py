@@ -38,6 +38,10 @@ A communication hook that needs the whole partition and its fragment layout
 (PowerSGD, :mod:`ftbridge.comm_hooks.powersgd`) also selects the
 post-backward all-reduce; elementwise hooks (``no``, ``fp16``, ``bf16``, and
 user hooks by default) run on each coalesced message.
+
+Under ``zero_optimization.offload_optimizer`` neither this hook nor the
+post-backward all-reduce is used: DeepSpeed consumes each bucket during
+backward there, and :mod:`ftbridge.zero.offload_hook` averages it first.
 """
 
 from __future__ import annotations

@@ -23,7 +23,13 @@ Where the gradient partition lives at the accumulation boundary (deepspeed
   across replicas, not only the rank's partition (``group_size`` times the
   bytes of a ZeRO-1/2 partition).
 
-Optimizer offload is refused at start-up for now, with the reason.
+With ``zero_optimization.offload_optimizer`` (:attr:`ZeroAdapter.offload`) the
+gradient reaches the CPU fp32 partition's ``.grad`` during backward, and the
+cross-replica average happens there (:mod:`ftbridge.zero.offload_hook`);
+:meth:`ZeroAdapter.partition_grads` is then not what the sync reads.
+:meth:`ZeroAdapter.discard_grads` also resets what DeepSpeed's ``step()``
+resets on that path (``reset_cpu_buffers``: per-parameter norms and, for
+ZeRO-1/2, ``local_overflow``).
 """
 
 from __future__ import annotations
@@ -69,6 +75,12 @@ class ZeroAdapter:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.optimizer = engine.optimizer
+
+    @property
+    def offload(self) -> bool:
+        """Whether ``zero_optimization.offload_optimizer`` moved the optimizer (and the fp32 partition) to the CPU."""
+        opt = self.optimizer
+        return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
 
     # -- gradients -------------------------------------------------------
     def partition_grads(self) -> List[torch.Tensor]:
@@ -143,6 +155,13 @@ class Stage12Adapter(ZeroAdapter):
             opt.all_grad_tensors[k] = None
         # step() resets the id so the next window overwrites, not accumulates.
         opt.micro_step_id = -1
+        if self.offload:
+            # What step() resets under offload: per-parameter norms and the overflow flag computed in
+            # backward, and the window's active parameters. accumulated_grads_in_cpu and the fp32
+            # partition's .grad are overwritten (not added to) by the next window, as after a step.
+            opt._wait_for_offload_copies()
+            opt.reset_cpu_buffers()
+            opt._offload_accumulated_param_ids = set()
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(self._state_list(state), load_optimizer_states=True,
@@ -163,6 +182,11 @@ class Stage3Adapter(ZeroAdapter):
         opt = self.optimizer
         opt.zero_grad(set_to_none=True)  # also resets micro_step_id to 0
         opt.averaged_gradients = {}
+        if self.offload:
+            # As step() does: per-parameter norms from backward and the window's active parameters.
+            # The fp32 partition's .grad is overwritten at the next boundary.
+            opt.reset_cpu_buffers()
+            opt._offload_boundary_param_ids = set()
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         opt = self.optimizer
@@ -203,8 +227,7 @@ def adapter_for(engine: Any) -> ZeroAdapter:
     """Pick the adapter for ``engine``'s ZeRO stage and optimizer.
 
     Raises:
-        ValueError: ZeRO stage 0 or optimizer offload, with what to change in
-            the DeepSpeed config.
+        ValueError: ZeRO stage 0, with what to change in the DeepSpeed config.
     """
     stage = engine.zero_optimization_stage()
     name = type(engine.optimizer).__name__
@@ -212,11 +235,6 @@ def adapter_for(engine: Any) -> ZeroAdapter:
         raise ValueError(
             f"zero_optimization.stage={stage}: ftbridge shards optimizer state with ZeRO; "
             "set zero_optimization.stage to 1, 2 or 3 in the DeepSpeed config"
-        )
-    if getattr(engine.optimizer, "cpu_offload", False) or getattr(engine.optimizer, "offload_optimizer", False):
-        raise ValueError(
-            "zero_optimization.offload_optimizer is set; ftbridge does not support optimizer offload "
-            "yet: remove offload_optimizer from the DeepSpeed config"
         )
     if name == "BF16_Optimizer":
         return BF16OptimizerAdapter(engine)

@@ -18,25 +18,31 @@ from tests.conftest import TINY, run_plain_deepspeed
 
 STEPS = 6
 
-# (zero stage, grad accumulation, overlap_comm, bf16, sync mode): CI runs these, the rest is `-m slow`.
+# (zero stage, grad accumulation, overlap_comm, bf16, sync mode, optimizer CPU offload):
+# CI runs these, the rest is `-m slow`.
 FAST = [
-    (1, 1, False, False, "per_bucket"),
-    (2, 4, True, False, "per_bucket"),   # falls back to post-backward (see zero/bucket_hook.py)
-    (3, 1, False, False, "per_bucket"),
-    (2, 1, False, False, "post_backward"),
-    (3, 4, False, False, "post_backward"),
-    (2, 1, False, True, "post_backward"),
-    (1, 1, False, True, "per_bucket"),   # DeepSpeed's BF16_Optimizer; falls back to post-backward
+    (1, 1, False, False, "per_bucket", False),
+    (2, 4, True, False, "per_bucket", False),   # falls back to post-backward (see zero/bucket_hook.py)
+    (3, 1, False, False, "per_bucket", False),
+    (2, 1, False, False, "post_backward", False),
+    (3, 4, False, False, "post_backward", False),
+    (2, 1, False, True, "post_backward", False),
+    (1, 1, False, True, "per_bucket", False),   # DeepSpeed's BF16_Optimizer; falls back to post-backward
+    (2, 4, False, False, "per_bucket", True),   # offload: every micro-step's buckets, CPU accumulation
 ]
 SLOW = [
-    (stage, gas, overlap, bf16, mode)
+    (stage, gas, overlap, bf16, mode, False)
     for stage in (1, 2, 3) for gas in (1, 4) for overlap in (False, True) for bf16 in (False, True)
     for mode in ("per_bucket", "post_backward")
-    if (stage, gas, overlap, bf16, mode) not in FAST
+    if (stage, gas, overlap, bf16, mode, False) not in FAST
+] + [
+    (stage, gas, overlap, False, "per_bucket", True)
+    for stage in (1, 2, 3) for gas in (1, 4) for overlap in (False, True)
+    if (stage, gas, overlap, False, "per_bucket", True) not in FAST
 ]
 
 
-def _args(stage: int, gas: int, overlap: bool, bf16: bool) -> list:
+def _args(stage: int, gas: int, overlap: bool, bf16: bool, offload: bool = False) -> list:
     # Small buckets: several reduced buckets per step, so the per-bucket hook really fires per bucket.
     args = [*TINY, "--steps", str(STEPS), "--zero-stage", str(stage), "--grad-accum", str(gas),
             "--reduce-bucket-size", "20000"]
@@ -44,6 +50,8 @@ def _args(stage: int, gas: int, overlap: bool, bf16: bool) -> list:
         args.append("--overlap-comm")
     if bf16:
         args.append("--bf16")
+    if offload:
+        args.append("--offload-optimizer")
     return args
 
 
@@ -57,8 +65,8 @@ def _run_ftbridge(local_job, args, mode, extra=()):
     return job
 
 
-def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode):
-    args = _args(stage, gas, overlap, bf16)
+def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode, offload):
+    args = _args(stage, gas, overlap, bf16, offload)
     job = _run_ftbridge(local_job, args, mode, ["--save-params", str(tmp_path / "ft_{replica_group}.safetensors")])
     run_plain_deepspeed(tmp_path, 4, [*args, "--save-params", str(tmp_path / "plain.safetensors")])
     plain = load_file(str(tmp_path / "plain.safetensors"))
@@ -74,7 +82,10 @@ def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode):
     # ZeRO-1/2 fall back to one post-backward all-reduce with gradient accumulation, and with bf16
     # (fp32 accumulation: BF16_Optimizer for ZeRO-1, the compact path for ZeRO-2).
     fallback = stage in (1, 2) and (gas > 1 or bf16)
-    if mode == "per_bucket" and not fallback:
+    if offload:
+        # Every bucket of every micro-step that reduces (stage 1: only the boundary), in either mode.
+        assert min(per_step) >= (gas if stage in (2, 3) else 1), f"offload issued {per_step} all-reduces per step"
+    elif mode == "per_bucket" and not fallback:
         assert min(per_step) > 1, f"per-bucket mode issued {per_step} all-reduces per step"
     else:
         assert per_step == {1}, f"post-backward mode issued {per_step} all-reduces per step"
@@ -87,16 +98,16 @@ def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("stage,gas,overlap,bf16,mode", FAST)
-def test_matches_plain_deepspeed(local_job, tmp_path, stage, gas, overlap, bf16, mode):
-    _check(local_job, tmp_path, stage, gas, overlap, bf16, mode)
+@pytest.mark.parametrize("stage,gas,overlap,bf16,mode,offload", FAST)
+def test_matches_plain_deepspeed(local_job, tmp_path, stage, gas, overlap, bf16, mode, offload):
+    _check(local_job, tmp_path, stage, gas, overlap, bf16, mode, offload)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("stage,gas,overlap,bf16,mode", SLOW)
-def test_matches_plain_deepspeed_full_matrix(local_job, tmp_path, stage, gas, overlap, bf16, mode):
-    _check(local_job, tmp_path, stage, gas, overlap, bf16, mode)
+@pytest.mark.parametrize("stage,gas,overlap,bf16,mode,offload", SLOW)
+def test_matches_plain_deepspeed_full_matrix(local_job, tmp_path, stage, gas, overlap, bf16, mode, offload):
+    _check(local_job, tmp_path, stage, gas, overlap, bf16, mode, offload)
 
 
 @pytest.mark.timeout(300)

@@ -18,8 +18,9 @@ from ftbridge.local_job import pid_alive
 from tests.conftest import TINY
 
 
-def _start_staggered(local_job, fault=None, stage=2, env=None):
-    job = local_job(2, 2, [*TINY, "--steps", "100000", "--zero-stage", str(stage)], max_restarts=2, env=env)
+def _start_staggered(local_job, fault=None, stage=2, env=None, extra=()):
+    job = local_job(2, 2, [*TINY, "--steps", "100000", "--zero-stage", str(stage), *extra], max_restarts=2,
+                    env=env)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     if fault:
         job.script_args += [fault, f"{job.workdir}/FAULT", "--fault-group", "1",
@@ -78,8 +79,14 @@ def _assert_commits_consistent(job):
 
 
 @pytest.mark.timeout(420)
-def test_killed_group_restarts_heals_once_and_ends_identical(local_job):
-    job = _start_staggered(local_job)
+@pytest.mark.parametrize("extra", [
+    pytest.param((), id="no-offload"),
+    # Optimizer offload, the cross-replica all-reduce in every micro-step, CPU accumulation between them.
+    pytest.param(("--offload-optimizer", "--grad-accum", "2"), marks=pytest.mark.slow, id="offload-gas2"),
+    pytest.param(("--offload-optimizer", "--zero-stage", "3"), marks=pytest.mark.slow, id="offload-zero3"),
+])
+def test_killed_group_restarts_heals_once_and_ends_identical(local_job, extra):
+    job = _start_staggered(local_job, extra=extra)
     job.wait_step(1, job.max_step() + 3, timeout_s=120)
     kill_time = time.time()
     pids = job.kill_workers(1)
