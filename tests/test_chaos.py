@@ -61,9 +61,13 @@ def test_repeated_commit_in_one_launch_is_caught_but_not_across_launches():
 
 
 def test_a_group_restarting_from_scratch_loses_steps():
-    ev = [_rec(0, t, t) for t in range(1, 50)] + [_rec(1, 60, 1)]
+    ev = [_rec(0, t, t, checksum=f"c{t}") for t in range(1, 50)] + [_rec(1, 60, 1, checksum="fresh")]
     v = inv.no_committed_step_lost(ev)
     assert len(v) == 1 and "step 1" in v[0].detail and "step 49" in v[0].detail
+    # A replica frozen after its all-reduce commits that same step late, with the same parameters: fine.
+    late = [_rec(0, t, t, checksum=f"c{t}") for t in range(1, 50)] + [_rec(1, 60, 10, checksum="c10")]
+    assert inv.no_committed_step_lost(late) == []
+    assert len(inv.no_committed_step_lost(late[:-1] + [_rec(1, 60, 10, checksum="other")])) == 1
     # A joiner that healed commits right at the frontier: fine.
     assert inv.no_committed_step_lost([_rec(0, t, t) for t in range(1, 50)] + [_rec(1, 60, 50, healed=True)]) == []
 

@@ -66,18 +66,24 @@ def no_committed_step_lost(events: Sequence[Record]) -> List[Violation]:
     The frontier is the highest step committed by any replica so far. A
     commit more than one step behind it means a replica trained on from an
     older state than the job had reached (for example a group restarted from
-    step 0 with no peer to heal from).
+    step 0 with no peer to heal from). One exception: a replica that was
+    frozen after its all-reduce of step ``s`` may commit ``s`` late, once it
+    resumes; that is the same commit as the others' (same average), so it is
+    accepted when its parameters equal those another replica had after ``s``.
     """
     out = []
     frontier = 0
+    seen: Dict[int, set] = {}
     for e in _step_records(events):
         if not e["committed"]:
             continue
-        if e["step"] + 1 < frontier:
+        late_same = e.get("param_checksum") is not None and e["param_checksum"] in seen.get(e["step"], set())
+        if e["step"] + 1 < frontier and not late_same:
             out.append(Violation("no lost steps", f"replica group {e['replica_group']} rank {e['group_rank']} "
                                  f"committed step {e['step']} at t={e['time']:.3f} after the job had reached "
                                  f"step {frontier}"))
         frontier = max(frontier, e["step"])
+        seen.setdefault(e["step"], set()).add(e.get("param_checksum"))
     return out
 
 

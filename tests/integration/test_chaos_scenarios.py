@@ -96,22 +96,23 @@ def test_rank_hung_past_the_cross_replica_timeout(local_job):
     t_stop = time.time()
     os.kill(pid, signal.SIGSTOP)
     try:
-        # The survivor notices (its all-reduce times out), discards and commits alone, while the rank hangs.
+        # The others go on without the hung group: they discard a step whose all-reduce waits on it
+        # (after the cross-replica timeout), or, if it froze between steps, the next quorum leaves it out.
         job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 and e["time"] > t_stop
                                    for e in job.steps(0)), 60, "groups 0 and 2 to commit without the hung group")
-        frozen_for = time.time() - t_stop
+        # Hung past the cross-replica timeout, the failure this scenario is about.
+        job.wait_until(lambda: time.time() > t_stop + timeout_s + 2, timeout_s + 5, "the hang to pass the timeout")
     finally:
         os.kill(pid, signal.SIGCONT)
     t_cont = time.time()
-    assert frozen_for > timeout_s
     job.wait_until(lambda: any(e["healed"] and e["time"] > t_cont for e in job.steps(1)), 120,
                    "the hung group to catch up by healing")
     _finish(job, [0, 1, 2])
     assert pid_alive(pid) is False  # ended with the job, not killed by the hang
-    # The others discarded the step they were in, went on, and were never restarted by a watchdog.
+    # The others went on without a restart (no watchdog killed them), committing without the hung group.
     for g in (0, 2):
-        assert any(not e["committed"] and e["time"] > t_stop for e in job.steps(g))
         assert len(_launches(job, g)) == 1 and len(_launches(job, g, 1)) == 1
+        assert any(e["committed"] and e["participants"] == 2 and t_stop < e["time"] < t_cont for e in job.steps(g))
     assert len(_launches(job, 1)) == 1, "the hung group was restarted instead of healing in place"
 
 

@@ -24,9 +24,7 @@ FAST = [
     (1, 1, False, False, "per_bucket", False),
     (2, 4, True, False, "per_bucket", False),   # falls back to post-backward (see zero/bucket_hook.py)
     (3, 1, False, False, "per_bucket", False),
-    (2, 1, False, False, "post_backward", False),
     (3, 4, False, False, "post_backward", False),
-    (2, 1, False, True, "post_backward", False),
     (1, 1, False, True, "per_bucket", False),   # DeepSpeed's BF16_Optimizer; falls back to post-backward
     (2, 4, False, False, "per_bucket", True),   # offload: every micro-step's buckets, CPU accumulation
 ]

@@ -19,6 +19,7 @@ from ftbridge import faults
 from tests.conftest import TINY
 
 
+@pytest.mark.slow  # CI covers it through test_chaos_run.py (kill_donor_in_heal); this one asserts more, -m slow
 @pytest.mark.timeout(420)
 def test_donor_killed_mid_transfer_joiner_heals_from_another_group(local_job, tmp_path):
     fault_dir = str(tmp_path / "faults")
