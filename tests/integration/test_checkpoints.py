@@ -96,7 +96,9 @@ def test_writer_group_killed_before_scheduled_save_other_group_writes_it_once(lo
     job = local_job(2, 2, [*TINY, "--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "1",
                            "--keep-checkpoints", "0"], max_restarts=0,
                     env={"FTBRIDGE_SYNC_MODE": "post_backward"})
-    job.script_args += ["--stop-file", f"{job.workdir}/stop", "--fault-kill-after-backward",
+    # Killed once in the step's quorum, before its all-reduce: group 1's all-reduce of that step then
+    # fails for sure (killing after backward raced the all-reduce).
+    job.script_args += ["--stop-file", f"{job.workdir}/stop", "--fault-kill-in-allreduce",
                         f"{job.workdir}/FAULT", "--fault-group", "0", "--fault-rank", "0"]
     job.start(groups=[0])
     job.wait_step(0, 1, timeout_s=120)
@@ -105,7 +107,7 @@ def test_writer_group_killed_before_scheduled_save_other_group_writes_it_once(lo
                    "both groups to commit together")
     job.write_file("FAULT", "")  # group 0 (replica rank 0, the writer) dies inside its next step
     job.wait_until(lambda: "FAULT replica 0 rank 0" in job.log_text(0), 120, "the fault to fire")
-    fault_step = int(re.search(r"SIGKILL self after backward of step (\d+)", job.log_text(0)).group(1))
+    fault_step = int(re.search(r"SIGKILL self after joining the quorum of step (\d+)", job.log_text(0)).group(1))
     job.wait_step(1, fault_step + 3, timeout_s=120)
     job.write_file("stop", str(job.max_step() + 1))
     assert job.wait(timeout_s=120, groups=[1]) == {1: 0}, job.tails()
