@@ -234,6 +234,15 @@ class LocalJob:
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}\n{self.tails()}")
             time.sleep(poll_s)
 
+    def healed_since(self, group: int, since: float) -> bool:
+        """Whether replica group ``group`` (rank 0) healed after time ``since`` (seconds since the epoch)."""
+        return any(e["healed"] and e["time"] > since for e in self.steps(group))
+
+    def wait_heal(self, group: int, since: float, timeout_s: float, what: str = "") -> None:
+        """Wait until replica group ``group`` heals after ``since`` (see :meth:`wait_until`)."""
+        self.wait_until(lambda: self.healed_since(group, since), timeout_s,
+                        what or f"replica group {group} to heal")
+
     def wait_step(self, group: int, step: int, timeout_s: float, since: float = 0.0) -> None:
         """Wait until ``group`` rank 0 has committed ``step`` (after wall time ``since``)."""
         self.wait_until(lambda: any(e["committed"] and e["step"] >= step and e["time"] >= since

@@ -132,8 +132,7 @@ def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_
     deadline = time.monotonic() + timeout_s
     try:
         for g in inj.rejoin:
-            job.wait_until(lambda: any(e["healed"] and e["time"] > inj.time for e in job.steps(g)),
-                           max(1.0, deadline - time.monotonic()), f"replica group {g} to heal back")
+            job.wait_heal(g, inj.time, max(1.0, deadline - time.monotonic()), f"replica group {g} to heal back")
         job.wait_until(lambda: _all_together(job, alive, inj.time), max(1.0, deadline - time.monotonic()),
                        f"replica groups {list(alive)} to commit together")
         return True

@@ -105,8 +105,7 @@ def test_rank_hung_past_the_cross_replica_timeout(local_job):
     finally:
         os.kill(pid, signal.SIGCONT)
     t_cont = time.time()
-    job.wait_until(lambda: any(e["healed"] and e["time"] > t_cont for e in job.steps(1)), 120,
-                   "the hung group to catch up by healing")
+    job.wait_heal(1, t_cont, 120, "the hung group to catch up by healing")
     _finish(job, [0, 1, 2])
     assert pid_alive(pid) is False  # ended with the job, not killed by the hang
     # The others went on without a restart (no watchdog killed them), committing without the hung group.
@@ -125,7 +124,7 @@ def test_final_loss_matches_a_failure_free_run(local_job):
     job.wait_step(1, job.max_step() + 20, timeout_s=120)
     t_kill = time.time()
     job.kill_workers(1)
-    job.wait_until(lambda: any(e["healed"] and e["time"] > t_kill for e in job.steps(1)), 180, "group 1 to heal")
+    job.wait_heal(1, t_kill, 180, "group 1 to heal")
     target = _finish(job, [0, 1], extra=40)
 
     # The same job, same seed, same number of steps, no failure (both groups from the first step).

@@ -187,8 +187,7 @@ def test_restarted_group_loads_checkpoint_then_heals_from_live_peer_ahead(local_
                    120, "a checkpoint at step 6 or later")
     kill_time = job.events()[-1]["time"]
     job.kill_workers(1)  # torchrun restarts group 1 with --resume; group 0 trains on alone
-    job.wait_until(lambda: any(e["healed"] and e["time"] > kill_time for e in job.steps(1)), 180,
-                   "restarted group 1 to heal")
+    job.wait_heal(1, kill_time, 180, "restarted group 1 to heal")
     job.write_file("stop", str(job.max_step() + 3))
     assert job.wait(timeout_s=180) == {0: 0, 1: 0}, job.tails()
 

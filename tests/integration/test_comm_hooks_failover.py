@@ -37,8 +37,7 @@ def test_powersgd_group_killed_and_healed_ends_identical_with_shared_state(local
     kill_time = time.time()
     pids = job.kill_workers(1)
     assert not any(pid_alive(p) for p in pids)
-    job.wait_until(lambda: any(e["healed"] and e["time"] > kill_time for e in job.steps(1)), 180,
-                   "restarted group 1 to heal")
+    job.wait_heal(1, kill_time, 180, "restarted group 1 to heal")
     target = _finish(job, extra_steps=6)
 
     _assert_commits_consistent(job)

@@ -46,7 +46,7 @@ def _launches(job, group, rank=0):
 
 def _healed_after_restart(job, group):
     starts = _launches(job, group)
-    return len(starts) >= 2 and any(e["healed"] and e["time"] > starts[-1] for e in job.steps(group))
+    return len(starts) >= 2 and job.healed_since(group, starts[-1])
 
 
 def _launch_windows(job, group):
@@ -91,8 +91,7 @@ def test_killed_group_restarts_heals_once_and_ends_identical(local_job, extra):
     kill_time = time.time()
     pids = job.kill_workers(1)
     assert not any(pid_alive(p) for p in pids)
-    job.wait_until(lambda: any(e["healed"] and e["time"] > kill_time for e in job.steps(1)), 180,
-                   "restarted group 1 to heal")
+    job.wait_heal(1, kill_time, 180, "restarted group 1 to heal")
     target = _finish(job)
 
     # The survivors never restarted, never healed, and kept committing while group 1 was down.

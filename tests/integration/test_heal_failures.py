@@ -37,8 +37,7 @@ def test_donor_killed_mid_transfer_joiner_heals_from_another_group(local_job, tm
     assert donor in (0, 1)
     job.wait_until(lambda: any(e["healed"] and e["committed"] for e in job.steps(2)), 180, "group 2 to heal")
     # torchrun restarts the donor's group, which heals too: end the run only once it is back.
-    job.wait_until(lambda: any(e["healed"] and e["time"] > t_join for e in job.steps(donor)), 180,
-                   f"the donor's group {donor} to restart and heal")
+    job.wait_heal(donor, t_join, 180, f"the donor's group {donor} to restart and heal")
 
     target = job.max_step() + 5
     job.write_file("stop", str(target))
@@ -54,7 +53,7 @@ def test_donor_killed_mid_transfer_joiner_heals_from_another_group(local_job, tm
     assert [e["step"] for e in job.steps(2, 0) if e["healed"]] == [e["step"] for e in job.steps(2, 1) if e["healed"]]
     # The healthy group did not heal again; the joiner's first healed step matches it bit for bit.
     healthy = 1 - donor
-    assert not any(e["healed"] and e["time"] > t_join for e in job.steps(healthy))
+    assert not job.healed_since(healthy, t_join)
     by_step = {e["step"]: e["param_checksum"] for e in job.steps(healthy) if e["committed"]}
     first = next(e for e in job.steps(2) if e["healed"] and e["committed"])
     assert first["param_checksum"] == by_step[first["step"]]
