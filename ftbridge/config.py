@@ -95,10 +95,12 @@ class FTBridgeConfig:
     """Fewest replica groups that may commit a step (``FTBRIDGE_MIN_REPLICAS``)."""
 
     cross_replica_timeout: timedelta = timedelta(seconds=10)
-    """Bound on every collective between replica groups (``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S`` /
-    ``TORCHFT_TIMEOUT_SEC``). torchft's own calls (``should_commit``, heal
-    transfers) get twice this: they wait for the group's slowest rank, which
-    may be waiting out a cross-replica all-reduce with a hung peer."""
+    """Bound on every collective between replica groups (``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S``).
+    torchft's own calls (``should_commit``, heal transfers) get twice this
+    (:attr:`torchft_timeout`): they wait for the group's slowest rank, which
+    may be waiting out a cross-replica all-reduce with a hung peer. ftbridge
+    sets ``TORCHFT_TIMEOUT_SEC`` to that doubled value itself, so it is not
+    read as this setting."""
 
     in_group_timeout: timedelta = timedelta(seconds=60)
     """Timeout of the replica group's own torch.distributed world, used by
@@ -192,7 +194,7 @@ class FTBridgeConfig:
         "group_size": (int, ("WORLD_SIZE",)),
         "lighthouse": (str, ("FTBRIDGE_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")),
         "min_replicas": (int, ("FTBRIDGE_MIN_REPLICAS",)),
-        "cross_replica_timeout": ("s", ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "TORCHFT_TIMEOUT_SEC")),
+        "cross_replica_timeout": ("s", ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S",)),
         "in_group_timeout": ("s", ("FTBRIDGE_IN_GROUP_TIMEOUT_S",)),
         "quorum_timeout": ("s", ("FTBRIDGE_QUORUM_TIMEOUT_S", "TORCHFT_QUORUM_TIMEOUT_SEC")),
         "connect_timeout": ("s", ("FTBRIDGE_CONNECT_TIMEOUT_S", "TORCHFT_CONNECT_TIMEOUT_SEC")),
@@ -325,16 +327,28 @@ class FTBridgeConfig:
             return None
         return self.event_log.format(replica_group=self.replica_group_id, group_rank=self.group_rank)
 
+    @property
+    def torchft_timeout(self) -> timedelta:
+        """Timeout of torchft's own calls (``should_commit``, heal fetches): 2 x ``cross_replica_timeout``.
+
+        Those calls wait for the group's slowest rank, which may itself be
+        waiting out a cross-replica all-reduce with a hung peer (bounded by
+        ``cross_replica_timeout``); with equal timeouts ``should_commit``
+        expired first and killed the survivor's group rank 0.
+        """
+        return 2 * self.cross_replica_timeout
+
     def torchft_environ(self) -> dict[str, str]:
         """torchft's environment variables for these settings.
 
         torchft's ``Manager`` lets its environment variables override its
-        arguments; ftbridge sets them to the resolved values so both agree.
-        torchft reads whole seconds: fractions are rounded *up* (never shorter
-        than configured), with a minimum of 1 s.
+        constructor arguments; ftbridge sets them to the resolved values so
+        both agree (``TORCHFT_TIMEOUT_SEC`` is :attr:`torchft_timeout`, twice
+        the cross-replica timeout). torchft reads whole seconds: fractions are
+        rounded *up* (never shorter than configured), with a minimum of 1 s.
         """
         return {
-            "TORCHFT_TIMEOUT_SEC": _whole_seconds(self.cross_replica_timeout),
+            "TORCHFT_TIMEOUT_SEC": _whole_seconds(self.torchft_timeout),
             "TORCHFT_QUORUM_TIMEOUT_SEC": _whole_seconds(self.quorum_timeout),
             "TORCHFT_CONNECT_TIMEOUT_SEC": _whole_seconds(self.connect_timeout),
             "TORCHFT_QUORUM_RETRIES": str(self.quorum_retries),

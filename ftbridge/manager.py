@@ -241,6 +241,20 @@ def _install_quorum_guard(manager: Manager, timeout: timedelta,
     return guard
 
 
+def _export_torchft_environ(cfg: FTBridgeConfig) -> None:
+    """Set torchft's environment variables to ``cfg`` (they override the Manager's arguments).
+
+    A different value already in the environment (a user's ``TORCHFT_TIMEOUT_SEC``)
+    is replaced, with a warning naming the ftbridge setting to use instead.
+    """
+    for name, value in cfg.torchft_environ().items():
+        old = os.environ.get(name)
+        if old is not None and old != value:
+            logger.warning("%s=%s in the environment is replaced by %s, derived from ftbridge's settings "
+                           "(set the FTBRIDGE_* variable instead; see ftbridge.config)", name, old, value)
+        os.environ[name] = value
+
+
 class ReplicaManager:
     """One rank's view of the quorum: participants, replica rank, step, commit.
 
@@ -262,7 +276,7 @@ class ReplicaManager:
     def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
                  load_state_dict: Callable[[Dict[str, Any]], None], use_cuda: bool = False) -> None:
         self.cfg = cfg
-        os.environ.update(cfg.torchft_environ())
+        _export_torchft_environ(cfg)
         pg = (ProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
               else ProcessGroupGloo(timeout=cfg.cross_replica_timeout))
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout)
@@ -279,7 +293,7 @@ class ReplicaManager:
             # torchft's own calls (should_commit, heal fetches) wait for the group's slowest rank, which
             # may itself be waiting out a cross-replica all-reduce on a hung peer (the process group's
             # timeout): with the same timeout, should_commit expired first and crashed the survivor.
-            timeout=2 * cfg.cross_replica_timeout,
+            timeout=cfg.torchft_timeout,
             quorum_timeout=cfg.quorum_timeout,
             connect_timeout=cfg.connect_timeout,
             rank=cfg.group_rank,

@@ -63,9 +63,6 @@ def test_resolve_reads_os_environ_when_no_environ_given(monkeypatch):
         ("lighthouse", "FTBRIDGE_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE",
          "http://a:1", "http://b:2", "http://c:3", "http://a:1", "http://b:2", "http://c:3",
          "http://127.0.0.1:29510"),
-        ("cross_replica_timeout", "FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "TORCHFT_TIMEOUT_SEC",
-         timedelta(seconds=4), "5", "6", timedelta(seconds=4), timedelta(seconds=5), timedelta(seconds=6),
-         timedelta(seconds=10)),
         ("quorum_timeout", "FTBRIDGE_QUORUM_TIMEOUT_S", "TORCHFT_QUORUM_TIMEOUT_SEC",
          timedelta(seconds=40), "41", "42", timedelta(seconds=40), timedelta(seconds=41),
          timedelta(seconds=42), timedelta(seconds=30)),
@@ -325,7 +322,7 @@ def test_cross_replica_may_equal_but_not_exceed_quorum():
 
 def test_hierarchy_checked_for_env_values():
     with pytest.raises(ValueError, match="cross_replica_timeout=61.0 s is not below in_group_timeout=60.0 s"):
-        resolve({"TORCHFT_TIMEOUT_SEC": "61", "TORCHFT_QUORUM_TIMEOUT_SEC": "100"})
+        resolve({"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": "61", "TORCHFT_QUORUM_TIMEOUT_SEC": "100"})
     with pytest.raises(ValueError, match="heartbeat_interval=10.0 s must be below"):
         resolve({"FTBRIDGE_HEARTBEAT_INTERVAL_MS": "10000"})
 
@@ -354,7 +351,7 @@ def test_torchft_environ_mirrors_the_resolved_values():
     cfg = resolve(cross_replica_timeout=7, quorum_timeout=45, connect_timeout=timedelta(seconds=3),
                   quorum_retries=2)
     assert cfg.torchft_environ() == {
-        "TORCHFT_TIMEOUT_SEC": "7",
+        "TORCHFT_TIMEOUT_SEC": "14",  # torchft's own calls: twice the cross-replica timeout
         "TORCHFT_QUORUM_TIMEOUT_SEC": "45",
         "TORCHFT_CONNECT_TIMEOUT_SEC": "3",
         "TORCHFT_QUORUM_RETRIES": "2",
@@ -365,7 +362,7 @@ def test_torchft_environ_rounds_up_to_whole_seconds_at_least_one():
     cfg = resolve(cross_replica_timeout=0.5, quorum_timeout=2.9, connect_timeout=0.2,
                   heartbeat_interval=0.1)
     env = cfg.torchft_environ()
-    assert env["TORCHFT_TIMEOUT_SEC"] == "1"  # never 0: torchft would treat it as no time at all
+    assert env["TORCHFT_TIMEOUT_SEC"] == "1"  # 2 x 0.5 s; never 0: torchft would treat it as no time at all
     assert env["TORCHFT_QUORUM_TIMEOUT_SEC"] == "3"  # rounded up: torchft never waits less than configured
     assert env["TORCHFT_CONNECT_TIMEOUT_SEC"] == "1"
     assert all(isinstance(v, str) for v in env.values())
@@ -374,10 +371,17 @@ def test_torchft_environ_rounds_up_to_whole_seconds_at_least_one():
 def test_torchft_environ_round_trips_through_resolve():
     cfg = resolve(cross_replica_timeout=8, quorum_timeout=40, connect_timeout=4, quorum_retries=1)
     again = resolve(cfg.torchft_environ())
-    assert again.cross_replica_timeout == cfg.cross_replica_timeout
     assert again.quorum_timeout == cfg.quorum_timeout
     assert again.connect_timeout == cfg.connect_timeout
     assert again.quorum_retries == cfg.quorum_retries
+
+
+def test_torchft_timeout_env_is_not_read_as_the_cross_replica_timeout():
+    # ftbridge exports TORCHFT_TIMEOUT_SEC = 2 x cross_replica_timeout for torchft's Manager (whose
+    # environment overrides its arguments); reading it back would double the timeout on every resolve.
+    cfg = resolve(cross_replica_timeout=5)
+    assert cfg.torchft_timeout == timedelta(seconds=10)
+    assert resolve(cfg.torchft_environ()).cross_replica_timeout == timedelta(seconds=10)  # the default
 
 
 def test_event_log_with_unknown_placeholder_is_refused_at_validation():

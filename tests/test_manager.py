@@ -1,15 +1,21 @@
-"""Tests of ftbridge/manager.py's lighthouse-restart guard: pure decisions, and the vote on a real TCPStore."""
+"""Tests of ftbridge/manager.py: the lighthouse-restart guard (pure decisions, the vote on a real TCPStore)
+and the timeouts the real torchft Manager ends up with."""
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed import TCPStore
+from torchft.coordination import LighthouseServer
 
-from ftbridge.manager import (QuorumSeen, _QuorumGuard, decide_reconfigure, detect_lighthouse_restart,
+from ftbridge.config import FTBridgeConfig
+
+from ftbridge.manager import (QuorumSeen, ReplicaManager, _QuorumGuard, decide_reconfigure, detect_lighthouse_restart,
                               rendezvous_namespace)
 
 A, B, C = "replica_group_0:a", "replica_group_1:b", "replica_group_2:c"
@@ -110,3 +116,27 @@ def test_unreachable_store_falls_back_to_torchfts_rule():
     guard._timeout = timedelta(seconds=1)
     guard._quorum(group_rank=0)
     assert mgr._quorum_id == 2  # same id, no restart seen: keep the group, as torchft would
+
+
+def test_torchft_calls_get_twice_the_cross_replica_timeout_even_with_torchfts_env_set(monkeypatch, caplog):
+    # torchft's Manager lets TORCHFT_TIMEOUT_SEC override its timeout argument. ftbridge once exported
+    # the cross-replica timeout there, silently undoing the 2x: a survivor's should_commit then expired
+    # while its other rank waited out an all-reduce with a hung peer, and the group died (chaos soak).
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    for name in ("TORCHFT_QUORUM_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC", "TORCHFT_QUORUM_RETRIES"):
+        monkeypatch.delenv(name, raising=False)  # the manager sets them: restored after the test
+    monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", "3")  # a user's value: replaced, with a warning
+    cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), cross_replica_timeout=5,
+                                 group_rank=0, group_size=1, replica_group_id=0)
+    with caplog.at_level(logging.WARNING, logger="ftbridge.manager"):
+        manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
+    try:
+        assert manager.torchft._timeout == timedelta(seconds=10)
+        assert os.environ["TORCHFT_TIMEOUT_SEC"] == "10"
+        assert "TORCHFT_TIMEOUT_SEC=3 in the environment is replaced by 10" in caplog.text
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
