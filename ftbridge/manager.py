@@ -76,6 +76,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -196,34 +197,75 @@ class _QuorumGuard:
         return _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
-        """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`)."""
-        votes: Optional[List[bool]]
-        try:
-            store = self._stores.get(result.store_address)
-            if store is None:
-                store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=self._timeout)
-                self._stores = {result.store_address: store}  # one cached client: the current primary's
-            base = f"{int(result.quorum_id)}/{namespace}"
-            store.set(f"{base}/{int(result.replica_rank)}", b"1" if mine else b"0")
-            keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
-            store.wait(keys, self._timeout)
-            votes = [v == b"1" for v in store.multi_get(keys)]
-            if self._last_vote is not None and self._last_vote[1] != base:
-                try:
-                    self._last_vote[0].delete_key(f"{self._last_vote[1]}/{self._last_vote[2]}")
-                except Exception:  # the old primary may be gone; its keys went with it
-                    pass
+        """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
+
+        The store is the primary's: its group's rank 0. A SIGSTOPped (hung)
+        rank 0 accepts TCP connections but never answers, and c10d's TCPStore
+        client then blocks without a timeout (connecting, ``delete_key``), so
+        the store calls run in a helper thread bounded by twice the vote
+        timeout; past it the vote counts as failed and the thread is left to
+        end when the store answers or dies. It mutates nothing of this guard.
+        """
+        box: Dict[str, Any] = {}
+        base = f"{int(result.quorum_id)}/{namespace}"
+        store, last = self._stores.get(result.store_address), self._last_vote
+
+        def work() -> None:
+            try:
+                box["value"] = _vote_on_store(result, base, mine, store, last, self._timeout)
+            except Exception as exc:  # a member or the store died: this step fails on it anyway
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="ftbridge-vote", daemon=True)
+        worker.start()
+        worker.join(timeout=2 * self._timeout.total_seconds())
+        votes: Optional[List[bool]] = None
+        if "value" in box:
+            store, votes = box["value"]
+            self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
-        except Exception as exc:  # a member or the store died: this step fails on it anyway
+        else:
+            exc = box.get("error") or TimeoutError(f"the primary's store {result.store_address} did not answer "
+                                                   f"within {2 * self._timeout.total_seconds():g} s (hung?)")
             logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
                            int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
                            "rebuilding" if mine else "keeping the process group")
             self._stores = {}
-            votes = None
         return decide_reconfigure(mine, votes)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
+                   timeout: timedelta) -> Tuple[Any, List[bool]]:
+    """One rank's vote on the primary's store: write ``mine``, wait for every member's, read them.
+
+    Args:
+        result: torchft's quorum result (``store_address``, ``replica_rank``, ``replica_world_size``).
+        base: the quorum's key prefix (quorum id and rendezvous namespace).
+        mine: this rank's vote (``True``: rebuild).
+        store: a cached client of that store, or ``None`` to connect.
+        last: ``(store, base, replica_rank)`` of this rank's previous vote.
+        timeout: bound on waiting for the other members' votes.
+
+    Returns:
+        ``(store client, votes)``, one vote per replica rank.
+
+    Raises:
+        Whatever the store raises: ``DistStoreError`` when a member's vote does not come within ``timeout``.
+    """
+    if store is None:
+        store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
+    store.set(f"{base}/{int(result.replica_rank)}", b"1" if mine else b"0")
+    keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
+    store.wait(keys, timeout)
+    votes = [v == b"1" for v in store.multi_get(keys)]
+    # Drop this rank's previous vote, only on the store that just answered: a previous primary's
+    # store may be hung (its group's rank 0 SIGSTOPped), and deleting there blocked (chaos soak).
+    if last is not None and last[0] is store and last[1] != base:
+        store.delete_key(f"{last[1]}/{last[2]}")
+    return store, votes
 
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta,

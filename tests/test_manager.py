@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 from types import SimpleNamespace
@@ -140,3 +143,50 @@ def test_torchft_calls_get_twice_the_cross_replica_timeout_even_with_torchfts_en
     finally:
         manager.shutdown()
         lighthouse.shutdown()
+
+
+def _store_process():
+    """A TCPStore server in its own process (so it can be SIGSTOPped like a hung rank 0); returns (proc, port)."""
+    code = ("import sys; from torch.distributed import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+            "print(s.port, flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def _quorum_within(guard, seconds):
+    """Run ``guard._quorum`` in a thread; True if it returned within ``seconds``."""
+    t = threading.Thread(target=guard._quorum, kwargs={"group_rank": 0}, daemon=True)
+    t.start()
+    t.join(timeout=seconds)
+    return not t.is_alive()
+
+
+@pytest.mark.timeout(90)
+def test_vote_never_blocks_on_a_hung_primarys_store():
+    # The primary's store lives in its group's rank 0. Chaos soak: that rank hung (SIGSTOP) and the
+    # vote's clean-up of the previous key (TCPStore.delete_key, which has no timeout) on its store
+    # blocked the other groups' quorum threads for the whole hang; their should_commit then expired.
+    proc, port = _store_process()
+    live = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        guards = _members(port, last_ids=[2, 2], qid=2)
+        _run_all(guards)  # a vote on the soon-hung store: this rank's key is left there
+        mgr, guard = guards[0]
+        guard._timeout = timedelta(seconds=1)
+        os.kill(proc.pid, signal.SIGSTOP)
+        # Next quorum: the hung group left, the primary (and its store) changed; this rank votes alone.
+        mgr._client.result = SimpleNamespace(quorum_id=3, replica_ids=[A], max_step=6, replica_rank=0,
+                                             replica_world_size=1, store_address=f"127.0.0.1:{live.port}")
+        assert _quorum_within(guard, 10), "the vote blocked on the previous primary's hung store"
+        assert mgr._quorum_id == -1  # the new quorum's id differs from 2: every member rebuilds
+        # A quorum whose primary is the hung one: the vote times out and falls back, it does not block.
+        mgr._quorum_id = 4
+        mgr._client.result = SimpleNamespace(quorum_id=4, replica_ids=[A, B], max_step=7, replica_rank=0,
+                                             replica_world_size=2, store_address=f"127.0.0.1:{port}")
+        assert _quorum_within(guard, 10), "the vote blocked on the hung primary's store"
+        assert mgr._quorum_id == 4  # vote failed: torchft's own rule (same id, keep the group)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
