@@ -89,6 +89,17 @@ def test_recovery_measures_survivors_and_the_rejoin():
     assert r.survivors_s == pytest.approx(3.0) and r.rejoin_s == pytest.approx(20.0) and r.discarded == 1
 
 
+def test_hung_group_that_nobody_left_behind_rejoins_without_a_heal():
+    # Everyone waited the hang out and discarded together: the hung group kept the same state, so its
+    # first commit with the others is its rejoin; a failure that needs a heal does not count that.
+    ev = [_rec(0, 9.9, 10, quorum=1, participants=2), _rec(1, 9.9, 10, quorum=1, participants=2),
+          _rec(0, 18.0, 10, committed=False, quorum=1, participants=2),
+          _rec(1, 18.0, 10, committed=False, quorum=1, participants=2),
+          _rec(0, 18.2, 11, quorum=2, participants=2), _rec(1, 18.2, 11, quorum=2, participants=2)]
+    assert inv.recovery(ev, t_inject=10.0, hit=[1], heal_optional=True).rejoin_s == pytest.approx(8.2)
+    assert inv.recovery(ev, t_inject=10.0, hit=[1]).rejoin_s is None
+
+
 def test_final_loss_tolerance():
     assert inv.final_loss_close(2.0, 2.05, 0.1) == []
     assert inv.final_loss_close(2.0, 2.5, 0.1)[0].invariant == "final loss"

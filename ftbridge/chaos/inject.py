@@ -34,6 +34,9 @@ class Injected:
         time: when it took effect (seconds since the epoch).
         hit: replica groups it took out (they must heal to rejoin).
         rejoin: groups expected to heal back into the job afterwards.
+        heal_optional: the ``rejoin`` groups kept their state (a hang): they
+            must heal only if the others committed steps without them, and
+            otherwise rejoin by committing with them again.
         target: human-readable target, e.g. ``"group 1 rank 0 (pid 123)"``.
         skipped: why it was not injected ("" if it was).
         ended: when a failure with a duration ended (the lighthouse back up),
@@ -44,6 +47,7 @@ class Injected:
     time: float
     hit: List[int] = field(default_factory=list)
     rejoin: List[int] = field(default_factory=list)
+    heal_optional: bool = False
     target: str = ""
     skipped: str = ""
     ended: Optional[float] = None
@@ -117,8 +121,9 @@ class Injector:
             time.sleep(failure.duration_s)  # the failure itself: a rank frozen for this long
         finally:
             os.kill(pids[r], signal.SIGCONT)
+        # No heal is needed when the others never committed without it (they too waited the hang out).
         return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]}) stopped "
-                                              f"{failure.duration_s:.0f} s")
+                                              f"{failure.duration_s:.0f} s", heal_optional=True)
 
     def _kill_in_heal(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)

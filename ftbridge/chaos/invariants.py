@@ -108,7 +108,9 @@ class Recovery:
             not hit, in a quorum formed after the injection (seconds; None if
             none came).
         rejoin_s: injection to the hit group's first heal after it (seconds;
-            None if it did not heal, e.g. it left for good).
+            None if it did not heal, e.g. it left for good); for a failure
+            with ``heal_optional``, its first heal or first commit with the
+            others, whichever comes first.
         discarded: steps discarded by any group rank 0 between the injection
             and the survivors' recovery.
     """
@@ -119,7 +121,7 @@ class Recovery:
 
 
 def recovery(events: Sequence[Record], t_inject: float, hit: Sequence[int], until: float = float("inf"),
-             rejoin: Optional[Sequence[int]] = None) -> Recovery:
+             rejoin: Optional[Sequence[int]] = None, heal_optional: bool = False) -> Recovery:
     """Measure recovery from a failure injected at ``t_inject`` that hit replica groups ``hit``.
 
     Args:
@@ -130,6 +132,8 @@ def recovery(events: Sequence[Record], t_inject: float, hit: Sequence[int], unti
         until: ignore records after this time (the next failure).
         rejoin: groups expected to heal into the job afterwards (default ``hit``;
             a scale-up hits nobody and rejoins the new group).
+        heal_optional: the rejoining groups kept their state (a hang): a
+            commit together with another group counts as rejoining too.
     """
     rejoin = hit if rejoin is None else rejoin
     recs = [e for e in _step_records(events) if t_inject <= e["time"] < until and e["group_rank"] == 0]
@@ -149,7 +153,8 @@ def recovery(events: Sequence[Record], t_inject: float, hit: Sequence[int], unti
         if changed or not hit:
             survivors_s = e["time"] - t_inject
             break
-    rejoin_s = next((e["time"] - t_inject for e in recs if e["replica_group"] in rejoin and e["healed"]), None)
+    rejoin_s = next((e["time"] - t_inject for e in recs if e["replica_group"] in rejoin
+                     and (e["healed"] or (heal_optional and e["committed"] and e["participants"] > 1))), None)
     return Recovery(survivors_s, rejoin_s, discarded)
 
 

@@ -65,7 +65,7 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
 def table(result: ChaosResult) -> str:
     """A text table: failures by kind, survived, recovery min/median/max, steps discarded, heals."""
     head = (f"{'failure kind':<20} {'injected':>8} {'survived':>8} {'survivors commit again (s)':>27} "
-            f"{'rejoined by heal (s)':>21} {'discarded':>9}")
+            f"{'rejoined (s)':>21} {'discarded':>9}")
     lines = ["min / median / max seconds after the injection", head, "-" * len(head)]
     for kind, row in by_kind(result).items():
         skipped = f" ({row['skipped']} skipped)" if row["skipped"] else ""

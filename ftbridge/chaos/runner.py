@@ -132,7 +132,11 @@ def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_
     deadline = time.monotonic() + timeout_s
     try:
         for g in inj.rejoin:
-            job.wait_heal(g, inj.time, max(1.0, deadline - time.monotonic()), f"replica group {g} to heal back")
+            if inj.heal_optional:  # a hang: heal if the others went on, else commit with them again
+                job.wait_until(lambda: job.healed_since(g, inj.time) or _all_together(job, alive, inj.time),
+                               max(1.0, deadline - time.monotonic()), f"replica group {g} to rejoin")
+            else:
+                job.wait_heal(g, inj.time, max(1.0, deadline - time.monotonic()), f"replica group {g} to heal back")
         job.wait_until(lambda: _all_together(job, alive, inj.time), max(1.0, deadline - time.monotonic()),
                        f"replica groups {list(alive)} to commit together")
         return True
@@ -197,7 +201,8 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                 logger.info("failure %d: %s: %s", failure.index, failure.kind.value, inj.target)
                 ok = _wait_recovered(job, inj, sorted(alive), settings.recovery_timeout_s)
                 events = job.events()
-                rec = invariants.recovery(events, inj.ended or inj.time, inj.hit, rejoin=inj.rejoin)
+                rec = invariants.recovery(events, inj.ended or inj.time, inj.hit, rejoin=inj.rejoin,
+                                          heal_optional=inj.heal_optional)
                 found = [str(v) for v in invariants.check_all(events)]
                 new = [v for v in found if all(v not in o.violations for o in outcomes)]
                 outcomes.append(Outcome(inj, ok, rec, new))
