@@ -48,7 +48,8 @@ def test_count_metric_target_holds_only_if_every_rep_meets_it():
 
 
 def restarted_group_events(kill=10.0):
-    return [
+    ident = {"replica_group": 1, "group_rank": 0}
+    return [{**ident, **e} for e in [
         {"event": "phase", "name": "process_start", "time": 2.0},  # the first launch: ignored
         rec(9.0, 5, group=1),
         {"event": "phase", "name": "process_start", "time": kill + 1.0},
@@ -57,7 +58,7 @@ def restarted_group_events(kill=10.0):
         {"event": "heal_transfer", "bytes": 4_000_000, "start": kill + 6.5, "fetched": kill + 6.6,
          "time": kill + 6.7},
         rec(kill + 7.0, 9, group=1, step_time_s=0.4),
-    ]
+    ]]
 
 
 def test_heal_phases_tile_kill_to_first_commit():
@@ -101,3 +102,25 @@ def test_ftbridge_resume_survivors_and_rejoined_group():
     assert r["survivors_s"] == pytest.approx(2.0)
     assert r["rejoined_s"] == pytest.approx(6.5)
     assert r["lost"] == 0 and r["committed_lost"] == 0
+
+
+def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
+    from ftbridge.bench import failover, failure_jobs, heal, restart, rescale
+    from ftbridge.bench.core import Metric
+
+    events = [rec(1.0, 1), rec(1.1, 2), rec(1.2, 3), rec(1.0, 1, group=1), rec(1.1, 2, group=1),
+              rec(3.3, 4, participants=1)]
+    runs = [failure_jobs.KillRun(1.25, events), failure_jobs.KillRun(1.25, events)]
+    ms = failover.stall_metrics("failover", runs)
+    assert ms[0].value == pytest.approx((3.3 - 1.25) / (2.0 + 0.1)) and ms[0].met
+    failover.plot(ms, str(tmp_path / "failover.png"))
+    heal_runs = [failure_jobs.KillRun(10.0, restarted_group_events())] * 2
+    monkeypatch.setattr(failure_jobs, "ftbridge_kill_runs", lambda settings: heal_runs)
+    hm = heal.run(None)
+    assert hm[0].value == pytest.approx(7.0) and hm[-1].unit == "ratio" and hm[-1].value > 0
+    heal.plot(hm, str(tmp_path / "heal.png"))
+    x = {"plain_resume_s": [5.0], "survivors_s": [2.0], "rejoined_s": [6.0], "plain_lost": [3], "ftbridge_lost": [0]}
+    restart.plot([Metric("restart", "r", 2.5, "ratio", extra=x)], str(tmp_path / "restart.png"))
+    y = {k: [1.0] for k in ("convert_s", "plain_load_s", "plain_proc_s", "ft_load_s", "ft_proc_s")}
+    rescale.plot([Metric("rescale", "r", 0.5, "ratio", extra=y)], str(tmp_path / "rescale.png"))
+    assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("failover", "heal", "restart", "rescale"))
