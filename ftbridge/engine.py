@@ -213,6 +213,10 @@ class FaultTolerantEngine:
                    replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum)
         self.events.write(**rec)
+        if rec["healed"] and self.manager.transport.last_recv:
+            # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.bench.heal).
+            self.events.write(event="heal_transfer", step=step, **{k if k != "end" else "time": v for k, v in
+                                                                   self.manager.transport.last_recv.items()})
         level = logging.INFO if committed else logging.WARNING
         samples_per_s = self.engine.train_batch_size() / max(rec["step_time_s"], 1e-9)
         self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s",

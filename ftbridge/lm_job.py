@@ -290,3 +290,76 @@ def write_result(path: Optional[str], record: Dict[str, Any]) -> None:
 def now() -> float:
     """Wall time in seconds since the epoch."""
     return time.time()
+
+
+def process_start_time() -> Optional[float]:
+    """When this process was created (seconds since the epoch, 10 ms resolution), or ``None`` off Linux.
+
+    From ``/proc/self/stat`` (start time in clock ticks since boot) and
+    ``/proc/uptime``; psutil's ``create_time`` adds the boot time in whole
+    seconds and may be off by up to 1 s.
+    """
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def write_start_phases(events: Any, imports_done: float) -> None:
+    """Record where start-up time went: ``phase`` events ``process_start`` and ``imports_done``.
+
+    The heal and restart benchmarks (:mod:`ftbridge.bench.heal`) split a
+    restart into phases with these and the first step record; ``time`` is the
+    phase boundary, not when the line was written.
+    """
+    started = process_start_time()
+    if started is not None:
+        events.write(event="phase", name="process_start", time=started)
+    events.write(event="phase", name="imports_done", time=imports_done)
+
+
+class PlainRun:
+    """Event log and DeepSpeed checkpoints of the ``--plain`` baseline (no ftbridge).
+
+    The restart benchmark (:mod:`ftbridge.bench.restart`) runs the plain job
+    under torchrun ``--max-restarts``: it reads the same step records as an
+    ftbridge job (``committed`` always true, ``participants`` the world size)
+    and, with ``--checkpoint-dir``, the job saves with DeepSpeed's
+    ``save_checkpoint`` every ``--checkpoint-every`` steps and, with
+    ``--resume``, loads the latest one on start.
+    """
+
+    def __init__(self, engine: Any, args: argparse.Namespace, topo: Topology) -> None:
+        from ftbridge.events import EventLog
+
+        self.engine, self.args, self.topo = engine, args, topo
+        path = args.event_log or os.environ.get("FTBRIDGE_EVENT_LOG")
+        self.events = EventLog(path.format(replica_group=0, group_rank=topo.group_rank) if path else None,
+                               {"replica_group": 0, "group_rank": topo.group_rank})
+        self.events.write(event="start", time=now(), step=int(engine.global_steps), pid=os.getpid(),
+                          attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    def resume(self) -> None:
+        """Load the latest DeepSpeed checkpoint of ``--checkpoint-dir`` if ``--resume`` and one exists."""
+        d = self.args.checkpoint_dir
+        if not (d and self.args.resume and os.path.exists(os.path.join(d, "latest"))):
+            return
+        t = time.perf_counter()
+        path, _ = self.engine.load_checkpoint(d)
+        self.events.write(event="checkpoint_loaded", time=now(), step=int(self.engine.global_steps), path=path,
+                          load_s=time.perf_counter() - t)
+
+    def after_step(self, step_time_s: float, loss: float) -> None:
+        """Write the step record; save a checkpoint when the step is on the ``--checkpoint-every`` schedule."""
+        step = int(self.engine.global_steps)
+        self.events.write(time=now(), step=step, participants=self.topo.dp_world_size, committed=True,
+                          healed=False, loss=loss, step_time_s=step_time_s)
+        every = self.args.checkpoint_every
+        if self.args.checkpoint_dir and every and step % every == 0:
+            t = time.perf_counter()
+            self.engine.save_checkpoint(self.args.checkpoint_dir)
+            self.events.write(event="checkpoint_saved", time=now(), step=step, stall_s=time.perf_counter() - t)

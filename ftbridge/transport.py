@@ -156,6 +156,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._cond = threading.Condition()
         self._body: Optional[bytes] = None
         self._step = -1
+        self.last_recv: Optional[Dict[str, Any]] = None
+        """Timing of the last successful fetch (the heal benchmark reads it): ``bytes``, and wall
+        times (seconds since the epoch) ``start``, ``fetched`` (body received) and ``end`` (decoded)."""
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -239,6 +242,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         """
         url = f"{metadata}{step}"
         t0 = time.perf_counter()
+        wall0 = time.time()
         with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as resp:
             size = int(resp.headers.get("Content-Length", "0"))
             first = resp.read(size // 2)
@@ -247,7 +251,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         if len(body) != size:
             raise ConnectionError(f"heal state for step {step} from {url}: received {len(body)} of {size} bytes "
                                   "(the donor died or the connection broke)")
+        fetched = time.time()
         state = decode_state(body)
+        self.last_recv = {"bytes": len(body), "start": wall0, "fetched": fetched, "end": time.time()}
         logger.info("received heal state for step %d from replica rank %d (%s): %.1f MB in %.3f s",
                     step, src_rank, url, len(body) / 1e6, time.perf_counter() - t0)
         return state

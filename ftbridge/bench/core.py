@@ -124,7 +124,8 @@ BenchFn = Callable[[BenchSettings], List[Metric]]
 PlotFn = Callable[[List[Metric], str], None]
 
 # Benchmark modules, imported by the CLI in this order; each registers itself with @benchmark.
-MODULES: tuple = ()
+MODULES: tuple = ("ftbridge.bench.failover", "ftbridge.bench.heal", "ftbridge.bench.restart",
+                  "ftbridge.bench.rescale")
 
 REGISTRY: Dict[str, BenchFn] = {}
 PLOTS: Dict[str, PlotFn] = {}

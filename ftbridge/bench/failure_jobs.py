@@ -1,0 +1,197 @@
+"""Jobs with a failure in them, shared by the failover, heal, restart and rescale benchmarks.
+
+Private to :mod:`ftbridge.bench`; the lead may merge it with the general job
+helpers of :mod:`ftbridge.bench.jobs`.
+
+* :func:`ftbridge_kill_runs`: an ftbridge job of 2 replica groups; once both
+  commit together, every rank of group 1 is SIGKILLed; the survivors go on,
+  torchrun restarts group 1, which heals. One such run feeds three
+  benchmarks (failover: the survivors' stall; heal: the restarted group's
+  phases; restart: ftbridge's side), so the runs of one suite invocation are
+  cached per ``(workdir, settings)``.
+* :func:`plain_kill_run`: the same failure in plain DeepSpeed under torchrun
+  ``--max-restarts 1`` (c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+  saving a DeepSpeed checkpoint every N steps and loading the latest on start.
+* :func:`torchrun`: run a worker script under torchrun with a timeout.
+
+Every process is started in its own session and ended by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
+
+from ftbridge.bench.core import BenchSettings
+from ftbridge.events import read_events
+from ftbridge.launcher import find_free_port, pid_alive
+from ftbridge.local_job import TRAIN_SCRIPT, LocalJob, _killpg
+
+HEARTBEAT_TIMEOUT_MS = 2000
+"""Lighthouse heartbeat timeout of the kill runs (LocalJob's default), the same in quick and full mode."""
+RANKS_PER_GROUP = 1
+"""Ranks per replica group in the kill runs: 2 groups x 1 rank = the machine's 2 cores."""
+QUICK_MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32", "--micro-batch", "4",
+               "--warmup-steps", "2"]
+"""Model flags in quick mode (the tests' tiny model); the full run uses the main job's model (827,648 parameters)."""
+
+
+def model_args(settings: BenchSettings) -> List[str]:
+    """Training-job flags for the model of this run (tiny in quick mode), without validation."""
+    return [*(QUICK_MODEL if settings.quick else []), "--val-every", "0", "--val-batches", "1"]
+
+
+def warm_steps(settings: BenchSettings) -> int:
+    """Committed steps before the failure is injected (fewer in quick mode)."""
+    return 3 if settings.quick else max(5, settings.warmup_steps)
+
+
+@dataclass
+class KillRun:
+    """One run with a failure: when it was injected and every event record of the job."""
+
+    kill_time: float
+    """Wall time (seconds since the epoch) just before the SIGKILL."""
+    events: List[Dict[str, Any]]
+    """All records of all ranks, sorted by time."""
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_MS / 1000
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+_CACHE: Dict[Tuple, List[KillRun]] = {}
+
+
+def ftbridge_kill_runs(settings: BenchSettings) -> List[KillRun]:
+    """``settings.reps`` ftbridge kill runs (1 in quick mode), cached for this suite invocation.
+
+    Raises:
+        TimeoutError: a stage took longer than ``settings.timeout_s`` (group log tails included).
+    """
+    key = (os.path.abspath(settings.workdir), settings.quick, settings.reps, settings.warmup_steps)
+    if key not in _CACHE:
+        reps = 1 if settings.quick else settings.reps
+        _CACHE[key] = [ftbridge_kill_run(os.path.join(settings.workdir, "ftbridge_kill", f"rep{i}"), settings)
+                       for i in range(reps)]
+    return _CACHE[key]
+
+
+def ftbridge_kill_run(workdir: str, settings: BenchSettings) -> KillRun:
+    """2 groups train; group 1 is SIGKILLed, restarts (torchrun), heals and commits twice; then all stop.
+
+    Raises:
+        TimeoutError: any wait past ``settings.timeout_s``.
+    """
+    t_out = settings.timeout_s
+    args = [*model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
+    job = LocalJob(workdir, 2, RANKS_PER_GROUP, args, max_restarts=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+                   env={"OMP_NUM_THREADS": "1"})
+    warm = warm_steps(settings)
+    with job:
+        job.start()
+        job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["step"] >= warm
+                                       for e in job.steps(g)) for g in (0, 1)), t_out, "both groups to commit together")
+        kill_time = time.time()
+        job.kill_workers(1)
+        job.wait_heal(1, kill_time, t_out, "restarted group 1 to heal")
+        job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
+        job.write_file("stop", str(job.max_step() + 1))
+        codes = job.wait(t_out)
+        return KillRun(kill_time, job.events(), extra={"exit_codes": codes})
+
+
+def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int = 2) -> KillRun:
+    """Plain DeepSpeed on ``nproc`` ranks under torchrun; SIGKILL rank 0 mid-way between checkpoints.
+
+    Saves every ``every`` steps; the kill lands once a step ``s`` with
+    ``s % every == every // 2`` and ``s > every`` is recorded (so a checkpoint
+    exists); the restarted ranks load the latest checkpoint and the run stops
+    two steps after the first step of the restart.
+
+    Raises:
+        TimeoutError: a stage took longer than ``settings.timeout_s`` (log tail included).
+        RuntimeError: torchrun exited before the scenario played out.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    port = find_free_port()
+    log_path = os.path.join(workdir, "plain.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"restart{port}",
+           TRAIN_SCRIPT, "--plain", *model_args(settings), "--steps", "1000000",
+           "--stop-file", os.path.join(workdir, "stop"), "--event-log", os.path.join(workdir, "events_0_{group_rank}.jsonl"),
+           "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(every), "--resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "warn",
+           "PYTHONUNBUFFERED": "1"}
+    paths = [os.path.join(workdir, f"events_0_{r}.jsonl") for r in range(nproc)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        def steps() -> List[Dict[str, Any]]:
+            return [e for e in read_events(paths[:1]) if "event" not in e]
+
+        _wait(lambda: any(e["step"] > every and e["step"] % every == every // 2 for e in steps()),
+              proc, settings.timeout_s, "the plain run to reach the kill step", log_path)
+        pids = [e["pid"] for e in read_events(paths) if e.get("event") == "start"]
+        kill_time = time.time()
+        os.kill(pids[0], signal.SIGKILL)
+        _wait(lambda: any(e["time"] > kill_time for e in steps()), proc, settings.timeout_s,
+              "the restarted plain run to step", log_path)
+        last = max(e["step"] for e in steps())
+        with open(os.path.join(workdir, "stop"), "w", encoding="utf-8") as f:
+            f.write(str(last + 2))
+        proc.wait(timeout=settings.timeout_s)
+        return KillRun(kill_time, read_events(paths), extra={"exit_code": proc.returncode, "killed_pid": pids[0]})
+    finally:
+        _end(proc)
+        for e in read_events(paths):
+            if e.get("event") == "start" and pid_alive(e["pid"]):
+                os.kill(e["pid"], signal.SIGKILL)
+
+
+def torchrun(nproc: int, script: str, argv: Sequence[str], timeout_s: float) -> float:
+    """Run ``script argv`` on ``nproc`` ranks (c10d rendezvous); returns its wall time (s).
+
+    Raises:
+        RuntimeError: a non-zero exit (output tail included).
+        subprocess.TimeoutExpired: still running after ``timeout_s`` (the process group is killed).
+    """
+    port = find_free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}", script, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS_ACCELERATOR": "cpu"}
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        _end(proc)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(argv)} failed ({proc.returncode}):\n{out[-3000:]}")
+    return time.perf_counter() - t
+
+
+def _wait(cond: Any, proc: subprocess.Popen, timeout_s: float, what: str, log_path: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-30:])
+            how = f"torchrun exited ({proc.returncode})" if proc.poll() is not None else f"timed out after {timeout_s} s"
+            raise (RuntimeError if proc.poll() is not None else TimeoutError)(f"{how} waiting for {what}\n{tail}")
+        time.sleep(0.05)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group of ``proc``, then SIGKILL after 15 s."""
+    if proc.poll() is None:
+        _killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

@@ -1,0 +1,157 @@
+"""Heal: from a replica group's restart to its first committed step, by phase (issue #6 item 4).
+
+Uses the kill runs of :func:`~ftbridge.bench.failure_jobs.ftbridge_kill_runs`
+(group 1 SIGKILLed, restarted by torchrun, healed from group 0). The
+restarted rank 0's event log gives the phase boundaries:
+
+=================  =========================================================
+phase              from .. to
+=================  =========================================================
+torchrun restart   SIGKILL .. the new process is created (``phase process_start``)
+process start      .. imports done (``phase imports_done``, ``scripts/train_lm.py``)
+DeepSpeed init     .. first step begins (data, model, ``deepspeed.initialize``, ftbridge manager)
+quorum             .. heal fetch starts (lighthouse quorum, incl. steps discarded while waiting)
+state transfer     .. heal state fetched and decoded (``heal_transfer`` event)
+first commit       .. first committed step (load into DeepSpeed, the step itself)
+=================  =========================================================
+
+The phases tile the interval, so they sum to kill .. first commit.
+
+Transfer throughput: heal bytes / (fetch start .. decoded), against a
+loopback baseline measured in the same run: the same number of bytes sent
+over a plain TCP socket on 127.0.0.1 between two threads of this process
+(:func:`loopback_seconds`). Target: >= 50 % of the baseline.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any, Dict, List, Sequence
+
+from ftbridge.bench import failure_jobs
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+
+NAME = "heal"
+PHASES = ("torchrun restart", "process start", "DeepSpeed init", "quorum", "state transfer", "first commit")
+
+
+def heal_phases(events: Sequence[Dict[str, Any]], kill_time: float) -> Dict[str, Any]:
+    """Phase durations of one restarted rank's heal after a kill at ``kill_time``.
+
+    Args:
+        events: that rank's records (all launches), any order: ``phase``
+            events, ``heal_transfer`` events and step records.
+        kill_time: wall time of the SIGKILL (s since the epoch).
+
+    Returns:
+        ``phases`` (name -> seconds, in :data:`PHASES` order), ``total_s``
+        (kill .. first commit), ``bytes`` and ``transfer_s`` of the heal fetch.
+
+    Raises:
+        ValueError: a boundary is missing (the job wrote no such record after
+            the kill) or the boundaries are out of order.
+    """
+    ev = sorted(events, key=lambda e: e["time"])
+
+    def first(what: str, pred: Any, after: float) -> Dict[str, Any]:
+        found = next((e for e in ev if e["time"] >= after and pred(e)), None)
+        if found is None:
+            raise ValueError(f"no {what} after {after:.3f} in the restarted rank's event log")
+        return found
+
+    started = first("process_start phase", lambda e: e.get("event") == "phase" and e["name"] == "process_start",
+                    kill_time)["time"]
+    imported = first("imports_done phase", lambda e: e.get("event") == "phase" and e["name"] == "imports_done",
+                     started)["time"]
+    step = first("step record", lambda e: "event" not in e, imported)
+    step_begin = step["time"] - step["step_time_s"]
+    transfer = first("heal_transfer event", lambda e: e.get("event") == "heal_transfer", imported)
+    commit = first("committed step", lambda e: "event" not in e and e["committed"], transfer["time"])["time"]
+    bounds = [kill_time, started, imported, step_begin, transfer["start"], transfer["time"], commit]
+    if any(b > a + 1e-6 for a, b in zip(bounds[1:], bounds)):
+        raise ValueError(f"heal phase boundaries out of order: {bounds}")
+    return {"phases": {n: bounds[i + 1] - bounds[i] for i, n in enumerate(PHASES)}, "total_s": commit - kill_time,
+            "bytes": int(transfer["bytes"]), "transfer_s": transfer["time"] - transfer["start"]}
+
+
+def loopback_seconds(nbytes: int, chunk: int = 1 << 20) -> float:
+    """Seconds to send ``nbytes`` over a TCP socket on 127.0.0.1 between two threads (connect included).
+
+    Raises:
+        OSError: the loopback socket cannot be opened.
+    """
+    payload = memoryview(bytes(max(nbytes, 1)))
+    server = socket.create_server(("127.0.0.1", 0))
+    got = [0]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        buf = bytearray(chunk)
+        with conn:
+            while got[0] < len(payload):
+                n = conn.recv_into(buf)
+                if not n:
+                    break
+                got[0] += n
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    with socket.create_connection(server.getsockname(), timeout=60) as c:
+        c.sendall(payload)
+    t.join(timeout=60)
+    elapsed = time.perf_counter() - t0
+    server.close()
+    if got[0] != len(payload):
+        raise OSError(f"loopback baseline received {got[0]} of {len(payload)} bytes")
+    return elapsed
+
+
+def plot(metrics: List[Metric], png_path: str) -> None:
+    """Stacked bar of the heal phases, one bar per repetition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = next(m for m in metrics if "phases" in m.extra)
+    reps = m.extra["phases"]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bottoms = [0.0] * len(reps)
+    for name in PHASES:
+        vals = [r[name] for r in reps]
+        ax.bar(range(len(reps)), vals, 0.6, bottom=bottoms, label=name)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.set_xticks(range(len(reps)), [f"rep {i + 1}" for i in range(len(reps))])
+    ax.set_ylabel("seconds from SIGKILL")
+    ax.set_title("Restarted replica group: kill to first committed step")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+@benchmark(NAME, plot=plot)
+def run(settings: BenchSettings) -> List[Metric]:
+    """Heal phases and transfer throughput over the kill runs; see the module docstring.
+
+    Raises:
+        TimeoutError: a run stage exceeded ``settings.timeout_s``.
+        ValueError: a restarted rank's log lacks a phase boundary.
+    """
+    runs = failure_jobs.ftbridge_kill_runs(settings)
+    stats = [heal_phases([e for e in r.events if e["replica_group"] == 1 and e["group_rank"] == 0], r.kill_time)
+             for r in runs]
+    heal_rate = [s["bytes"] / s["transfer_s"] / 1e6 for s in stats]
+    loop_rate = [s["bytes"] / loopback_seconds(s["bytes"]) / 1e6 for s in stats]
+    totals = [s["total_s"] for s in stats]
+    phases = [s["phases"] for s in stats]
+    out = [Metric(NAME, "restart to first commit (kill .. first committed step)", median(totals), "s", totals,
+                  extra={"phases": phases, "phase_medians_s": {p: median([x[p] for x in phases]) for p in PHASES}})]
+    out += [Metric(NAME, f"phase: {p}", median([x[p] for x in phases]), "s", [x[p] for x in phases]) for p in PHASES]
+    out.append(ratio_metric(NAME, "heal transfer throughput / loopback TCP", heal_rate, loop_rate,
+                            baseline_name="plain TCP socket on 127.0.0.1, same bytes (MB/s)", target_min=0.5,
+                            extra={"bytes": [s["bytes"] for s in stats], "transfer_s": [s["transfer_s"] for s in stats]}))
+    return out

@@ -1,0 +1,129 @@
+"""Scale change: resume at another size, ftbridge against DeepSpeed's universal checkpoint (issue #6 item 6).
+
+A job of 2·M ranks resumes on M ranks (M = 2; 1 in quick mode), same model
+(main job's; tiny in quick mode), ZeRO-2:
+
+* **plain DeepSpeed** data parallel over 2·M ranks saves with
+  ``save_checkpoint``; another world size needs a conversion
+  (``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``,
+  a subprocess, timed) and a ``load_universal`` load on M ranks.
+* **ftbridge** with 2 groups x M ranks writes a replica-group checkpoint
+  (one group's files; here written by a world of M ranks, as the group's
+  writer would); resuming with 1 group of M ranks loads it directly (manifest
+  check, DeepSpeed ``load_checkpoint``), no conversion.
+
+Measured, per repetition (loads alternate plain and ftbridge): *checkpoint to
+loaded state* (plain: conversion + load; ftbridge: verify + load, both timed
+inside the loading process after ``deepspeed.initialize``) and *end to end*
+(plain: conversion + the whole loading torchrun; ftbridge: the loading
+torchrun). Reported as ftbridge / plain ratios; the issue sets no number, the
+target here is "ftbridge faster" (<= 1.0). Folded in from
+``scripts/bench_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import List
+
+from ftbridge.bench import failure_jobs
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+
+NAME = "rescale"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rescale_worker.py")
+
+
+def convert_universal(out: str, timeout_s: float) -> float:
+    """Convert ``out/ds_resume``'s latest checkpoint with ``ds_to_universal``; returns seconds (process wall).
+
+    Writes ``<tag>_universal`` and ``latest_universal`` (a previous conversion is removed first).
+
+    Raises:
+        subprocess.CalledProcessError: the conversion failed (its output attached).
+        subprocess.TimeoutExpired: it ran past ``timeout_s``.
+    """
+    root = os.path.join(out, "ds_resume")
+    with open(os.path.join(root, "latest"), encoding="utf-8") as f:
+        tag = f.read().strip()
+    dest = os.path.join(root, f"{tag}_universal")
+    shutil.rmtree(dest, ignore_errors=True)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(root, tag), "--output_folder", dest, "--inject_missing_state"],
+                   check=True, capture_output=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.perf_counter() - t
+    with open(os.path.join(root, "latest_universal"), "w", encoding="utf-8") as f:
+        f.write(f"{tag}_universal")
+    return elapsed
+
+
+def plot(metrics: List[Metric], png_path: str) -> None:
+    """Stacked bars: plain (conversion + load) against ftbridge (load), checkpoint to loaded state and end to end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = next(m for m in metrics if "convert_s" in m.extra).extra
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
+    a.bar(["plain DS", "ftbridge"], [median(x["convert_s"]), 0], label="ds_to_universal", color="tab:gray")
+    a.bar(["plain DS", "ftbridge"], [median(x["plain_load_s"]), median(x["ft_load_s"])],
+          bottom=[median(x["convert_s"]), 0], label="load", color="tab:blue")
+    a.set_title("checkpoint to loaded state")
+    a.set_ylabel("seconds")
+    a.legend(fontsize=7)
+    b.bar(["plain DS", "ftbridge"], [median(x["convert_s"]), 0], color="tab:gray")
+    b.bar(["plain DS", "ftbridge"], [median(x["plain_proc_s"]), median(x["ft_proc_s"])],
+          bottom=[median(x["convert_s"]), 0], color="tab:cyan", label="loading process (start-up included)")
+    b.set_title("end to end")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+@benchmark(NAME, plot=plot)
+def run(settings: BenchSettings) -> List[Metric]:
+    """Resume 2·M ranks on M, plain (universal conversion) against ftbridge (none); see the module docstring.
+
+    Raises:
+        RuntimeError: a worker failed (its output attached).
+        subprocess.TimeoutExpired: a worker or the conversion ran past ``settings.timeout_s``.
+    """
+    m = 1 if settings.quick else 2
+    flags = ["--", *failure_jobs.model_args(settings)]
+    out = os.path.join(os.path.abspath(settings.workdir), "rescale")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    to = settings.timeout_s
+    with ThreadPoolExecutor(2) as pool:  # the saves are not timed: run them side by side
+        saves = [pool.submit(failure_jobs.torchrun, n, WORKER, ["--worker", w, "--out", out, *flags], to)
+                 for n, w in ((2 * m, "plain_save"), (m, "ft_save"))]
+        for f in saves:
+            f.result()
+    x = {k: [] for k in ("convert_s", "plain_load_s", "plain_proc_s", "ft_load_s", "ft_proc_s")}
+    for _ in range(1 if settings.quick else settings.reps):
+        x["convert_s"].append(convert_universal(out, to))
+        for kind, prefix in (("universal", "plain"), ("ftbridge", "ft")):
+            x[f"{prefix}_proc_s"].append(failure_jobs.torchrun(m, WORKER, ["--worker", f"load_{kind}", "--out", out,
+                                                                             *flags], to))
+            with open(os.path.join(out, f"load_{kind}.json"), encoding="utf-8") as f:
+                x[f"{prefix}_load_s"].append(json.load(f)["load_s"])
+    plain_ckpt = [c + l for c, l in zip(x["convert_s"], x["plain_load_s"])]
+    plain_e2e = [c + p for c, p in zip(x["convert_s"], x["plain_proc_s"])]
+    extra = dict(x, ranks_before=2 * m, ranks_after=m)
+    return [
+        ratio_metric(NAME, f"checkpoint to loaded state, {2 * m} -> {m} ranks: ftbridge / plain", x["ft_load_s"],
+                     plain_ckpt, baseline_name="ds_to_universal + load_universal (s)", target_max=1.0, extra=extra),
+        ratio_metric(NAME, f"end to end, {2 * m} -> {m} ranks: ftbridge / plain", x["ft_proc_s"], plain_e2e,
+                     baseline_name="ds_to_universal + loading torchrun (s)", target_max=1.0),
+        Metric(NAME, "plain DeepSpeed: ds_to_universal", median(x["convert_s"]), "s", x["convert_s"]),
+        Metric(NAME, "plain DeepSpeed: load_universal", median(x["plain_load_s"]), "s", x["plain_load_s"]),
+        Metric(NAME, "ftbridge: verify + load", median(x["ft_load_s"]), "s", x["ft_load_s"]),
+    ]

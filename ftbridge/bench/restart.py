@@ -1,0 +1,137 @@
+"""ftbridge against plain DeepSpeed with torchrun restarts from checkpoints (issue #6 item 5).
+
+The same failure (SIGKILL of a training process) handled two ways:
+
+* **plain DeepSpeed** on 2 ranks under torchrun ``--max-restarts 1`` (c10d
+  rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), DeepSpeed
+  ``save_checkpoint`` every N steps (10; 4 in quick mode) and
+  ``load_checkpoint`` of the latest on start
+  (:func:`~ftbridge.bench.failure_jobs.plain_kill_run`). The kill lands N/2
+  steps after a checkpoint. torchrun ends the other rank and restarts both.
+* **ftbridge**, 2 replica groups x 1 rank: group 1 is SIGKILLed; group 0 goes
+  on; torchrun restarts group 1, which heals (the kill runs shared with the
+  failover and heal benchmarks).
+
+Measured: time until training resumes (plain: kill .. first step completed
+after the restart; ftbridge: kill .. the survivors' first commit without the
+dead group, and kill .. the restarted group's first commit) and steps of work
+lost (plain: last step before the kill minus the step loaded; ftbridge:
+survivor steps discarded plus committed steps lost).
+
+Targets: plain / ftbridge (survivors) resume time >= 10; ftbridge loses <= 1
+step in every repetition.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Sequence
+
+from ftbridge.bench import failure_jobs
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+from ftbridge.bench.failover import committed_steps_lost, count_metric, survivor_stall
+
+NAME = "restart"
+
+
+def plain_resume(events: Sequence[Dict[str, Any]], kill_time: float) -> Dict[str, float]:
+    """Resume time and steps lost of a plain DeepSpeed job restarted by torchrun after a kill.
+
+    Args:
+        events: the records of one rank (all launches): step records and
+            ``checkpoint_loaded`` events.
+        kill_time: wall time of the SIGKILL (s since the epoch).
+
+    Returns:
+        ``resume_s`` (kill .. first step record after it), ``lost`` (last step
+        before the kill minus the step the restart started from: the loaded
+        checkpoint's step, or 0 without one).
+
+    Raises:
+        ValueError: no step before or after the kill.
+    """
+    ev = sorted(events, key=lambda e: e["time"])
+    steps_before = [e["step"] for e in ev if "event" not in e and e["time"] <= kill_time]
+    after = [e for e in ev if "event" not in e and e["time"] > kill_time]
+    if not steps_before or not after:
+        raise ValueError(f"plain run: {len(steps_before)} steps before and {len(after)} after the kill")
+    loaded = [e["step"] for e in ev if e.get("event") == "checkpoint_loaded" and e["time"] > kill_time]
+    resumed_from = loaded[0] if loaded else 0
+    return {"resume_s": after[0]["time"] - kill_time, "lost": float(max(steps_before) - resumed_from)}
+
+
+def ftbridge_resume(events: Sequence[Dict[str, Any]], kill_time: float, killed: int = 1) -> Dict[str, float]:
+    """Resume times and work lost of an ftbridge kill run (survivor group 0, rank 0; killed group ``killed``).
+
+    Returns:
+        ``survivors_s`` (see :func:`~ftbridge.bench.failover.survivor_stall`),
+        ``rejoined_s`` (kill .. the killed group's first commit after it),
+        ``lost`` (survivor steps discarded + committed steps lost in any group).
+
+    Raises:
+        ValueError: a group has no commit after the kill.
+    """
+    steps = [e for e in events if "event" not in e and e["group_rank"] == 0]
+    surv = survivor_stall([e for e in steps if e["replica_group"] != killed], kill_time)
+    back = sorted(e["time"] for e in steps if e["replica_group"] == killed and e["committed"] and e["time"] > kill_time)
+    if not back:
+        raise ValueError(f"replica group {killed} committed nothing after the kill")
+    lost = sum(committed_steps_lost([e for e in steps if e["replica_group"] == g]) for g in {e["replica_group"] for e in steps})
+    return {"survivors_s": surv["stall_s"], "rejoined_s": back[0] - kill_time, "lost": surv["discarded"] + lost,
+            "committed_lost": float(lost)}
+
+
+def plot(metrics: List[Metric], png_path: str) -> None:
+    """Bars: time to resume (plain restart, ftbridge survivors, ftbridge rejoin) and steps lost."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = next(m for m in metrics if "plain_resume_s" in m.extra)
+    x = m.extra
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
+    labels = ["plain DS\nrestart", "ftbridge\nsurvivors", "ftbridge\nrejoined"]
+    a.bar(labels, [median(x["plain_resume_s"]), median(x["survivors_s"]), median(x["rejoined_s"])],
+          color=["tab:gray", "tab:blue", "tab:cyan"])
+    a.set_ylabel("seconds from SIGKILL")
+    a.set_title("time until training resumes")
+    b.bar(["plain DS", "ftbridge"], [median(x["plain_lost"]), median(x["ftbridge_lost"])], color=["tab:gray", "tab:blue"])
+    b.set_ylabel("steps")
+    b.set_title("steps of work lost")
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+@benchmark(NAME, plot=plot)
+def run(settings: BenchSettings) -> List[Metric]:
+    """Plain restart from a checkpoint against ftbridge, ``settings.reps`` each (1 in quick mode).
+
+    Raises:
+        TimeoutError / RuntimeError: a run failed or exceeded ``settings.timeout_s``.
+        ValueError: a run's log lacks the records needed (see the helpers).
+    """
+    every = 4 if settings.quick else 10
+    ft_runs = failure_jobs.ftbridge_kill_runs(settings)
+    plain = []
+    for i in range(len(ft_runs)):
+        r = failure_jobs.plain_kill_run(os.path.join(settings.workdir, "plain_restart", f"rep{i}"), settings, every)
+        plain.append(plain_resume([e for e in r.events if e["group_rank"] == 0], r.kill_time))
+    ft = [ftbridge_resume(r.events, r.kill_time) for r in ft_runs]
+    plain_s, surv_s, back_s = ([p["resume_s"] for p in plain], [f["survivors_s"] for f in ft],
+                               [f["rejoined_s"] for f in ft])
+    extra = {"plain_resume_s": plain_s, "survivors_s": surv_s, "rejoined_s": back_s, "checkpoint_every": every,
+             "plain_lost": [p["lost"] for p in plain], "ftbridge_lost": [f["lost"] for f in ft]}
+    return [
+        ratio_metric(NAME, "time to resume: plain restart / ftbridge survivors", plain_s, surv_s,
+                     baseline_name="ftbridge survivors' first commit after the kill (s)", target_min=10, extra=extra),
+        ratio_metric(NAME, "time to resume: plain restart / ftbridge restarted group", plain_s, back_s,
+                     baseline_name="ftbridge restarted group's first commit (s)"),
+        Metric(NAME, "plain DeepSpeed: kill to first step after restart", median(plain_s), "s", plain_s),
+        count_metric("plain DeepSpeed: steps lost (since the last checkpoint)", [p["lost"] for p in plain], None,
+                     bench=NAME),
+        count_metric("ftbridge: steps lost (discarded + committed lost)", [f["lost"] for f in ft], 1, bench=NAME,
+                     baseline=median([p["lost"] for p in plain]), baseline_name="plain DeepSpeed steps lost"),
+        count_metric("ftbridge: committed steps lost", [f["committed_lost"] for f in ft], 0, bench=NAME),
+    ]
