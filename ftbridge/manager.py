@@ -76,7 +76,6 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -84,10 +83,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed import ReduceOp
 from torchft import Manager
-from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+from torchft.process_group import create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL, call_bounded
 from ftbridge.transport import SafeHTTPTransport
 
 logger = logging.getLogger(__name__)
@@ -203,30 +203,18 @@ class _QuorumGuard:
         rank 0 accepts TCP connections but never answers, and c10d's TCPStore
         client then blocks without a timeout (connecting, ``delete_key``), so
         the store calls run in a helper thread bounded by twice the vote
-        timeout; past it the vote counts as failed and the thread is left to
-        end when the store answers or dies. It mutates nothing of this guard.
+        timeout (:func:`ftbridge.store_probe.call_bounded`); past it the vote
+        counts as failed.
         """
-        box: Dict[str, Any] = {}
         base = f"{int(result.quorum_id)}/{namespace}"
         store, last = self._stores.get(result.store_address), self._last_vote
-
-        def work() -> None:
-            try:
-                box["value"] = _vote_on_store(result, base, mine, store, last, self._timeout)
-            except Exception as exc:  # a member or the store died: this step fails on it anyway
-                box["error"] = exc
-
-        worker = threading.Thread(target=work, name="ftbridge-vote", daemon=True)
-        worker.start()
-        worker.join(timeout=2 * self._timeout.total_seconds())
         votes: Optional[List[bool]] = None
-        if "value" in box:
-            store, votes = box["value"]
+        try:
+            store, votes = call_bounded(lambda: _vote_on_store(result, base, mine, store, last, self._timeout),
+                                        2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
-        else:
-            exc = box.get("error") or TimeoutError(f"the primary's store {result.store_address} did not answer "
-                                                   f"within {2 * self._timeout.total_seconds():g} s (hung?)")
+        except Exception as exc:  # a member or the store died or hung: this step fails on it anyway
             logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
                            int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
                            "rebuilding" if mine else "keeping the process group")
@@ -319,8 +307,9 @@ class ReplicaManager:
                  load_state_dict: Callable[[Dict[str, Any]], None], use_cuda: bool = False) -> None:
         self.cfg = cfg
         _export_torchft_environ(cfg)
-        pg = (ProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
-              else ProcessGroupGloo(timeout=cfg.cross_replica_timeout))
+        # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
+        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
+              else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout)
         self.heals = 0
         self._healed_this_step = False

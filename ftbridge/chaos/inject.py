@@ -34,23 +34,23 @@ class Injected:
         time: when it took effect (seconds since the epoch).
         hit: replica groups it took out (they must heal to rejoin).
         rejoin: groups expected to heal back into the job afterwards.
-        heal_optional: the ``rejoin`` groups kept their state (a hang): they
-            must heal only if the others committed steps without them, and
-            otherwise rejoin by committing with them again.
         target: human-readable target, e.g. ``"group 1 rank 0 (pid 123)"``.
         skipped: why it was not injected ("" if it was).
         ended: when a failure with a duration ended (the lighthouse back up),
             seconds since the epoch; recovery is measured from here. None otherwise.
+        heal_optional: the ``rejoin`` groups kept their state (a hang): they
+            must heal only if the others committed steps without them, and
+            otherwise rejoin by committing with them again.
     """
 
     failure: Failure
     time: float
     hit: List[int] = field(default_factory=list)
     rejoin: List[int] = field(default_factory=list)
-    heal_optional: bool = False
     target: str = ""
     skipped: str = ""
     ended: Optional[float] = None
+    heal_optional: bool = False
 
 
 class Injector:

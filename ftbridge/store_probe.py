@@ -1,0 +1,97 @@
+"""Bounded calls to a TCPStore that may be hung.
+
+The cross-replica process group of a quorum rendezvouses on the primary
+group's store (torchft's ``store_address``), which lives in that group's
+rank 0. When that rank hangs (SIGSTOP, a stuck host), its kernel still accepts
+TCP connections but nothing answers, and c10d's TCPStore client then blocks
+with no timeout: connecting (the validation handshake) and ``delete_key``
+were measured here to block for as long as the hang (over 120 s with a 1 s
+timeout). Any such call made from torchft's quorum thread stalls the whole
+group; its ``should_commit`` then expires and the group dies.
+
+:func:`call_bounded` runs such a call in a helper thread with a deadline, and
+:class:`ProbedProcessGroupGloo` / :class:`ProbedProcessGroupNCCL` check that
+the store answers before torchft's ``configure`` dials it, so a quorum whose
+primary just hung fails that step (torchft records the error and the step is
+discarded on every replica) instead of blocking until the hang ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Dict, TypeVar
+
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+
+T = TypeVar("T")
+
+
+def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
+    """Run ``fn()`` in a daemon thread and wait at most ``timeout`` for it.
+
+    Args:
+        fn: the call; it must not mutate shared state (if it overruns, it keeps
+            running until the store answers or dies, and its result is dropped).
+        timeout: the deadline.
+        what: what was called, for the error message.
+
+    Returns:
+        ``fn()``'s result.
+
+    Raises:
+        TimeoutError: ``fn`` did not return within ``timeout``.
+        Exception: whatever ``fn`` raised, re-raised with its traceback.
+    """
+    box: Dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=work, name="ftbridge-store-call", daemon=True)
+    worker.start()
+    worker.join(timeout=timeout.total_seconds())
+    if "error" in box:
+        raise box["error"]
+    if "value" not in box:
+        raise TimeoutError(f"{what} did not answer within {timeout.total_seconds():g} s (its host hung?)")
+    return box["value"]
+
+
+def probe_store(store_addr: str, timeout: timedelta) -> None:
+    """Check that the TCPStore at ``store_addr`` (``host:port[/prefix]``) answers one request.
+
+    Raises:
+        TimeoutError: no answer within ``timeout`` (connect, then one ``check``).
+        DistError: the store refused or closed the connection.
+    """
+    def ask() -> None:
+        create_store_client(store_addr, timeout=timeout).check(["ftbridge/probe"])
+
+    call_bounded(ask, timeout, f"the quorum's store {store_addr.split('/', 1)[0]}")
+
+
+class _Probed:
+    """Mixin: probe the quorum's store before torchft's ``configure`` dials it."""
+
+    _timeout: timedelta
+
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            probe_store(store_addr, self._timeout)
+        except Exception:
+            self.abort(errored=False)  # no stale group with the old members survives a failed configure
+            raise
+        super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+
+
+class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
+    """torchft's ``ProcessGroupGloo`` whose ``configure`` fails within its timeout on a hung store."""
+
+
+class ProbedProcessGroupNCCL(_Probed, ProcessGroupNCCL):
+    """torchft's ``ProcessGroupNCCL`` whose ``configure`` fails within its timeout on a hung store."""
+

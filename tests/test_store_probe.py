@@ -1,0 +1,69 @@
+"""Tests of ftbridge/store_probe.py: calls to a hung TCPStore fail within their deadline instead of blocking."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from ftbridge.store_probe import ProbedProcessGroupGloo, call_bounded, probe_store
+
+
+@pytest.fixture
+def hung_store():
+    """A TCPStore server in its own process, SIGSTOPped like a hung rank 0; yields its ``host:port``."""
+    code = ("import sys; from torch.distributed import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+            "print(s.port, flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_call_bounded_returns_the_value_or_reraises():
+    assert call_bounded(lambda: 42, timedelta(seconds=5), "x") == 42
+    with pytest.raises(KeyError, match="boom"):
+        call_bounded(lambda: {}["boom"], timedelta(seconds=5), "x")
+
+
+@pytest.mark.timeout(60)
+def test_probe_of_a_hung_store_times_out_instead_of_blocking(hung_store):
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"the quorum's store {hung_store} did not answer within 1 s"):
+        probe_store(f"{hung_store}/torchft/3/0", timedelta(seconds=1))
+    assert time.monotonic() - t < 5
+
+
+def test_probe_of_a_live_store_passes():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    probe_store(f"127.0.0.1:{store.port}/torchft/1/0", timedelta(seconds=5))
+
+
+@pytest.mark.timeout(60)
+def test_configure_on_a_hung_primarys_store_raises_so_torchft_discards_the_step(hung_store):
+    # torchft's quorum thread catches configure's exception and records it: the step is discarded on
+    # every replica and the next quorum (without the hung group) configures afresh.
+    pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=1))
+    with pytest.raises(TimeoutError):
+        pg.configure(f"{hung_store}/torchft/3/0", "replica_group_0", 0, 2)
+
+
+@pytest.mark.timeout(60)
+def test_configure_on_a_live_store_builds_the_group():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=5))
+    pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "replica_group_0", 0, 1)
+    assert pg.size() == 1
+    pg.shutdown()
