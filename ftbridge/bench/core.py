@@ -124,7 +124,12 @@ BenchFn = Callable[[BenchSettings], List[Metric]]
 PlotFn = Callable[[List[Metric], str], None]
 
 # Benchmark modules, imported by the CLI in this order; each registers itself with @benchmark.
-MODULES: tuple = ()
+MODULES: tuple = (
+    "ftbridge.bench.overhead",
+    "ftbridge.bench.overlap",
+    "ftbridge.bench.memory",
+    "ftbridge.bench.scaling",
+)
 
 REGISTRY: Dict[str, BenchFn] = {}
 PLOTS: Dict[str, PlotFn] = {}
