@@ -143,11 +143,15 @@ def run_all(settings: core.BenchSettings, names: Sequence[str]
 def _setup_logging() -> None:
     from tqdm import tqdm
 
+    if any(getattr(h, "ftbridge_bench", False) for h in log.handlers):
+        return
+
     class TqdmHandler(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             tqdm.write(self.format(record), file=sys.stderr)
 
     handler = TqdmHandler()
+    handler.ftbridge_bench = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("[bench %(asctime)s] %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)

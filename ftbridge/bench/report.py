@@ -70,7 +70,7 @@ def render_markdown(settings: BenchSettings, env: Dict[str, Any], metrics: Seque
              f"{settings.reps} repetition(s), {settings.steps} timed steps after {settings.warmup_steps} "
              f"warm-up steps per run. torch {env.get('torch')}, deepspeed {env.get('deepspeed')}, "
              f"torchft {env.get('torchft')}, {env.get('cpu_count')} CPU(s).", "",
-             "| benchmark | metric | median | spread (±) | n | baseline | target | |",
+             "| benchmark | metric | median | spread (±) | n | baseline | target | target met |",
              "|---|---|---|---|---|---|---|---|"]
     for m in metrics:
         base_unit = m.extra.get("baseline_unit", "" if m.unit == "ratio" else m.unit)

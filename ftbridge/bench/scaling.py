@@ -138,7 +138,7 @@ def cost_metric(p: Dict[str, object], axis: str, name: str) -> Metric:
     sync_s, nosync_s = p["sync_s"], p["nosync_s"]
     costs = [(a - b) * 1e3 for a, b in zip(sync_s, nosync_s)]
     return Metric("scaling", name, median(costs), "ms", costs, baseline=median(nosync_s) * 1e3,
-                  baseline_name="same job with --no-cross-replica-sync, median step (ms)",
+                  baseline_name="same job with --no-cross-replica-sync, median step",
                   extra={"axis": axis, "groups": p["groups"], "params": p["params"], "model": p["model"],
                          "bytes_per_step": p["bytes_per_step"], "allreduces_per_step": p["allreduces_per_step"],
                          "step_time_ms": median(sync_s) * 1e3, "sync_samples_s": sync_s, "nosync_samples_s": nosync_s,
