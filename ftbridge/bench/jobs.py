@@ -178,14 +178,18 @@ def ftbridge_job(workdir: str, groups: int, nproc: int, train_args: Sequence[str
                     env={"OMP_NUM_THREADS": "1", **(env or {})}, **job_kw)
 
 
-def read_ftbridge_results(job: LocalJob) -> JobResult:
+def read_ftbridge_results(job: LocalJob, groups: Optional[Sequence[int]] = None) -> JobResult:
     """Result records and ``final`` events of every rank of a finished :func:`ftbridge_job`.
+
+    Args:
+        job: the job, its groups exited.
+        groups: read only these replica groups (default all; leave out a group that left for good).
 
     Raises:
         RuntimeError: a rank wrote no result record (it failed or is still running), with the log tails.
     """
     results, finals = [], []
-    for g in range(job.num_groups):
+    for g in range(job.num_groups) if groups is None else groups:
         for r in range(job.nproc):
             path = os.path.join(job.workdir, f"result_{g}_{r}.json")
             if not os.path.exists(path):
