@@ -13,9 +13,9 @@ Two kinds of run, both ending with every rank's ``--result`` record
 Runs are memoized within one process when the caller passes ``rep``: a
 second request for the same kind of run, topology, flags, environment and
 repetition index returns the first one's result instead of training again
-(e.g. ``memory`` reads peak RSS from the runs ``overhead`` timed, and
-``scaling`` reuses overhead's ZeRO-2 ftbridge run). Each run still measures
-only itself; nothing is averaged across benchmarks.
+(``memory`` reads peak RSS from the runs ``overhead`` timed). Pass ``rep``
+only where that is sound: a step time reused from another benchmark was
+taken minutes before its new partner, so the pair no longer cancels drift.
 
 Benchmarks that inject failures start the job themselves with
 :func:`ftbridge_job` (a configured, not yet started ``LocalJob``) and read it

@@ -114,14 +114,14 @@ def measure(settings: BenchSettings, root: str, groups: int, model: Dict[str, in
     tag = f"g{groups}_l{model['n_layer']}_d{model['d_model']}"
 
     def with_sync(rep: int) -> float:
-        res = run_ftbridge(next_run_dir(root, f"sync_{tag}"), groups, 1, args, timeout_s=settings.timeout_s,
-                           rep=rep)
+        # Not memoized (no rep=): a run timed minutes earlier by another benchmark would not pair in time.
+        res = run_ftbridge(next_run_dir(root, f"sync_{tag}"), groups, 1, args, timeout_s=settings.timeout_s)
         per_step.append(res.cross_replica_per_step())
         return steady_median(res.step_times_s, settings.warmup_steps)
 
     def without(rep: int) -> float:
         res = run_ftbridge(next_run_dir(root, f"nosync_{tag}"), groups, 1, [*args, "--no-cross-replica-sync"],
-                           timeout_s=settings.timeout_s, rep=rep)
+                           timeout_s=settings.timeout_s)
         return steady_median(res.step_times_s, settings.warmup_steps)
 
     log.info("scaling: %d group(s) x 1 rank, %d params, with vs without cross-replica sync, %d rep(s)", groups,
