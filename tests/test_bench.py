@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+from types import SimpleNamespace
 
 import pytest
 
@@ -193,3 +195,31 @@ def test_main_records_a_failing_benchmark_and_keeps_the_others(tmp_path, monkeyp
     assert "**failed**" in (tmp_path / "bench.md").read_text()
     monkeypatch.setattr(core, "REGISTRY", {"good": good})
     assert cli.main(["--out", str(tmp_path)]) == 0
+
+
+def test_sigterm_stops_the_run_and_still_writes_the_report(tmp_path, monkeypatch):
+    ran = []
+
+    def killed(settings):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return []
+
+    monkeypatch.setattr(core, "MODULES", ())
+    monkeypatch.setattr(core, "REGISTRY", {"killed": killed, "later": lambda s: ran.append(1) or []})
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["--quick", "--out", str(tmp_path)]) == 130
+    assert ran == [] and signal.getsignal(signal.SIGTERM) is before
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["failures"][0]["error"].startswith("KeyboardInterrupt")
+
+
+def test_wait_stops_at_the_first_failed_group():
+    def job(*codes):
+        groups = {g: [SimpleNamespace(proc=SimpleNamespace(poll=lambda c=c: c))] for g, c in enumerate(codes)}
+        return SimpleNamespace(groups=groups, workdir="w", tails=lambda: "tails")
+
+    jobs.wait_all_or_first_failure(job(0, 0), timeout_s=1)
+    with pytest.raises(RuntimeError, match="exit codes {0: 1, 1: None}"):
+        jobs.wait_all_or_first_failure(job(1, None), timeout_s=30)
+    with pytest.raises(TimeoutError, match="still running"):
+        jobs.wait_all_or_first_failure(job(0, None), timeout_s=0.3, poll_s=0.05)

@@ -6,7 +6,9 @@ measured in the same invocation, and writes ``bench.json``, ``bench.md`` and
 PNG plots to ``--out`` (:mod:`ftbridge.bench.report`). Run logs, event logs
 and result files of every training run go to ``OUT/work`` (emptied first).
 A benchmark that raises is recorded as failed, with its error, and the
-others still run; the exit code is 1 if any failed, 2 for bad arguments::
+others still run. Exit code: 0 all ran, 1 a benchmark failed, 2 bad arguments,
+130 interrupted (Ctrl-C or SIGTERM: running jobs are stopped and the partial
+report is written)::
 
     ftbridge-bench                                  # everything, 3 repetitions (tens of minutes here)
     ftbridge-bench --quick --out runs/bench-quick   # CI smoke: 1 repetition, few steps, small models
@@ -24,6 +26,7 @@ import importlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -140,6 +143,10 @@ def run_all(settings: core.BenchSettings, names: Sequence[str]
     return metrics, failures, durations
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _setup_logging() -> None:
     from tqdm import tqdm
 
@@ -159,12 +166,21 @@ def _setup_logging() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``ftbridge-bench``; returns the exit status (0 all ran, 1 a benchmark failed)."""
+    """Entry point of ``ftbridge-bench``; returns the exit status (0 all ran, 1 a benchmark failed, 130 interrupted)."""
     args, settings, names = parse(argv)
     if args.list:
         print("\n".join(core.REGISTRY))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two processes on two cores stall for seconds otherwise
+    # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: jobs stopped, the partial report written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(args, settings, names)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, settings: core.BenchSettings, names: Sequence[str]) -> int:
     _setup_logging()
     shutil.rmtree(settings.workdir, ignore_errors=True)
     os.makedirs(settings.workdir)
@@ -177,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              ", ".join(record["files"]))
     for name, err in record["plot_errors"].items():
         log.error("plot %s failed: %s", name, err)
-    return 1 if failures else 0
+    return 130 if any(f["error"].startswith("KeyboardInterrupt") for f in failures) else 1 if failures else 0
 
 
 if __name__ == "__main__":

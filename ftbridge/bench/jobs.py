@@ -37,6 +37,7 @@ import glob
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -221,14 +222,35 @@ def run_ftbridge(workdir: str, groups: int, nproc: int, train_args: Sequence[str
     def run() -> JobResult:
         with ftbridge_job(workdir, groups, nproc, train_args, env=env, **job_kw) as job:
             job.start()
-            codes = job.wait(timeout_s)
-            if any(codes.values()):
-                raise RuntimeError(f"ftbridge run in {workdir} failed, exit codes {codes}\n{job.tails()}")
+            wait_all_or_first_failure(job, timeout_s)
             return read_ftbridge_results(job)
 
     key = ("ftbridge", groups, nproc, tuple(train_args), tuple(sorted((env or {}).items())),
            tuple(sorted(job_kw.items())), rep)
     return _cached(None if rep is None else key, run)
+
+
+def wait_all_or_first_failure(job: LocalJob, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Wait until every group of ``job`` exited 0; stop at the first non-zero exit.
+
+    A group that fails leaves the others waiting for a quorum that needs it
+    (the lighthouse's ``min_replicas``), so waiting for all would cost the whole timeout.
+
+    Raises:
+        RuntimeError: a group exited non-zero (exit codes so far and the log tails).
+        TimeoutError: a group still runs after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = {g: launches[-1].proc.poll() for g, launches in job.groups.items()}
+        if any(c not in (None, 0) for c in codes.values()):
+            raise RuntimeError(f"ftbridge run in {job.workdir} failed, exit codes {codes}\n{job.tails()}")
+        if all(c == 0 for c in codes.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ftbridge run in {job.workdir} still running after {timeout_s} s, exit codes "
+                               f"{codes}\n{job.tails()}")
+        time.sleep(poll_s)
 
 
 def steady_median(step_times_s: Sequence[float], warmup_steps: int) -> float:
