@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
     p.add_argument("--no-cross-replica-sync", action="store_true",
                    help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
-    p.add_argument("--result", default=None, help="write final parameters/optimizer state digest JSON here")
+    p.add_argument("--result", default=None,
+                   help="write the final parameters/optimizer state digest, step_times_s and peak_rss_bytes "
+                        "as JSON here")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on group rank 0")
     p.add_argument("--stop-file", default=None,
                    help="a file holding a step number; once it exists, train until that step (at most --steps)")
@@ -285,6 +287,19 @@ def write_result(path: Optional[str], record: Dict[str, Any]) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(tmp, path)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, bytes (``getrusage`` ``ru_maxrss``, KiB on Linux).
+
+    Recorded as ``peak_rss_bytes`` in the ``--result`` record; the memory
+    benchmark compares it with plain DeepSpeed's.
+    """
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes
 
 
 def now() -> float:

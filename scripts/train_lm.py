@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                             cross_replica_allreduces=engine.sync.allreduces,
                             cross_replica_bytes=engine.sync.bytes_sent, **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
-                                      "step_times_s": step_times})
+                                      "step_times_s": step_times, "peak_rss_bytes": lm_job.peak_rss_bytes()})
     if ckpt:
         ckpt.close()
     if cfg:

@@ -124,8 +124,16 @@ BenchFn = Callable[[BenchSettings], List[Metric]]
 PlotFn = Callable[[List[Metric], str], None]
 
 # Benchmark modules, imported by the CLI in this order; each registers itself with @benchmark.
-MODULES: tuple = ("ftbridge.bench.failover", "ftbridge.bench.heal", "ftbridge.bench.restart",
-                  "ftbridge.bench.rescale")
+MODULES: tuple = (
+    "ftbridge.bench.overhead",   # 1. steady-state step time vs plain DeepSpeed
+    "ftbridge.bench.overlap",    # 2. per-bucket vs post-backward sync
+    "ftbridge.bench.failover",   # 3. survivor stall after a group is killed
+    "ftbridge.bench.heal",       # 4. restart to first commit, by phase; transfer vs loopback
+    "ftbridge.bench.restart",    # 5. against plain DeepSpeed under torchrun restarts
+    "ftbridge.bench.rescale",    # 6. resume at another number of groups vs universal checkpoint
+    "ftbridge.bench.memory",     # 7. peak RSS vs plain DeepSpeed
+    "ftbridge.bench.scaling",    # 8. cross-replica cost vs groups and model size
+)
 
 REGISTRY: Dict[str, BenchFn] = {}
 PLOTS: Dict[str, PlotFn] = {}

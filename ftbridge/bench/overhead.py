@@ -1,0 +1,96 @@
+"""Benchmark ``overhead`` (issue #6 item 1): ftbridge's steady-state step time against plain DeepSpeed.
+
+For each ZeRO stage (1, 2, 3; ``--quick``: 2 only), repetitions alternate
+the order of two runs of the main job, same model, data, ZeRO stage and
+bucket size:
+
+* candidate: ftbridge, ``GROUPS`` replica groups x ``RANKS`` rank (lighthouse,
+  quorum every step, cross-replica all-reduce through torchft);
+* baseline: plain DeepSpeed data parallel on ``GROUPS * RANKS`` ranks (one
+  torchrun world, ``--plain``).
+
+Both see the same global batch per step. The figure is the per-repetition
+ratio of median step times (warm-up steps dropped), median over
+repetitions. Target ``<= 1.03``.
+
+On the 2-core CI machine the topology is 2 groups x 1 rank against 2 plain
+ranks: more ranks than cores would measure CPU oversubscription, not
+ftbridge. Note that the two are not the same communication pattern: plain
+DeepSpeed reduces inside one 2-rank world, ftbridge reduces inside 1-rank
+groups (nothing to do) and then across the groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List
+
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric
+from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain,
+                                 steady_median, train_args)
+
+GROUPS, RANKS = 2, 1
+"""ftbridge topology (replica groups x ranks per group); the baseline has ``GROUPS * RANKS`` ranks."""
+
+TARGET_MAX = 1.03
+
+log = logging.getLogger("ftbridge.bench")
+
+
+def plot(metrics: List[Metric], path: str) -> None:
+    """Bars of plain DeepSpeed and ftbridge median step time (ms) per ZeRO stage, whiskers min..max."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, m in enumerate(metrics):
+        for j, (key, label, color) in enumerate((("baseline_samples", "plain DeepSpeed", "tab:gray"),
+                                                 ("candidate_samples", "ftbridge", "tab:blue"))):
+            ms = sorted(v * 1e3 for v in m.extra[key])
+            mid = ms[len(ms) // 2]
+            ax.bar(i + (j - 0.5) * 0.38, mid, 0.36, color=color, label=label if i == 0 else None,
+                   yerr=[[mid - ms[0]], [ms[-1] - mid]], capsize=3)
+        ax.text(i, max(m.extra["candidate_samples"] + m.extra["baseline_samples"]) * 1e3 * 1.04,
+                f"{m.value:.3f}x", ha="center", fontsize=9)
+    ax.set_xticks(range(len(metrics)), [f"ZeRO-{m.extra['zero_stage']}" for m in metrics])
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"Steady-state overhead: ftbridge {GROUPS}x{RANKS} vs plain DeepSpeed {GROUPS * RANKS} ranks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@benchmark("overhead", plot=plot)
+def run(settings: BenchSettings) -> List[Metric]:
+    """One ratio metric per ZeRO stage: ftbridge median step time / plain DeepSpeed's.
+
+    Raises:
+        RuntimeError, TimeoutError: a training run failed or ran past ``settings.timeout_s``.
+    """
+    model = QUICK_MODEL if settings.quick else MAIN_MODEL
+    stages = (2,) if settings.quick else (1, 2, 3)
+    root = os.path.join(settings.workdir, "overhead")
+    metrics = []
+    for stage in stages:
+        args = train_args(steps=settings.steps + settings.warmup_steps, zero_stage=stage, model=model)
+
+        def plain(rep: int) -> float:
+            res = run_plain(next_run_dir(root, f"plain_z{stage}"), GROUPS * RANKS, args, settings.timeout_s,
+                            rep=rep)
+            return steady_median(res.step_times_s, settings.warmup_steps)
+
+        def ftbridge(rep: int) -> float:
+            res = run_ftbridge(next_run_dir(root, f"ftbridge_z{stage}"), GROUPS, RANKS, args,
+                               timeout_s=settings.timeout_s, rep=rep)
+            return steady_median(res.step_times_s, settings.warmup_steps)
+
+        log.info("overhead: ZeRO-%d, ftbridge %dx%d vs plain DeepSpeed %d ranks, %d rep(s)", stage, GROUPS, RANKS,
+                 GROUPS * RANKS, settings.reps)
+        cand, base = alternate(settings.reps, ftbridge, plain, log.info)
+        metrics.append(ratio_metric(
+            "overhead", f"step time ZeRO-{stage}, ftbridge {GROUPS}x{RANKS} / plain DS {GROUPS * RANKS} ranks",
+            cand, base, baseline_name=f"plain DeepSpeed {GROUPS * RANKS} ranks, median step", target_max=TARGET_MAX,
+            extra={"zero_stage": stage, "groups": GROUPS, "ranks_per_group": RANKS, "baseline_unit": "s",
+                   "model": model, "timed_steps": settings.steps}))
+    return metrics

@@ -1,0 +1,15 @@
+"""Run the benchmark suite; see ``ftbridge-bench --help`` and ``docs/benchmarks.md``.
+
+    .venv/bin/python scripts/bench.py --quick --out runs/bench-quick
+    .venv/bin/python scripts/bench.py --only overhead,overlap --reps 5 --steps 100
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ftbridge.bench.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
