@@ -41,10 +41,15 @@ log = logging.getLogger("ftbridge.bench")
 
 
 def load_benchmarks() -> List[str]:
-    """Import every module of ``core.MODULES`` (each registers itself); the registered names, in order."""
+    """Import every module of ``core.MODULES`` (each registers itself); the registered names in ``MODULES`` order.
+
+    The order is the modules', not the registry's: a module imported earlier
+    elsewhere (a test, a script) registers first.
+    """
     for module in core.MODULES:
         importlib.import_module(module)
-    return list(core.REGISTRY)
+    rank = {module: i for i, module in enumerate(core.MODULES)}
+    return sorted(core.REGISTRY, key=lambda name: rank.get(core.REGISTRY[name].__module__, len(rank)))
 
 
 def select(only: Optional[str], available: Sequence[str]) -> List[str]:
@@ -169,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``ftbridge-bench``; returns the exit status (0 all ran, 1 a benchmark failed, 130 interrupted)."""
     args, settings, names = parse(argv)
     if args.list:
-        print("\n".join(core.REGISTRY))
+        print("\n".join(load_benchmarks()))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two processes on two cores stall for seconds otherwise
     # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: jobs stopped, the partial report written.

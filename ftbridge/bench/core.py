@@ -139,6 +139,15 @@ REGISTRY: Dict[str, BenchFn] = {}
 PLOTS: Dict[str, PlotFn] = {}
 
 
+def save_figure(fig: Any, path: str) -> None:
+    """Lay out, write (PNG, 120 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def benchmark(name: str, plot: Optional[PlotFn] = None) -> Callable[[BenchFn], BenchFn]:
     """Decorator: register ``fn`` as the benchmark ``name``.
 

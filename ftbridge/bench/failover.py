@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, save_figure
 
 NAME = "failover"
 
@@ -129,9 +129,7 @@ def plot(metrics: List[Metric], png_path: str) -> None:
     ax.set_ylabel("seconds")
     ax.set_title("Kill of one replica group: survivors' stall")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    save_figure(fig, png_path)
 
 
 @benchmark(NAME, plot=plot)

@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, List, Sequence
 
 from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
 
 NAME = "heal"
 PHASES = ("torchrun restart", "process start", "DeepSpeed init", "quorum", "state transfer", "first commit")
@@ -128,9 +128,7 @@ def plot(metrics: List[Metric], png_path: str) -> None:
     ax.set_ylabel("seconds from SIGKILL")
     ax.set_title("Restarted replica group: kill to first committed step")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    save_figure(fig, png_path)
 
 
 @benchmark(NAME, plot=plot)

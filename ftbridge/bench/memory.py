@@ -21,7 +21,7 @@ import logging
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
 from ftbridge.bench.jobs import MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain, train_args
 from ftbridge.bench.overhead import GROUPS, RANKS
 
@@ -49,9 +49,7 @@ def plot(metrics: List[Metric], path: str) -> None:
     ax.set_ylim(0, max(max(m.extra["candidate_samples"]) for m in metrics) * 1.15)
     ax.set_title("Peak RSS per rank (target ftbridge / plain <= 1.10)")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @benchmark("memory", plot=plot)

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
 from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain,
                                  steady_median, train_args)
 
@@ -56,9 +56,7 @@ def plot(metrics: List[Metric], path: str) -> None:
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"Steady-state overhead: ftbridge {GROUPS}x{RANKS} vs plain DeepSpeed {GROUPS * RANKS} ranks")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @benchmark("overhead", plot=plot)

@@ -27,7 +27,7 @@ import math
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
 from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, model_params, next_run_dir, run_ftbridge,
                                  steady_median, train_args)
 
@@ -53,9 +53,7 @@ def plot(metrics: List[Metric], path: str) -> None:
                            f"per-bucket\n({m.extra['messages_per_step']:.0f} all-reduces/step)"])
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"Overlap, ZeRO-2, {m.extra['buckets']} buckets: ratio {m.value:.3f} (target <= 1.0)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @benchmark("overlap", plot=plot)

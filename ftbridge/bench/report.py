@@ -26,7 +26,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any, Dict, Optional, Sequence
 
-from ftbridge.bench.core import PLOTS, BenchSettings, Metric
+from ftbridge.bench.core import BenchSettings, Metric, PLOTS, save_figure
 
 
 def environment() -> Dict[str, Any]:
@@ -123,9 +123,7 @@ def plot_overview(metrics: Sequence[Metric], path: str) -> bool:
     ax.invert_yaxis()
     ax.set_xlabel("ratio (median over repetitions; black: target; green met, red not met)")
     ax.set_xlim(0, max(max(max(m.samples), _target_value(m.target) or 0) for m in ms) * 1.35)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import List
 
 from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
 
 NAME = "rescale"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rescale_worker.py")
@@ -83,9 +83,7 @@ def plot(metrics: List[Metric], png_path: str) -> None:
           bottom=[median(x["convert_s"]), 0], color="tab:cyan", label="loading process (start-up included)")
     b.set_title("end to end")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    save_figure(fig, png_path)
 
 
 @benchmark(NAME, plot=plot)

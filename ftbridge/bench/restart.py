@@ -28,7 +28,7 @@ import os
 from typing import Any, Dict, List, Sequence
 
 from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
 from ftbridge.bench.failover import committed_steps_lost, count_metric, survivor_stall
 
 NAME = "restart"
@@ -99,9 +99,7 @@ def plot(metrics: List[Metric], png_path: str) -> None:
     b.bar(["plain DS", "ftbridge"], [median(x["plain_lost"]), median(x["ftbridge_lost"])], color=["tab:gray", "tab:blue"])
     b.set_ylabel("steps")
     b.set_title("steps of work lost")
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    save_figure(fig, png_path)
 
 
 @benchmark(NAME, plot=plot)

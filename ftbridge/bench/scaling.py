@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Dict, List, Sequence, Tuple
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, save_figure
 from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, model_params, next_run_dir, run_ftbridge,
                                  steady_median, train_args)
 
@@ -74,9 +74,7 @@ def plot(metrics: List[Metric], path: str) -> None:
             ax.set_xscale("log")
             ax.set_title(f"vs model size ({SIZES_GROUPS} groups)", fontsize=10)
     fig.suptitle("Per-step cross-replica cost", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 @benchmark("scaling", plot=plot)
