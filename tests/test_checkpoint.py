@@ -6,6 +6,8 @@ import io
 import logging
 import os
 import random
+import signal
+import threading
 
 import pytest
 import torch
@@ -235,3 +237,46 @@ def test_damaged_checkpoint_is_moved_aside_before_the_same_step_is_published_aga
     _quarantine_if_bad(store, "global_step4", logging.getLogger("t"))
     assert os.path.isdir(good) and not os.path.exists(bad)
     assert [n for n in os.listdir(tmp_path) if n.startswith(".bad-global_step4-")]
+
+
+# -- SIGTERM when the step in flight cannot finish ----------------------------
+
+def _checkpointer(tmp_path, grace_s):
+    from types import SimpleNamespace
+
+    from ftbridge.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+    from ftbridge.config import FTBridgeConfig
+
+    hooks = []
+    manager = SimpleNamespace(current_step=7, replica_rank=0)
+    engine = SimpleNamespace(cfg=FTBridgeConfig.resolve({}), manager=manager, add_step_hook=hooks.append)
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"), handle_sigterm=False, sigterm_grace_s=grace_s)
+    return Checkpointer(engine, cfg)
+
+
+def test_sigterm_exits_143_when_the_step_in_flight_does_not_finish(tmp_path, monkeypatch):
+    # torchrun SIGTERMs a group's other ranks when one dies; their step can never finish, and the
+    # group's rank 0 kept heartbeating until torchrun's SIGKILL 30 s later (chaos soak).
+    import ftbridge.checkpoint.checkpointer as mod
+
+    exited, codes = threading.Event(), []
+    monkeypatch.setattr(mod.os, "_exit", lambda code: (codes.append(code), exited.set()))
+    ck = _checkpointer(tmp_path, grace_s=0.2)
+    ck._on_sigterm(signal.SIGTERM, None)
+    assert exited.wait(timeout=10) and codes == [143]
+
+
+def test_sigterm_grace_is_cancelled_once_the_step_finishes(tmp_path, monkeypatch):
+    import ftbridge.checkpoint.checkpointer as mod
+
+    codes = []
+    monkeypatch.setattr(mod.os, "_exit", codes.append)
+    ck = _checkpointer(tmp_path, grace_s=0.5)
+    ck._on_sigterm(signal.SIGTERM, None)
+    ck._after_step(committed=False)  # the step finished: stop in order, no forced exit
+    ck._grace.join(timeout=10)
+    assert ck.stopping and codes == []
+
+
+def test_default_sigterm_grace_is_twice_the_cross_replica_timeout(tmp_path):
+    assert _checkpointer(tmp_path, grace_s=None).sigterm_grace_s == 20.0

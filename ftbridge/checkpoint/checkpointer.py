@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import signal
@@ -68,6 +69,12 @@ class CheckpointConfig:
     """Save after the next step once this file exists (the writer deletes it). Default ``<dir>/SAVE_NOW``."""
     handle_sigterm: bool = True
     """SIGTERM: finish the step, save if writer, set :attr:`Checkpointer.stopping`."""
+    sigterm_grace_s: Optional[float] = None
+    """After a SIGTERM, longest wait for the step in flight to finish (s); past it the rank exits
+    at once (status 143). torchrun SIGTERMs a group's other ranks when one dies; their step then
+    cannot finish (the group's quorum waits for the dead rank up to ``quorum_timeout``), and the
+    rank 0 kept heartbeating meanwhile, which held a 2-group job's other group until its own quorum
+    timed out (chaos soak). Default: 2 x the cross-replica timeout."""
     fault_kill_before_publish: Optional[str] = None
     """Testing: once this file exists, group rank 0 SIGKILLs itself between the shard writes and the publish."""
     publish_timeout_s: float = 300.0
@@ -76,6 +83,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 0:
             raise ValueError(f"checkpoint every={self.every}, keep={self.keep}: both must be >= 0")
+        if self.sigterm_grace_s is not None and self.sigterm_grace_s <= 0:
+            raise ValueError(f"sigterm_grace_s={self.sigterm_grace_s} must be > 0 (or None for the default)")
         if self.trigger_file is None:
             self.trigger_file = os.path.join(self.dir, "SAVE_NOW")
 
@@ -102,6 +111,9 @@ class Checkpointer:
         self._sigterm = False
         self._requested = False
         self._last_saved = -1
+        self._grace: Optional[threading.Timer] = None
+        grace = cfg.sigterm_grace_s
+        self.sigterm_grace_s = grace if grace is not None else 2 * engine.cfg.cross_replica_timeout.total_seconds()
         engine.add_step_hook(self._after_step)
         if cfg.handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -109,6 +121,18 @@ class Checkpointer:
     # -- requests ----------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
+        if self._grace is None:  # the step in flight must finish within the grace, or this rank exits
+            self._grace = threading.Timer(self.sigterm_grace_s, self._exit_stuck)
+            self._grace.daemon = True
+            self._grace.start()
+
+    def _exit_stuck(self) -> None:
+        self.log.error("SIGTERM %.0f s ago and the step in flight has not finished (a rank of this group is "
+                       "gone?): exiting now so the other replica groups stop waiting for this one; committed "
+                       "state lives on in them, published checkpoints are untouched", self.sigterm_grace_s)
+        for handler in logging.getLogger().handlers + self.log.logger.handlers:
+            handler.flush()
+        os._exit(128 + signal.SIGTERM)
 
     def request_save(self) -> None:
         """Save after the next committed step (if this group is then the writer)."""
@@ -122,6 +146,8 @@ class Checkpointer:
         return bool(flags[0]), bool(flags[1])
 
     def _after_step(self, committed: bool) -> None:
+        if self._grace is not None:  # the step finished: the group can save and stop in order
+            self._grace.cancel()
         stopping, requested = self._agree()
         m = self.engine.manager
         step = m.current_step
