@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
 from typing import List, Optional
@@ -59,6 +60,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -86,8 +91,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                              baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance)
     print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
           f"{args.groups} replica groups x {args.nproc} ranks, logs in {workdir}", flush=True)
-    with tqdm(total=len(schedule), unit="failure", desc="chaos") as bar:
-        result = run_chaos(settings, schedule, progress=bar)
+    # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: run_chaos's clean-up stops every
+    # process it started (without this, the groups outlived the runner and torchrun restarted them).
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tqdm(total=len(schedule), unit="failure", desc="chaos") as bar:
+            result = run_chaos(settings, schedule, progress=bar)
+    except KeyboardInterrupt:
+        print("ftbridge-chaos: interrupted; every process it started has been stopped", file=sys.stderr)
+        return 130
     paths = report.write(result, args.out)
     print(report.table(result))
     print(f"report: {', '.join(paths)}")
