@@ -100,6 +100,21 @@ def test_hung_group_that_nobody_left_behind_rejoins_without_a_heal():
     assert inv.recovery(ev, t_inject=10.0, hit=[1]).rejoin_s is None
 
 
+def test_orphan_commit_of_a_group_that_died_is_reported_not_a_divergence():
+    # Quorum 5 = groups 0, 1, 2; group 1 dies mid all-reduce: group 2's ring finished (commit, "b"),
+    # group 0's failed (discard). Group 2 dies before its next step; 0 commits step 11 later ("c").
+    ev = [_rec(0, 10.0, 11, committed=False, quorum=5, participants=3, checksum="a"),
+          _rec(2, 10.0, 11, quorum=5, participants=3, checksum="b"), _start(2, 20.0),
+          _rec(0, 22.0, 11, quorum=7, participants=1, checksum="c"),
+          _rec(2, 25.0, 12, quorum=8, participants=2, healed=True, checksum="d"),
+          _rec(0, 25.0, 12, quorum=8, participants=2, checksum="d")]
+    assert [(e["replica_group"], e["step"]) for e in inv.orphan_commits(ev)] == [(2, 11)]
+    assert inv.replicas_identical_after_commit(ev) == []
+    # Had group 2 lived (no restart), its commit is no orphan and the divergence is reported.
+    alive = [e for e in ev if e.get("event") != "start"]
+    assert inv.orphan_commits(alive) == [] and inv.replicas_identical_after_commit(alive)
+
+
 def test_final_loss_tolerance():
     assert inv.final_loss_close(2.0, 2.05, 0.1) == []
     assert inv.final_loss_close(2.0, 2.5, 0.1)[0].invariant == "final loss"

@@ -87,11 +87,49 @@ def no_committed_step_lost(events: Sequence[Record]) -> List[Violation]:
     return out
 
 
+def orphan_commits(events: Sequence[Record]) -> List[Record]:
+    """Commits that no other replica group of the quorum shared, by a group that died right after.
+
+    torchft's ``should_commit`` is an AND over the ranks of one group only.
+    When a peer dies inside a cross-replica all-reduce, a ring all-reduce can
+    complete on one group and fail on another: the first commits, the second
+    discards. Had the first lived, the others would heal from it (it holds the
+    newest step). If it died before its next step, nobody ever held that
+    state and the others commit that step again from their own: seen in a CI
+    chaos run (a heal donor killed just after such a commit). Returned: the
+    step records (group rank 0 and 1 alike) of commits in a quorum of more
+    than one participant that no other group committed, followed by a restart
+    of that rank before its next step. The chaos report counts them.
+    """
+    steps = _step_records(events)
+    starts = _launch_starts(events)
+    committed_by: Dict[Tuple[int, Any], set] = {}
+    by_rank: Dict[Tuple[int, int], List[Record]] = {}
+    for e in steps:
+        by_rank.setdefault((e["replica_group"], e["group_rank"]), []).append(e)
+        if e["committed"]:
+            committed_by.setdefault((e["step"], e["quorum_id"]), set()).add(e["replica_group"])
+    out = []
+    for (g, r), recs in by_rank.items():
+        for i, e in enumerate(recs):
+            if not e["committed"] or e.get("participants", 1) < 2 or committed_by[(e["step"], e["quorum_id"])] != {g}:
+                continue
+            nxt = recs[i + 1]["time"] if i + 1 < len(recs) else float("inf")
+            if any(e["time"] < t < nxt for t in starts.get((g, r), [])):
+                out.append(e)
+    return out
+
+
 def replicas_identical_after_commit(events: Sequence[Record]) -> List[Violation]:
-    """Every replica that committed step ``s`` holds the same parameters after it."""
+    """Every replica that committed step ``s`` holds the same parameters after it.
+
+    :func:`orphan_commits` are left out: their state died with their group
+    before any other group could hold or build on it.
+    """
+    orphans = {id(e) for e in orphan_commits(events)}
     by_step: Dict[int, Dict[str, List[str]]] = {}
     for e in _step_records(events):
-        if e["committed"] and e.get("param_checksum"):
+        if e["committed"] and e.get("param_checksum") and id(e) not in orphans:
             by_step.setdefault(e["step"], {}).setdefault(e["param_checksum"], []).append(
                 f"{e['replica_group']}/{e['group_rank']}")
     return [Violation("identical replicas", f"step {s}: different parameters on " +

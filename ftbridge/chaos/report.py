@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, Dict, List
 
+from ftbridge.chaos import invariants
 from ftbridge.chaos.invariants import Stats
 from ftbridge.chaos.runner import ChaosResult
 from ftbridge.chaos.schedule import FailureKind
@@ -55,6 +56,7 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
         "failure_free_val_loss": result.baseline_loss,
         "heals": heals,
         "steps_discarded": discarded,
+        "orphan_commits": sorted({(e["replica_group"], e["step"]) for e in invariants.orphan_commits(result.events)}),
         "by_kind": by_kind(result),
         "failures": [o.to_json() for o in result.outcomes],
         "violations": result.violations,
@@ -79,6 +81,10 @@ def table(result: ChaosResult) -> str:
     lines.append(f"{len(result.outcomes)} failures in {result.wall_s:.0f} s; {s['heals']} heals, "
                  f"{s['steps_discarded']} steps discarded, final step {result.final_step}; {loss}")
     lines.append(f"recovery bound from the timeouts: {result.settings.recovery_bound_s:.1f} s")
+    if s["orphan_commits"]:
+        lines.append(f"orphan commits (a group committed a step the others discarded, then died before any other "
+                     f"group held it; torchft commits per group): {len(s['orphan_commits'])} "
+                     f"(group, step) {s['orphan_commits']}")
     if result.violations:
         lines.append("INVARIANTS BROKEN:")
         lines += [f"  - {v}" for v in result.violations]
