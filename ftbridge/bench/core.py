@@ -148,6 +148,24 @@ def save_figure(fig: Any, path: str) -> None:
     plt.close(fig)
 
 
+def paired_bars(ax: Any, metrics: List[Metric], scale: float = 1.0, color: str = "tab:blue") -> None:
+    """Per ZeRO stage, bars of the baseline's and ftbridge's median sample (x ``scale``), whiskers min..max.
+
+    For ratio metrics whose ``extra`` holds ``baseline_samples``, ``candidate_samples`` and
+    ``zero_stage`` (:func:`ratio_metric` with paired repetitions); each pair is labelled with its ratio.
+    """
+    for i, m in enumerate(metrics):
+        for j, (key, label, c) in enumerate((("baseline_samples", "plain DeepSpeed", "tab:gray"),
+                                             ("candidate_samples", "ftbridge", color))):
+            vals = sorted(v * scale for v in m.extra[key])
+            mid = vals[len(vals) // 2]
+            ax.bar(i + (j - 0.5) * 0.38, mid, 0.36, color=c, label=label if i == 0 else None,
+                   yerr=[[mid - vals[0]], [vals[-1] - mid]], capsize=3)
+        ax.text(i, max(m.extra["candidate_samples"] + m.extra["baseline_samples"]) * scale * 1.04,
+                f"{m.value:.3f}x", ha="center", fontsize=9)
+    ax.set_xticks(range(len(metrics)), [f"ZeRO-{m.extra['zero_stage']}" for m in metrics])
+
+
 def benchmark(name: str, plot: Optional[PlotFn] = None) -> Callable[[BenchFn], BenchFn]:
     """Decorator: register ``fn`` as the benchmark ``name``.
 

@@ -21,7 +21,7 @@ import logging
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
 from ftbridge.bench.jobs import MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain, train_args
 from ftbridge.bench.overhead import GROUPS, RANKS
 
@@ -36,15 +36,7 @@ def plot(metrics: List[Metric], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, m in enumerate(metrics):
-        for j, (key, label, color) in enumerate((("baseline_samples", "plain DeepSpeed", "tab:gray"),
-                                                 ("candidate_samples", "ftbridge", "tab:orange"))):
-            vals = sorted(m.extra[key])
-            mid = vals[len(vals) // 2]
-            ax.bar(i + (j - 0.5) * 0.38, mid, 0.36, color=color, label=label if i == 0 else None,
-                   yerr=[[mid - vals[0]], [vals[-1] - mid]], capsize=3)
-        ax.text(i, max(m.extra["candidate_samples"]) * 1.03, f"{m.value:.3f}x", ha="center", fontsize=9)
-    ax.set_xticks(range(len(metrics)), [f"ZeRO-{m.extra['zero_stage']}" for m in metrics])
+    paired_bars(ax, metrics, color="tab:orange")
     ax.set_ylabel("peak RSS per rank (MiB)")
     ax.set_ylim(0, max(max(m.extra["candidate_samples"]) for m in metrics) * 1.15)
     ax.set_title("Peak RSS per rank (target ftbridge / plain <= 1.10)")

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
+from ftbridge.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
 from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain,
                                  steady_median, train_args)
 
@@ -43,16 +43,7 @@ def plot(metrics: List[Metric], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, m in enumerate(metrics):
-        for j, (key, label, color) in enumerate((("baseline_samples", "plain DeepSpeed", "tab:gray"),
-                                                 ("candidate_samples", "ftbridge", "tab:blue"))):
-            ms = sorted(v * 1e3 for v in m.extra[key])
-            mid = ms[len(ms) // 2]
-            ax.bar(i + (j - 0.5) * 0.38, mid, 0.36, color=color, label=label if i == 0 else None,
-                   yerr=[[mid - ms[0]], [ms[-1] - mid]], capsize=3)
-        ax.text(i, max(m.extra["candidate_samples"] + m.extra["baseline_samples"]) * 1e3 * 1.04,
-                f"{m.value:.3f}x", ha="center", fontsize=9)
-    ax.set_xticks(range(len(metrics)), [f"ZeRO-{m.extra['zero_stage']}" for m in metrics])
+    paired_bars(ax, metrics, scale=1e3, color="tab:blue")
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"Steady-state overhead: ftbridge {GROUPS}x{RANKS} vs plain DeepSpeed {GROUPS * RANKS} ranks")
     ax.legend(fontsize=8)
