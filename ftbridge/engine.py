@@ -63,17 +63,20 @@ class FaultTolerantEngine:
         engine: an initialised DeepSpeed engine whose world is one replica group.
         cfg: resolved ftbridge configuration.
         checksum_every: write a parameter checksum to the event log every N
-            steps (0: never). Under ZeRO-3 this gathers the parameters.
+            steps (0: never; default ``cfg.checksum_every``, 100). Under
+            ZeRO-3 this gathers the parameters.
         comm_hook: a user communication hook ``hook(state, flat) -> work``
             (:mod:`ftbridge.comm_hooks`); default: ``cfg.comm_hook``.
     """
 
-    def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: int = 1,
+    def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: Optional[int] = None,
                  comm_hook: Optional[Callable[..., Any]] = None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.adapter: ZeroAdapter = adapter_for(engine)
-        self.checksum_every = checksum_every
+        self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
+        if self.checksum_every < 0:
+            raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
         self._extra_state: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any]], None]]] = {}
         self._step_hooks: list = []
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
@@ -292,7 +295,7 @@ class FaultTolerantEngine:
 
 
 def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBridgeConfig] = None,
-               checksum_every: int = 1, comm_hook: Optional[Callable[..., Any]] = None,
+               checksum_every: Optional[int] = None, comm_hook: Optional[Callable[..., Any]] = None,
                **kwargs: Any) -> Tuple[FaultTolerantEngine, Any, Any, Any]:
     """``deepspeed.initialize`` for one replica group of a fault-tolerant job.
 

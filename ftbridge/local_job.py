@@ -61,12 +61,15 @@ class LocalJob:
         max_restarts: torchrun restarts per group.
         heartbeat_timeout_ms, join_timeout_ms: lighthouse settings.
         env: extra environment for every group.
+        checksum_every: parameter checksum in the event log every N steps
+            (``FTBRIDGE_CHECKSUM_EVERY``); default 1, so tests and chaos runs can
+            compare replicas at every step. ``None``: the library default.
     """
 
     def __init__(self, workdir: str, num_groups: int, nproc_per_node: int, script_args: Sequence[str], *,
                  script: str = TRAIN_SCRIPT, min_replicas: int = 1, lighthouse_min_replicas: Optional[int] = None,
                  max_restarts: int = 3, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000,
-                 env: Optional[Dict[str, str]] = None) -> None:
+                 env: Optional[Dict[str, str]] = None, checksum_every: Optional[int] = 1) -> None:
         if num_groups < 1 or nproc_per_node < 1:
             raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}: both must be >= 1")
         self.workdir = os.path.abspath(workdir)
@@ -81,6 +84,8 @@ class LocalJob:
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self.join_timeout_ms = join_timeout_ms
         self.env = dict(env or {})
+        if checksum_every is not None:
+            self.env.setdefault("FTBRIDGE_CHECKSUM_EVERY", str(checksum_every))
         self.lighthouse: Any = None
         self.groups: Dict[int, List[GroupProcess]] = {}
 

@@ -103,6 +103,7 @@ def test_precedence_argument_then_ftbridge_env_then_torchft_env_then_default(
     ("init_sync", "FTBRIDGE_INIT_SYNC", "true", True, False),
     ("sync_mode", "FTBRIDGE_SYNC_MODE", "post_backward", "post_backward", "per_bucket"),
     ("event_log", "FTBRIDGE_EVENT_LOG", "/tmp/ev.jsonl", "/tmp/ev.jsonl", None),
+    ("checksum_every", "FTBRIDGE_CHECKSUM_EVERY", "1", 1, 100),
 ])
 def test_single_env_name_fields(field, env, raw, value, default):
     base = {"group_size": 8, "num_replica_groups": 4}
@@ -255,6 +256,7 @@ def test_timeout_override_of_wrong_type_is_refused(bad):
     (dict(manager_port=65536), "manager_port=65536"),
     (dict(sync_mode="per_step"), "sync_mode='per_step'"),
     (dict(heal_bind=""), "is not an address peers can dial"),
+    (dict(checksum_every=-1), "checksum_every=-1 must be >= 0"),
 ])
 def test_each_validation_rule_names_the_bad_value(kwargs, needle):
     with pytest.raises(ValueError) as err:

@@ -7,6 +7,7 @@ discard and heal can be checked exactly, for ZeRO stages 1, 2 and 3.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -32,7 +33,8 @@ def _gas(stage):
     return OFFLOAD[stage][1] if stage in OFFLOAD else 1
 
 
-def _engine(monkeypatch, stage, mode="per_bucket", gas=None, bucket_bytes=0, sgd=False, manager_cls=None):
+def _engine(monkeypatch, stage, mode="per_bucket", gas=None, bucket_bytes=0, sgd=False, manager_cls=None,
+            checksum_every=0, ft=None):
     import deepspeed
 
     from ftbridge import engine as engine_mod
@@ -63,8 +65,8 @@ def _engine(monkeypatch, stage, mode="per_bucket", gas=None, bucket_bytes=0, sgd
         assert type(raw.optimizer).__name__ == "BF16_Optimizer"
     if offload:
         assert raw.zero_cpu_offload()
-    cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode, cross_replica_bucket_bytes=bucket_bytes)
-    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
+    cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode, cross_replica_bucket_bytes=bucket_bytes, **(ft or {}))
+    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=checksum_every)
 
 
 def _batch(i):
@@ -85,6 +87,19 @@ def _state(engine):
     from ftbridge.lm_job import final_digest
 
     return final_digest(engine.engine, engine.adapter), int(engine.global_steps), int(engine.micro_steps)
+
+
+def test_parameter_checksum_every_n_steps_from_the_config(monkeypatch, tmp_path):
+    log = tmp_path / "events.jsonl"
+    eng = _engine(monkeypatch, 2, checksum_every=None, ft=dict(event_log=str(log), checksum_every=2))
+    assert eng.checksum_every == 2
+    _train(eng, range(5))
+    eng.events.close()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [e for e in steps if "committed" in e]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4, 5]
+    assert [e["param_checksum"] is not None for e in steps] == [False, True, False, True, False]
+    assert steps[1]["param_checksum"] != steps[3]["param_checksum"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT, *OFFLOAD])

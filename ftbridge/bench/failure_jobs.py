@@ -89,7 +89,7 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings) -> KillRun:
     t_out = settings.timeout_s
     args = [*model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
     job = LocalJob(workdir, 2, RANKS_PER_GROUP, args, max_restarts=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
-                   env={"OMP_NUM_THREADS": "1"})
+                   env={"OMP_NUM_THREADS": "1"}, checksum_every=None)
     warm = warm_steps(settings)
     with job:
         job.start()
