@@ -20,7 +20,7 @@ With ``FTBRIDGE_FAULT_DIR`` unset, :func:`point` costs one dictionary lookup.
 Points in ftbridge:
 
 * ``heal_send``: the donor, after sending half of its heal state;
-* ``heal_recv``: the joiner, after receiving half of the heal state;
+* ``heal_recv``: the joiner, after receiving the heal state's header, before its tensors;
 * ``first_quorum``: a launch's first step, once its quorum is decided, before any training;
 * ``checkpoint_publish``: the checkpoint writer's group rank 0, with the checkpoint staged and its
   manifest written, before the atomic publish.

@@ -65,6 +65,7 @@ def encode_state(state: Dict[str, Any]) -> bytes:
     """
     header: Dict[str, Any] = {}
     tensors: Dict[str, torch.Tensor] = {}
+    storages: set = set()
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
@@ -77,7 +78,14 @@ def encode_state(state: Dict[str, Any]) -> bytes:
                 walk(value, f"{path}{_SEP}{key}" if path else key)
         elif isinstance(node, torch.Tensor):
             name = f"t{len(tensors)}"
-            tensors[name] = node.detach().to("cpu").contiguous().clone()
+            t = node.detach().to("cpu").contiguous()
+            # safetensors refuses tensors sharing a storage (state dicts hold views of flat
+            # buffers): copy only those; the others are copied once, by st_save itself.
+            storage = t.untyped_storage().data_ptr()
+            if storage in storages:
+                t = t.clone()
+            storages.add(storage)
+            tensors[name] = t
             header[path] = {"t": name}
         elif isinstance(node, _SCALARS):
             header[path] = {"v": node}
@@ -99,16 +107,33 @@ def decode_state(body: bytes) -> Dict[str, Any]:
     Raises:
         ValueError: the body is truncated or not in this format.
     """
-    if len(body) < 8:
-        raise ValueError(f"heal state body of {len(body)} bytes is truncated")
-    (n,) = struct.unpack("<Q", body[:8])
-    if 8 + n > len(body):
-        raise ValueError(f"heal state header of {n} bytes exceeds body of {len(body)} bytes")
+    n = _header_length(body[:8], len(body))
+    return decode_parts(body[8 : 8 + n], body[8 + n :])
+
+
+def _header_length(prefix: bytes, body_len: int) -> int:
+    """The JSON header's length from the body's 8-byte prefix, checked against ``body_len`` (bytes)."""
+    if len(prefix) < 8 or body_len < 8:
+        raise ValueError(f"heal state body of {body_len} bytes is truncated")
+    (n,) = struct.unpack("<Q", prefix)
+    if 8 + n > body_len:
+        raise ValueError(f"heal state header of {n} bytes exceeds body of {body_len} bytes")
+    return n
+
+
+def decode_parts(head: bytes, blob: bytes) -> Dict[str, Any]:
+    """:func:`decode_state` of a body already split into its JSON header and safetensors blob.
+
+    The receiver reads the two apart, so the blob (nearly all of the bytes)
+    is never copied before safetensors loads it.
+
+    Raises:
+        ValueError: a malformed header or blob.
+    """
     try:
-        header = json.loads(body[8 : 8 + n])
+        header = json.loads(head)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"heal state header is not JSON: {e}") from None
-    blob = body[8 + n :]
     try:
         tensors = st_load(blob) if blob else {}
     except Exception as e:  # safetensors raises its own error type on a corrupt blob
@@ -175,11 +200,11 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                half = len(body) // 2
-                self.wfile.write(body[:half])
+                view, half = memoryview(body), len(body) // 2  # no copies of the body
+                self.wfile.write(view[:half])
                 self.wfile.flush()
                 faults.point("heal_send")
-                self.wfile.write(body[half:])
+                self.wfile.write(view[half:])
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("heal transport: " + fmt, *args)
@@ -245,17 +270,22 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         wall0 = time.time()
         with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as resp:
             size = int(resp.headers.get("Content-Length", "0"))
-            first = resp.read(size // 2)
+            # Header and blob read apart: the blob arrives as one bytes object that safetensors loads
+            # as is (no concatenation or slicing copies of the whole body).
+            prefix = resp.read(8)
+            n = _header_length(prefix, size)
+            head = resp.read(n)
             faults.point("heal_recv")
-            body = first + resp.read()
-        if len(body) != size:
-            raise ConnectionError(f"heal state for step {step} from {url}: received {len(body)} of {size} bytes "
+            blob = resp.read(size - 8 - n)
+        got = len(prefix) + len(head) + len(blob)
+        if got != size:
+            raise ConnectionError(f"heal state for step {step} from {url}: received {got} of {size} bytes "
                                   "(the donor died or the connection broke)")
         fetched = time.time()
-        state = decode_state(body)
-        self.last_recv = {"bytes": len(body), "start": wall0, "fetched": fetched, "end": time.time()}
+        state = decode_parts(head, blob)
+        self.last_recv = {"bytes": size, "start": wall0, "fetched": fetched, "end": time.time()}
         logger.info("received heal state for step %d from replica rank %d (%s): %.1f MB in %.3f s",
-                    step, src_rank, url, len(body) / 1e6, time.perf_counter() - t0)
+                    step, src_rank, url, size / 1e6, time.perf_counter() - t0)
         return state
 
     def shutdown(self, wait: bool = True) -> None:

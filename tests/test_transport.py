@@ -542,3 +542,13 @@ def test_bound_socket_is_the_chosen_interface_only():
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
         t.shutdown()
+
+
+def test_encoded_body_is_a_snapshot_of_the_state():
+    # The donor's state changes once its step goes on: the served body must not.
+    flat = torch.arange(6.0)
+    body = encode_state({"a": flat[:3], "b": flat[3:], "whole": flat})
+    flat.zero_()
+    got = decode_state(body)
+    assert torch.equal(got["a"], torch.arange(3.0)) and torch.equal(got["b"], torch.arange(3.0, 6.0))
+    assert torch.equal(got["whole"], torch.arange(6.0))
