@@ -61,6 +61,14 @@ def test_alternate_swaps_order_every_other_rep():
     assert a == [1.0] * 3 and b == [2.0] * 3
 
 
+def test_rotate_lets_each_configuration_lead_once_per_cycle():
+    calls = []
+    out = jobs.rotate(3, [lambda r, i=i, n=n: calls.append((n, r)) or 10.0 * i + r for i, n in enumerate("abc")])
+    assert [n for n, r in calls] == list("abc" "bca" "cab")
+    assert [r for n, r in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert out == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0], [20.0, 21.0, 22.0]]
+
+
 def test_run_cache_reuses_same_configuration_and_rep_only():
     jobs.clear_cache()
     made = []
@@ -99,7 +107,8 @@ def synthetic_metrics():
     ov = [ratio_metric("overhead", f"step time ZeRO-{s}", [0.11, 0.12], [0.10, 0.11], baseline_name="plain",
                        target_max=1.03, extra={"zero_stage": s, "baseline_unit": "s"}) for s in (1, 2, 3)]
     ol = ratio_metric("overlap", "per-bucket / post-backward", [0.09, 0.1], [0.1, 0.1], baseline_name="post",
-                      target_max=1.0, extra={"buckets": 10, "messages_per_step": 10.0, "note": "aim: 1.2x faster"})
+                      target_max=1.0, extra={"buckets": 10, "messages_per_step": 10.0, "note": "aim: 1.2x faster",
+                                                  "variant": "finest"})
     mem = ratio_metric("memory", "peak RSS ZeRO-2", [480.0, 481.0], [470.0, 470.0], baseline_name="plain",
                        target_max=1.10, extra={"zero_stage": 2, "baseline_unit": "MiB"})
     sc = [Metric("scaling", f"cost {axis} {x}", 1.5 * x, "ms", [1.0 * x, 2.0 * x], baseline=20.0,

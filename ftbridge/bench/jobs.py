@@ -275,12 +275,26 @@ def alternate(reps: int, first: Callable[[int], float], second: Callable[[int], 
     Returns:
         ``(first_samples, second_samples)``, one value each per repetition.
     """
-    a, b = [], []
-    for rep in range(reps):
-        for fn, out in ((first, a), (second, b)) if rep % 2 == 0 else ((second, b), (first, a)):
-            out.append(fn(rep))
+    a, b = rotate(reps, [first, second])
     (log or logger.info)(f"  paired {reps} rep(s): {_fmt(a)} vs {_fmt(b)}")
     return a, b
+
+
+def rotate(reps: int, fns: Sequence[Callable[[int], float]]) -> List[List[float]]:
+    """Grouped repetitions of several runs: each rep calls every ``fns[i](rep)`` once, the order rotated by one each rep.
+
+    The generalisation of :func:`alternate` to more than two configurations
+    sharing one baseline: each configuration leads equally often over the reps.
+
+    Returns:
+        ``samples[i]``: the values of ``fns[i]``, one per repetition.
+    """
+    out: List[List[float]] = [[] for _ in fns]
+    for rep in range(reps):
+        for k in range(len(fns)):
+            i = (k + rep) % len(fns)
+            out[i].append(fns[i](rep))
+    return out
 
 
 def _fmt(values: Sequence[float]) -> str:
