@@ -119,7 +119,8 @@ def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
     hm = heal.run(None)
     assert hm[0].value == pytest.approx(7.0) and hm[-1].unit == "ratio" and hm[-1].value > 0
     heal.plot(hm, str(tmp_path / "heal.png"))
-    x = {"plain_resume_s": [5.0], "survivors_s": [2.0], "rejoined_s": [6.0], "plain_lost": [3], "ftbridge_lost": [0]}
+    x = {"plain_resume_s": [5.0], "survivors_s": [2.0], "rejoined_s": [6.0], "plain_lost": [3], "ftbridge_lost": [0],
+         "survivors_fast_heartbeat_s": [0.6]}
     restart.plot([Metric("restart", "r", 2.5, "ratio", extra=x)], str(tmp_path / "restart.png"))
     y = {k: [1.0] for k in ("convert_s", "plain_load_s", "plain_proc_s", "ft_load_s", "ft_proc_s")}
     rescale.plot([Metric("rescale", "r", 0.5, "ratio", extra=y)], str(tmp_path / "rescale.png"))

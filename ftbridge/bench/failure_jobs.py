@@ -34,6 +34,9 @@ from ftbridge.local_job import TRAIN_SCRIPT, LocalJob, _killpg
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """Lighthouse heartbeat timeout of the kill runs (LocalJob's default), the same in quick and full mode."""
+FAST_HEARTBEAT_TIMEOUT_MS = 500
+"""A short heartbeat timeout (5 heartbeats of 100 ms) for the restart benchmark's second ftbridge
+configuration (full mode): the survivors' stall is bounded by this timeout."""
 RANKS_PER_GROUP = 1
 """Ranks per replica group in the kill runs: 2 groups x 1 rank = the machine's 2 cores."""
 QUICK_MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32", "--micro-batch", "4",
@@ -66,21 +69,27 @@ class KillRun:
 _CACHE: Dict[Tuple, List[KillRun]] = {}
 
 
-def ftbridge_kill_runs(settings: BenchSettings) -> List[KillRun]:
+def ftbridge_kill_runs(settings: BenchSettings, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> List[KillRun]:
     """``settings.reps`` ftbridge kill runs (1 in quick mode), cached for this suite invocation.
+
+    Args:
+        heartbeat_timeout_ms: the lighthouse's heartbeat timeout (ms).
 
     Raises:
         TimeoutError: a stage took longer than ``settings.timeout_s`` (group log tails included).
     """
-    key = (os.path.abspath(settings.workdir), settings.quick, settings.reps, settings.warmup_steps)
+    key = (os.path.abspath(settings.workdir), settings.quick, settings.reps, settings.warmup_steps,
+           heartbeat_timeout_ms)
     if key not in _CACHE:
         reps = 1 if settings.quick else settings.reps
-        _CACHE[key] = [ftbridge_kill_run(os.path.join(settings.workdir, "ftbridge_kill", f"rep{i}"), settings)
-                       for i in range(reps)]
+        name = "ftbridge_kill" if heartbeat_timeout_ms == HEARTBEAT_TIMEOUT_MS else f"ftbridge_kill_hb{heartbeat_timeout_ms}"
+        _CACHE[key] = [ftbridge_kill_run(os.path.join(settings.workdir, name, f"rep{i}"), settings,
+                                         heartbeat_timeout_ms) for i in range(reps)]
     return _CACHE[key]
 
 
-def ftbridge_kill_run(workdir: str, settings: BenchSettings) -> KillRun:
+def ftbridge_kill_run(workdir: str, settings: BenchSettings,
+                      heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> KillRun:
     """2 groups train; group 1 is SIGKILLed, restarts (torchrun), heals and commits twice; then all stop.
 
     Raises:
@@ -88,7 +97,7 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings) -> KillRun:
     """
     t_out = settings.timeout_s
     args = [*model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
-    job = LocalJob(workdir, 2, RANKS_PER_GROUP, args, max_restarts=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    job = LocalJob(workdir, 2, RANKS_PER_GROUP, args, max_restarts=1, heartbeat_timeout_ms=heartbeat_timeout_ms,
                    env={"OMP_NUM_THREADS": "1"}, checksum_every=None)
     warm = warm_steps(settings)
     with job:
@@ -101,7 +110,7 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings) -> KillRun:
         job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
         job.write_file("stop", str(job.max_step() + 1))
         codes = job.wait(t_out)
-        return KillRun(kill_time, job.events(), extra={"exit_codes": codes})
+        return KillRun(kill_time, job.events(), heartbeat_timeout_ms / 1000, extra={"exit_codes": codes})
 
 
 def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int = 2) -> KillRun:

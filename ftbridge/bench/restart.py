@@ -10,7 +10,10 @@ The same failure (SIGKILL of a training process) handled two ways:
   steps after a checkpoint. torchrun ends the other rank and restarts both.
 * **ftbridge**, 2 replica groups x 1 rank: group 1 is SIGKILLed; group 0 goes
   on; torchrun restarts group 1, which heals (the kill runs shared with the
-  failover and heal benchmarks).
+  failover and heal benchmarks, lighthouse heartbeat timeout 2 s). The
+  survivors wait out the heartbeat timeout, so full runs repeat the kill with
+  a 0.5 s timeout (:data:`~ftbridge.bench.failure_jobs.FAST_HEARTBEAT_TIMEOUT_MS`)
+  and report both ratios.
 
 Measured: time until training resumes (plain: kill .. first step completed
 after the restart; ftbridge: kill .. the survivors' first commit without the
@@ -92,8 +95,14 @@ def plot(metrics: List[Metric], png_path: str) -> None:
     x = m.extra
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
     labels = ["plain DS\nrestart", "ftbridge\nsurvivors", "ftbridge\nrejoined"]
-    a.bar(labels, [median(x["plain_resume_s"]), median(x["survivors_s"]), median(x["rejoined_s"])],
-          color=["tab:gray", "tab:blue", "tab:cyan"])
+    values = [median(x["plain_resume_s"]), median(x["survivors_s"]), median(x["rejoined_s"])]
+    colors = ["tab:gray", "tab:blue", "tab:cyan"]
+    if x.get("survivors_fast_heartbeat_s"):
+        labels.insert(2, "survivors,\n0.5 s heartbeat")
+        values.insert(2, median(x["survivors_fast_heartbeat_s"]))
+        colors.insert(2, "tab:purple")
+    a.bar(labels, values, color=colors)
+    a.tick_params(axis="x", labelsize=7)
     a.set_ylabel("seconds from SIGKILL")
     a.set_title("time until training resumes")
     b.bar(["plain DS", "ftbridge"], [median(x["plain_lost"]), median(x["ftbridge_lost"])], color=["tab:gray", "tab:blue"])
@@ -121,9 +130,27 @@ def run(settings: BenchSettings) -> List[Metric]:
                                [f["rejoined_s"] for f in ft])
     extra = {"plain_resume_s": plain_s, "survivors_s": surv_s, "rejoined_s": back_s, "checkpoint_every": every,
              "plain_lost": [p["lost"] for p in plain], "ftbridge_lost": [f["lost"] for f in ft]}
+    fast = []
+    if not settings.quick:
+        # The survivors' stall is bounded by the lighthouse's heartbeat timeout: the same kill with a short one.
+        fast_runs = failure_jobs.ftbridge_kill_runs(settings, failure_jobs.FAST_HEARTBEAT_TIMEOUT_MS)
+        fast_ft = [ftbridge_resume(r.events, r.kill_time) for r in fast_runs]
+        fast_s = [f["survivors_s"] for f in fast_ft]
+        extra["survivors_fast_heartbeat_s"] = fast_s
+        hb = failure_jobs.FAST_HEARTBEAT_TIMEOUT_MS / 1000
+        fast = [
+            ratio_metric(NAME, f"time to resume: plain restart / ftbridge survivors, heartbeat timeout {hb:g} s",
+                         plain_s, fast_s, target_min=10, extra={"heartbeat_timeout_s": hb},
+                         baseline_name=f"ftbridge survivors' first commit after the kill, {hb:g} s heartbeat timeout (s)"),
+            count_metric(f"ftbridge, heartbeat timeout {hb:g} s: steps lost (discarded + committed lost)",
+                         [f["lost"] for f in fast_ft], 1, bench=NAME),
+        ]
+    hb = failure_jobs.HEARTBEAT_TIMEOUT_MS / 1000
     return [
-        ratio_metric(NAME, "time to resume: plain restart / ftbridge survivors", plain_s, surv_s,
-                     baseline_name="ftbridge survivors' first commit after the kill (s)", target_min=10, extra=extra),
+        ratio_metric(NAME, f"time to resume: plain restart / ftbridge survivors, heartbeat timeout {hb:g} s",
+                     plain_s, surv_s, target_min=10, extra=extra,
+                     baseline_name=f"ftbridge survivors' first commit after the kill, {hb:g} s heartbeat timeout (s)"),
+        *fast,
         ratio_metric(NAME, "time to resume: plain restart / ftbridge restarted group", plain_s, back_s,
                      baseline_name="ftbridge restarted group's first commit (s)"),
         Metric(NAME, "plain DeepSpeed: kill to first step after restart", median(plain_s), "s", plain_s),
