@@ -136,7 +136,10 @@ def test_write_report_writes_json_markdown_and_every_plot(tmp_path):
     cli.load_benchmarks()  # registers the benchmarks' plots
     settings = BenchSettings(workdir=str(tmp_path / "work"), quick=True)
     fail = report.failure("scaling", ValueError("boom"), 1.0)
-    record = report.write_report(str(tmp_path / "out"), settings, synthetic_metrics(), [fail], {"overhead": 1.0})
+    one_group = ratio_metric("overhead", "step time ZeRO-2, ftbridge 1x2", [0.105], [0.10], baseline_name="plain",
+                             extra={"zero_stage": 2, "ranks_per_group": 2, "decomposition": True, "baseline_unit": "s"})
+    metrics = [*synthetic_metrics(), one_group]
+    record = report.write_report(str(tmp_path / "out"), settings, metrics, [fail], {"overhead": 1.0})
     assert record["plot_errors"] == {}
     for name in ("bench.json", "bench.md", "overhead.png", "overlap.png", "memory.png", "scaling.png",
                  "overview.png"):

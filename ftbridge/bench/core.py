@@ -163,7 +163,8 @@ def paired_bars(ax: Any, metrics: List[Metric], scale: float = 1.0, color: str =
                    yerr=[[mid - vals[0]], [vals[-1] - mid]], capsize=3)
         ax.text(i, max(m.extra["candidate_samples"] + m.extra["baseline_samples"]) * scale * 1.04,
                 f"{m.value:.3f}x", ha="center", fontsize=9)
-    ax.set_xticks(range(len(metrics)), [f"ZeRO-{m.extra['zero_stage']}" for m in metrics])
+    ax.set_xticks(range(len(metrics)), [f"ZeRO-{m.extra['zero_stage']}" + (
+        f"\n1 group x {m.extra['ranks_per_group']}" if m.extra.get("decomposition") else "") for m in metrics])
 
 
 def benchmark(name: str, plot: Optional[PlotFn] = None) -> Callable[[BenchFn], BenchFn]:

@@ -82,4 +82,30 @@ def run(settings: BenchSettings) -> List[Metric]:
             cand, base, baseline_name=f"plain DeepSpeed {GROUPS * RANKS} ranks, median step", target_max=TARGET_MAX,
             extra={"zero_stage": stage, "groups": GROUPS, "ranks_per_group": RANKS, "baseline_unit": "s",
                    "model": model, "timed_steps": settings.steps}))
+        if stage == 2 and not settings.quick:
+            metrics.append(_one_group(settings, root, args, plain, model))
     return metrics
+
+
+def _one_group(settings: BenchSettings, root: str, args: List[str], plain, model: dict) -> Metric:
+    """ftbridge as 1 group of ``GROUPS * RANKS`` ranks / plain DeepSpeed on as many: the machinery alone.
+
+    Same sharding as the baseline and no other group to all-reduce with, so
+    the ratio is ftbridge's per-step bookkeeping (quorum, commit vote, hooks,
+    event log) without the two costs of the GROUPS x RANKS topology: the
+    optimizer step over a partition ``GROUPS`` times larger (ZeRO shards inside
+    a group only) and the cross-replica all-reduce. Informative, no target.
+    """
+    n = GROUPS * RANKS
+
+    def ftbridge(rep: int) -> float:
+        res = run_ftbridge(next_run_dir(root, "ftbridge_1group_z2"), 1, n, args, timeout_s=settings.timeout_s,
+                           rep=rep)
+        return steady_median(res.step_times_s, settings.warmup_steps)
+
+    log.info("overhead: ZeRO-2, ftbridge 1x%d vs plain DeepSpeed %d ranks (the machinery alone)", n, n)
+    cand, base = alternate(settings.reps, ftbridge, plain, log.info)
+    return ratio_metric("overhead", f"step time ZeRO-2, ftbridge 1x{n} / plain DS {n} ranks (same sharding)", cand,
+                        base, baseline_name=f"plain DeepSpeed {n} ranks, median step",
+                        extra={"zero_stage": 2, "groups": 1, "ranks_per_group": n, "baseline_unit": "s",
+                               "model": model, "timed_steps": settings.steps, "decomposition": True})
