@@ -103,6 +103,9 @@ class FaultTolerantEngine:
                                {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
 
         self._in_step = False
+        self.cross_replica_wait_s = 0.0
+        """Seconds ``step()`` has blocked on cross-replica all-reduces not finished by the end of
+        backward (the communication the overlap did not hide), summed over all steps."""
         self._window_start = 0
         self._losses: list = []
         self._t0 = 0.0
@@ -185,7 +188,9 @@ class FaultTolerantEngine:
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step(**kwargs)
             return
+        t_wait = time.perf_counter()
         self.sync.wait()
+        self.cross_replica_wait_s += time.perf_counter() - t_wait
         self._wait_for_peer_after_restart()
         agree_on_heal(self.manager.torchft)
         committed = self.manager.should_commit()

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                             param_checksum=digest["params"], optimizer_checksum=digest["optimizer"],
                             lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals,
                             cross_replica_allreduces=engine.sync.allreduces,
-                            cross_replica_bytes=engine.sync.bytes_sent, **engine.sync.hook_state.describe())
+                            cross_replica_bytes=engine.sync.bytes_sent,
+                            cross_replica_wait_s=engine.cross_replica_wait_s, **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
                                       "step_times_s": step_times, "peak_rss_bytes": lm_job.peak_rss_bytes()})
     if ckpt:

@@ -94,8 +94,9 @@ def test_train_args_and_cross_replica_per_step():
     assert args[args.index("--d-model") + 1] == "64" and args[-3:] == ["--reduce-bucket-size", "2048",
                                                                       "--no-cross-replica-sync"]
     res = jobs.JobResult([{"step_times_s": [1.0], "peak_rss_bytes": 5}],
-                         [{"step": 10, "cross_replica_allreduces": 40, "cross_replica_bytes": 4000}])
-    assert res.cross_replica_per_step() == {"allreduces": 4.0, "bytes": 400.0}
+                         [{"step": 10, "cross_replica_allreduces": 40, "cross_replica_bytes": 4000,
+                           "cross_replica_wait_s": 0.05}])
+    assert res.cross_replica_per_step() == pytest.approx({"allreduces": 4.0, "bytes": 400.0, "wait_s": 0.005})
     assert res.peak_rss_bytes == [5]
     with pytest.raises(ValueError, match="no final event"):
         jobs.JobResult([{}], workdir="w").cross_replica_per_step()
@@ -114,6 +115,7 @@ def synthetic_metrics():
     sc = [Metric("scaling", f"cost {axis} {x}", 1.5 * x, "ms", [1.0 * x, 2.0 * x], baseline=20.0,
                  extra={"axis": axis, "groups": x if axis == "groups" else 2,
                         "params": x * 100_000 if axis == "params" else 100_000, "bytes_per_step": 4e5 * x,
+                        "exposed_wait_ms": 0.5 * x,
                         "oversubscribed": x > 2})
           for axis in ("groups", "params") for x in (1, 2, 3)]
     return [*ov, ol, mem, *sc]

@@ -307,3 +307,23 @@ def test_optimizer_offload_refuses_what_cannot_run_per_bucket(monkeypatch, case)
                                    config=ds_config)
     with pytest.raises(ValueError, match="remove offload_optimizer"):
         engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, **ft), checksum_every=0)
+
+
+def test_exposed_cross_replica_wait_is_summed_over_steps(monkeypatch):
+    import types
+
+    from ftbridge import engine as engine_mod
+
+    eng = _engine(monkeypatch, 2, "post_backward")
+    clock = [100.0]
+    real_wait = eng.sync.wait
+
+    def slow_wait():  # the all-reduce takes 0.25 s of a fake clock past the end of backward
+        clock[0] += 0.25
+        real_wait()
+
+    monkeypatch.setattr(eng.sync, "wait", slow_wait)
+    monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(time=engine_mod.time.time,
+                                                                  perf_counter=lambda: clock[0]))
+    _train(eng, range(3))
+    assert eng.cross_replica_wait_s == pytest.approx(0.75)

@@ -79,7 +79,10 @@ class JobResult:
         return [int(r["peak_rss_bytes"]) for r in self.results]
 
     def cross_replica_per_step(self) -> Dict[str, float]:
-        """ftbridge only: first rank's cross-replica ``allreduces`` and ``bytes`` per committed step.
+        """ftbridge only: first rank's cross-replica ``allreduces``, ``bytes`` and exposed ``wait_s`` per step.
+
+        ``wait_s``: seconds ``step()`` blocked on the all-reduce after backward
+        (``FaultTolerantEngine.cross_replica_wait_s``), 0 if the record lacks it.
 
         Raises:
             ValueError: no ``final`` event was recorded (plain run, or the job did not finish).
@@ -88,7 +91,8 @@ class JobResult:
             raise ValueError(f"no final event in {self.workdir}: not an ftbridge run, or it did not finish")
         f = self.finals[0]
         steps = max(int(f["step"]), 1)
-        return {"allreduces": f["cross_replica_allreduces"] / steps, "bytes": f["cross_replica_bytes"] / steps}
+        return {"allreduces": f["cross_replica_allreduces"] / steps, "bytes": f["cross_replica_bytes"] / steps,
+                "wait_s": f.get("cross_replica_wait_s", 0.0) / steps}
 
 
 def train_args(*, steps: int, zero_stage: int = 2, model: Optional[Dict[str, int]] = None,
