@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ftbridge.bench.core import BenchSettings
 from ftbridge.bench.failover import committed_steps_lost, count_metric, survivor_stall
 from ftbridge.bench.heal import PHASES, heal_phases, loopback_seconds
 from ftbridge.bench.restart import ftbridge_resume, plain_resume
@@ -116,7 +117,8 @@ def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
     failover.plot(ms, str(tmp_path / "failover.png"))
     heal_runs = [failure_jobs.KillRun(10.0, restarted_group_events())] * 2
     monkeypatch.setattr(failure_jobs, "ftbridge_kill_runs", lambda settings: heal_runs)
-    hm = heal.run(None)
+    monkeypatch.setattr(heal, "transport_alone", lambda mb, reps: [])
+    hm = heal.run(BenchSettings(workdir=str(tmp_path), quick=True))
     assert hm[0].value == pytest.approx(7.0) and hm[-1].unit == "ratio" and hm[-1].value > 0
     heal.plot(hm, str(tmp_path / "heal.png"))
     x = {"plain_resume_s": [5.0], "survivors_s": [2.0], "rejoined_s": [6.0], "plain_lost": [3], "ftbridge_lost": [0],
@@ -125,3 +127,13 @@ def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
     y = {k: [1.0] for k in ("convert_s", "plain_load_s", "plain_proc_s", "ft_load_s", "ft_proc_s")}
     rescale.plot([Metric("rescale", "r", 0.5, "ratio", extra=y)], str(tmp_path / "rescale.png"))
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("failover", "heal", "restart", "rescale"))
+
+
+@pytest.mark.timeout(180)
+def test_transport_alone_fetches_the_served_state_from_another_process():
+    from ftbridge.bench import heal
+
+    ratio, encode = heal.transport_alone(4, 2)
+    assert ratio.unit == "ratio" and len(ratio.samples) == 2 and ratio.value > 0
+    assert ratio.extra["bytes"] > 4 * 2**20  # the four 1 M-element fp32 tensors and the header all arrived
+    assert encode.unit == "MB/s" and encode.value > 0

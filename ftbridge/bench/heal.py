@@ -21,6 +21,15 @@ Transfer throughput: heal bytes / (fetch start .. decoded), against a
 loopback baseline measured in the same run: the same number of bytes sent
 over a plain TCP socket on 127.0.0.1 between two threads of this process
 (:func:`loopback_seconds`). Target: >= 50 % of the baseline.
+
+In the job the transfer shares the 2 cores (and each process's GIL) with
+training: the donor's forward runs beside its HTTP server thread, the
+joiner's discarded step beside its fetch. So the suite also measures the
+transport alone (:func:`transport_alone`): a donor process serving a state of
+``TRANSPORT_MB`` (quick: ``TRANSPORT_MB_QUICK``) through
+:class:`~ftbridge.transport.SafeHTTPTransport`, fetched and decoded by this
+process, against the loopback baseline for the same bytes; the donor's
+snapshot + encode time is reported on its own.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from ftbridge.bench import failure_jobs
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
 
 NAME = "heal"
+TRANSPORT_MB, TRANSPORT_MB_QUICK = 256, 16
+"""State size of the transport-alone measurement (MB, fp32 tensors of 4 MB)."""
 PHASES = ("torchrun restart", "process start", "DeepSpeed init", "quorum", "state transfer", "first commit")
 
 
@@ -152,4 +163,71 @@ def run(settings: BenchSettings) -> List[Metric]:
     out.append(ratio_metric(NAME, "heal transfer throughput / loopback TCP", heal_rate, loop_rate,
                             baseline_name="plain TCP socket on 127.0.0.1, same bytes (MB/s)", target_min=0.5,
                             extra={"bytes": [s["bytes"] for s in stats], "transfer_s": [s["transfer_s"] for s in stats]}))
+    out += transport_alone(TRANSPORT_MB_QUICK if settings.quick else TRANSPORT_MB, 1 if settings.quick else settings.reps)
     return out
+
+
+def _serve_state(mb: int, queue: Any, done: Any) -> None:
+    """Donor process of :func:`transport_alone`: serve ``mb`` MB of fp32 tensors for step 0 until ``done``."""
+    from datetime import timedelta
+
+    import torch
+
+    from ftbridge.transport import SafeHTTPTransport
+
+    n = 1 << 20  # 4 MB tensors
+    state = {"optimizer": {str(i): torch.randn(n) for i in range(max(1, mb // 4))}, "step": 0}
+    tx = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60))
+    t0 = time.perf_counter()
+    tx.send_checkpoint([1], 0, state, timedelta(seconds=60))
+    queue.put((tx.metadata(), time.perf_counter() - t0))
+    done.wait(300)
+    tx.shutdown()
+
+
+def transport_alone(mb: int, reps: int) -> List[Metric]:
+    """The heal transport between two idle processes: fetch + decode against loopback TCP, and the encode.
+
+    Args:
+        mb: state size (MB); reps: fetches of the served state (each timed against its own loopback run).
+
+    Raises:
+        RuntimeError: the donor process did not start serving within 120 s.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+    from datetime import timedelta
+
+    from ftbridge.transport import SafeHTTPTransport
+
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    donor = ctx.Process(target=_serve_state, args=(mb, q, done), daemon=True)
+    donor.start()
+    try:
+        try:
+            address, encode_s = q.get(timeout=120)
+        except queue_mod.Empty:
+            raise RuntimeError(f"transport benchmark: the donor process (pid {donor.pid}) served nothing in 120 s") from None
+        joiner = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60))
+        rates, loop = [], []
+        try:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                joiner.recv_checkpoint(0, address, 0, timedelta(seconds=60))
+                seconds = time.perf_counter() - t0
+                nbytes = joiner.last_recv["bytes"]
+                rates.append(nbytes / seconds / 1e6)
+                loop.append(nbytes / loopback_seconds(nbytes) / 1e6)
+        finally:
+            joiner.shutdown()
+    finally:
+        done.set()
+        donor.join(timeout=30)
+        if donor.is_alive():
+            donor.kill()
+    return [ratio_metric(NAME, f"transport alone, {mb} MB: fetch + decode throughput / loopback TCP", rates, loop,
+                         baseline_name="plain TCP socket on 127.0.0.1, same bytes (MB/s)", target_min=0.5,
+                         extra={"bytes": nbytes, "mb_per_s": rates}),
+            Metric(NAME, f"transport alone, {mb} MB: donor snapshot + encode", nbytes / encode_s / 1e6, "MB/s",
+                   [nbytes / encode_s / 1e6])]
