@@ -112,10 +112,10 @@ def synthetic_metrics():
                                                   "variant": "finest"})
     mem = ratio_metric("memory", "peak RSS ZeRO-2", [480.0, 481.0], [470.0, 470.0], baseline_name="plain",
                        target_max=1.10, extra={"zero_stage": 2, "baseline_unit": "MiB"})
-    sc = [Metric("scaling", f"cost {axis} {x}", 1.5 * x, "ms", [1.0 * x, 2.0 * x], baseline=20.0,
+    sc = [Metric("scaling", f"cross-replica cost {axis} {x}", 1.5 * x, "ms", [1.0 * x, 2.0 * x], baseline=20.0,
                  extra={"axis": axis, "groups": x if axis == "groups" else 2,
                         "params": x * 100_000 if axis == "params" else 100_000, "bytes_per_step": 4e5 * x,
-                        "exposed_wait_ms": 0.5 * x,
+                        "exposed_wait_ms": 0.5 * x, "exposed_wait_samples_ms": [0.4 * x, 0.5 * x, 0.6 * x],
                         "oversubscribed": x > 2})
           for axis in ("groups", "params") for x in (1, 2, 3)]
     return [*ov, ol, mem, *sc]
@@ -140,7 +140,11 @@ def test_write_report_writes_json_markdown_and_every_plot(tmp_path):
     fail = report.failure("scaling", ValueError("boom"), 1.0)
     one_group = ratio_metric("overhead", "step time ZeRO-2, ftbridge 1x2", [0.105], [0.10], baseline_name="plain",
                              extra={"zero_stage": 2, "ranks_per_group": 2, "decomposition": True, "baseline_unit": "s"})
+    from ftbridge.bench import scaling
+
     metrics = [*synthetic_metrics(), one_group]
+    metrics += [scaling.exposed_metric(m) for m in metrics if m.benchmark == "scaling"]
+    assert metrics[-1].name == "exposed wait params 3" and metrics[-1].value == pytest.approx(1.5)
     record = report.write_report(str(tmp_path / "out"), settings, metrics, [fail], {"overhead": 1.0})
     assert record["plot_errors"] == {}
     for name in ("bench.json", "bench.md", "overhead.png", "overlap.png", "memory.png", "scaling.png",

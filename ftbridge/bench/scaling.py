@@ -57,7 +57,8 @@ def plot(metrics: List[Metric], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, axis, xkey, xlabel in ((axes[0], "groups", "groups", "replica groups (1 rank each)"),
                                    (axes[1], "params", "params", "model parameters")):
-        ms = sorted((m for m in metrics if m.extra["axis"] == axis), key=lambda m: m.extra[xkey])
+        ms = sorted((m for m in metrics if m.extra["axis"] == axis and m.extra.get("kind") != "exposed"),
+                    key=lambda m: m.extra[xkey])
         xs = [m.extra[xkey] for m in ms]
         ys = [m.value for m in ms]
         err = [[m.value - min(m.samples) for m in ms], [max(m.samples) - m.value for m in ms]]
@@ -87,7 +88,7 @@ def plot(metrics: List[Metric], path: str) -> None:
 
 @benchmark("scaling", plot=plot)
 def run(settings: BenchSettings) -> List[Metric]:
-    """One metric (ms, no target) per point of each sweep.
+    """Two metrics (ms, no target) per point of each sweep: the cost, then (after all costs) the exposed wait.
 
     Raises:
         RuntimeError, TimeoutError: a training run failed or ran past ``settings.timeout_s``.
@@ -109,7 +110,7 @@ def run(settings: BenchSettings) -> List[Metric]:
         p = point(SIZES_GROUPS, model)
         metrics.append(cost_metric(p, "params", f"cross-replica cost vs model size: {p['params'] / 1e6:.2f} M "
                                                 f"params, {SIZES_GROUPS} groups"))
-    return metrics
+    return metrics + [exposed_metric(m) for m in metrics]
 
 
 def measure(settings: BenchSettings, root: str, groups: int, model: Dict[str, int]) -> Dict[str, object]:
@@ -138,6 +139,14 @@ def measure(settings: BenchSettings, root: str, groups: int, model: Dict[str, in
             "allreduces_per_step": median([p["allreduces"] for p in per_step]),
             "wait_ms": [p["wait_s"] * 1e3 for p in per_step],
             "oversubscribed": groups > (os.cpu_count() or 1)}
+
+
+def exposed_metric(cost: Metric) -> Metric:
+    """The exposed-wait twin of a :func:`cost_metric`: ms per step ``step()`` blocked on the all-reduce."""
+    samples = cost.extra["exposed_wait_samples_ms"]
+    return Metric("scaling", cost.name.replace("cross-replica cost", "exposed wait"), median(samples), "ms", samples,
+                  extra={"axis": cost.extra["axis"], "kind": "exposed", "groups": cost.extra["groups"],
+                         "params": cost.extra["params"], "oversubscribed": cost.extra["oversubscribed"]})
 
 
 def cost_metric(p: Dict[str, object], axis: str, name: str) -> Metric:

@@ -29,7 +29,7 @@ EXPECTED = {
     "restart": None,
     "rescale": None,
     "memory": 1,
-    "scaling": 4,  # groups 1, 2; two model sizes
+    "scaling": 8,  # groups 1, 2; two model sizes; cost and exposed wait of each
 }
 
 
