@@ -98,8 +98,10 @@ def test_rank_hung_past_the_cross_replica_timeout(local_job):
     try:
         # The others go on without the hung group: they discard a step whose all-reduce waits on it
         # (after the cross-replica timeout), or, if it froze between steps, the next quorum leaves it out.
-        job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 and e["time"] > t_stop
-                                   for e in job.steps(0)), 60, "groups 0 and 2 to commit without the hung group")
+        # Both of them, before SIGCONT (the final check asks for this; they may commit milliseconds apart).
+        job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["time"] > t_stop
+                                       for e in job.steps(g)) for g in (0, 2)), 60,
+                       "groups 0 and 2 to commit without the hung group")
         # Hung past the cross-replica timeout, the failure this scenario is about.
         job.wait_until(lambda: time.time() > t_stop + timeout_s + 2, timeout_s + 5, "the hang to pass the timeout")
     finally:
