@@ -81,6 +81,8 @@ def plot(metrics: List[Metric], path: str) -> None:
                 m.extra.get("oversubscribed") for m in ms) else ""), fontsize=10)
         else:
             ax.set_xscale("log")
+            ax.minorticks_off()
+            ax.set_xticks(xs, [f"{x / 1e6:.2f} M" for x in xs])
             ax.set_title(f"vs model size ({SIZES_GROUPS} groups)", fontsize=10)
     fig.suptitle("Per-step cross-replica cost", fontsize=11)
     save_figure(fig, path)
