@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import struct
+import sys
 import threading
 import time
 import urllib.error
@@ -121,11 +123,54 @@ def _header_length(prefix: bytes, body_len: int) -> int:
     return n
 
 
-def decode_parts(head: bytes, blob: bytes) -> Dict[str, Any]:
+# safetensors dtype names (its format spec) for the zero-copy view; any other dtype goes through st_load.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _view_blob(blob: bytearray) -> Dict[str, torch.Tensor]:
+    """Tensors of a safetensors blob as views of ``blob`` (no copy; they keep it alive and may write to it).
+
+    ``safetensors.torch.load`` copies every tensor out of its ``bytes``; at
+    256 MB that copy took as long as the transfer itself. The layout read here
+    is the safetensors format (8-byte little-endian header length, JSON header
+    of ``dtype``/``shape``/``data_offsets`` per tensor, then the data), with
+    every offset checked against the blob. A dtype outside :data:`_ST_DTYPES`
+    or a big-endian host falls back to ``safetensors.torch.load``.
+
+    Raises:
+        ValueError: a header or offset that does not fit the blob.
+    """
+    view = memoryview(blob)
+    if len(view) < 8:
+        raise ValueError(f"{len(view)} bytes is shorter than the safetensors header length")
+    (n,) = struct.unpack("<Q", view[:8])
+    if 8 + n > len(view):
+        raise ValueError(f"safetensors header of {n} bytes exceeds the blob of {len(view)}")
+    header = json.loads(bytes(view[8 : 8 + n]))
+    header.pop("__metadata__", None)
+    if sys.byteorder != "little" or any(info.get("dtype") not in _ST_DTYPES for info in header.values()):
+        return st_load(bytes(blob))
+    base, size, out = 8 + n, len(view) - 8 - n, {}
+    for name, info in header.items():
+        dtype, shape, (begin, end) = _ST_DTYPES[info["dtype"]], list(info["shape"]), info["data_offsets"]
+        numel = math.prod(shape)
+        if not 0 <= begin <= end <= size or end - begin != numel * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: data_offsets {begin}..{end} do not hold shape {shape} of {info['dtype']} "
+                             f"in {size} bytes")
+        out[name] = (torch.frombuffer(blob, dtype=dtype, count=numel, offset=base + begin).reshape(shape) if numel
+                     else torch.empty(shape, dtype=dtype))
+    return out
+
+
+def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
     """:func:`decode_state` of a body already split into its JSON header and safetensors blob.
 
-    The receiver reads the two apart, so the blob (nearly all of the bytes)
-    is never copied before safetensors loads it.
+    The receiver reads the two apart, into a ``bytearray`` for the blob
+    (nearly all of the bytes), whose tensors are then views of it: no copy
+    between the socket and the tensors. A ``bytes`` blob is loaded by
+    ``safetensors.torch.load`` (one copy).
 
     Raises:
         ValueError: a malformed header or blob.
@@ -135,7 +180,7 @@ def decode_parts(head: bytes, blob: bytes) -> Dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"heal state header is not JSON: {e}") from None
     try:
-        tensors = st_load(blob) if blob else {}
+        tensors = (_view_blob(blob) if isinstance(blob, bytearray) else st_load(bytes(blob))) if blob else {}
     except Exception as e:  # safetensors raises its own error type on a corrupt blob
         raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
     if not isinstance(header, dict):
@@ -158,6 +203,17 @@ def decode_parts(head: bytes, blob: bytes) -> Dict[str, Any]:
         else:
             node[leaf] = entry["v"]
     return out
+
+
+def _read_into(resp: Any, view: memoryview) -> int:
+    """Fill ``view`` from the HTTP response; returns the bytes read (fewer if the body ended early)."""
+    got = 0
+    while got < len(view):
+        k = resp.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
 
 
 class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
@@ -276,8 +332,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             n = _header_length(prefix, size)
             head = resp.read(n)
             faults.point("heal_recv")
-            blob = resp.read(size - 8 - n)
-        got = len(prefix) + len(head) + len(blob)
+            blob = bytearray(size - 8 - n)
+            got = len(prefix) + len(head) + _read_into(resp, memoryview(blob))
         if got != size:
             raise ConnectionError(f"heal state for step {step} from {url}: received {got} of {size} bytes "
                                   "(the donor died or the connection broke)")

@@ -552,3 +552,37 @@ def test_encoded_body_is_a_snapshot_of_the_state():
     got = decode_state(body)
     assert torch.equal(got["a"], torch.arange(3.0)) and torch.equal(got["b"], torch.arange(3.0, 6.0))
     assert torch.equal(got["whole"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+def test_received_blob_decodes_as_writable_views_equal_to_safetensors_load(dtype):
+    from ftbridge.transport import decode_parts
+
+    state = {"a": (torch.arange(12) % 3).to(dtype).reshape(3, 4), "empty": torch.empty(0, 5, dtype=dtype),
+             "s": 7, "nested": {"b": torch.ones(2, dtype=dtype)}}
+    body = encode_state(state)
+    (n,) = struct.unpack("<Q", body[:8])
+    head, blob = body[8:8 + n], body[8 + n:]
+    copied = decode_parts(head, blob)  # bytes: safetensors.torch.load
+    viewed = decode_parts(head, bytearray(blob))  # bytearray: views of the received buffer
+    for got in (copied, viewed):
+        assert torch.equal(got["a"], state["a"]) and got["a"].dtype == dtype and got["s"] == 7
+        assert got["empty"].shape == (0, 5) and torch.equal(got["nested"]["b"], state["nested"]["b"])
+    viewed["a"].zero_()  # writable, and only its own bytes change
+    assert torch.equal(viewed["nested"]["b"], state["nested"]["b"])
+
+
+@pytest.mark.parametrize("corrupt", ["offsets past the end", "size mismatch"])
+def test_view_decode_checks_offsets_against_the_blob(corrupt):
+    from ftbridge.transport import decode_parts
+
+    body = encode_state({"a": torch.arange(4.0)})
+    (n,) = struct.unpack("<Q", body[:8])
+    head, blob = body[8:8 + n], body[8 + n:]
+    (m,) = struct.unpack("<Q", blob[:8])
+    st_head = json.loads(blob[8:8 + m])
+    st_head["t0"]["data_offsets"] = [0, 10_000] if corrupt == "offsets past the end" else [0, 12]
+    new = json.dumps(st_head).encode()
+    with pytest.raises(ValueError, match="data_offsets"):
+        decode_parts(head, bytearray(struct.pack("<Q", len(new)) + new + blob[8 + m:]))
