@@ -41,7 +41,7 @@ RANKS_PER_GROUP = 1
 """Ranks per replica group in the kill runs: 2 groups x 1 rank = the machine's 2 cores."""
 QUICK_MODEL = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32", "--micro-batch", "4",
                "--warmup-steps", "2"]
-"""Model flags in quick mode (the tests' tiny model); the full run uses the main job's model (827,648 parameters)."""
+"""Model flags in quick mode (the tests' tiny model); the full run uses the main job's model (832,512 parameters)."""
 
 
 def model_args(settings: BenchSettings) -> List[str]:

@@ -50,7 +50,7 @@ QUICK_MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "context": 32, "micro_b
 """Model of ``--quick`` runs (about 0.1 M parameters)."""
 
 MAIN_MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "context": 128, "micro_batch": 8}
-"""The main job's model (827,648 parameters), used by full runs."""
+"""The main job's model (832,512 parameters), used by full runs."""
 
 
 @dataclass

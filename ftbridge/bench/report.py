@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import re
+import textwrap
 import traceback
 from dataclasses import asdict
 from importlib import metadata
@@ -111,15 +112,17 @@ def plot_overview(metrics: Sequence[Metric], path: str) -> bool:
     ms = [m for m in metrics if m.unit == "ratio" and _target_value(m.target) is not None]
     if not ms:
         return False
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(ms) + 1.4))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ms) + 1.4))
     for i, m in enumerate(ms):
         color = "tab:green" if m.met else "tab:red"
         ax.barh(i, m.value, color=color, alpha=0.7,
                 xerr=[[m.value - min(m.samples)], [max(m.samples) - m.value]], capsize=3)
         target = _target_value(m.target)
         ax.plot([target, target], [i - 0.4, i + 0.4], color="black", lw=2)
-        ax.text(max(m.value, target) * 1.01, i, f"{m.value:.3f} (target {m.target})", va="center", fontsize=7)
-    ax.set_yticks(range(len(ms)), [f"{m.benchmark}: {m.name}"[:70] for m in ms], fontsize=7)
+        ax.text(max(max(m.samples), target) * 1.02 + 0.02, i, f"{m.value:.3f} (target {m.target})", va="center",
+                fontsize=7)
+    # Wrapped, not cut: two metrics may differ only at the end of the name (the restart ratios' timeouts).
+    ax.set_yticks(range(len(ms)), ["\n".join(textwrap.wrap(f"{m.benchmark}: {m.name}", 62)) for m in ms], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ratio (median over repetitions; black: target; green met, red not met)")
     ax.set_xlim(0, max(max(max(m.samples), _target_value(m.target) or 0) for m in ms) * 1.35)
