@@ -143,11 +143,7 @@ def _view_blob(blob: bytearray) -> Dict[str, torch.Tensor]:
         ValueError: a header or offset that does not fit the blob.
     """
     view = memoryview(blob)
-    if len(view) < 8:
-        raise ValueError(f"{len(view)} bytes is shorter than the safetensors header length")
-    (n,) = struct.unpack("<Q", view[:8])
-    if 8 + n > len(view):
-        raise ValueError(f"safetensors header of {n} bytes exceeds the blob of {len(view)}")
+    n = _header_length(view[:8], len(view))  # safetensors frames its header as this module frames the body
     header = json.loads(bytes(view[8 : 8 + n]))
     header.pop("__metadata__", None)
     if sys.byteorder != "little" or any(info.get("dtype") not in _ST_DTYPES for info in header.values()):
@@ -326,8 +322,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         wall0 = time.time()
         with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as resp:
             size = int(resp.headers.get("Content-Length", "0"))
-            # Header and blob read apart: the blob arrives as one bytes object that safetensors loads
-            # as is (no concatenation or slicing copies of the whole body).
+            # Header and blob read apart, the blob straight into the buffer its tensors will view
+            # (no concatenation or slicing copies of the whole body).
             prefix = resp.read(8)
             n = _header_length(prefix, size)
             head = resp.read(n)

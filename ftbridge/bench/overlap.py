@@ -86,9 +86,9 @@ def run(settings: BenchSettings) -> List[Metric]:
     args = train_args(steps=settings.steps + settings.warmup_steps, zero_stage=2, model=model,
                       reduce_bucket_size=bucket)
     root = os.path.join(settings.workdir, "overlap")
-    variants = VARIANTS[:1] if settings.quick else VARIANTS
     # fp32 bytes of ceil(buckets / COALESCED_MESSAGES) DeepSpeed buckets per message.
     coalesced = str(math.ceil(buckets / COALESCED_MESSAGES) * bucket * 4)
+    variants = [(v, coalesced if b is None else b) for v, b in (VARIANTS[:1] if settings.quick else VARIANTS)]
     messages: dict = {}
 
     def sync(mode: str, variant: str, bucket_bytes: str, rep: int) -> float:
@@ -103,7 +103,7 @@ def run(settings: BenchSettings) -> List[Metric]:
     log.info("overlap: ZeRO-2, %d params, %d buckets of %d elements, post-backward vs per-bucket %s, %d rep(s)",
              params, buckets, bucket, ", ".join(v for v, _ in variants), settings.reps)
     fns = [lambda rep: sync("post_backward", "post", "", rep)]
-    fns += [lambda rep, v=v, b=b: sync("per_bucket", v, coalesced if b is None else b, rep) for v, b in variants]
+    fns += [lambda rep, v=v, b=b: sync("per_bucket", v, b, rep) for v, b in variants]
     base, *cands = rotate(settings.reps, fns)
     finest = min(messages["finest"])
     if finest < MIN_BUCKETS:
@@ -119,7 +119,7 @@ def run(settings: BenchSettings) -> List[Metric]:
             "overlap", f"step time ZeRO-2, per-bucket ({what}) / post-backward, {buckets} buckets",
             cand, base, baseline_name="ftbridge post-backward all-reduce, median step", target_max=1.0,
             extra={"note": ASPIRATION, "variant": variant, "buckets": buckets, "messages_per_step": per_step,
-                   "cross_replica_bucket_bytes": coalesced if bucket_bytes is None else bucket_bytes or "default",
+                   "cross_replica_bucket_bytes": bucket_bytes or "default",
                    "reduce_bucket_size": bucket, "params": params, "groups": GROUPS, "baseline_unit": "s",
                    "model": model}))
     return metrics
