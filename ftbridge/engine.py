@@ -10,20 +10,32 @@ engine, as torchft's ``OptimizerWrapper`` does for a plain optimizer::
         engine.backward(loss)         # boundary: cross-replica all-reduce of the partition
         engine.step()                 # boundary: should_commit -> DeepSpeed step, or discard
 
-Per optimizer step (``gradient_accumulation_steps`` micro-steps):
+Per optimizer step (a *window* of micro-steps, however the caller ends it):
 
-1. first forward: ``start_quorum`` (torchft reconfigures the cross-replica
-   process group if the quorum changed, and serves or fetches heal state);
+1. first forward of the window: ``start_quorum`` (torchft reconfigures the
+   cross-replica process group if the quorum changed, and serves or fetches
+   heal state);
 2. backward of the boundary micro-step: the rank's reduced gradient partition
-   is averaged across replica groups (:mod:`ftbridge.grad_sync`); under
-   optimizer offload, every reduced bucket of every micro-step, synchronously
-   (:mod:`ftbridge.zero.offload_hook`);
-3. ``step()`` at the boundary: wait for that work, then ``should_commit``
-   (applies a pending heal first). Commit runs DeepSpeed's own step (overflow
-   check, norm, clipping, optimizer, scheduler, counters). Discard drops the
-   gradients and leaves optimizer, scheduler, loss scaler and the
-   ``global_steps``/``global_samples``/``skipped_steps`` counters untouched;
-   only ``micro_steps`` advances so the next accumulation window starts aligned.
+   is averaged across replica groups in messages fixed by the parameter
+   layout, overlapped with backward where exact (:mod:`ftbridge.zero.grad_sync`);
+   under optimizer offload, every reduced bucket of every micro-step,
+   synchronously (:mod:`ftbridge.zero.offload_hook`);
+3. where DeepSpeed steps the optimizer (its ``_take_model_step``, reached
+   from ``step()`` whichever way the accumulation boundary was set): wait for
+   that work, then ``should_commit`` (applies a pending heal first). Commit
+   runs DeepSpeed's own step (overflow check, norm, clipping, optimizer,
+   scheduler, counters). Discard drops the gradients and leaves optimizer,
+   scheduler, loss scaler and the ``global_steps``/``global_samples``/
+   ``skipped_steps`` counters untouched; ``micro_steps`` advances as after a
+   step, so the next window starts aligned.
+
+Accumulation patterns: ``gradient_accumulation_steps`` with ``step()`` after
+every micro-batch, ``set_gradient_accumulation_boundary`` at any count,
+``managed_gradient_accumulation: false`` and ``coalesce_grad_reduction`` each
+give one cross-replica average and one commit vote per optimizer step. A
+backward after the boundary's backward in the same window, or a step without
+a boundary backward under managed accumulation, raises (DeepSpeed itself
+would drop or miss gradients there).
 """
 
 from __future__ import annotations
@@ -41,13 +53,13 @@ from ftbridge import comm_hooks
 from ftbridge import faults
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
-from ftbridge.grad_sync import PostBackwardSync
 from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
-from ftbridge.zero.bucket_hook import PerBucketSync
+from ftbridge.zero.grad_sync import GradientSync
 from ftbridge.zero.offload_hook import OffloadSync
-from ftbridge.zero.stages import ZeroAdapter, adapter_for, check_deepspeed_version
+from ftbridge.zero.stages import (ZeroAdapter, adapter_for, align_to_window, check_deepspeed_version,
+                                  check_accumulation_settings, wrap_model_step)
 from ftbridge.zero.state import from_wire, to_wire
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -74,6 +86,7 @@ class FaultTolerantEngine:
         self.engine = engine
         self.cfg = cfg
         self.adapter: ZeroAdapter = adapter_for(engine)
+        check_accumulation_settings(engine)
         self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
         if self.checksum_every < 0:
             raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
@@ -91,12 +104,11 @@ class FaultTolerantEngine:
                                  "takes the gradient norm and the CPU copy in backward, so every bucket is "
                                  "averaged across replicas there instead (ftbridge.zero.offload_hook)")
             self.sync = OffloadSync(self.manager, self.adapter, hook=hook, hook_state=hook_state)
-        elif cfg.sync_mode == "per_bucket":
-            self.sync = PerBucketSync(self.manager, self.adapter, engine.is_gradient_accumulation_boundary,
-                                      min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
         else:
-            self.sync = PostBackwardSync(self.manager, self.adapter, hook=hook, hook_state=hook_state)
+            self.sync = GradientSync(self.manager, self.adapter, cfg.sync_mode,
+                                     min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
         self.sync.install()
+        wrap_model_step(engine, self._model_step)
         if hook_state.state_dict() is not None:  # shared hook state (PowerSGD's Q, iteration) travels in a heal
             self.register_state("comm_hook", hook_state.state_dict, hook_state.load_state_dict)
         self.events = EventLog(cfg.event_log_path(),
@@ -107,6 +119,10 @@ class FaultTolerantEngine:
         """Seconds ``step()`` has blocked on cross-replica all-reduces not finished by the end of
         backward (the communication the overlap did not hide), summed over all steps."""
         self._window_start = 0
+        self._backwards = 0          # backward calls in this optimizer step's window
+        self._boundary_backward = False  # the window's boundary backward has run
+        self._deferred_backward = False  # a backward ran under no_sync / coalesce_grad_reduction
+        self._decision: Optional[bool] = None
         self._losses: list = []
         self._t0 = 0.0
         self.last_committed: Optional[bool] = None
@@ -164,30 +180,87 @@ class FaultTolerantEngine:
         self._t0 = time.time()
         self._losses = []
         self._window_start = int(self.engine.micro_steps)
+        self._backwards = 0
+        self._boundary_backward = self._deferred_backward = False
+        self.adapter.begin_window()
         self.manager.start_quorum()
         if not self._first_step_checked and faults.armed("first_quorum"):
             self.manager.torchft.wait_quorum()  # in the quorum, before training a single step
             faults.point("first_quorum")
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
-        """DeepSpeed backward; at the boundary, start the cross-replica all-reduce.
+        """DeepSpeed backward; at the boundary, the cross-replica all-reduce starts (overlapped or after).
 
         Raises:
-            RuntimeError: called outside a step (no forward in training mode first).
+            RuntimeError: called outside a step (no forward in training mode
+                first), or after the accumulation boundary's backward without
+                ``step()`` in between: DeepSpeed would drop or re-sum gradients
+                the cross-replica average has already sent.
         """
         if not self._in_step:
             raise RuntimeError("backward() without a training forward(): call engine(batch) in train() mode first")
+        if self._boundary_backward:
+            raise RuntimeError(
+                f"backward() called again after the backward of the gradient accumulation boundary, without "
+                f"step() in between (gradient_accumulation_steps={self.engine.gradient_accumulation_steps()}, "
+                f"{self._backwards} backward calls in this step): that gradient was already final. To accumulate "
+                "N micro-batches per optimizer step, either set gradient_accumulation_steps=N and call step() "
+                "after every backward, or call engine.set_gradient_accumulation_boundary(False) before each "
+                "backward but the last and (True) before the last")
+        e = self.engine
+        boundary = bool(e.is_gradient_accumulation_boundary())
+        no_sync = bool(getattr(e, "inside_no_sync_ctxt", False))
+        self.sync.begin_backward(boundary=boundary, first=self._backwards == 0, no_sync=no_sync)
+        self._backwards += 1
         self._losses.append(float(loss.detach().float()))
-        out = self.engine.backward(loss, **kwargs)
-        if self.engine.is_gradient_accumulation_boundary():
-            self.sync.on_boundary_backward()
+        out = e.backward(loss, **kwargs)
+        self.sync.end_backward(boundary=boundary, no_sync=no_sync)
+        self._boundary_backward = boundary and not no_sync
+        self._deferred_backward |= no_sync
         return out
 
     def step(self, **kwargs: Any) -> None:
-        """DeepSpeed step; at the boundary, commit or discard on every replica."""
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step(**kwargs)
+        """DeepSpeed step; where DeepSpeed steps the optimizer, commit or discard on every replica.
+
+        Whichever way the caller decides where an optimizer step ends
+        (``gradient_accumulation_steps``, ``set_gradient_accumulation_boundary``,
+        ``managed_gradient_accumulation: false``, ``coalesce_grad_reduction``),
+        the vote and the cross-replica average happen exactly once, right
+        before DeepSpeed's own optimizer step (:meth:`_model_step`).
+
+        Raises:
+            RuntimeError: the window's boundary backward ran but DeepSpeed did
+                not step (the boundary was switched off before ``step()``).
+        """
+        self._decision = None
+        self.engine.step(**kwargs)
+        committed, self._decision = self._decision, None
+        if committed is None:
+            if self._boundary_backward:
+                raise RuntimeError(
+                    "the last backward ran at the gradient accumulation boundary, but step() did not step the "
+                    "optimizer (set_gradient_accumulation_boundary(False) after that backward?): keep the "
+                    "boundary set from the last backward of an optimizer step until step() returns")
             return
+        self._in_step = False
+        self._boundary_backward = False
+        self.last_committed = committed
+        self._record(committed)
+        for hook in self._step_hooks:
+            hook(committed)
+
+    def _model_step(self, take_model_step: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Runs in place of DeepSpeed's optimizer step: average, vote, then step or discard.
+
+        DeepSpeed has assembled this window's gradient partition when it gets here.
+        """
+        e = self.engine
+        if (e.managed_gradient_accumulation() and self._backwards and not self._boundary_backward
+                and not self._deferred_backward):
+            raise RuntimeError(
+                "DeepSpeed is stepping the optimizer, but no backward of this step ran at the gradient "
+                "accumulation boundary, so DeepSpeed never assembled the gradient partition: call "
+                "engine.set_gradient_accumulation_boundary(True) before the last backward of the step")
         t_wait = time.perf_counter()
         self.sync.wait()
         self.cross_replica_wait_s += time.perf_counter() - t_wait
@@ -196,16 +269,13 @@ class FaultTolerantEngine:
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
-            self.engine.step(**kwargs)
+            take_model_step(*args, **kwargs)
         else:
             self.sync.reset()
             self.adapter.discard_grads()
-            self.engine.micro_steps += 1
-        self._in_step = False
-        self.last_committed = committed
-        self._record(committed)
-        for hook in self._step_hooks:
-            hook(committed)
+            if hasattr(e, "_unmanaged_backward_count"):  # unmanaged: the discarded micro-batches count for nothing
+                e._unmanaged_backward_count = 0
+        self._decision = committed
 
     def _record(self, committed: bool) -> None:
         m = self.manager
@@ -283,9 +353,11 @@ class FaultTolerantEngine:
         self.adapter.load_heal_state(state["optimizer"])
         for k in _COUNTERS:
             setattr(e, k, int(state["counters"][k]))
-        # The peer's window started at its counter; keep our offset into the window.
+        # The peer's window started at its counter (aligned to this rank's accumulation count, in case the
+        # peer's differed); keep our offset into the window.
         into_window = int(e.micro_steps) - self._window_start
-        self._window_start = int(state["micro_steps_at_window_start"])
+        self._window_start = align_to_window(int(state["micro_steps_at_window_start"]),
+                                             e.gradient_accumulation_steps())
         e.micro_steps = self._window_start + into_window
         if "lr_scheduler" in state and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(from_wire(e.lr_scheduler.state_dict(), state["lr_scheduler"]))
@@ -339,6 +411,14 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
     cfg.validate()
     check_deepspeed_version()
     stage = _zero_stage(config)
+    if dict(config.get("fp16") or {}).get("enabled") is True:
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        if not accel.is_fp16_supported():
+            raise ValueError(f"fp16.enabled is true but this {accel.device_name()} device has no fp16 support in "
+                             "DeepSpeed's accelerator (on CPU: AVX-512 FP16 or AMX-FP16); use bf16.enabled instead, "
+                             "or run on a device with fp16")
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={stage}: set it to 1, 2 or 3 in the DeepSpeed config")
     if not dist.is_initialized():

@@ -373,19 +373,27 @@ def test_deepspeed_config_section_is_stripped():
 
 
 def test_a_failing_hook_discards_the_step():
-    from ftbridge.grad_sync import PostBackwardSync
+    from ftbridge.comm_hooks.fragments import layout_from_shapes
+    from ftbridge.zero.grad_sync import GradientSync
 
     class Adapter:
         def partition_grads(self):
             return [torch.ones(8)]
+
+        def partition_layout(self):
+            return layout_from_shapes([(8,)])
+
+        def grad_element_size(self):
+            return 4
 
     world = FakeWorld(1)
 
     def broken(state, tensor):
         raise RuntimeError("boom")
 
-    sync = PostBackwardSync(world.manager(0), Adapter(), hook=broken)
-    sync.on_boundary_backward()
+    sync = GradientSync(world.manager(0), Adapter(), "post_backward", hook=broken)
+    sync.install()
+    sync.end_backward(boundary=True, no_sync=False)
     sync.wait()
     assert len(world.errors) == 1 and "boom" in str(world.errors[0])
 

@@ -18,9 +18,20 @@ import torch
 
 from tests.fakes import FakeManager
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
-
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _fp16_supported() -> bool:
+    # The accelerator's own answer, as deepspeed.initialize asks it (on CPU: oneDNN fp16, i.e. AVX-512 FP16
+    # or AMX-FP16); without it DeepSpeed refuses fp16 configs outright.
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world"),
+              pytest.mark.skipif(not _fp16_supported(), reason="this device has no fp16 support in DeepSpeed's "
+                                 "accelerator (CPU: needs AVX-512 FP16 or AMX-FP16)")]
 
 
 class InfFromAnotherReplica(FakeManager):

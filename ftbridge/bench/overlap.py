@@ -5,12 +5,12 @@ ZeRO-2), repetitions rotating their order:
 
 * candidates: ``FTBRIDGE_SYNC_MODE=per_bucket``, the reduced DeepSpeed buckets
   all-reduced across replicas while backward computes the next buckets
-  (:mod:`ftbridge.zero.bucket_hook`), at three message sizes
+  (:mod:`ftbridge.zero.grad_sync`), at three message sizes
   (:data:`VARIANTS`; ``--quick``: the first only):
   ``FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES=0`` (one message per bucket), buckets
   coalesced into about 3 messages, and the library default;
 * baseline: ``FTBRIDGE_SYNC_MODE=post_backward``: one all-reduce of the whole
-  partition once backward has ended (:class:`ftbridge.grad_sync.PostBackwardSync`).
+  partition once backward has ended (``sync_mode=post_backward``).
 
 A small ``--reduce-bucket-size`` gives the model at least ``MIN_BUCKETS``
 buckets. The bucket count is checked, not assumed: the finest per-bucket run's

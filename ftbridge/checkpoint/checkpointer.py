@@ -49,6 +49,7 @@ from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, c
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
+from ftbridge.zero.stages import align_to_window
 
 FORMAT = "ftbridge-checkpoint/1"
 
@@ -274,7 +275,9 @@ class Checkpointer:
 
     def _apply(self, meta: Dict[str, Any], rank_state: Dict[str, Any]) -> None:
         e = self.engine
-        e.engine.micro_steps = int(rank_state["micro_steps"])
+        # A fresh accumulation window, whatever gradient_accumulation_steps the checkpoint was saved with.
+        gas = e.engine.gradient_accumulation_steps()
+        e.engine.micro_steps = align_to_window(int(rank_state["micro_steps"]), gas)
         e.manager.torchft.load_state_dict(meta["manager"])
         for k, (_, load) in e._extra_state.items():
             if k in rank_state.get("extra", {}):

@@ -56,6 +56,8 @@ class Fragment:
     numel: int
     shape: Tuple[int, ...]
     param_start: int = 0
+    key: int = -1
+    """DeepSpeed's id of the parameter (ZeRO-1/2 ``get_param_id``, ZeRO-3 ``ds_id``); -1 when unknown."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ def _stage12_layout(opt: Any) -> PartitionLayout:
                 src = int(opt.grad_start_offset[i][pid][pid_])
                 dst = int(opt.grad_partition_insertion_offset[i][pid][pid_])
                 n = int(min(p.numel() - src, size - dst))
-                frags.append(Fragment(base + dst, n, tuple(p.shape), src))
+                frags.append(Fragment(base + dst, n, tuple(p.shape), src, pid_))
             base += size
     except (AttributeError, KeyError, IndexError) as e:
         raise ValueError(f"cannot read the ZeRO-1/2 partition layout from {type(opt).__name__} ({e!r}); "
@@ -187,7 +189,7 @@ def _stage3_layout(opt: Any) -> PartitionLayout:
                 n = int(p.partition_numel())
                 start = rank * n
                 valid = max(0, min(n, int(p.ds_numel) - start))
-                frags.append(Fragment(offset, valid, tuple(p.ds_shape), start))
+                frags.append(Fragment(offset, valid, tuple(p.ds_shape), start, int(p.ds_id)))
                 offset += n
     except AttributeError as e:
         raise ValueError(f"cannot read the ZeRO-3 partition layout from {type(opt).__name__} ({e!r}); "

@@ -10,7 +10,7 @@ into the fp32 buffer of the CPU optimizer (ZeRO-1/2:
 ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``, and, with gradient
 accumulation, ``async_accumulate_grad_in_cpu_via_gpu`` on every micro-step;
 ZeRO-3: ``partition_grads`` -> ``_offload_grad_partition_at_boundary``).
-Averaging the partition after backward, as :mod:`ftbridge.grad_sync` does,
+Averaging the partition after backward, as :mod:`ftbridge.zero.grad_sync` does,
 is too late: each replica would clip by its own norm and step on its own
 gradient. So :class:`OffloadSync` averages each bucket across replica groups
 *before* DeepSpeed reads it, wrapping on the optimizer *instance* (deepspeed
@@ -49,20 +49,20 @@ import torch
 import torch.distributed as dist
 
 from ftbridge.comm_hooks.base import CommHookState
-from ftbridge.grad_sync import PostBackwardSync
+from ftbridge.zero.grad_sync import HookedAllreduce
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.stages import Stage3Adapter, ZeroAdapter
 
 logger = logging.getLogger(__name__)
 
 
-class OffloadSync(PostBackwardSync):
+class OffloadSync(HookedAllreduce):
     """Synchronous cross-replica all-reduce of each reduced bucket, for optimizer offload.
 
     Args:
         manager: the rank's replica manager.
         adapter: the engine's ZeRO adapter (``adapter.offload`` true).
-        hook, hook_state: the communication hook (see :class:`PostBackwardSync`).
+        hook, hook_state: the communication hook (see :class:`ftbridge.zero.grad_sync.HookedAllreduce`).
 
     Raises:
         ValueError: a hook that needs the whole partition (PowerSGD), or the
@@ -74,7 +74,9 @@ class OffloadSync(PostBackwardSync):
 
     def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter,
                  hook: Optional[Callable[..., Any]] = None, hook_state: Optional[CommHookState] = None) -> None:
-        super().__init__(manager, adapter, hook, hook_state)
+        super().__init__(manager, hook, hook_state)
+        self.adapter = adapter
+        self.issued_in_backward = 0
         if self.hook_state.needs_partition:
             raise ValueError(
                 f"communication hook {getattr(self.hook, '__name__', self.hook)} needs the whole gradient "
@@ -125,12 +127,35 @@ class OffloadSync(PostBackwardSync):
 
     def _average_now(self, tensors: List[torch.Tensor]) -> None:
         """Average ``tensors`` in place across replica groups and wait (failures discard the step)."""
-        if self.enabled:
-            self._issue(tensors)
-            self.wait()
+        if not self.enabled:
+            return
+        tensors = [t for t in tensors if t.numel() > 0]
+        if not tensors:
+            return
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            self._start(tensors[0].view(-1))
+        else:
+            self._start(torch.cat([t.reshape(-1) for t in tensors]), tensors)
+        self.issued_in_backward += 1
+        self._wait_pending(_scatter_back)
 
-    def on_boundary_backward(self) -> None:
-        """Nothing left to send: every bucket was averaged as DeepSpeed reduced it."""
+    def begin_backward(self, **_: Any) -> None:
+        """Nothing to arm: every bucket is averaged as DeepSpeed reduces it."""
+
+    def end_backward(self, **_: Any) -> None:
+        """Nothing left to send after backward."""
+
+    def wait(self) -> None:
+        """Nothing pending at the optimizer step (every all-reduce here is synchronous)."""
+        self._wait_pending(_scatter_back)
+
+
+def _scatter_back(flat: torch.Tensor, targets: List[torch.Tensor]) -> None:
+    offset = 0
+    for t in targets:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
 
 
 def own_slices(opt: Any, tensor: torch.Tensor, communication_data_type: torch.dtype) -> List[torch.Tensor]:

@@ -35,7 +35,7 @@ ZeRO-1/2, ``local_overflow``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import deepspeed
 import torch
@@ -95,6 +95,72 @@ class ZeroAdapter:
     def discard_grads(self) -> None:
         """Drop the step's gradients; optimizer, scaler and counters stay as they are."""
         raise NotImplementedError
+
+    # -- the cross-replica message plan (ftbridge.zero.grad_sync) -----------
+    def partition_numel(self) -> int:
+        """Elements of :meth:`partition_grads` concatenated (known from init on)."""
+        raise NotImplementedError
+
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of the partition ``optimizer.step()`` reads."""
+        raise NotImplementedError
+
+    def grad_element_size(self) -> int:
+        """Bytes per element of :meth:`grad_dtype`."""
+        return torch.empty((), dtype=self.grad_dtype()).element_size()
+
+    def partition_layout(self) -> Any:
+        """The fragments of each parameter in the partition (``comm_hooks.fragments.PartitionLayout``).
+
+        Without a readable layout (DeepSpeed bookkeeping missing), one
+        fragment-less layout of :meth:`partition_numel` elements: the sync
+        then sends the partition whole, after backward.
+        """
+        from ftbridge.comm_hooks.fragments import PartitionLayout, layout_for
+
+        try:
+            return layout_for(self)
+        except ValueError as e:
+            logger.warning("partition layout unavailable (%s): the partition travels as one message", e)
+            return PartitionLayout(self.partition_numel())
+
+    def per_bucket_unsupported(self, layout: Any) -> str:
+        """Why the gradient of a reduced bucket is never the final partition here, or ``""``."""
+        if layout.numel and not layout.fragments:
+            return "the partition layout could not be read"
+        return ""
+
+    def window_not_exact(self, first: bool) -> str:
+        """Why per-bucket issue is not exact for a boundary backward (``first``: the window's only one), or ``""``."""
+        return ""
+
+    def wrap_bucket_point(self, on_reduced: Callable[[List[int]], None]) -> None:
+        """Call ``on_reduced(param_keys)`` each time DeepSpeed has reduced a bucket inside the group.
+
+        Wraps the smallest DeepSpeed method that sees a reduced bucket, on the
+        optimizer *instance* (the class is untouched), deepspeed 0.19.
+        """
+        raise NotImplementedError
+
+    def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
+        """During the boundary backward: ``message``'s elements as one 1-D tensor, and whether it is a copy.
+
+        Reads the reduced gradients of the message's parameters where DeepSpeed
+        keeps them before it assembles the partition; padding is zero.
+        """
+        raise NotImplementedError
+
+    def begin_window(self) -> None:
+        """Before the first backward of an optimizer step (nothing to do for most stages)."""
+
+    def _after_deepspeed_streams(self, *names: str) -> None:
+        """On CUDA, order the current stream after DeepSpeed's side streams (reads of what they wrote)."""
+        if not torch.cuda.is_available():
+            return
+        for name in names:
+            stream = getattr(self.optimizer, name, None)
+            if isinstance(stream, torch.cuda.Stream):
+                torch.cuda.current_stream().wait_stream(stream)
 
     # -- state -----------------------------------------------------------
     def heal_state(self) -> Dict[str, Any]:
@@ -163,6 +229,58 @@ class Stage12Adapter(ZeroAdapter):
             opt.reset_cpu_buffers()
             opt._offload_accumulated_param_ids = set()
 
+    def partition_numel(self) -> int:
+        return sum(int(n) for n in self.optimizer.partition_size)
+
+    def grad_dtype(self) -> torch.dtype:
+        return getattr(self.optimizer, "gradient_accumulation_dtype", None) or self.optimizer.dtype
+
+    def per_bucket_unsupported(self, layout: Any) -> str:
+        opt = self.optimizer
+        if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
+            return "compact fp32 gradient accumulation of bf16/fp16 parameters"
+        if self.grad_dtype() != opt.dtype:
+            return f"gradient accumulation dtype {self.grad_dtype()} differs from parameter dtype {opt.dtype}"
+        return super().per_bucket_unsupported(layout)
+
+    def window_not_exact(self, first: bool) -> str:
+        # DeepSpeed sums the micro-steps into all_grad_tensors in the epilogue, after the last bucket.
+        return "" if first else ("several backward calls in one optimizer step under ZeRO-1/2 (DeepSpeed sums "
+                                 "them after the last bucket)")
+
+    def wrap_bucket_point(self, on_reduced: Callable[[List[int]], None]) -> None:
+        # DeepSpeedZeroOptimizer.reduce_ipg_grads: after it returns, the reduced gradients of the bucket's
+        # parameters are in param.grad (a view into grads_in_partition with contiguous_gradients).
+        opt = self.optimizer
+        original = opt.reduce_ipg_grads
+
+        def reduce_ipg_grads(comm_dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+            buckets = [opt.ipg_buckets[comm_dtype]] if comm_dtype is not None else list(opt.ipg_buckets.values())
+            keys = [param_id for b in buckets for _, _, param_id in b.params]
+            out = original(comm_dtype, *args, **kwargs)
+            if keys:
+                on_reduced(keys)
+            return out
+
+        opt.reduce_ipg_grads = reduce_ipg_grads
+        self._param_of = {opt.get_param_id(p): p for group in opt.bit16_groups for p in group}
+
+    def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
+        opt = self.optimizer
+        self._after_deepspeed_streams("reduction_stream")
+        flat = None
+        for f in message.fragments:
+            grad = opt.get_param_gradient_attribute(self._param_of[f.key])
+            if flat is None:
+                device = grad.device if grad is not None else torch.device("cpu")
+                flat = torch.zeros(message.numel, dtype=self.grad_dtype(), device=device)
+            if grad is not None:
+                at = f.offset - message.start
+                flat[at:at + f.numel].copy_(grad.reshape(-1)[f.param_start:f.param_start + f.numel])
+        if flat is None:
+            flat = torch.zeros(message.numel, dtype=self.grad_dtype())
+        return flat, True
+
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(self._state_list(state), load_optimizer_states=True,
                                        load_from_fp32_weights=True)
@@ -187,6 +305,39 @@ class Stage3Adapter(ZeroAdapter):
             # The fp32 partition's .grad is overwritten at the next boundary.
             opt.reset_cpu_buffers()
             opt._offload_boundary_param_ids = set()
+
+    def partition_numel(self) -> int:
+        return int(self.optimizer.grad_partitions_flat_buffer.numel())
+
+    def grad_dtype(self) -> torch.dtype:
+        return self.optimizer.grad_partitions_flat_buffer.dtype
+
+    def per_bucket_unsupported(self, layout: Any) -> str:
+        if not hasattr(self.optimizer, "grad_partitions_flat_buffer"):
+            return "ZeRO-3 optimizer without grad_partitions_flat_buffer"
+        return super().per_bucket_unsupported(layout)
+
+    def wrap_bucket_point(self, on_reduced: Callable[[List[int]], None]) -> None:
+        # DeepSpeedZeroOptimizer_Stage3.partition_grads: after it returns, the bucket's reduced partitions
+        # are accumulated in place in grad_partitions_flat_buffer, at offsets fixed per parameter.
+        original = self.optimizer.partition_grads
+
+        def partition_grads(params: List[Any], grad_partitions: List[torch.Tensor]) -> Any:
+            out = original(params, grad_partitions)
+            on_reduced([int(p.ds_id) for p in params])
+            return out
+
+        self.optimizer.partition_grads = partition_grads
+
+    def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
+        self._after_deepspeed_streams("reduce_and_partition_stream")
+        return self.optimizer.grad_partitions_flat_buffer.view(-1)[message.start:message.end], False
+
+    def begin_window(self) -> None:
+        # DeepSpeed copies a parameter's first gradient of a window into its slot and adds the later ones,
+        # but never clears the slot of a parameter that gets no gradient: it would step on (and send) the
+        # gradient of the last step that used it. Zero them all; used slots are overwritten anyway.
+        self.optimizer.grad_partitions_flat_buffer.zero_()
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         opt = self.optimizer
@@ -216,6 +367,20 @@ class BF16OptimizerAdapter(ZeroAdapter):
         self.optimizer.clear_hp_grads()
         self.optimizer.clear_lp_grads()
 
+    def partition_numel(self) -> int:
+        return sum(int(t.numel()) for t in self.optimizer.fp32_groups_gradients_flat)
+
+    def grad_dtype(self) -> torch.dtype:
+        return self.optimizer.fp32_groups_gradients_flat[0].dtype
+
+    def partition_layout(self) -> Any:
+        from ftbridge.comm_hooks.fragments import PartitionLayout
+
+        return PartitionLayout(self.partition_numel())  # full flat gradients, no per-parameter fragments
+
+    def per_bucket_unsupported(self, layout: Any) -> str:
+        return "BF16_Optimizer reduces its full flat fp32 gradients after backward, not per bucket"
+
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(self._state_list(state), load_optimizer_states=True,
                                        load_from_fp32_weights=True)
@@ -241,3 +406,51 @@ def adapter_for(engine: Any) -> ZeroAdapter:
     if stage == 3:
         return Stage3Adapter(engine)
     return Stage12Adapter(engine)
+
+
+def wrap_model_step(engine: Any, run: Callable[..., None]) -> None:
+    """Make DeepSpeed call ``run(original, *args, **kwargs)`` where it would step the optimizer.
+
+    ``DeepSpeedEngine._take_model_step`` (deepspeed 0.19) runs exactly when
+    DeepSpeed applies an optimizer step, whichever way the caller set the
+    accumulation boundary, after DeepSpeed assembled the gradient partition
+    (including the unmanaged finalize). It is replaced on the engine
+    *instance*; the class is untouched.
+    """
+    original = engine._take_model_step
+
+    def _take_model_step(*args: Any, **kwargs: Any) -> None:
+        run(original, *args, **kwargs)
+
+    engine._take_model_step = _take_model_step
+
+
+def align_to_window(micro_steps: int, gradient_accumulation_steps: int) -> int:
+    """The smallest ``m >= micro_steps`` at which a managed accumulation window starts.
+
+    DeepSpeed closes a window when ``(micro_steps + 1) % gas == 0``; a counter
+    saved under another ``gas`` (a resume with a different accumulation count)
+    would otherwise close the first window early and shift every later one.
+    """
+    gas = max(1, int(gradient_accumulation_steps))
+    return -(-int(micro_steps) // gas) * gas
+
+
+def check_accumulation_settings(engine: Any) -> None:
+    """Refuse the DeepSpeed settings whose optimizer steps ftbridge cannot make exact.
+
+    Raises:
+        ValueError: naming the setting and the fix: ZenFlow (selective,
+            asynchronous updates), pipeline parallelism (its own engine), or
+            DeepCompile (its compiled graph reduces gradients itself).
+    """
+    if getattr(engine, "zenflow", False):
+        raise ValueError("zero_optimization.zenflow updates parameters selectively and asynchronously, which "
+                         "the cross-replica commit cannot follow: remove the zenflow section for ftbridge")
+    if getattr(engine, "pipeline_parallelism", False):
+        raise ValueError("pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported by ftbridge: "
+                         "pass a plain torch.nn.Module")
+    compiled = getattr(engine, "is_deepcompile_enabled", None)
+    if compiled is not None and compiled():
+        raise ValueError("DeepCompile (compile.deepcompile) reduces gradients in its compiled graph, where "
+                         "ftbridge's cross-replica hook cannot run: set compile.deepcompile to false")

@@ -1,0 +1,327 @@
+"""Cross-replica averaging of the ZeRO gradient partition: exact for any set of gradients.
+
+After DeepSpeed has reduced the gradients inside the replica group, each rank
+holds the reduced gradient of its own partition. :class:`GradientSync`
+averages that partition across the replica groups (ranks with the same group
+rank) through the torchft manager, so every replica steps on the same
+gradient, before DeepSpeed's overflow check, norm and clipping.
+
+What travels is fixed by the parameter layout, never by arrival order: the
+partition is cut into the messages of :mod:`ftbridge.zero.messages`, the same
+on every replica, and each message is issued at one of three points, the
+earliest at which its content is final on this replica:
+
+1. **per bucket** (``sync_mode=per_bucket``), inside the backward of the
+   accumulation boundary, when that backward completes the gradient: message
+   ``k`` goes as soon as every parameter in it has been reduced inside the
+   group and messages ``0..k-1`` have gone, overlapped with the rest of
+   backward. DeepSpeed has no hook for this (its PR #7764,
+   ``set_all_reduce_hook``, was closed unmerged), so the smallest method that
+   sees a reduced bucket is wrapped on the optimizer *instance*
+   (:meth:`ftbridge.zero.stages.ZeroAdapter.wrap_bucket_point`);
+2. **after backward**: when the window's boundary backward ended, whatever is
+   left (every message, in ``post_backward`` mode or when per-bucket cannot
+   be exact this step);
+3. **at the optimizer step**: when DeepSpeed assembles the partition only
+   inside ``step()`` (``managed_gradient_accumulation: false``,
+   ``coalesce_grad_reduction``).
+
+Per-bucket is exact when the gradient a bucket holds is the step's final
+gradient: ZeRO-3 accumulates in place, so always; ZeRO-1/2 only when the
+window has a single backward (with several, DeepSpeed sums the micro-steps
+after the last bucket). Otherwise that step falls back to point 2, logged
+once per reason. Because every point issues the *same* messages in the same
+order, replicas that chose different points in one step still pair exactly.
+
+Every message goes through a communication hook (:mod:`ftbridge.comm_hooks`;
+default the plain average). A hook that raises is reported to the manager,
+so the step is discarded on every replica, like a failed all-reduce. A hook
+that needs the whole partition and its layout (PowerSGD) gets a one-message
+plan and is issued after backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from ftbridge.comm_hooks.base import CommHookState, wait_result
+from ftbridge.comm_hooks.default import allreduce_hook
+from ftbridge.manager import ReplicaManager
+from ftbridge.zero.messages import Message, Readiness, plan_messages
+from ftbridge.zero.stages import ZeroAdapter
+
+logger = logging.getLogger(__name__)
+
+SYNC_MODES = ("per_bucket", "post_backward")
+
+
+class HookedAllreduce:
+    """Pending cross-replica work through a communication hook, and the bookkeeping around it.
+
+    Args:
+        manager: the rank's replica manager.
+        hook: ``hook(state, flat) -> work``; default the plain average.
+        hook_state: its state; default a :class:`CommHookState` of ``manager``.
+    """
+
+    def __init__(self, manager: ReplicaManager, hook: Optional[Callable[..., Any]] = None,
+                 hook_state: Optional[CommHookState] = None) -> None:
+        self.manager = manager
+        self.hook = hook or allreduce_hook
+        self.hook_state = hook_state if hook_state is not None else CommHookState(manager)
+        self._pending: List[Tuple[Any, torch.Tensor, Any]] = []
+        self.enabled = True
+        """Testing only: ``False`` skips the all-reduce, and the replica groups diverge."""
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
+        return self.hook_state.bytes_sent
+
+    @property
+    def allreduces(self) -> int:
+        """Cross-replica all-reduce calls so far."""
+        return self.hook_state.allreduces
+
+    def _start(self, flat: torch.Tensor, tag: Any = None) -> None:
+        """Start averaging 1-D ``flat`` in place; ``tag`` comes back with the result in :meth:`_wait_pending`."""
+        try:
+            work = self.hook(self.hook_state, flat)
+        except Exception as e:  # a hook's failure discards the step, like a failed all-reduce
+            logger.exception("communication hook %s failed; the step will be discarded",
+                             getattr(self.hook, "__name__", self.hook))
+            self.manager.report_error(e)
+            return
+        self._pending.append((work, flat, tag))
+
+    def _wait_pending(self, on_result: Optional[Callable[[torch.Tensor, Any], None]] = None) -> None:
+        """Block until every pending all-reduce finished; ``on_result(flat, tag)`` for tagged ones.
+
+        Failures do not raise: torchft records them and the step is discarded.
+        """
+        pending, self._pending = self._pending, []
+        for work, flat, tag in pending:
+            try:
+                wait_result(work, flat)
+            except Exception as e:
+                logger.exception("communication hook work failed; the step will be discarded")
+                self.manager.report_error(e)
+                continue
+            if tag is not None and on_result is not None:
+                on_result(flat, tag)
+
+    def commit(self) -> None:
+        """The step committed on every replica: the hook applies its state changes."""
+        self.hook_state.commit()
+
+    def reset(self) -> None:
+        """Forget pending work (after a discarded step); the hook forgets its state changes."""
+        self._pending = []
+        self.hook_state.discard()
+
+
+class GradientSync(HookedAllreduce):
+    """Average the rank's gradient partition across replica groups, in layout-defined messages.
+
+    Per optimizer step the engine calls :meth:`begin_backward` and
+    :meth:`end_backward` around every backward, and :meth:`wait` right
+    before DeepSpeed's optimizer step (after DeepSpeed assembled the
+    partition), then :meth:`commit` or :meth:`reset`.
+
+    Args:
+        manager: the rank's replica manager.
+        adapter: where the partition lives for this ZeRO stage.
+        mode: ``"per_bucket"`` (overlap with backward where exact) or ``"post_backward"``.
+        min_bytes: smallest cross-replica message, bytes (per-bucket mode);
+            ``0``: one message per parameter fragment.
+        hook, hook_state: the communication hook (see :class:`HookedAllreduce`).
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`SYNC_MODES`, or ``min_bytes < 0``.
+    """
+
+    def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, mode: str = "per_bucket",
+                 min_bytes: int = 25 << 20, hook: Optional[Callable[..., Any]] = None,
+                 hook_state: Optional[CommHookState] = None) -> None:
+        if mode not in SYNC_MODES:
+            raise ValueError(f"sync mode {mode!r}: use one of {', '.join(SYNC_MODES)}")
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes={min_bytes} must be >= 0")
+        super().__init__(manager, hook, hook_state)
+        self.adapter = adapter
+        self.mode = mode
+        self.min_bytes = min_bytes
+        self.fallback_reason = ""
+        """Why per-bucket issue never runs on this optimizer ("" when it can)."""
+        self.plan: List[Message] = []
+        self.issued_in_backward = 0
+        """Messages issued inside backward so far (the overlapped ones), summed over steps."""
+        self._readiness: Optional[Readiness] = None
+        self._armed = False
+        self._next = 0
+        self._logged: set = set()
+
+    # -- install -----------------------------------------------------------
+    def install(self) -> None:
+        """Cut the message plan and, in per-bucket mode, wrap DeepSpeed's bucket point."""
+        layout = self.adapter.partition_layout()
+        if self.hook_state.needs_partition:
+            self.hook_state.layout = layout  # PowerSGD: the whole partition, with its fragments
+        per_bucket = self.mode == "per_bucket"
+        if per_bucket and self.hook_state.needs_partition:
+            self.fallback_reason = (f"communication hook {getattr(self.hook, '__name__', self.hook)} needs the "
+                                    "whole partition and its fragment layout")
+        elif per_bucket:
+            self.fallback_reason = self.adapter.per_bucket_unsupported(layout)
+        one_message = not per_bucket or bool(self.fallback_reason)
+        element = self.adapter.grad_element_size()
+        self.plan = plan_messages(layout, layout.numel if one_message else -(-self.min_bytes // element))
+        if self.fallback_reason:
+            logger.warning("per-bucket cross-replica sync unavailable (%s); one all-reduce after backward",
+                           self.fallback_reason)
+        elif per_bucket:
+            self._readiness = Readiness(self.plan)
+            self.adapter.wrap_bucket_point(self._on_reduced)
+            logger.info("per-bucket cross-replica all-reduce installed: %d messages per step", len(self.plan))
+
+    # -- per step ------------------------------------------------------------
+    def begin_backward(self, *, boundary: bool, first: bool, no_sync: bool) -> None:
+        """Before a backward: arm per-bucket issue if this backward completes the gradient exactly.
+
+        Args:
+            boundary: DeepSpeed treats this backward as the accumulation boundary.
+            first: it is the first backward of the optimizer step's window.
+            no_sync: DeepSpeed defers the in-group reduction (``no_sync``,
+                ``coalesce_grad_reduction``): the partition is assembled later.
+        """
+        self._armed = False
+        if self._readiness is None or not boundary or no_sync or not self.enabled:
+            return
+        reason = self.adapter.window_not_exact(first)
+        if reason:
+            self._log_once(reason)
+            return
+        self._readiness.reset()
+        self._armed = True
+
+    def end_backward(self, *, boundary: bool, no_sync: bool) -> None:
+        """After a backward: at the boundary, issue every message not issued yet."""
+        self._armed = False
+        if boundary and not no_sync:
+            self._issue_rest()
+
+    def wait(self) -> None:
+        """Right before the optimizer step: issue what is left, wait, put results in the partition.
+
+        Failures do not raise: torchft records them and the step is discarded.
+        """
+        self._issue_rest()
+        if any(tag is not None for _, _, tag in self._pending):
+            canon = CanonicalPartition(self.adapter.partition_grads())
+            self._wait_pending(lambda flat, m: canon.scatter(m.start, flat))
+        else:
+            self._wait_pending()
+        self._next = 0
+
+    def reset(self) -> None:
+        """Forget pending work (after a discarded step)."""
+        super().reset()
+        self._next = 0
+        self._armed = False
+
+    @property
+    def issued(self) -> int:
+        """Messages of the current window issued so far."""
+        return self._next
+
+    # -- internals -----------------------------------------------------------
+    def _on_reduced(self, keys: List[int]) -> None:
+        """DeepSpeed reduced these parameters' gradients in the group (called by the bucket point)."""
+        if not self._armed:
+            return
+        for k in self._readiness.reduced(keys):
+            self._issue(k, in_backward=True)
+
+    def _issue_rest(self) -> None:
+        if not self.enabled:
+            return
+        start = self.issued
+        if self._readiness is not None:
+            self._readiness.rest()
+        if start < len(self.plan):
+            canon = CanonicalPartition(self.adapter.partition_grads())
+            for k in range(start, len(self.plan)):
+                self._issue(k, in_backward=False, canon=canon)
+
+    def _issue(self, k: int, *, in_backward: bool, canon: Optional["CanonicalPartition"] = None) -> None:
+        if k != self.issued:
+            raise AssertionError(f"message {k} issued out of order (next is {self.issued})")
+        self._next = k + 1
+        m = self.plan[k]
+        if in_backward:
+            flat, copied = self.adapter.gather_reduced(m)
+            self.issued_in_backward += 1
+        else:
+            assert canon is not None
+            flat, copied = canon.gather(m.start, m.end)
+        self._start(flat, m if copied else None)
+
+    def _log_once(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("per-bucket cross-replica sync not exact this step (%s): its messages go after "
+                           "backward instead (logged once)", reason)
+
+
+class CanonicalPartition:
+    """The tensors ``optimizer.step()`` reads, addressed as one flat range of elements.
+
+    Args:
+        tensors: :meth:`ZeroAdapter.partition_grads` (views and zero pads, in order).
+    """
+
+    def __init__(self, tensors: List[torch.Tensor]) -> None:
+        self.tensors = [t for t in tensors if t.numel() > 0]
+        self.offsets, off = [], 0
+        for t in self.tensors:
+            self.offsets.append(off)
+            off += t.numel()
+        self.numel = off
+
+    def _pieces(self, start: int, end: int) -> List[Tuple[torch.Tensor, int, int, int]]:
+        """``(tensor, from, to, at)``: elements ``[from, to)`` of ``tensor`` sit at ``at`` of the range."""
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"range [{start}, {end}) outside the partition of {self.numel} elements")
+        out = []
+        for off, t in zip(self.offsets, self.tensors):
+            a, b = max(start, off), min(end, off + t.numel())
+            if a < b:
+                out.append((t, a - off, b - off, a - start))
+        return out
+
+    def gather(self, start: int, end: int) -> Tuple[torch.Tensor, bool]:
+        """Elements ``[start, end)`` as one 1-D tensor, and whether it is a copy (else a view, in place)."""
+        pieces = self._pieces(start, end)
+        if len(pieces) == 1 and pieces[0][0].is_contiguous():
+            t, a, b, _ = pieces[0]
+            return t.view(-1)[a:b], False
+        dtype = self.tensors[0].dtype if self.tensors else torch.float32
+        device = self.tensors[0].device if self.tensors else "cpu"
+        flat = torch.empty(end - start, dtype=dtype, device=device)
+        for t, a, b, at in pieces:
+            flat[at:at + b - a].copy_(t.reshape(-1)[a:b])
+        return flat, True
+
+    def scatter(self, start: int, flat: torch.Tensor) -> None:
+        """Write 1-D ``flat`` over elements ``[start, start + numel)``."""
+        for t, a, b, at in self._pieces(start, start + flat.numel()):
+            src = flat[at:at + b - a]
+            if t.is_contiguous():
+                t.view(-1)[a:b].copy_(src)
+            else:
+                whole = t.reshape(-1).clone()
+                whole[a:b].copy_(src)
+                t.copy_(whole.view_as(t))
