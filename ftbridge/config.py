@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Optional
 
 SYNC_MODES = ("per_bucket", "post_backward")
+GUARD_ACTIONS = ("heal", "stop")
 
 
 def _env(environ: Mapping[str, str], *names: str) -> Optional[str]:
@@ -157,9 +158,11 @@ class FTBridgeConfig:
     """``per_bucket``: all-reduce each reduced ZeRO bucket across replica
     groups as soon as DeepSpeed has reduced it in the group (overlaps with
     backward); ``post_backward``: one all-reduce of the whole partition after
-    backward. Where DeepSpeed assembles the partition after its last bucket
-    (ZeRO-1/2 with gradient accumulation, bf16 compact path) ``per_bucket``
-    falls back to ``post_backward`` with a warning (``FTBRIDGE_SYNC_MODE``)."""
+    backward. Either way the messages are fixed by the parameter layout
+    (:mod:`ftbridge.zero.messages`). Where a bucket's gradient is not yet the
+    step's final one (ZeRO-1/2 with several backward calls per step, bf16
+    compact path) ``per_bucket`` sends the same messages after backward,
+    logged once (``FTBRIDGE_SYNC_MODE``)."""
 
     cross_replica_bucket_bytes: int = 25 << 20
     """Per-bucket mode: reduced ZeRO buckets are coalesced until this many
@@ -174,6 +177,19 @@ class FTBridgeConfig:
     checkpoint, but costs a pass over the parameters (about 3 % of a step of
     the main job's model when taken every step; under ZeRO-3 it also gathers
     the parameters). Tests and chaos runs ask for 1 (``FTBRIDGE_CHECKSUM_EVERY``)."""
+
+    guard_every: int = 100
+    """Divergence guard: every this many committed steps the replica groups
+    compare a SHA-256 fingerprint of each rank's fp32 master partition and
+    optimizer state across the cross-replica group (one small all-reduce;
+    0: never). A mismatch is logged and handled by :attr:`guard_action`
+    (``FTBRIDGE_GUARD_EVERY``); see :mod:`ftbridge.guard`."""
+
+    guard_action: str = "heal"
+    """What the divergence guard does on a mismatch: ``heal`` (the groups that
+    differ from the quorum's primary heal from it at the next step) or
+    ``stop`` (every group raises ``ReplicaDivergenceError``: a non-zero exit)
+    (``FTBRIDGE_GUARD_ACTION``)."""
 
     event_log: Optional[str] = None
     """Path of the JSON-lines event log; ``{replica_group}`` and
@@ -214,6 +230,8 @@ class FTBridgeConfig:
         "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
         "cross_replica_bucket_bytes": (int, ("FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES",)),
         "checksum_every": (int, ("FTBRIDGE_CHECKSUM_EVERY",)),
+        "guard_every": (int, ("FTBRIDGE_GUARD_EVERY",)),
+        "guard_action": (str, ("FTBRIDGE_GUARD_ACTION",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
         "comm_hook": (str, ("FTBRIDGE_COMM_HOOK",)),
         "comm_wrapper": (str, ("FTBRIDGE_COMM_WRAPPER",)),
@@ -322,6 +340,10 @@ class FTBridgeConfig:
              f"cross_replica_bucket_bytes={self.cross_replica_bucket_bytes} must be >= 0 (0: one message per bucket)")
         need(self.checksum_every >= 0,
              f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
+        need(self.guard_every >= 0,
+             f"guard_every={self.guard_every} must be >= 0 (0: never compare replica fingerprints)")
+        need(self.guard_action in GUARD_ACTIONS,
+             f"guard_action={self.guard_action!r} is not one of {GUARD_ACTIONS} (FTBRIDGE_GUARD_ACTION)")
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
         from ftbridge import comm_hooks

@@ -53,6 +53,7 @@ from ftbridge import comm_hooks
 from ftbridge import faults
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
+from ftbridge.guard import DivergenceGuard
 from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
@@ -87,6 +88,9 @@ class FaultTolerantEngine:
         self.cfg = cfg
         self.adapter: ZeroAdapter = adapter_for(engine)
         check_accumulation_settings(engine)
+        if engine.gradient_accumulation_steps() > 1 and self.adapter.accumulation_refused():
+            raise ValueError(f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: "
+                             f"{self.adapter.accumulation_refused()}")
         self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
         if self.checksum_every < 0:
             raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
@@ -113,6 +117,12 @@ class FaultTolerantEngine:
             self.register_state("comm_hook", hook_state.state_dict, hook_state.load_state_dict)
         self.events = EventLog(cfg.event_log_path(),
                                {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
+
+        self.guard = DivergenceGuard(self.manager, self.adapter, replica_group_id=cfg.replica_group_id,
+                                     every=cfg.guard_every, action=cfg.guard_action, events=self.events)
+        self.sync_scale_once: Optional[float] = None
+        """Testing only: multiply this rank's averaged gradient by this once, at the next optimizer step
+        (a silent divergence for the divergence guard to find)."""
 
         self._in_step = False
         self.cross_replica_wait_s = 0.0
@@ -196,6 +206,8 @@ class FaultTolerantEngine:
                 first), or after the accumulation boundary's backward without
                 ``step()`` in between: DeepSpeed would drop or re-sum gradients
                 the cross-replica average has already sent.
+            ValueError: a second backward in one optimizer step where
+                DeepSpeed cannot accumulate exactly (ZeRO-1 with ``overlap_comm``).
         """
         if not self._in_step:
             raise RuntimeError("backward() without a training forward(): call engine(batch) in train() mode first")
@@ -207,6 +219,8 @@ class FaultTolerantEngine:
                 "N micro-batches per optimizer step, either set gradient_accumulation_steps=N and call step() "
                 "after every backward, or call engine.set_gradient_accumulation_boundary(False) before each "
                 "backward but the last and (True) before the last")
+        if self._backwards == 1 and self.adapter.accumulation_refused():
+            raise ValueError(self.adapter.accumulation_refused())
         e = self.engine
         boundary = bool(e.is_gradient_accumulation_boundary())
         no_sync = bool(getattr(e, "inside_no_sync_ctxt", False))
@@ -246,6 +260,8 @@ class FaultTolerantEngine:
         self._boundary_backward = False
         self.last_committed = committed
         self._record(committed)
+        if committed:
+            self.guard.after_commit(self.manager.current_step)
         for hook in self._step_hooks:
             hook(committed)
 
@@ -264,6 +280,10 @@ class FaultTolerantEngine:
         t_wait = time.perf_counter()
         self.sync.wait()
         self.cross_replica_wait_s += time.perf_counter() - t_wait
+        if self.sync_scale_once is not None:
+            for t in self.adapter.partition_grads():
+                t.mul_(self.sync_scale_once)
+            self.sync_scale_once = None
         self._wait_for_peer_after_restart()
         agree_on_heal(self.manager.torchft)
         committed = self.manager.should_commit()

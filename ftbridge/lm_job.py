@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
     p.add_argument("--no-cross-replica-sync", action="store_true",
                    help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
+    p.add_argument("--corrupt-sync-at", default=None, metavar="GROUP:STEP",
+                   help="testing only: replica group GROUP triples its averaged gradient at step STEP, a silent "
+                        "divergence for the divergence guard (FTBRIDGE_GUARD_EVERY) to find and heal")
     p.add_argument("--result", default=None,
                    help="write the final parameters/optimizer state digest, step_times_s and peak_rss_bytes "
                         "as JSON here")

@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     val_loss = None
     inject = lm_job.fault_injector(args, topo)
     step_times = []
+    corrupt = tuple(int(x) for x in args.corrupt_sync_at.split(":")) if args.corrupt_sync_at else None
     while engine.global_steps < lm_job.target_steps(args) and not (ckpt and ckpt.stopping):
         before = int(engine.global_steps)
+        if corrupt and cfg and corrupt == (topo.replica_group, before + 1):
+            engine.sync_scale_once = 3.0
         t = lm_job.now()
         loss = lm_job.train_step(engine, data, topo, args.grad_accum, inject)
         step_times.append(lm_job.now() - t)
@@ -104,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                             lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals,
                             cross_replica_allreduces=engine.sync.allreduces,
                             cross_replica_bytes=engine.sync.bytes_sent,
-                            cross_replica_wait_s=engine.cross_replica_wait_s, **engine.sync.hook_state.describe())
+                            cross_replica_wait_s=engine.cross_replica_wait_s, guard_checks=engine.guard.checks,
+                            guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
+                            **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
                                       "step_times_s": step_times, "peak_rss_bytes": lm_job.peak_rss_bytes()})
     if ckpt:

@@ -49,14 +49,12 @@ import torch
 
 from ftbridge.comm_hooks.base import CommHookState, wait_result
 from ftbridge.comm_hooks.default import allreduce_hook
+from ftbridge.config import SYNC_MODES
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.messages import Message, Readiness, plan_messages
 from ftbridge.zero.stages import ZeroAdapter
 
 logger = logging.getLogger(__name__)
-
-SYNC_MODES = ("per_bucket", "post_backward")
-
 
 class HookedAllreduce:
     """Pending cross-replica work through a communication hook, and the bookkeeping around it.

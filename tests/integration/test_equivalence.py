@@ -33,10 +33,12 @@ SLOW = [
     for stage in (1, 2, 3) for gas in (1, 4) for overlap in (False, True) for bf16 in (False, True)
     for mode in ("per_bucket", "post_backward")
     if (stage, gas, overlap, bf16, mode, False) not in FAST
+    and not (stage == 1 and gas > 1 and overlap)  # refused: ZeroAdapter.accumulation_refused
 ] + [
     (stage, gas, overlap, False, "per_bucket", True)
     for stage in (1, 2, 3) for gas in (1, 4) for overlap in (False, True)
     if (stage, gas, overlap, False, "per_bucket", True) not in FAST
+    and not (stage == 1 and gas > 1 and overlap)
 ]
 
 

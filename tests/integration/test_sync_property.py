@@ -40,7 +40,8 @@ def jobs(draw, group_size: int) -> JobSpec:
                                                 else draw(st.sampled_from([1, micro])))
     branch_use = st.lists(st.integers(0, n_branches - 1), max_size=n_branches, unique=True).map(tuple)
     use = tuple(tuple(tuple(draw(branch_use) for _ in range(micro)) for _ in range(GROUPS)) for _ in range(steps))
-    overlap = draw(st.booleans()) and not (pattern == "unmanaged" and stage == 1)
+    # ZeRO-1 with overlap_comm refuses accumulation (DeepSpeed's own bug, see ZeroAdapter.accumulation_refused).
+    overlap = draw(st.booleans()) and not (stage == 1 and (micro > 1 or pattern == "unmanaged"))
     return JobSpec(
         seed=draw(st.integers(0, 2**16)), d_in=draw(st.integers(1, 5)), hidden=draw(st.integers(1, 6)),
         branch_sizes=tuple(draw(st.lists(st.integers(1, 6), min_size=n_branches, max_size=n_branches))),
