@@ -260,8 +260,6 @@ class FaultTolerantEngine:
         self._boundary_backward = False
         self.last_committed = committed
         self._record(committed)
-        if committed:
-            self.guard.after_commit(self.manager.current_step)
         for hook in self._step_hooks:
             hook(committed)
 
@@ -284,6 +282,7 @@ class FaultTolerantEngine:
             for t in self.adapter.partition_grads():
                 t.mul_(self.sync_scale_once)
             self.sync_scale_once = None
+        self.guard.check(self.manager.current_step)
         self._wait_for_peer_after_restart()
         agree_on_heal(self.manager.torchft)
         committed = self.manager.should_commit()

@@ -7,7 +7,10 @@ bucket, a kernel that is not deterministic across machines) shows up as an
 event and is repaired, instead of training on quietly on different models.
 
 Every ``guard_every`` committed steps (:class:`ftbridge.config.FTBridgeConfig`,
-``FTBRIDGE_GUARD_EVERY``; 0 turns it off), right after the commit:
+``FTBRIDGE_GUARD_EVERY``; 0 turns it off), inside the next step, after its
+gradient messages and before its commit vote (so the check is one more
+message of a step every participant runs, and a failure of it discards that
+step like any other):
 
 1. each rank takes a SHA-256 fingerprint of what its optimizer steps on: the
    fp32 master partition and the optimizer state of its partition
@@ -25,10 +28,10 @@ On a mismatch the guard writes a ``divergence`` event (step, primary group,
 the differing groups, every digest), logs a warning naming the groups, and
 then, by ``guard_action``:
 
-* ``heal`` (default): the groups that differ from the primary heal from an
-  up-to-date peer at the next quorum
-  (:meth:`ftbridge.manager.ReplicaManager.request_heal`); the primary and the
-  groups that agree with it go on;
+* ``heal`` (default): the groups that differ from the primary report an error
+  for the step under way, so they discard it while the others commit; being
+  one step behind, torchft heals them from an up-to-date peer at the next
+  quorum. The primary and the groups that agree with it go on;
 * ``stop``: every rank raises :class:`ReplicaDivergenceError` (a non-zero exit
   of every replica group, after the event is written).
 
@@ -121,7 +124,7 @@ class DivergenceGuard:
 
     Args:
         manager: the rank's replica manager (``allreduce``, ``participants``,
-            ``replica_rank``, ``request_heal``).
+            ``replica_rank``, ``report_error``).
         adapter: the engine's ZeRO adapter (``fingerprint_tensors``).
         replica_group_id: this rank's replica group.
         every: committed steps between checks (0: never).
@@ -145,15 +148,18 @@ class DivergenceGuard:
         """Wall time spent in checks, seconds."""
 
     def due(self, step: int) -> bool:
-        """Whether committed step ``step`` is checked."""
+        """Whether the state after committed step ``step`` is checked."""
         return self.every > 0 and step > 0 and step % self.every == 0
 
-    def after_commit(self, step: int) -> Optional[Verdict]:
-        """Run the check if ``step`` is due; act on a mismatch. Every rank of every group calls it.
+    def check(self, step: int) -> Optional[Verdict]:
+        """Compare the state after committed step ``step`` if due; act on a mismatch.
+
+        Every rank of every participating group calls it at the same point
+        of the step after ``step`` (after the gradient messages, before the vote).
 
         Returns:
             The verdict, or ``None`` when not due or when the all-reduce failed
-            (then the check is skipped and logged; the next one runs as usual).
+            (then the check is skipped and logged; the step is discarded anyway).
 
         Raises:
             ReplicaDivergenceError: a mismatch and ``action == "stop"``.
@@ -174,16 +180,19 @@ class DivergenceGuard:
         self.events.write(event="divergence", time=time.time(), step=step, primary_group=verdict.primary,
                           differing_groups=verdict.differing, digests={str(k): v for k, v in verdict.digests.items()},
                           action=self.action, this_group_differs=group_differs)
-        logger.warning("DIVERGENCE at step %d: replica group(s) %s differ from the quorum's primary (group %s); "
+        logger.warning("DIVERGENCE after step %d: replica group(s) %s differ from the quorum's primary (group %s); "
                        "%s", step, verdict.differing or "of this group's other ranks", verdict.primary,
-                       "they heal from a peer at the next step" if self.action == "heal" else "stopping")
+                       "they discard this step and heal from a peer at the next" if self.action == "heal"
+                       else "stopping")
         if self.action == "stop":
             raise ReplicaDivergenceError(
                 f"replica groups {verdict.differing} hold different parameters or optimizer state than the "
                 f"quorum's primary (group {verdict.primary}) after step {step}; digests {verdict.digests}. "
                 "Set FTBRIDGE_GUARD_ACTION=heal to repair instead of stopping")
         if group_differs:
-            self.manager.request_heal()
+            self.manager.report_error(RuntimeError(
+                f"divergence guard: replica group {self.group_id} differs from the quorum's primary (group "
+                f"{verdict.primary}) after step {step}; discarding this step to heal from a peer"))
         return verdict
 
     def _gather(self) -> Optional[Verdict]:

@@ -420,20 +420,6 @@ class ReplicaManager:
         """False while this group heals (it then contributes zero gradients)."""
         return self.torchft.is_participating()
 
-    def request_heal(self) -> None:
-        """Heal this replica group from an up-to-date peer at the next quorum (all group ranks call it).
-
-        torchft heals a replica whose step is behind the quorum's ``max_step``;
-        this sets torchft's step one behind (through ``Manager.load_state_dict``,
-        torchft's own way to set its counters), so the next quorum fetches a
-        peer's live state, which replaces this group's in ``should_commit``.
-        The divergence guard's remedy (:mod:`ftbridge.guard`).
-        """
-        load = getattr(self.torchft, "_ftbridge_load_counters", self.torchft.load_state_dict)
-        state = dict(self.torchft.state_dict())
-        state["step"] = int(state["step"]) - 1
-        load(state)
-
     def shutdown(self) -> None:
         """Stop the manager server and the heal transport (no leave message exists)."""
         self.torchft.shutdown(wait=False)

@@ -41,6 +41,7 @@ MODULES = [
     "ftbridge.store_probe",
     "ftbridge.zero.grad_sync",
     "ftbridge.zero.messages",
+    "ftbridge.guard",
     "ftbridge.comm_hooks",
     "ftbridge.comm_hooks.base",
     "ftbridge.comm_hooks.default",

@@ -153,9 +153,9 @@ def test_heal_state_round_trip_restores_everything(monkeypatch, stage):
 class ConstantManager(FakeManager):
     """A cross-replica 'average' setting every gradient element to 0.1 (norm ~12: clipped), whatever was local."""
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor, **kwargs):
         tensor.fill_(0.1)
-        return super().allreduce(tensor)
+        return super().allreduce(tensor, **kwargs)
 
 
 @pytest.mark.parametrize("stage", ["offload-1", "offload-2", "offload-3", "offload-2-gas2"])
@@ -237,9 +237,9 @@ def test_cross_replica_average_is_what_the_optimizer_steps_on(monkeypatch, stage
 class ScalingManager(FakeManager):
     """A cross-replica 'average' that multiplies the gradient by 1000: far past the clip norm of 1.0."""
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor, **kwargs):
         tensor.mul_(1000.0)
-        return super().allreduce(tensor)
+        return super().allreduce(tensor, **kwargs)
 
 
 @pytest.mark.parametrize("stage", list(OFFLOAD))

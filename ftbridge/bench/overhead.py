@@ -13,6 +13,14 @@ Both see the same global batch per step. The figure is the per-repetition
 ratio of median step times (warm-up steps dropped), median over
 repetitions. Target ``<= 1.03``.
 
+The divergence guard (:mod:`ftbridge.guard`) runs every
+``guard_every`` = 100 committed steps by default, so a run of this length
+would check at most once; its cost is measured apart, ZeRO-2: an ftbridge run
+with ``FTBRIDGE_GUARD_EVERY=1`` reports the seconds its checks took
+(``guard_s`` / ``guard_checks`` of every rank's ``final`` event, the slowest
+rank); the metric is that per-check time divided by ``guard_every`` (the
+default), as a fraction of the same run's median step time. Target ``<= 0.005``.
+
 On the 2-core CI machine the topology is 2 groups x 1 rank against 2 plain
 ranks: more ranks than cores would measure CPU oversubscription, not
 ftbridge. Note that the two are not the same communication pattern: plain
@@ -34,6 +42,8 @@ GROUPS, RANKS = 2, 1
 """ftbridge topology (replica groups x ranks per group); the baseline has ``GROUPS * RANKS`` ranks."""
 
 TARGET_MAX = 1.03
+GUARD_TARGET_MAX = 0.005
+"""The divergence guard at its default interval: at most 0.5 % of a step."""
 
 log = logging.getLogger("ftbridge.bench")
 
@@ -43,6 +53,7 @@ def plot(metrics: List[Metric], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    metrics = [m for m in metrics if not m.extra.get("guard")]  # a fraction of a step, reported in the table
     paired_bars(ax, metrics, scale=1e3, color="tab:blue")
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"Steady-state overhead: ftbridge {GROUPS}x{RANKS} vs plain DeepSpeed {GROUPS * RANKS} ranks")
@@ -84,7 +95,30 @@ def run(settings: BenchSettings) -> List[Metric]:
                    "model": model, "timed_steps": settings.steps}))
         if stage == 2 and not settings.quick:
             metrics.append(_one_group(settings, root, args, plain, model))
+        if stage == 2:
+            metrics.append(_guard(settings, root, args, model))
     return metrics
+
+
+def _guard(settings: BenchSettings, root: str, args: List[str], model: dict) -> Metric:
+    """The divergence guard's cost at its default interval, as a fraction of a step (see the module docstring)."""
+    from ftbridge.config import FTBridgeConfig
+
+    every = FTBridgeConfig.guard_every
+    per_step, steps = [], []
+    for rep in range(settings.reps):
+        res = run_ftbridge(next_run_dir(root, "ftbridge_guard_z2"), GROUPS, RANKS, args,
+                           timeout_s=settings.timeout_s, env={"FTBRIDGE_GUARD_EVERY": "1"}, rep=rep)
+        per_check = max(f["guard_s"] / max(f["guard_checks"], 1) for f in res.finals)
+        per_step.append(per_check / every)
+        steps.append(steady_median(res.step_times_s, settings.warmup_steps))
+        log.info("overhead: divergence guard %.2f ms per check, every %d steps: %.4f %% of a %.1f ms step",
+                 per_check * 1e3, every, 100 * per_step[-1] / steps[-1], steps[-1] * 1e3)
+    return ratio_metric("overhead", f"divergence guard every {every} steps, ZeRO-2 {GROUPS}x{RANKS}: "
+                        "check time per step / step time", per_step, steps,
+                        baseline_name="ftbridge median step (guard every step)", target_max=GUARD_TARGET_MAX,
+                        extra={"zero_stage": 2, "guard_every": every, "baseline_unit": "s", "model": model,
+                               "per_check_s": [p * every for p in per_step], "guard": True})
 
 
 def _one_group(settings: BenchSettings, root: str, args: List[str], plain, model: dict) -> Metric:

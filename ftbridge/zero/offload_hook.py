@@ -42,11 +42,13 @@ bucket; a hook that needs the whole partition (PowerSGD) is refused.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 from ftbridge.comm_hooks.base import CommHookState
 from ftbridge.zero.grad_sync import HookedAllreduce
@@ -77,6 +79,7 @@ class OffloadSync(HookedAllreduce):
         super().__init__(manager, hook, hook_state)
         self.adapter = adapter
         self.issued_in_backward = 0
+        self._layout = hashlib.blake2b(digest_size=6)
         if self.hook_state.needs_partition:
             raise ValueError(
                 f"communication hook {getattr(self.hook, '__name__', self.hook)} needs the whole gradient "
@@ -111,6 +114,7 @@ class OffloadSync(HookedAllreduce):
             side = getattr(opt, "reduction_stream", None) if opt.overlap_comm and tensor.is_cuda else None
             if side is not None:  # overlap_comm reduced on DeepSpeed's side stream: wait for it, and back
                 torch.cuda.current_stream().wait_stream(side)
+            self._record_layout([pid for _, _, pid in opt.ipg_buckets[communication_data_type].params])
             self._average_now(own_slices(opt, tensor, communication_data_type))
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream())
@@ -120,6 +124,7 @@ class OffloadSync(HookedAllreduce):
 
     def _stage3_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def partition_grads(params: List[Any], grad_partitions: List[torch.Tensor]) -> Any:
+            self._record_layout([int(p.ds_id) for p in params])
             self._average_now(list(grad_partitions))
             return original(params, grad_partitions)
 
@@ -139,15 +144,44 @@ class OffloadSync(HookedAllreduce):
         self.issued_in_backward += 1
         self._wait_pending(_scatter_back)
 
-    def begin_backward(self, **_: Any) -> None:
-        """Nothing to arm: every bucket is averaged as DeepSpeed reduces it."""
+    def _record_layout(self, keys: List[int]) -> None:
+        self._layout.update(len(keys).to_bytes(4, "little"))
+        self._layout.update(b"".join(int(k).to_bytes(8, "little", signed=True) for k in keys))
+
+    def begin_backward(self, *, first: bool = True, **_: Any) -> None:
+        """A new window starts a new record of which parameters each bucket held."""
+        if first:
+            self._layout = hashlib.blake2b(digest_size=6)
 
     def end_backward(self, **_: Any) -> None:
         """Nothing left to send after backward."""
 
     def wait(self) -> None:
-        """Nothing pending at the optimizer step (every all-reduce here is synchronous)."""
+        """At the optimizer step: check every replica's buckets held the same parameters, in the same order.
+
+        Raises:
+            RuntimeError: they did not (data-dependent parameter use: MoE
+                experts, branches, task heads), so the per-bucket averages
+                paired different parameters; raised on every replica, before
+                any optimizer step.
+        """
         self._wait_pending(_scatter_back)
+        if not self.enabled:
+            return
+        n, rank = int(self.manager.participants), self.manager.replica_rank
+        slots = torch.zeros(max(n, 1), dtype=torch.float64)
+        if rank is not None and 0 <= rank < n:
+            slots[rank] = float(int.from_bytes(self._layout.digest(), "little") + 1)  # 48 bits: exact
+        work = self.manager.allreduce(slots, reduce_op=ReduceOp.SUM)
+        work.wait()
+        seen = {v for v in slots.tolist() if v}
+        if len(seen) > 1:
+            raise RuntimeError(
+                "zero_optimization.offload_optimizer averages each bucket as DeepSpeed reduces it, but the "
+                "replica groups' buckets held different parameters this step (a model whose parameter use "
+                "depends on the data: MoE experts, branches, task heads). The averages paired different "
+                "parameters, so no group steps on them. Remove offload_optimizer for this model (without it "
+                "ftbridge's messages are fixed by the parameter layout)")
 
 
 def _scatter_back(flat: torch.Tensor, targets: List[torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 EXPECTED = {
     # benchmark: metrics it reports in quick mode (None: at least one)
-    "overhead": 1,  # ZeRO-2 only in quick mode
+    "overhead": 2,  # ZeRO-2 only in quick mode; and the divergence guard's cost
     "overlap": 1,
     "failover": None,
     "heal": None,
@@ -68,6 +68,8 @@ def test_quick_suite_writes_every_metric_and_plot(tmp_path):
     assert (out / "overview.png").stat().st_size > 5_000
     overlap = next(m for m in saved["metrics"] if m["benchmark"] == "overlap")
     assert overlap["extra"]["messages_per_step"] >= 8  # the model really had >= 8 buckets
+    guard = _metric(saved, "overhead", "divergence guard")
+    assert all(s > 0 for s in guard["extra"]["per_check_s"])  # the guard really ran checks
     memory = next(m for m in saved["metrics"] if m["benchmark"] == "memory")
     assert memory["baseline"] > 50  # MiB: peak RSS was recorded, not zero
     # Recovery: ftbridge loses no committed step, and the heal phases tile kill .. first commit.
