@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                             lr=digest["lr"], scheduler_step=digest["scheduler_step"], heals=heals,
                             cross_replica_allreduces=engine.sync.allreduces,
                             cross_replica_bytes=engine.sync.bytes_sent,
+                            cross_replica_messages_in_backward=engine.sync.issued_in_backward,
                             cross_replica_wait_s=engine.cross_replica_wait_s, guard_checks=engine.guard.checks,
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
                             **engine.sync.hook_state.describe())

@@ -79,14 +79,20 @@ def _check(local_job, tmp_path, stage, gas, overlap, bf16, mode, offload):
                                        msg=lambda m: f"group {g} param {name}: {m}")
     finals = [e for e in job.events() if e.get("event") == "final"]
     per_step = {f["cross_replica_allreduces"] / STEPS for f in finals}
-    # ZeRO-1/2 fall back to one post-backward all-reduce with gradient accumulation, and with bf16
-    # (fp32 accumulation: BF16_Optimizer for ZeRO-1, the compact path for ZeRO-2).
-    fallback = stage in (1, 2) and (gas > 1 or bf16)
+    overlapped = {f["cross_replica_messages_in_backward"] for f in finals}
+    # bf16 under ZeRO-1/2 (BF16_Optimizer, the compact path) has no per-bucket point: one message after
+    # backward. ZeRO-1/2 with accumulation send the same layout-fixed messages, after backward.
+    one_message = stage in (1, 2) and bf16
+    after_backward = stage in (1, 2) and gas > 1
     if offload:
         # Every bucket of every micro-step that reduces (stage 1: only the boundary), in either mode.
         assert min(per_step) >= (gas if stage in (2, 3) else 1), f"offload issued {per_step} all-reduces per step"
-    elif mode == "per_bucket" and not fallback:
+    elif mode == "per_bucket" and not one_message:
         assert min(per_step) > 1, f"per-bucket mode issued {per_step} all-reduces per step"
+        if after_backward:
+            assert overlapped == {0}, f"{overlapped} messages went inside backward, before the micro-steps were summed"
+        else:
+            assert min(overlapped) > 0, "no message overlapped backward: the bucket hook did not fire"
     else:
         assert per_step == {1}, f"post-backward mode issued {per_step} all-reduces per step"
     # No failures: every step of every rank committed, and the step counter equals the steps run.
