@@ -43,8 +43,9 @@ class JobSpec:
         stage: ZeRO stage.
         pattern: how the caller ends an optimizer step: ``managed`` (``gradient_accumulation_steps=micro``,
             ``step()`` after every backward), ``manual`` (``set_gradient_accumulation_boundary``),
-            ``unmanaged`` (``managed_gradient_accumulation: false``) or ``coalesce``
-            (``coalesce_grad_reduction``).
+            ``unmanaged`` (``managed_gradient_accumulation: false``), ``coalesce``
+            (``coalesce_grad_reduction``) or ``no_sync`` (all but the last backward inside
+            ``engine.no_sync()``, ZeRO-1 only).
         gas: ``gradient_accumulation_steps`` in the DeepSpeed config (DeepSpeed divides the loss by it).
         sync_mode, message_bytes: ftbridge's ``sync_mode`` and ``cross_replica_bucket_bytes``.
         reduce_bucket_size, overlap_comm, contiguous_gradients: DeepSpeed ZeRO settings.

@@ -4,7 +4,7 @@ Hypothesis draws small models (a trunk and branches of random sizes), which
 branches each replica group's micro-batches use, the ZeRO stage, how the
 caller ends an optimizer step (``gradient_accumulation_steps``,
 ``set_gradient_accumulation_boundary``, ``managed_gradient_accumulation:
-false``, ``coalesce_grad_reduction``), the sync mode, the cross-replica
+false``, ``coalesce_grad_reduction``, ``no_sync``), the sync mode, the cross-replica
 message size and DeepSpeed's bucket size, overlap and contiguous gradients.
 Each job runs for real (2 replica groups, DeepSpeed on gloo, ftbridge's sync
 through a real gloo cross-replica group, ``workers/sync_worker.py``), and
@@ -33,10 +33,10 @@ GROUPS = 2
 def jobs(draw, group_size: int) -> JobSpec:
     n_branches = draw(st.integers(1, 3))
     steps = draw(st.integers(1, 3))
-    pattern = draw(st.sampled_from(["managed", "manual", "unmanaged", "coalesce"]))
+    pattern = draw(st.sampled_from(["managed", "manual", "unmanaged", "coalesce", "no_sync"]))
     micro = draw(st.integers(1, 3))
-    stage = draw(st.sampled_from([1, 2, 3]))
-    gas = micro if pattern == "managed" else (1 if pattern in ("unmanaged", "coalesce")
+    stage = 1 if pattern == "no_sync" else draw(st.sampled_from([1, 2, 3]))  # DeepSpeed: no_sync is ZeRO-1 only
+    gas = micro if pattern == "managed" else (1 if pattern in ("unmanaged", "coalesce", "no_sync")
                                                 else draw(st.sampled_from([1, micro])))
     branch_use = st.lists(st.integers(0, n_branches - 1), max_size=n_branches, unique=True).map(tuple)
     use = tuple(tuple(tuple(draw(branch_use) for _ in range(micro)) for _ in range(GROUPS)) for _ in range(steps))

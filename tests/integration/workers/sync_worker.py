@@ -120,6 +120,13 @@ def run_job(spec, out):
             for x, use in xs:
                 eng.backward(eng(x, use))
             eng.step()
+        elif spec.pattern == "no_sync":   # ZeRO-1 only (DeepSpeed refuses no_sync with stages 2 and 3)
+            with eng.no_sync():
+                for x, use in xs[:-1]:
+                    eng.backward(eng(x, use))
+            x, use = xs[-1]
+            eng.backward(eng(x, use))
+            eng.step()
         elif spec.pattern == "coalesce":
             with eng.coalesce_grad_reduction():
                 for x, use in xs:
