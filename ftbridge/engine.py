@@ -291,9 +291,7 @@ class FaultTolerantEngine:
             take_model_step(*args, **kwargs)
         else:
             self.sync.reset()
-            self.adapter.discard_grads()
-            if hasattr(e, "_unmanaged_backward_count"):  # unmanaged: the discarded micro-batches count for nothing
-                e._unmanaged_backward_count = 0
+            self.adapter.discard_window()
         self._decision = committed
 
     def _record(self, committed: bool) -> None:

@@ -97,21 +97,16 @@ def test_a_second_backward_at_the_boundary_is_refused(monkeypatch):
         eng.backward(_loss(eng, 1))
 
 
-def test_a_step_with_no_boundary_backward_is_refused(monkeypatch):
+@pytest.mark.parametrize("during_backward,before_step,match", [
+    (False, True, "no backward of this step ran at the gradient accumulation boundary"),
+    (True, False, "did not step the optimizer"),
+])
+def test_a_boundary_that_does_not_match_the_backward_is_refused(monkeypatch, during_backward, before_step, match):
     eng = _engine(monkeypatch, 2, gas=1)
-    eng.set_gradient_accumulation_boundary(False)
+    eng.set_gradient_accumulation_boundary(during_backward)
     eng.backward(_loss(eng, 0))
-    eng.set_gradient_accumulation_boundary(True)
-    with pytest.raises(RuntimeError, match="no backward of this step ran at the gradient accumulation boundary"):
-        eng.step()
-
-
-def test_switching_the_boundary_off_before_step_is_refused(monkeypatch):
-    eng = _engine(monkeypatch, 2, gas=1)
-    eng.set_gradient_accumulation_boundary(True)
-    eng.backward(_loss(eng, 0))
-    eng.set_gradient_accumulation_boundary(False)
-    with pytest.raises(RuntimeError, match="did not step the optimizer"):
+    eng.set_gradient_accumulation_boundary(before_step)
+    with pytest.raises(RuntimeError, match=match):
         eng.step()
 
 

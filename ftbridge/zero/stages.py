@@ -96,6 +96,12 @@ class ZeroAdapter:
         """Drop the step's gradients; optimizer, scaler and counters stay as they are."""
         raise NotImplementedError
 
+    def discard_window(self) -> None:
+        """Drop a discarded step's gradients, and its micro-batches from DeepSpeed's unmanaged sample count."""
+        self.discard_grads()
+        if hasattr(self.engine, "_unmanaged_backward_count"):  # managed_gradient_accumulation: false
+            self.engine._unmanaged_backward_count = 0
+
     # -- the cross-replica message plan (ftbridge.zero.grad_sync) -----------
     def partition_numel(self) -> int:
         """Elements of :meth:`partition_grads` concatenated (known from init on)."""
