@@ -218,7 +218,7 @@ class FaultTolerantEngine:
                 f"{self._backwards} backward calls in this step): that gradient was already final. To accumulate "
                 "N micro-batches per optimizer step, either set gradient_accumulation_steps=N and call step() "
                 "after every backward, or call engine.set_gradient_accumulation_boundary(False) before each "
-                "backward but the last and (True) before the last")
+                "backward but the last and (True) before the last, then step() once")
         if self._backwards == 1 and self.adapter.accumulation_refused():
             raise ValueError(self.adapter.accumulation_refused())
         e = self.engine
@@ -231,6 +231,11 @@ class FaultTolerantEngine:
         self.sync.end_backward(boundary=boundary, no_sync=no_sync)
         self._boundary_backward = boundary and not no_sync
         self._deferred_backward |= no_sync
+        if self._backwards % (1000 * e.gradient_accumulation_steps()) == 0:
+            self.log.warning("%d backward calls without an optimizer step: DeepSpeed steps only when a backward "
+                             "runs at the gradient accumulation boundary; call "
+                             "engine.set_gradient_accumulation_boundary(True) before the last backward of a step",
+                             self._backwards)
         return out
 
     def step(self, **kwargs: Any) -> None:

@@ -166,3 +166,14 @@ def test_offload_refuses_buckets_that_differ_across_replicas(monkeypatch, stage)
     with pytest.raises(RuntimeError, match="buckets held different parameters"):
         eng.step()
     assert all(torch.equal(a, b) for a, b in zip(before, _params(eng))), "stepped on mispaired averages"
+
+
+def test_a_boundary_never_switched_on_warns(monkeypatch, caplog):
+    eng = _engine(monkeypatch, 2, gas=1)
+    eng.set_gradient_accumulation_boundary(False)
+    with caplog.at_level("WARNING"):
+        for i in range(1000):
+            eng.backward(_loss(eng, i))
+            eng.step()              # DeepSpeed never steps: no boundary backward
+    assert eng.global_steps == 0 and eng.manager.calls == 0
+    assert "1000 backward calls without an optimizer step" in caplog.text
