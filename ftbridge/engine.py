@@ -88,9 +88,9 @@ class FaultTolerantEngine:
         self.cfg = cfg
         self.adapter: ZeroAdapter = adapter_for(engine)
         check_accumulation_settings(engine)
-        if engine.gradient_accumulation_steps() > 1 and self.adapter.accumulation_refused():
-            raise ValueError(f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: "
-                             f"{self.adapter.accumulation_refused()}")
+        refused = self.adapter.accumulation_refused()
+        if engine.gradient_accumulation_steps() > 1 and refused:
+            raise ValueError(f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: {refused}")
         self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
         if self.checksum_every < 0:
             raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")

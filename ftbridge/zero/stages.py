@@ -306,17 +306,14 @@ class Stage12Adapter(ZeroAdapter):
     def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
         opt = self.optimizer
         self._after_deepspeed_streams("reduction_stream")
-        flat = None
-        for f in message.fragments:
-            grad = opt.get_param_gradient_attribute(self._param_of[f.key])
-            if flat is None:
-                device = grad.device if grad is not None else torch.device("cpu")
-                flat = torch.zeros(message.numel, dtype=self.grad_dtype(), device=device)
+        params = [self._param_of[f.key] for f in message.fragments]
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(message.numel, dtype=self.grad_dtype(), device=device)
+        for f, p in zip(message.fragments, params):
+            grad = opt.get_param_gradient_attribute(p)
             if grad is not None:
                 at = f.offset - message.start
                 flat[at:at + f.numel].copy_(grad.reshape(-1)[f.param_start:f.param_start + f.numel])
-        if flat is None:
-            flat = torch.zeros(message.numel, dtype=self.grad_dtype())
         return flat, True
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
