@@ -119,6 +119,24 @@ def judge(slots: List[Optional[tuple]]) -> Verdict:
     return Verdict(digests, primary, sorted(g for g, d in digests.items() if d != want))
 
 
+def gather_rows(manager: Any, row: List[float]) -> torch.Tensor:
+    """Every participant's ``row``, one SUM all-reduce: ``(participants, len(row))`` float64, zeros where absent.
+
+    Replica rank ``i`` writes its row into row ``i`` of a zero tensor; the sum
+    is then an all-gather, exact in float64 for integers below 2**53. A
+    replica without a rank (healing), or one torchft zeroes, leaves its row at zero.
+
+    Raises:
+        Whatever the manager's ``allreduce`` or its work's ``wait`` raises.
+    """
+    n, rank = max(int(manager.participants), 1), manager.replica_rank
+    rows = torch.zeros(n, len(row), dtype=torch.float64)
+    if rank is not None and 0 <= rank < n:
+        rows[rank] = torch.tensor(row, dtype=torch.float64)
+    manager.allreduce(rows, reduce_op=ReduceOp.SUM).wait()
+    return rows
+
+
 class DivergenceGuard:
     """Compares replica groups every ``every`` committed steps and acts on a mismatch.
 
@@ -197,13 +215,8 @@ class DivergenceGuard:
 
     def _gather(self) -> Optional[Verdict]:
         digest = tensor_checksum(self.adapter.fingerprint_tensors())
-        n = int(self.manager.participants)
-        rank = self.manager.replica_rank
-        t = torch.zeros(max(n, 1) * SLOT, dtype=torch.float64)
-        if rank is not None and 0 <= rank < n:
-            t[rank * SLOT:(rank + 1) * SLOT] = torch.tensor(encode_slot(self.group_id, digest), dtype=torch.float64)
         try:
-            self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+            t = gather_rows(self.manager, encode_slot(self.group_id, digest))
         except Exception as e:  # noqa: BLE001 - a failed check is skipped, never fatal
             logger.warning("divergence guard skipped: its all-reduce failed (%s)", e)
             return None

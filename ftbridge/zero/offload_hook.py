@@ -48,9 +48,9 @@ from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
 
 from ftbridge.comm_hooks.base import CommHookState
+from ftbridge.guard import gather_rows
 from ftbridge.zero.grad_sync import HookedAllreduce
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.stages import Stage3Adapter, ZeroAdapter
@@ -168,13 +168,8 @@ class OffloadSync(HookedAllreduce):
         self._wait_pending(_scatter_back)
         if not self.enabled:
             return
-        n, rank = int(self.manager.participants), self.manager.replica_rank
-        slots = torch.zeros(max(n, 1), dtype=torch.float64)
-        if rank is not None and 0 <= rank < n:
-            slots[rank] = float(int.from_bytes(self._layout.digest(), "little") + 1)  # 48 bits: exact
-        work = self.manager.allreduce(slots, reduce_op=ReduceOp.SUM)
-        work.wait()
-        seen = {v for v in slots.tolist() if v}
+        mine = float(int.from_bytes(self._layout.digest(), "little") + 1)  # 48 bits: exact in float64
+        seen = {v for v in gather_rows(self.manager, [mine]).view(-1).tolist() if v}
         if len(seen) > 1:
             raise RuntimeError(
                 "zero_optimization.offload_optimizer averages each bucket as DeepSpeed reduces it, but the "

@@ -88,7 +88,6 @@ class GlooReplicaManager:
 
 
 def run_job(spec, out):
-    import deepspeed
     from safetensors.torch import save_file
 
     import ftbridge
