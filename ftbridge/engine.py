@@ -17,9 +17,8 @@ Per optimizer step (a *window* of micro-steps, however the caller ends it):
    heal state);
 2. backward of the boundary micro-step: the rank's reduced gradient partition
    is averaged across replica groups in messages fixed by the parameter
-   layout, overlapped with backward where exact (:mod:`ftbridge.zero.grad_sync`);
-   under optimizer offload, every reduced bucket of every micro-step,
-   synchronously (:mod:`ftbridge.zero.offload_hook`);
+   layout, overlapped with backward where exact (:mod:`ftbridge.zero.grad_sync`;
+   under ZeRO-1/2 optimizer offload, after backward, on the CPU partition);
 3. where DeepSpeed steps the optimizer (its ``_take_model_step``, reached
    from ``step()`` whichever way the accumulation boundary was set): wait for
    that work, then ``should_commit`` (applies a pending heal first). Commit
@@ -58,7 +57,6 @@ from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.grad_sync import GradientSync
-from ftbridge.zero.offload_hook import OffloadSync
 from ftbridge.zero.stages import (ZeroAdapter, adapter_for, align_to_window, check_deepspeed_version,
                                   check_accumulation_settings, wrap_model_step)
 from ftbridge.zero.state import from_wire, to_wire
@@ -102,15 +100,8 @@ class FaultTolerantEngine:
         guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
-        if self.adapter.offload:
-            if cfg.sync_mode == "post_backward":
-                self.log.warning("sync_mode=post_backward with zero_optimization.offload_optimizer: DeepSpeed "
-                                 "takes the gradient norm and the CPU copy in backward, so every bucket is "
-                                 "averaged across replicas there instead (ftbridge.zero.offload_hook)")
-            self.sync = OffloadSync(self.manager, self.adapter, hook=hook, hook_state=hook_state)
-        else:
-            self.sync = GradientSync(self.manager, self.adapter, cfg.sync_mode,
-                                     min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
+        self.sync = GradientSync(self.manager, self.adapter, cfg.sync_mode,
+                                 min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
         self.sync.install()
         wrap_model_step(engine, self._model_step)
         if hook_state.state_dict() is not None:  # shared hook state (PowerSGD's Q, iteration) travels in a heal
@@ -293,6 +284,7 @@ class FaultTolerantEngine:
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
+            self.adapter.prepare_step()  # after a heal in should_commit too: from the averaged partition
             take_model_step(*args, **kwargs)
         else:
             self.sync.reset()

@@ -47,7 +47,6 @@ MODULES = [
     "ftbridge.comm_hooks.default",
     "ftbridge.comm_hooks.powersgd",
     "ftbridge.comm_hooks.fragments",
-    "ftbridge.zero.offload_hook",
     "ftbridge.transport",
     "ftbridge.heal",
     "ftbridge.faults",

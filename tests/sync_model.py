@@ -49,6 +49,7 @@ class JobSpec:
         gas: ``gradient_accumulation_steps`` in the DeepSpeed config (DeepSpeed divides the loss by it).
         sync_mode, message_bytes: ftbridge's ``sync_mode`` and ``cross_replica_bucket_bytes``.
         reduce_bucket_size, overlap_comm, contiguous_gradients: DeepSpeed ZeRO settings.
+        offload: ``zero_optimization.offload_optimizer: {device: cpu}`` (the optimizer steps on the CPU).
         lr: SGD learning rate.
         micro_batch: samples per micro-batch.
     """
@@ -71,6 +72,7 @@ class JobSpec:
     reduce_bucket_size: int
     overlap_comm: bool
     contiguous_gradients: bool
+    offload: bool = False
     lr: float = 0.5
     micro_batch: int = 2
 
@@ -95,6 +97,9 @@ class JobSpec:
         }
         if self.stage == 3:
             cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        if self.offload:  # a torch SGD on the CPU partition, not DeepSpeed's CPU Adam
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            cfg["zero_force_ds_cpu_optimizer"] = False
         if self.pattern == "unmanaged":
             cfg["managed_gradient_accumulation"] = False
         return cfg

@@ -273,18 +273,22 @@ def test_backward_without_forward_is_refused(monkeypatch):
         eng.backward(torch.tensor(1.0, requires_grad=True))
 
 
-@pytest.mark.parametrize("stage", ["offload-1", "offload-2", "offload-3"])
-def test_optimizer_offload_builds_the_in_backward_sync(monkeypatch, stage):
-    from ftbridge.zero.offload_hook import OffloadSync
+@pytest.mark.parametrize("stage,in_backward", [("offload-1", False), ("offload-2", False), ("offload-3", True)])
+def test_optimizer_offload_sends_the_layout_fixed_partition_once_per_step(monkeypatch, stage, in_backward):
+    # ZeRO-1/2 offload assemble the partition on the CPU: its messages go after backward. ZeRO-3 keeps
+    # its per-bucket messages in backward (grad_partitions_flat_buffer, as without offload).
+    eng = _engine(monkeypatch, stage, "per_bucket")
+    assert eng.adapter.offload
+    _train(eng, [0, 1])
+    post = _engine(monkeypatch, stage, "post_backward")
+    _train(post, [0, 1])
+    assert (eng.sync.issued_in_backward > 0) == in_backward
+    assert bool(eng.sync.fallback_reason) != in_backward
+    assert eng.sync.bytes_sent == post.sync.bytes_sent > 0
+    assert _state(eng) == _state(post)
 
-    eng = _engine(monkeypatch, stage, "post_backward")   # post-backward is too late under offload: overridden
-    assert eng.adapter.offload and isinstance(eng.sync, OffloadSync)
-    _train(eng, [0])
-    assert eng.sync.allreduces >= 1
 
-
-@pytest.mark.parametrize("case", ["power_sgd", "bf16_fp32_accumulation"])
-def test_optimizer_offload_refuses_what_cannot_run_per_bucket(monkeypatch, case):
+def _offload_engine(monkeypatch, ds_extra, model_dtype=None, **ft):
     import deepspeed
 
     from ftbridge import engine as engine_mod
@@ -293,18 +297,29 @@ def test_optimizer_offload_refuses_what_cannot_run_per_bucket(monkeypatch, case)
 
     monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
     model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    if model_dtype is not None:
+        model = model.to(model_dtype)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
-                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    ft = {}
-    if case == "power_sgd":     # compresses the whole partition at once
-        ft["comm_hook"] = "power_sgd"
-    else:                       # DeepSpeed's compact partition: the reduction lands outside the bucket
-        model = model.to(torch.bfloat16)
-        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, **ds_extra}
     raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                    config=ds_config)
+    return lambda: engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, **ft), checksum_every=0)
+
+
+def test_optimizer_offload_refuses_the_compact_fp32_gradient_path(monkeypatch):
+    build = _offload_engine(monkeypatch, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+                            model_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="remove offload_optimizer"):
-        engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, **ft), checksum_every=0)
+        build()
+
+
+def test_optimizer_offload_runs_power_sgd_on_the_cpu_partition(monkeypatch):
+    eng = _offload_engine(monkeypatch, {}, comm_hook="power_sgd")()
+    for i in range(2):
+        _, loss = eng(*_batch(i))
+        eng.backward(loss)
+        eng.step()
+    assert eng.last_committed and eng.sync.allreduces >= 2
 
 
 def test_exposed_cross_replica_wait_is_summed_over_steps(monkeypatch):

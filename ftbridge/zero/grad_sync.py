@@ -26,6 +26,11 @@ earliest at which its content is final on this replica:
    inside ``step()`` (``managed_gradient_accumulation: false``,
    ``coalesce_grad_reduction``).
 
+Under ZeRO-1/2 optimizer offload the partition is the CPU fp32 one DeepSpeed
+assembles during backward; it has no per-bucket point, so its messages go at
+point 2 or 3, after :meth:`ZeroAdapter.assemble_partition` completed it
+(:mod:`ftbridge.zero.stages`).
+
 Per-bucket is exact when the gradient a bucket holds is the step's final
 gradient: ZeRO-3 accumulates in place, so always; ZeRO-1/2 only when the
 window has a single backward (with several, DeepSpeed sums the micro-steps
@@ -56,23 +61,53 @@ from ftbridge.zero.stages import ZeroAdapter
 
 logger = logging.getLogger(__name__)
 
-class HookedAllreduce:
-    """Pending cross-replica work through a communication hook, and the bookkeeping around it.
+
+class GradientSync:
+    """Average the rank's gradient partition across replica groups, in layout-defined messages.
+
+    Per optimizer step the engine calls :meth:`begin_backward` and
+    :meth:`end_backward` around every backward, and :meth:`wait` right
+    before DeepSpeed's optimizer step (after DeepSpeed assembled the
+    partition), then :meth:`commit` or :meth:`reset`.
 
     Args:
         manager: the rank's replica manager.
-        hook: ``hook(state, flat) -> work``; default the plain average.
+        adapter: where the partition lives for this ZeRO stage.
+        mode: ``"per_bucket"`` (overlap with backward where exact) or ``"post_backward"``.
+        min_bytes: smallest cross-replica message, bytes (per-bucket mode);
+            ``0``: one message per parameter fragment.
+        hook: ``hook(state, flat) -> work`` (:mod:`ftbridge.comm_hooks`); default the plain average.
         hook_state: its state; default a :class:`CommHookState` of ``manager``.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`SYNC_MODES`, or ``min_bytes < 0``.
     """
 
-    def __init__(self, manager: ReplicaManager, hook: Optional[Callable[..., Any]] = None,
+    def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, mode: str = "per_bucket",
+                 min_bytes: int = 25 << 20, hook: Optional[Callable[..., Any]] = None,
                  hook_state: Optional[CommHookState] = None) -> None:
+        if mode not in SYNC_MODES:
+            raise ValueError(f"sync mode {mode!r}: use one of {', '.join(SYNC_MODES)}")
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes={min_bytes} must be >= 0")
         self.manager = manager
         self.hook = hook or allreduce_hook
         self.hook_state = hook_state if hook_state is not None else CommHookState(manager)
         self._pending: List[Tuple[Any, torch.Tensor, Any]] = []
         self.enabled = True
         """Testing only: ``False`` skips the all-reduce, and the replica groups diverge."""
+        self.adapter = adapter
+        self.mode = mode
+        self.min_bytes = min_bytes
+        self.fallback_reason = ""
+        """Why per-bucket issue never runs on this optimizer ("" when it can)."""
+        self.plan: List[Message] = []
+        self.issued_in_backward = 0
+        """Messages issued inside backward so far (the overlapped ones), summed over steps."""
+        self._readiness: Optional[Readiness] = None
+        self._armed = False
+        self._next = 0
+        self._logged: set = set()
 
     @property
     def bytes_sent(self) -> int:
@@ -114,53 +149,6 @@ class HookedAllreduce:
     def commit(self) -> None:
         """The step committed on every replica: the hook applies its state changes."""
         self.hook_state.commit()
-
-    def reset(self) -> None:
-        """Forget pending work (after a discarded step); the hook forgets its state changes."""
-        self._pending = []
-        self.hook_state.discard()
-
-
-class GradientSync(HookedAllreduce):
-    """Average the rank's gradient partition across replica groups, in layout-defined messages.
-
-    Per optimizer step the engine calls :meth:`begin_backward` and
-    :meth:`end_backward` around every backward, and :meth:`wait` right
-    before DeepSpeed's optimizer step (after DeepSpeed assembled the
-    partition), then :meth:`commit` or :meth:`reset`.
-
-    Args:
-        manager: the rank's replica manager.
-        adapter: where the partition lives for this ZeRO stage.
-        mode: ``"per_bucket"`` (overlap with backward where exact) or ``"post_backward"``.
-        min_bytes: smallest cross-replica message, bytes (per-bucket mode);
-            ``0``: one message per parameter fragment.
-        hook, hook_state: the communication hook (see :class:`HookedAllreduce`).
-
-    Raises:
-        ValueError: ``mode`` is not one of :data:`SYNC_MODES`, or ``min_bytes < 0``.
-    """
-
-    def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, mode: str = "per_bucket",
-                 min_bytes: int = 25 << 20, hook: Optional[Callable[..., Any]] = None,
-                 hook_state: Optional[CommHookState] = None) -> None:
-        if mode not in SYNC_MODES:
-            raise ValueError(f"sync mode {mode!r}: use one of {', '.join(SYNC_MODES)}")
-        if min_bytes < 0:
-            raise ValueError(f"min_bytes={min_bytes} must be >= 0")
-        super().__init__(manager, hook, hook_state)
-        self.adapter = adapter
-        self.mode = mode
-        self.min_bytes = min_bytes
-        self.fallback_reason = ""
-        """Why per-bucket issue never runs on this optimizer ("" when it can)."""
-        self.plan: List[Message] = []
-        self.issued_in_backward = 0
-        """Messages issued inside backward so far (the overlapped ones), summed over steps."""
-        self._readiness: Optional[Readiness] = None
-        self._armed = False
-        self._next = 0
-        self._logged: set = set()
 
     # -- install -----------------------------------------------------------
     def install(self) -> None:
@@ -225,8 +213,9 @@ class GradientSync(HookedAllreduce):
         self._next = 0
 
     def reset(self) -> None:
-        """Forget pending work (after a discarded step)."""
-        super().reset()
+        """Forget pending work (after a discarded step); the hook forgets its state changes."""
+        self._pending = []
+        self.hook_state.discard()
         self._next = 0
         self._armed = False
 
@@ -250,6 +239,8 @@ class GradientSync(HookedAllreduce):
         if self._readiness is not None:
             self._readiness.rest()
         if start < len(self.plan):
+            if start == 0:
+                self.adapter.assemble_partition()
             canon = CanonicalPartition(self.adapter.partition_grads())
             for k in range(start, len(self.plan)):
                 self._issue(k, in_backward=False, canon=canon)

@@ -23,10 +23,24 @@ Where the gradient partition lives at the accumulation boundary (deepspeed
   across replicas, not only the rank's partition (``group_size`` times the
   bytes of a ZeRO-1/2 partition).
 
-With ``zero_optimization.offload_optimizer`` (:attr:`ZeroAdapter.offload`) the
-gradient reaches the CPU fp32 partition's ``.grad`` during backward, and the
-cross-replica average happens there (:mod:`ftbridge.zero.offload_hook`);
-:meth:`ZeroAdapter.partition_grads` is then not what the sync reads.
+With ``zero_optimization.offload_optimizer`` (:attr:`ZeroAdapter.offload`)
+DeepSpeed copies each reduced gradient to the optimizer's CPU fp32 partition
+and takes its norm (and, ZeRO-1/2, its overflow flag) during backward, parameter
+by parameter, before any cross-replica average could exist. The adapter
+makes that partition exact and then redoes what backward derived from it:
+
+* ZeRO-1/2: the partition is the CPU fp32 ``single_partition_of_fp32_groups[g].grad``.
+  :meth:`ZeroAdapter.begin_window` zeroes it and DeepSpeed's CPU accumulation
+  buffers (``accumulated_grads_in_cpu``: DeepSpeed adds to the value of the last
+  window that used a parameter, and leaves the slot of an unused parameter as it
+  was); :meth:`ZeroAdapter.assemble_partition` copies the accumulated gradient of
+  every parameter reduced in the window into it (DeepSpeed copies only the
+  parameters reduced in the boundary backward); :meth:`ZeroAdapter.prepare_step`
+  takes the per-parameter norms and the overflow flag again from the average.
+* ZeRO-3: the partition is ``grad_partitions_flat_buffer`` as without offload;
+  :meth:`ZeroAdapter.prepare_step` offloads all of it again
+  (``_offload_grad_partition_at_boundary`` per parameter), norms included.
+
 :meth:`ZeroAdapter.discard_grads` also resets what DeepSpeed's ``step()``
 resets on that path (``reset_cpu_buffers``: per-parameter norms and, for
 ZeRO-1/2, ``local_overflow``).
@@ -163,6 +177,16 @@ class ZeroAdapter:
     def begin_window(self) -> None:
         """Before the first backward of an optimizer step (nothing to do for most stages)."""
 
+    def assemble_partition(self) -> None:
+        """After the window's last backward, before the sync first reads :meth:`partition_grads` whole.
+
+        Completes what DeepSpeed leaves incomplete (ZeRO-1/2 offload); nothing elsewhere.
+        """
+
+    def prepare_step(self) -> None:
+        """After the cross-replica average, before DeepSpeed's step: redo what backward derived from the
+        local gradient (under offload: the CPU fp32 copy, per-parameter norms, overflow); nothing elsewhere."""
+
     def _after_deepspeed_streams(self, *names: str) -> None:
         """On CUDA, order the current stream after DeepSpeed's side streams (reads of what they wrote)."""
         if not torch.cuda.is_available():
@@ -228,6 +252,9 @@ class Stage12Adapter(ZeroAdapter):
         self.stage = engine.zero_optimization_stage()
 
     def partition_grads(self) -> List[torch.Tensor]:
+        if self.offload:  # what step() reads under offload: the CPU fp32 partition's .grad
+            self.optimizer._wait_for_offload_copies()
+            return [p.grad for p in self.optimizer.single_partition_of_fp32_groups]
         out: List[torch.Tensor] = []
         for group_idx in sorted(self.optimizer.averaged_gradients):
             grads = self.optimizer.averaged_gradients[group_idx]
@@ -260,10 +287,14 @@ class Stage12Adapter(ZeroAdapter):
         return sum(int(n) for n in self.optimizer.partition_size)
 
     def grad_dtype(self) -> torch.dtype:
+        if self.offload:
+            return self.optimizer.single_partition_of_fp32_groups[0].dtype
         return getattr(self.optimizer, "gradient_accumulation_dtype", None) or self.optimizer.dtype
 
     def per_bucket_unsupported(self, layout: Any) -> str:
         opt = self.optimizer
+        if self.offload:
+            return "optimizer offload under ZeRO-1/2 (DeepSpeed assembles the partition on the CPU)"
         if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
             return "compact fp32 gradient accumulation of bf16/fp16 parameters"
         if self.grad_dtype() != opt.dtype:
@@ -315,6 +346,42 @@ class Stage12Adapter(ZeroAdapter):
                 at = f.offset - message.start
                 flat[at:at + f.numel].copy_(grad.reshape(-1)[f.param_start:f.param_start + f.numel])
         return flat, True
+
+    def begin_window(self) -> None:
+        if not self.offload:
+            return
+        opt = self.optimizer
+        opt._wait_for_offload_copies()
+        for p in opt.single_partition_of_fp32_groups:
+            p.grad.zero_()
+        for buf in opt.accumulated_grads_in_cpu.values():
+            buf.zero_()
+
+    def assemble_partition(self) -> None:
+        opt = self.optimizer
+        if not self.offload or opt.low_precision_master_weights_and_grads:  # there: views of the partition
+            return
+        opt._wait_for_offload_copies()
+        for pid in opt._offload_accumulated_param_ids:
+            group_idx, source_offset, dest_offset, numel = opt.grad_position[pid]
+            dest = opt.single_partition_of_fp32_groups[group_idx].grad.view(-1).narrow(0, dest_offset, numel)
+            dest.copy_(opt.accumulated_grads_in_cpu[pid].view(-1).narrow(0, source_offset, numel))
+
+    def prepare_step(self) -> None:
+        if not self.offload:
+            return
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        opt = self.optimizer
+        overflow = False
+        for group_idx, params in enumerate(opt.params_in_partition):
+            grad = opt.single_partition_of_fp32_groups[group_idx].grad.view(-1)
+            overflow = overflow or bool(opt._has_inf_or_nan(grad))
+            for p in params:
+                pid = opt.get_param_id(p)
+                _, _, dest_offset, numel = opt.grad_position[pid]
+                opt.norm_for_param_grads[pid] = grad.narrow(0, dest_offset, numel).to(get_norm_dtype()).norm(2)
+        opt.local_overflow = overflow
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(self._state_list(state), load_optimizer_states=True,
@@ -373,6 +440,21 @@ class Stage3Adapter(ZeroAdapter):
         # but never clears the slot of a parameter that gets no gradient: it would step on (and send) the
         # gradient of the last step that used it. Zero them all; used slots are overwritten anyway.
         self.optimizer.grad_partitions_flat_buffer.zero_()
+
+    def prepare_step(self) -> None:
+        # DeepSpeed offloaded each parameter's local gradient (and took its norm) at the boundary backward,
+        # and never one that the boundary backward did not reduce: offload the averaged partition, all of it.
+        if not self.offload:
+            return
+        opt = self.optimizer
+        slots = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        grads: Dict[int, Any] = {}
+        offsets: Dict[int, Any] = {}
+        for group in opt.fp16_groups:
+            for p in group:
+                if p.partition_numel() * opt._get_param_partition_rank(p) < p.ds_numel:  # holds real data here
+                    opt._offload_grad_partition_at_boundary(p, slots[p.ds_id], grads, offsets)
+        opt._swap_out_offload_fp32_gradients(grads, offsets)
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         opt = self.optimizer
@@ -476,8 +558,9 @@ def check_accumulation_settings(engine: Any) -> None:
 
     Raises:
         ValueError: naming the setting and the fix: ZenFlow (selective,
-            asynchronous updates), pipeline parallelism (its own engine), or
-            DeepCompile (its compiled graph reduces gradients itself).
+            asynchronous updates), pipeline parallelism (its own engine),
+            DeepCompile (its compiled graph reduces gradients itself), or
+            ZeRO-1/2 optimizer offload on DeepSpeed's compact fp32 gradient path.
     """
     if getattr(engine, "zenflow", False):
         raise ValueError("zero_optimization.zenflow updates parameters selectively and asynchronously, which "
@@ -485,6 +568,13 @@ def check_accumulation_settings(engine: Any) -> None:
     if getattr(engine, "pipeline_parallelism", False):
         raise ValueError("pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported by ftbridge: "
                          "pass a plain torch.nn.Module")
+    opt = engine.optimizer
+    if getattr(opt, "cpu_offload", False) and any(
+            opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
+        raise ValueError(
+            "zero_optimization.offload_optimizer with bf16/fp16 parameters and fp32 gradient accumulation "
+            "(DeepSpeed's compact gradient partition) is not supported by ftbridge: remove "
+            "data_types.grad_accum_dtype (accumulate in the parameter dtype) or remove offload_optimizer")
     compiled = getattr(engine, "is_deepcompile_enabled", None)
     if compiled is not None and compiled():
         raise ValueError("DeepCompile (compile.deepcompile) reduces gradients in its compiled graph, where "
