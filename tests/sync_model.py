@@ -50,6 +50,7 @@ class JobSpec:
         sync_mode, message_bytes: ftbridge's ``sync_mode`` and ``cross_replica_bucket_bytes``.
         reduce_bucket_size, overlap_comm, contiguous_gradients: DeepSpeed ZeRO settings.
         offload: ``zero_optimization.offload_optimizer: {device: cpu}`` (the optimizer steps on the CPU).
+        bf16: DeepSpeed's ``bf16`` mode (bf16 parameters and inputs, fp32 master weights).
         lr: SGD learning rate.
         micro_batch: samples per micro-batch.
     """
@@ -73,6 +74,7 @@ class JobSpec:
     overlap_comm: bool
     contiguous_gradients: bool
     offload: bool = False
+    bf16: bool = False
     lr: float = 0.5
     micro_batch: int = 2
 
@@ -102,6 +104,8 @@ class JobSpec:
             cfg["zero_force_ds_cpu_optimizer"] = False
         if self.pattern == "unmanaged":
             cfg["managed_gradient_accumulation"] = False
+        if self.bf16:
+            cfg["bf16"] = {"enabled": True}
         return cfg
 
 

@@ -104,8 +104,9 @@ def run_job(spec, out):
     eng, *_ = ftbridge.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=spec.lr),
                                   config=spec.ds_config(), ft_config=cfg)
     committed = []
+    dtype = torch.bfloat16 if spec.bf16 else torch.float32
     for s in range(spec.steps):
-        xs = [(batch(spec, s, g, r, m), list(spec.use[s][g][m])) for m in range(spec.micro)]
+        xs = [(batch(spec, s, g, r, m).to(dtype), list(spec.use[s][g][m])) for m in range(spec.micro)]
         if spec.pattern == "managed":
             for x, use in xs:
                 eng.backward(eng(x, use))
