@@ -56,9 +56,9 @@ from ftbridge.guard import DivergenceGuard
 from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
-from ftbridge.zero.grad_sync import GradientSync
-from ftbridge.zero.stages import (ZeroAdapter, adapter_for, align_to_window, check_deepspeed_version,
-                                  check_accumulation_settings, wrap_model_step)
+from ftbridge.zero.engine_points import align_to_window, check_deepspeed_version, wrap_model_step
+from ftbridge.zero.grad_sync import build_sync, checked_adapter
+from ftbridge.zero.stages import ZeroAdapter
 from ftbridge.zero.state import from_wire, to_wire
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -84,11 +84,7 @@ class FaultTolerantEngine:
                  comm_hook: Optional[Callable[..., Any]] = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.adapter: ZeroAdapter = adapter_for(engine)
-        check_accumulation_settings(engine)
-        refused = self.adapter.accumulation_refused()
-        if engine.gradient_accumulation_steps() > 1 and refused:
-            raise ValueError(f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: {refused}")
+        self.adapter: ZeroAdapter = checked_adapter(engine)
         self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
         if self.checksum_every < 0:
             raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
@@ -100,9 +96,8 @@ class FaultTolerantEngine:
         guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
-        self.sync = GradientSync(self.manager, self.adapter, cfg.sync_mode,
-                                 min_bytes=cfg.cross_replica_bucket_bytes, hook=hook, hook_state=hook_state)
-        self.sync.install()
+        self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
+                               hook=hook, hook_state=hook_state)
         wrap_model_step(engine, self._model_step)
         if hook_state.state_dict() is not None:  # shared hook state (PowerSGD's Q, iteration) travels in a heal
             self.register_state("comm_hook", hook_state.state_dict, hook_state.load_state_dict)

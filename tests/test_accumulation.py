@@ -123,7 +123,7 @@ def test_zero1_overlap_comm_with_accumulation_is_refused(monkeypatch):
 
 
 def test_windows_align_to_the_accumulation_count():
-    from ftbridge.zero.stages import align_to_window
+    from ftbridge.zero.engine_points import align_to_window
 
     assert [align_to_window(m, 4) for m in (0, 1, 4, 10, 12)] == [0, 4, 4, 12, 12]
     assert align_to_window(7, 1) == 7

@@ -386,6 +386,9 @@ def test_a_failing_hook_discards_the_step():
         def grad_element_size(self):
             return 4
 
+        def assemble_partition(self):
+            pass
+
     world = FakeWorld(1)
 
     def broken(state, tensor):

@@ -49,7 +49,7 @@ from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, c
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
-from ftbridge.zero.stages import align_to_window
+from ftbridge.zero.engine_points import align_to_window
 
 FORMAT = "ftbridge-checkpoint/1"
 

@@ -29,13 +29,8 @@ uncompressed). ``batched_power_sgd`` needs no layout: it compresses the whole
 partition as one square matrix (PyTorch's ``batched_powerSGD_hook``), cheaper
 to run but a worse approximation.
 
-The layout is read once, from DeepSpeed's own bookkeeping
-(deepspeed 0.19, see :mod:`ftbridge.zero.stages`): ZeRO-1/2
-``params_in_partition``, ``grad_start_offset``,
-``grad_partition_insertion_offset`` and ``partition_size`` per parameter
-group; ZeRO-3 ``fp16_groups`` with each parameter's ``partition_numel()`` and
-``ds_shape``. Its total must equal the partition the adapter returns, or
-:func:`layout_for` raises.
+The layout is read once from DeepSpeed's own bookkeeping by the ZeRO adapter
+(:mod:`ftbridge.zero.layout`); this module only computes with it.
 """
 
 from __future__ import annotations
@@ -45,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -146,65 +140,6 @@ def layout_from_shapes(shapes: Sequence[Sequence[int]]) -> PartitionLayout:
         frags.append(Fragment(offset, n, tuple(s)))
         offset += n
     return PartitionLayout(offset, frags)
-
-
-def layout_for(adapter: Any) -> PartitionLayout:
-    """The layout of ``adapter``'s gradient partition (as ``partition_grads()`` concatenated).
-
-    Raises:
-        ValueError: DeepSpeed's bookkeeping is missing or disagrees with the partition size.
-    """
-    opt = adapter.optimizer
-    if getattr(adapter, "stage", 0) == 3:
-        return _stage3_layout(opt)
-    return _stage12_layout(opt)
-
-
-def _stage12_layout(opt: Any) -> PartitionLayout:
-    try:
-        frags: List[Fragment] = []
-        base = 0
-        for i in range(len(opt.bit16_groups)):
-            pid = dist.get_rank(group=opt.real_dp_process_group[i])
-            size = int(opt.partition_size[i])
-            for p in opt.params_in_partition[i]:
-                pid_ = opt.get_param_id(p)
-                src = int(opt.grad_start_offset[i][pid][pid_])
-                dst = int(opt.grad_partition_insertion_offset[i][pid][pid_])
-                n = int(min(p.numel() - src, size - dst))
-                frags.append(Fragment(base + dst, n, tuple(p.shape), src, pid_))
-            base += size
-    except (AttributeError, KeyError, IndexError) as e:
-        raise ValueError(f"cannot read the ZeRO-1/2 partition layout from {type(opt).__name__} ({e!r}); "
-                         "use comm_hook='batched_power_sgd', which needs no layout") from e
-    return _checked(PartitionLayout(base, frags))
-
-
-def _stage3_layout(opt: Any) -> PartitionLayout:
-    try:
-        rank = dist.get_rank(group=opt.dp_process_group)
-        frags, offset = [], 0
-        for group in opt.fp16_groups:
-            for p in group:
-                n = int(p.partition_numel())
-                start = rank * n
-                valid = max(0, min(n, int(p.ds_numel) - start))
-                frags.append(Fragment(offset, valid, tuple(p.ds_shape), start, int(p.ds_id)))
-                offset += n
-    except AttributeError as e:
-        raise ValueError(f"cannot read the ZeRO-3 partition layout from {type(opt).__name__} ({e!r}); "
-                         "use comm_hook='batched_power_sgd', which needs no layout") from e
-    return _checked(PartitionLayout(offset, frags))
-
-
-def _checked(layout: PartitionLayout) -> PartitionLayout:
-    end = 0
-    for f in sorted(layout.fragments, key=lambda f: f.offset):
-        if f.offset < end or f.offset + f.numel > layout.numel:
-            raise ValueError(f"inconsistent partition layout at offset {f.offset} (fragment {f}); "
-                             "use comm_hook='batched_power_sgd', which needs no layout")
-        end = f.offset + f.numel
-    return layout
 
 
 def flat_numel(tensors: Sequence[torch.Tensor]) -> int:

@@ -57,7 +57,8 @@ from ftbridge.comm_hooks.default import allreduce_hook
 from ftbridge.config import SYNC_MODES
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.messages import Message, Readiness, plan_messages
-from ftbridge.zero.stages import ZeroAdapter
+from ftbridge.zero.engine_points import check_accumulation_settings
+from ftbridge.zero.stages import ZeroAdapter, adapter_for
 
 logger = logging.getLogger(__name__)
 
@@ -314,3 +315,40 @@ class CanonicalPartition:
                 whole = t.reshape(-1).clone()
                 whole[a:b].copy_(src)
                 t.copy_(whole.view_as(t))
+
+
+def checked_adapter(engine: Any) -> ZeroAdapter:
+    """The ZeRO adapter of ``engine``, after refusing every setting ftbridge cannot make exact.
+
+    Call before any other work (no server, no process group started yet).
+
+    Raises:
+        ValueError: ZeRO stage 0, an engine feature ftbridge cannot follow
+            (:func:`~ftbridge.zero.engine_points.check_accumulation_settings`), an
+            optimizer path it cannot make exact (:meth:`ZeroAdapter.unsupported`), or
+            gradient accumulation DeepSpeed itself gets wrong here
+            (:meth:`ZeroAdapter.accumulation_refused`); each names the setting and the fix.
+    """
+    adapter = adapter_for(engine)
+    check_accumulation_settings(engine)
+    refused = adapter.unsupported()
+    if refused:
+        raise ValueError(refused)
+    refused = adapter.accumulation_refused()
+    if engine.gradient_accumulation_steps() > 1 and refused:
+        raise ValueError(f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: {refused}")
+    return adapter
+
+
+def build_sync(adapter: ZeroAdapter, manager: ReplicaManager, sync_mode: str, min_bytes: int,
+               hook: Optional[Callable[..., Any]] = None,
+               hook_state: Optional[CommHookState] = None) -> GradientSync:
+    """The installed cross-replica sync of ``adapter``'s optimizer: the one place it is built.
+
+    Whether messages may go per bucket is decided in :meth:`GradientSync.install` from the adapter
+    (:meth:`ZeroAdapter.per_bucket_unsupported`) and the hook, and logged there.
+    """
+    sync = GradientSync(manager, adapter, sync_mode, min_bytes=min_bytes, hook=hook, hook_state=hook_state)
+    sync.install()
+    return sync
+

@@ -9,7 +9,7 @@ depends on the data: branches, MoE experts, task heads) is not such a thing.
 
 The plan is cut once, from the rank's partition layout (the *canonical*
 layout: ``ZeroAdapter.partition_grads()`` concatenated, what DeepSpeed's
-``optimizer.step()`` reads, :func:`ftbridge.comm_hooks.fragments.layout_for`):
+``optimizer.step()`` reads, :mod:`ftbridge.zero.layout`):
 
 * every message is a contiguous range ``[start, end)`` of the canonical
   layout and holds whole fragments (never part of one parameter's fragment);

@@ -4,7 +4,7 @@ DeepSpeed has no public API for "the gradient partition this rank is about
 to step on", "drop this step's gradients", or "copy a peer's optimizer state
 in memory". Each ZeRO stage keeps them in different attributes; this module
 is the one place that knows where, for the DeepSpeed versions in
-:data:`SUPPORTED_DEEPSPEED`. Everything else in ftbridge goes through
+:data:`ftbridge.zero.engine_points.SUPPORTED_DEEPSPEED`. Everything else in ftbridge goes through
 :class:`ZeroAdapter`.
 
 Where the gradient partition lives at the accumulation boundary (deepspeed
@@ -55,27 +55,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from ftbridge.comm_hooks.fragments import PartitionLayout
+from ftbridge.zero.layout import stage12_layout, stage3_layout
 from ftbridge.zero.state import from_wire, to_wire
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_DEEPSPEED = ("0.19.",)
-"""DeepSpeed release prefixes whose internals this module was checked against."""
-
-
-def check_deepspeed_version(version: str = deepspeed.__version__) -> None:
-    """Refuse a DeepSpeed release whose internals ftbridge has not been checked against.
-
-    Raises:
-        RuntimeError: naming the installed and the supported versions.
-    """
-    if not version.startswith(SUPPORTED_DEEPSPEED):
-        raise RuntimeError(
-            f"ftbridge patches DeepSpeed internals checked against deepspeed "
-            f"{', '.join(p + 'x' for p in SUPPORTED_DEEPSPEED)}; found {version}. "
-            "Install a supported release: pip install 'deepspeed>=0.19,<0.20'"
-        )
-
 
 class ZeroAdapter:
     """Stage-specific operations on a DeepSpeed engine's ZeRO optimizer.
@@ -129,22 +113,33 @@ class ZeroAdapter:
         """Bytes per element of :meth:`grad_dtype`."""
         return torch.empty((), dtype=self.grad_dtype()).element_size()
 
-    def partition_layout(self) -> Any:
-        """The fragments of each parameter in the partition (``comm_hooks.fragments.PartitionLayout``).
+    def partition_layout(self) -> PartitionLayout:
+        """The fragments of each parameter in the partition (:mod:`ftbridge.zero.layout`).
 
         Without a readable layout (DeepSpeed bookkeeping missing), one
         fragment-less layout of :meth:`partition_numel` elements: the sync
         then sends the partition whole, after backward.
         """
-        from ftbridge.comm_hooks.fragments import PartitionLayout, layout_for
-
         try:
-            return layout_for(self)
+            return self._read_layout()
         except ValueError as e:
             logger.warning("partition layout unavailable (%s): the partition travels as one message", e)
             return PartitionLayout(self.partition_numel())
 
-    def per_bucket_unsupported(self, layout: Any) -> str:
+    def _read_layout(self) -> PartitionLayout:
+        raise ValueError(f"no partition layout reader for {type(self.optimizer).__name__}")
+
+    @property
+    def compact_grad_partition(self) -> bool:
+        """DeepSpeed's compact path: bf16/fp16 parameters, fp32 gradients written straight into one flat
+        partition during the in-group reduction (ZeRO-1/2, deepspeed 0.19)."""
+        return False
+
+    def unsupported(self) -> str:
+        """Why ftbridge cannot keep replicas exact with this optimizer at all, or ``""``."""
+        return ""
+
+    def per_bucket_unsupported(self, layout: PartitionLayout) -> str:
         """Why the gradient of a reduced bucket is never the final partition here, or ``""``."""
         if layout.numel and not layout.fragments:
             return "the partition layout could not be read"
@@ -286,6 +281,21 @@ class Stage12Adapter(ZeroAdapter):
     def partition_numel(self) -> int:
         return sum(int(n) for n in self.optimizer.partition_size)
 
+    def _read_layout(self) -> PartitionLayout:
+        return stage12_layout(self.optimizer)
+
+    @property
+    def compact_grad_partition(self) -> bool:
+        opt = self.optimizer
+        return any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups)))
+
+    def unsupported(self) -> str:
+        if self.offload and self.compact_grad_partition:
+            return ("zero_optimization.offload_optimizer with bf16/fp16 parameters and fp32 gradient accumulation "
+                    "(DeepSpeed's compact gradient partition) is not supported by ftbridge: remove "
+                    "data_types.grad_accum_dtype (accumulate in the parameter dtype) or remove offload_optimizer")
+        return ""
+
     def grad_dtype(self) -> torch.dtype:
         if self.offload:
             return self.optimizer.single_partition_of_fp32_groups[0].dtype
@@ -295,7 +305,7 @@ class Stage12Adapter(ZeroAdapter):
         opt = self.optimizer
         if self.offload:
             return "optimizer offload under ZeRO-1/2 (DeepSpeed assembles the partition on the CPU)"
-        if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
+        if self.compact_grad_partition:
             return "compact fp32 gradient accumulation of bf16/fp16 parameters"
         if self.grad_dtype() != opt.dtype:
             return f"gradient accumulation dtype {self.grad_dtype()} differs from parameter dtype {opt.dtype}"
@@ -411,6 +421,9 @@ class Stage3Adapter(ZeroAdapter):
     def partition_numel(self) -> int:
         return int(self.optimizer.grad_partitions_flat_buffer.numel())
 
+    def _read_layout(self) -> PartitionLayout:
+        return stage3_layout(self.optimizer)
+
     def grad_dtype(self) -> torch.dtype:
         return self.optimizer.grad_partitions_flat_buffer.dtype
 
@@ -492,9 +505,7 @@ class BF16OptimizerAdapter(ZeroAdapter):
     def grad_dtype(self) -> torch.dtype:
         return self.optimizer.fp32_groups_gradients_flat[0].dtype
 
-    def partition_layout(self) -> Any:
-        from ftbridge.comm_hooks.fragments import PartitionLayout
-
+    def partition_layout(self) -> PartitionLayout:
         return PartitionLayout(self.partition_numel())  # full flat gradients, no per-parameter fragments
 
     def per_bucket_unsupported(self, layout: Any) -> str:
@@ -525,59 +536,3 @@ def adapter_for(engine: Any) -> ZeroAdapter:
     if stage == 3:
         return Stage3Adapter(engine)
     return Stage12Adapter(engine)
-
-
-def wrap_model_step(engine: Any, run: Callable[..., None]) -> None:
-    """Make DeepSpeed call ``run(original, *args, **kwargs)`` where it would step the optimizer.
-
-    ``DeepSpeedEngine._take_model_step`` (deepspeed 0.19) runs exactly when
-    DeepSpeed applies an optimizer step, whichever way the caller set the
-    accumulation boundary, after DeepSpeed assembled the gradient partition
-    (including the unmanaged finalize). It is replaced on the engine
-    *instance*; the class is untouched.
-    """
-    original = engine._take_model_step
-
-    def _take_model_step(*args: Any, **kwargs: Any) -> None:
-        run(original, *args, **kwargs)
-
-    engine._take_model_step = _take_model_step
-
-
-def align_to_window(micro_steps: int, gradient_accumulation_steps: int) -> int:
-    """The smallest ``m >= micro_steps`` at which a managed accumulation window starts.
-
-    DeepSpeed closes a window when ``(micro_steps + 1) % gas == 0``; a counter
-    saved under another ``gas`` (a resume with a different accumulation count)
-    would otherwise close the first window early and shift every later one.
-    """
-    gas = max(1, int(gradient_accumulation_steps))
-    return -(-int(micro_steps) // gas) * gas
-
-
-def check_accumulation_settings(engine: Any) -> None:
-    """Refuse the DeepSpeed settings whose optimizer steps ftbridge cannot make exact.
-
-    Raises:
-        ValueError: naming the setting and the fix: ZenFlow (selective,
-            asynchronous updates), pipeline parallelism (its own engine),
-            DeepCompile (its compiled graph reduces gradients itself), or
-            ZeRO-1/2 optimizer offload on DeepSpeed's compact fp32 gradient path.
-    """
-    if getattr(engine, "zenflow", False):
-        raise ValueError("zero_optimization.zenflow updates parameters selectively and asynchronously, which "
-                         "the cross-replica commit cannot follow: remove the zenflow section for ftbridge")
-    if getattr(engine, "pipeline_parallelism", False):
-        raise ValueError("pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported by ftbridge: "
-                         "pass a plain torch.nn.Module")
-    opt = engine.optimizer
-    if getattr(opt, "cpu_offload", False) and any(
-            opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
-        raise ValueError(
-            "zero_optimization.offload_optimizer with bf16/fp16 parameters and fp32 gradient accumulation "
-            "(DeepSpeed's compact gradient partition) is not supported by ftbridge: remove "
-            "data_types.grad_accum_dtype (accumulate in the parameter dtype) or remove offload_optimizer")
-    compiled = getattr(engine, "is_deepcompile_enabled", None)
-    if compiled is not None and compiled():
-        raise ValueError("DeepCompile (compile.deepcompile) reduces gradients in its compiled graph, where "
-                         "ftbridge's cross-replica hook cannot run: set compile.deepcompile to false")

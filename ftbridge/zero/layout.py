@@ -1,0 +1,82 @@
+"""Which parameter each element of a rank's ZeRO gradient partition belongs to, read from DeepSpeed.
+
+The partition as ``optimizer.step()`` reads it (:meth:`ftbridge.zero.stages.ZeroAdapter.partition_grads`
+concatenated) is cut into :class:`~ftbridge.comm_hooks.fragments.Fragment` s, one per parameter
+(or piece of a parameter) it holds, from DeepSpeed's own bookkeeping (deepspeed 0.19):
+
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``): per parameter group, ``params_in_partition``,
+  ``grad_start_offset`` (where the rank's piece starts in the parameter),
+  ``grad_partition_insertion_offset`` (where it sits in the partition) and ``partition_size``;
+  the same layout holds for the CPU fp32 partition under optimizer offload.
+* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): ``fp16_groups``, each parameter's
+  ``partition_numel()`` slot (``1/group_size`` of it, padded) and ``ds_shape``.
+
+The total must equal the partition's size and fragments must not overlap, or the readers raise.
+The message plan (:mod:`ftbridge.zero.messages`) and PowerSGD (:mod:`ftbridge.comm_hooks.powersgd`)
+use the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch.distributed as dist
+
+from ftbridge.comm_hooks.fragments import Fragment, PartitionLayout
+
+
+def stage12_layout(opt: Any) -> PartitionLayout:
+    """The layout of a ZeRO-1/2 optimizer's partition.
+
+    Raises:
+        ValueError: DeepSpeed's bookkeeping is missing or inconsistent.
+    """
+    try:
+        frags: List[Fragment] = []
+        base = 0
+        for i in range(len(opt.bit16_groups)):
+            pid = dist.get_rank(group=opt.real_dp_process_group[i])
+            size = int(opt.partition_size[i])
+            for p in opt.params_in_partition[i]:
+                pid_ = opt.get_param_id(p)
+                src = int(opt.grad_start_offset[i][pid][pid_])
+                dst = int(opt.grad_partition_insertion_offset[i][pid][pid_])
+                n = int(min(p.numel() - src, size - dst))
+                frags.append(Fragment(base + dst, n, tuple(p.shape), src, pid_))
+            base += size
+    except (AttributeError, KeyError, IndexError) as e:
+        raise ValueError(f"cannot read the ZeRO-1/2 partition layout from {type(opt).__name__} ({e!r}); "
+                         "use comm_hook='batched_power_sgd', which needs no layout") from e
+    return _checked(PartitionLayout(base, frags))
+
+
+def stage3_layout(opt: Any) -> PartitionLayout:
+    """The layout of a ZeRO-3 optimizer's partition (``grad_partitions_flat_buffer``).
+
+    Raises:
+        ValueError: DeepSpeed's bookkeeping is missing or inconsistent.
+    """
+    try:
+        rank = dist.get_rank(group=opt.dp_process_group)
+        frags, offset = [], 0
+        for group in opt.fp16_groups:
+            for p in group:
+                n = int(p.partition_numel())
+                start = rank * n
+                valid = max(0, min(n, int(p.ds_numel) - start))
+                frags.append(Fragment(offset, valid, tuple(p.ds_shape), start, int(p.ds_id)))
+                offset += n
+    except AttributeError as e:
+        raise ValueError(f"cannot read the ZeRO-3 partition layout from {type(opt).__name__} ({e!r}); "
+                         "use comm_hook='batched_power_sgd', which needs no layout") from e
+    return _checked(PartitionLayout(offset, frags))
+
+
+def _checked(layout: PartitionLayout) -> PartitionLayout:
+    end = 0
+    for f in sorted(layout.fragments, key=lambda f: f.offset):
+        if f.offset < end or f.offset + f.numel > layout.numel:
+            raise ValueError(f"inconsistent partition layout at offset {f.offset} (fragment {f}); "
+                             "use comm_hook='batched_power_sgd', which needs no layout")
+        end = f.offset + f.numel
+    return layout
