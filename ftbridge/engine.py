@@ -58,7 +58,7 @@ from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.engine_points import align_to_window, check_deepspeed_version, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
-from ftbridge.zero.stages import ZeroAdapter
+from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.state import from_wire, to_wire
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")

@@ -14,7 +14,7 @@ step like any other):
 
 1. each rank takes a SHA-256 fingerprint of what its optimizer steps on: the
    fp32 master partition and the optimizer state of its partition
-   (:meth:`ftbridge.zero.stages.ZeroAdapter.fingerprint_tensors`);
+   (:meth:`ftbridge.zero.adapter.ZeroAdapter.fingerprint_tensors`);
 2. one small all-reduce (SUM, float64) over the cross-replica group gathers
    every participant's fingerprint: replica rank ``i`` writes
    ``[replica_group_id + 1, four 16-bit chunks of its 64-bit digest]`` into

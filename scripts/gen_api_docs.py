@@ -39,6 +39,7 @@ MODULES = [
     "ftbridge.engine",
     "ftbridge.manager",
     "ftbridge.store_probe",
+    "ftbridge.zero.adapter",
     "ftbridge.zero.engine_points",
     "ftbridge.zero.grad_sync",
     "ftbridge.zero.layout",

@@ -18,7 +18,7 @@ earliest at which its content is final on this replica:
    backward. DeepSpeed has no hook for this (its PR #7764,
    ``set_all_reduce_hook``, was closed unmerged), so the smallest method that
    sees a reduced bucket is wrapped on the optimizer *instance*
-   (:meth:`ftbridge.zero.stages.ZeroAdapter.wrap_bucket_point`);
+   (:meth:`ftbridge.zero.adapter.ZeroAdapter.wrap_bucket_point`);
 2. **after backward**: when the window's boundary backward ended, whatever is
    left (every message, in ``post_backward`` mode or when per-bucket cannot
    be exact this step);
@@ -58,7 +58,8 @@ from ftbridge.config import SYNC_MODES
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.messages import Message, Readiness, plan_messages
 from ftbridge.zero.engine_points import check_accumulation_settings
-from ftbridge.zero.stages import ZeroAdapter, adapter_for
+from ftbridge.zero.adapter import ZeroAdapter
+from ftbridge.zero.stages import adapter_for
 
 logger = logging.getLogger(__name__)
 

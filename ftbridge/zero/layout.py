@@ -1,6 +1,6 @@
 """Which parameter each element of a rank's ZeRO gradient partition belongs to, read from DeepSpeed.
 
-The partition as ``optimizer.step()`` reads it (:meth:`ftbridge.zero.stages.ZeroAdapter.partition_grads`
+The partition as ``optimizer.step()`` reads it (:meth:`ftbridge.zero.adapter.ZeroAdapter.partition_grads`
 concatenated) is cut into :class:`~ftbridge.comm_hooks.fragments.Fragment` s, one per parameter
 (or piece of a parameter) it holds, from DeepSpeed's own bookkeeping (deepspeed 0.19):
 

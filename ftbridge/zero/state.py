@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from typing import Any, Dict
+from typing import Any
 
 import torch
 

@@ -1,0 +1,197 @@
+"""The interface every ZeRO stage's adapter implements (:mod:`ftbridge.zero.stages` has the stages).
+
+Everything in ftbridge that needs DeepSpeed's optimizer internals (the gradient partition, its
+layout, the per-bucket point, offload's CPU copies, the heal state) calls these methods; only the
+subclasses in :mod:`ftbridge.zero.stages` know DeepSpeed's attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ftbridge.comm_hooks.fragments import PartitionLayout
+from ftbridge.zero.state import from_wire, to_wire
+
+logger = logging.getLogger(__name__)
+
+
+class ZeroAdapter:
+    """Stage-specific operations on a DeepSpeed engine's ZeRO optimizer.
+
+    Args:
+        engine: an initialised ``deepspeed.DeepSpeedEngine`` with ZeRO stage 1, 2 or 3.
+    """
+
+    stage: int = 0
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+
+    @property
+    def offload(self) -> bool:
+        """Whether ``zero_optimization.offload_optimizer`` moved the optimizer (and the fp32 partition) to the CPU."""
+        opt = self.optimizer
+        return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
+
+    # -- gradients -------------------------------------------------------
+    def partition_grads(self) -> List[torch.Tensor]:
+        """This rank's reduced gradient partition at the accumulation boundary.
+
+        Returns:
+            Tensors that ``optimizer.step()`` reads, to be modified in place
+            (dtype: DeepSpeed's gradient accumulation dtype; 1-D or views).
+        """
+        raise NotImplementedError
+
+    def discard_grads(self) -> None:
+        """Drop the step's gradients; optimizer, scaler and counters stay as they are."""
+        raise NotImplementedError
+
+    def discard_window(self) -> None:
+        """Drop a discarded step's gradients, and its micro-batches from DeepSpeed's unmanaged sample count."""
+        self.discard_grads()
+        if hasattr(self.engine, "_unmanaged_backward_count"):  # managed_gradient_accumulation: false
+            self.engine._unmanaged_backward_count = 0
+
+    # -- the cross-replica message plan (ftbridge.zero.grad_sync) -----------
+    def partition_numel(self) -> int:
+        """Elements of :meth:`partition_grads` concatenated (known from init on)."""
+        raise NotImplementedError
+
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of the partition ``optimizer.step()`` reads."""
+        raise NotImplementedError
+
+    def grad_element_size(self) -> int:
+        """Bytes per element of :meth:`grad_dtype`."""
+        return torch.empty((), dtype=self.grad_dtype()).element_size()
+
+    def partition_layout(self) -> PartitionLayout:
+        """The fragments of each parameter in the partition (:mod:`ftbridge.zero.layout`).
+
+        Without a readable layout (DeepSpeed bookkeeping missing), one
+        fragment-less layout of :meth:`partition_numel` elements: the sync
+        then sends the partition whole, after backward.
+        """
+        try:
+            return self._read_layout()
+        except ValueError as e:
+            logger.warning("partition layout unavailable (%s): the partition travels as one message", e)
+            return PartitionLayout(self.partition_numel())
+
+    def _read_layout(self) -> PartitionLayout:
+        raise ValueError(f"no partition layout reader for {type(self.optimizer).__name__}")
+
+    @property
+    def compact_grad_partition(self) -> bool:
+        """DeepSpeed's compact path: bf16/fp16 parameters, fp32 gradients written straight into one flat
+        partition during the in-group reduction (ZeRO-1/2, deepspeed 0.19)."""
+        return False
+
+    def unsupported(self) -> str:
+        """Why ftbridge cannot keep replicas exact with this optimizer at all, or ``""``."""
+        return ""
+
+    def per_bucket_unsupported(self, layout: PartitionLayout) -> str:
+        """Why the gradient of a reduced bucket is never the final partition here, or ``""``."""
+        if layout.numel and not layout.fragments:
+            return "the partition layout could not be read"
+        return ""
+
+    def window_not_exact(self, first: bool) -> str:
+        """Why per-bucket issue is not exact for a boundary backward (``first``: the window's only one), or ``""``."""
+        return ""
+
+    def accumulation_refused(self) -> str:
+        """Why DeepSpeed itself cannot accumulate several backward calls per optimizer step here, or ``""``."""
+        return ""
+
+    def wrap_bucket_point(self, on_reduced: Callable[[List[int]], None]) -> None:
+        """Call ``on_reduced(param_keys)`` each time DeepSpeed has reduced a bucket inside the group.
+
+        Wraps the smallest DeepSpeed method that sees a reduced bucket, on the
+        optimizer *instance* (the class is untouched), deepspeed 0.19.
+        """
+        raise NotImplementedError
+
+    def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
+        """During the boundary backward: ``message``'s elements as one 1-D tensor, and whether it is a copy.
+
+        Reads the reduced gradients of the message's parameters where DeepSpeed
+        keeps them before it assembles the partition; padding is zero.
+        """
+        raise NotImplementedError
+
+    def begin_window(self) -> None:
+        """Before the first backward of an optimizer step (nothing to do for most stages)."""
+
+    def assemble_partition(self) -> None:
+        """After the window's last backward, before the sync first reads :meth:`partition_grads` whole.
+
+        Completes what DeepSpeed leaves incomplete (ZeRO-1/2 offload); nothing elsewhere.
+        """
+
+    def prepare_step(self) -> None:
+        """After the cross-replica average, before DeepSpeed's step: redo what backward derived from the
+        local gradient (under offload: the CPU fp32 copy, per-parameter norms, overflow); nothing elsewhere."""
+
+    def _after_deepspeed_streams(self, *names: str) -> None:
+        """On CUDA, order the current stream after DeepSpeed's side streams (reads of what they wrote)."""
+        if not torch.cuda.is_available():
+            return
+        for name in names:
+            stream = getattr(self.optimizer, name, None)
+            if isinstance(stream, torch.cuda.Stream):
+                torch.cuda.current_stream().wait_stream(stream)
+
+    # -- state -----------------------------------------------------------
+    def heal_state(self) -> Dict[str, Any]:
+        """Optimizer state of this rank as a nested dict of tensors and JSON scalars."""
+        return to_wire(self.optimizer.state_dict())
+
+    def load_heal_state(self, state: Dict[str, Any]) -> None:
+        """Load a peer's :meth:`heal_state` (same group rank, same shapes).
+
+        Issues an all-gather inside the replica group: every rank of the
+        group must call it at the same point.
+
+        Raises:
+            ValueError: the peer's state does not match this rank's shapes.
+        """
+        raise NotImplementedError
+
+    def fingerprint_tensors(self) -> List[torch.Tensor]:
+        """What this rank's optimizer steps on: its fp32 master partition and that partition's optimizer state.
+
+        The parameters of the torch optimizer DeepSpeed wraps (ZeRO-1/2/3 and
+        ``BF16_Optimizer`` alike keep the fp32 partitions there), each followed
+        by its state tensors in key order. Equal on two replicas (same group
+        rank) exactly when they will step alike. For the divergence guard.
+        """
+        base = self.optimizer.optimizer
+        out: List[torch.Tensor] = []
+        for group in base.param_groups:
+            for p in group["params"]:
+                out.append(p.detach())
+                state = base.state.get(p, {})
+                out.extend(v.detach() for _, v in sorted(state.items()) if torch.is_tensor(v))
+        return out
+
+    def full_parameters(self) -> List[torch.Tensor]:
+        """The module's full parameters (gathered under ZeRO-3), for checksums.
+
+        Collective inside the replica group under ZeRO-3.
+        """
+        return [p.detach() for p in self.engine.module.parameters()]
+
+    def _state_list(self, state: Dict[str, Any]) -> List[Any]:
+        merged = from_wire(self.optimizer.state_dict(), state)
+        group = self.optimizer.dp_process_group
+        slots: List[Any] = [None] * dist.get_world_size(group=group)
+        slots[dist.get_rank(group=group)] = merged
+        return slots
