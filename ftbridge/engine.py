@@ -78,10 +78,15 @@ class FaultTolerantEngine:
             ZeRO-3 this gathers the parameters.
         comm_hook: a user communication hook ``hook(state, flat) -> work``
             (:mod:`ftbridge.comm_hooks`); default: ``cfg.comm_hook``.
+        manager_factory: builds the replica manager, called as
+            ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=...)``;
+            default :class:`ftbridge.manager.ReplicaManager`. A seam for tests (a
+            scripted manager, no lighthouse) and for other quorum backends.
     """
 
     def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: Optional[int] = None,
-                 comm_hook: Optional[Callable[..., Any]] = None) -> None:
+                 comm_hook: Optional[Callable[..., Any]] = None,
+                 manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> None:
         self.engine = engine
         self.cfg = cfg
         self.adapter: ZeroAdapter = checked_adapter(engine)
@@ -91,8 +96,9 @@ class FaultTolerantEngine:
         self._extra_state: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any]], None]]] = {}
         self._step_hooks: list = []
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
-        self.manager = ReplicaManager(cfg, state_dict=self.heal_state, load_state_dict=self.load_heal_state,
-                                      use_cuda=next(engine.module.parameters()).is_cuda)
+        self.manager = (manager_factory or ReplicaManager)(cfg, state_dict=self.heal_state,
+                                                           load_state_dict=self.load_heal_state,
+                                                           use_cuda=next(engine.module.parameters()).is_cuda)
         guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
@@ -382,6 +388,7 @@ class FaultTolerantEngine:
 
 def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBridgeConfig] = None,
                checksum_every: Optional[int] = None, comm_hook: Optional[Callable[..., Any]] = None,
+               manager_factory: Optional[Callable[..., ReplicaManager]] = None,
                **kwargs: Any) -> Tuple[FaultTolerantEngine, Any, Any, Any]:
     """``deepspeed.initialize`` for one replica group of a fault-tolerant job.
 
@@ -396,6 +403,8 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
         ft_config: ftbridge settings; resolved from the environment when ``None``.
         checksum_every: see :class:`FaultTolerantEngine`.
         comm_hook: a user communication hook, see :class:`FaultTolerantEngine`.
+        manager_factory: see :class:`FaultTolerantEngine` (default: torchft through
+            :class:`ftbridge.manager.ReplicaManager`).
         **kwargs: passed to ``deepspeed.initialize`` (``optimizer``,
             ``model_parameters``, ``lr_scheduler``, ``training_data`` ...).
 
@@ -440,7 +449,8 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             "its own world (launch each group with its own ftbridge-run / torchrun)"
         )
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
-    ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook)
+    ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
+                                    manager_factory=manager_factory)
     return ft_engine, optimizer, loader, scheduler
 
 

@@ -14,30 +14,22 @@ import os
 import pytest
 import torch
 
-from tests.fakes import FakeManager
+from tests.fakes import tiny_engine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _engine(monkeypatch, stage=2, gas=1, managed=True, overlap=False, mode="per_bucket"):
-    import deepspeed
-
-    from ftbridge import engine as engine_mod
-    from ftbridge.config import FTBridgeConfig
-
-    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
+def _engine(stage=2, gas=1, managed=True, overlap=False, mode="per_bucket"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-           "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
-           "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": 20}}
+    ds = {"gradient_accumulation_steps": gas, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+          "zero_optimization": {"overlap_comm": overlap, "reduce_bucket_size": 20}}
     if not managed:
-        cfg["managed_gradient_accumulation"] = False
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
-    ft = FTBridgeConfig.resolve(environ={}, sync_mode=mode, cross_replica_bucket_bytes=0)
-    return engine_mod.FaultTolerantEngine(raw, ft, checksum_every=0)
+        ds["managed_gradient_accumulation"] = False
+    return tiny_engine(stage, model=model, ds=ds, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                       ft={"sync_mode": mode, "cross_replica_bucket_bytes": 0})
 
 
 def _loss(eng, i):
@@ -50,8 +42,8 @@ def _params(eng):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_caller_set_boundary_votes_once_per_step_and_matches_managed(monkeypatch, stage):
-    manual = _engine(monkeypatch, stage, gas=1)
+def test_caller_set_boundary_votes_once_per_step_and_matches_managed(stage):
+    manual = _engine(stage, gas=1)
     for s in range(2):
         for m in range(3):
             manual.set_gradient_accumulation_boundary(m == 2)
@@ -59,7 +51,7 @@ def test_caller_set_boundary_votes_once_per_step_and_matches_managed(monkeypatch
         manual.step()
     assert manual.manager.calls == 2 and manual.global_steps == 2
     assert manual.sync.allreduces == 2 * len(manual.sync.plan)
-    managed = _engine(monkeypatch, stage, gas=3)
+    managed = _engine(stage, gas=3)
     for s in range(2):
         for m in range(3):
             managed.backward(_loss(managed, 10 * s + m) * 3)   # gas=3 divides the loss by 3; manual does not
@@ -70,8 +62,8 @@ def test_caller_set_boundary_votes_once_per_step_and_matches_managed(monkeypatch
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_unmanaged_accumulation_votes_once_per_step(monkeypatch, stage):
-    eng = _engine(monkeypatch, stage, managed=False)
+def test_unmanaged_accumulation_votes_once_per_step(stage):
+    eng = _engine(stage, managed=False)
     for s in range(2):
         for m in range(3):
             eng.backward(_loss(eng, 10 * s + m))
@@ -81,8 +73,8 @@ def test_unmanaged_accumulation_votes_once_per_step(monkeypatch, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_coalesced_reduction_votes_once_per_step(monkeypatch, stage):
-    eng = _engine(monkeypatch, stage)
+def test_coalesced_reduction_votes_once_per_step(stage):
+    eng = _engine(stage)
     with eng.coalesce_grad_reduction():
         for m in range(3):
             eng.backward(_loss(eng, m))
@@ -90,8 +82,8 @@ def test_coalesced_reduction_votes_once_per_step(monkeypatch, stage):
     assert eng.manager.calls == 1 and eng.global_steps == 1 and eng.sync.allreduces == len(eng.sync.plan)
 
 
-def test_a_second_backward_at_the_boundary_is_refused(monkeypatch):
-    eng = _engine(monkeypatch, 2, gas=1)
+def test_a_second_backward_at_the_boundary_is_refused():
+    eng = _engine(2, gas=1)
     eng.backward(_loss(eng, 0))
     with pytest.raises(RuntimeError, match="set gradient_accumulation_steps=N and call step"):
         eng.backward(_loss(eng, 1))
@@ -101,8 +93,8 @@ def test_a_second_backward_at_the_boundary_is_refused(monkeypatch):
     (False, True, "no backward of this step ran at the gradient accumulation boundary"),
     (True, False, "did not step the optimizer"),
 ])
-def test_a_boundary_that_does_not_match_the_backward_is_refused(monkeypatch, during_backward, before_step, match):
-    eng = _engine(monkeypatch, 2, gas=1)
+def test_a_boundary_that_does_not_match_the_backward_is_refused(during_backward, before_step, match):
+    eng = _engine(2, gas=1)
     eng.set_gradient_accumulation_boundary(during_backward)
     eng.backward(_loss(eng, 0))
     eng.set_gradient_accumulation_boundary(before_step)
@@ -110,10 +102,10 @@ def test_a_boundary_that_does_not_match_the_backward_is_refused(monkeypatch, dur
         eng.step()
 
 
-def test_zero1_overlap_comm_with_accumulation_is_refused(monkeypatch):
+def test_zero1_overlap_comm_with_accumulation_is_refused():
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2: ZeRO-1 with zero_optimization.overlap_comm"):
-        _engine(monkeypatch, 1, gas=2, overlap=True)
-    eng = _engine(monkeypatch, 1, gas=1, overlap=True)   # one backward per step: fine
+        _engine(1, gas=2, overlap=True)
+    eng = _engine(1, gas=1, overlap=True)   # one backward per step: fine
     eng.backward(_loss(eng, 0))
     eng.step()
     eng.set_gradient_accumulation_boundary(False)        # accumulation driven by the caller: refused at once
@@ -129,8 +121,8 @@ def test_windows_align_to_the_accumulation_count():
     assert align_to_window(7, 1) == 7
 
 
-def test_a_boundary_never_switched_on_warns(monkeypatch, caplog):
-    eng = _engine(monkeypatch, 2, gas=1)
+def test_a_boundary_never_switched_on_warns(caplog):
+    eng = _engine(2, gas=1)
     eng.set_gradient_accumulation_boundary(False)
     with caplog.at_level("WARNING"):
         for i in range(1000):

@@ -21,89 +21,23 @@ Stated tolerances (also in docs/comm_hooks.md):
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, List, Sequence
 
 import pytest
 import torch
-from torch.distributed import ReduceOp
 
 from ftbridge import comm_hooks
-from ftbridge.comm_hooks import base, default, powersgd
+from ftbridge.comm_hooks import base, default
 from ftbridge.comm_hooks.fragments import Fragment, PartitionLayout, layout_from_shapes
+from tests.fakes import FakeWorld, run_replicas
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class _Done:
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-
-class FakeWorld:
-    """Replica groups in threads of this process, joined by a barrier all-reduce."""
-
-    def __init__(self, n: int, healing: Sequence[int] = (), step: int = 0) -> None:
-        self.n = n
-        self.healing = set(healing)
-        self.step = step
-        self.barrier = threading.Barrier(n)
-        self.slots: List[Any] = [None] * n
-        self.errors: List[Exception] = []
-
-    def manager(self, idx: int) -> "FakeManager":
-        return FakeManager(self, idx)
-
-    def allreduce(self, idx: int, tensor: torch.Tensor, op: ReduceOp) -> _Done:
-        if idx in self.healing:
-            tensor.zero_()
-        self.slots[idx] = tensor
-        self.barrier.wait()
-        total = self.slots[0].clone()
-        for t in self.slots[1:]:
-            total += t
-        self.barrier.wait()
-        tensor.copy_(total)
-        if op == ReduceOp.AVG:
-            tensor /= self.n - len(self.healing)
-        return _Done()
-
-
-class FakeManager:
-    def __init__(self, world: FakeWorld, idx: int) -> None:
-        self.world, self.idx = world, idx
-
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> _Done:
-        return self.world.allreduce(self.idx, tensor, reduce_op)
-
-    @property
-    def participants(self) -> int:
-        return self.world.n - len(self.world.healing)
-
-    @property
-    def current_step(self) -> int:
-        return self.world.step
-
-    def report_error(self, e: Exception) -> None:
-        self.world.errors.append(e)
-
-
 def run_hook(world: FakeWorld, hook: Callable, states: Sequence[Any], tensors: Sequence[torch.Tensor]) -> None:
     """Each replica runs ``hook`` on its tensor, concurrently, and waits for it."""
-    failures: List[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            base.wait_result(hook(states[i], tensors[i]), tensors[i])
-        except BaseException as e:  # noqa: BLE001 (re-raised below)
-            failures.append(e)
-            world.barrier.abort()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(world.n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    out = run_replicas(world, lambda i: base.wait_result(hook(states[i], tensors[i]), tensors[i]))
+    failures = [e for e in out if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.fakes import FakeManager
+from tests.fakes import TINY_GPT, gpt_batch, tiny_engine
 from torch.distributed import ReduceOp
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
@@ -21,54 +21,35 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_wor
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _engine(monkeypatch, stage, hook="no", options=None, mode="per_bucket", bf16=False):
-    import deepspeed
-
-    from ftbridge import engine as engine_mod
+def _engine(stage, hook="no", options=None, mode="per_bucket", bf16=False):
     from ftbridge.models import GPTConfig, build_model
 
-    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
-    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-                 "steps_per_print": 10**9, "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
-                 "ftbridge": {"comm_hook": hook, "sync_mode": mode, "cross_replica_bucket_bytes": 0,
-                              **({"comm_state_option": options} if options else {})}}
+    model = build_model(GPTConfig(**TINY_GPT), seed=3)
+    ds = {"ftbridge": {"comm_hook": hook, "sync_mode": mode, "cross_replica_bucket_bytes": 0,
+                       **({"comm_state_option": options} if options else {})}}
     if bf16:
         model = model.to(torch.bfloat16)
-        ds_config["bf16"] = {"enabled": True}
-        ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
-    ds_config, section = engine_mod.split_ds_config(ds_config)
-    from ftbridge.config import FTBridgeConfig
-
-    cfg = FTBridgeConfig.resolve(environ={}, **section)
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   config=ds_config)
-    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0), model
-
-
-def _batch(i):
-    g = torch.Generator().manual_seed(i)
-    x = torch.randint(0, 17, (2, 16), generator=g)
-    return x, torch.roll(x, -1, 1)
+        ds.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    return tiny_engine(stage, model=model, ds=ds), model
 
 
 def _train(engine, batches):
     for i in batches:
-        _, loss = engine(*_batch(i))
+        _, loss = engine(*gpt_batch(i))
         engine.backward(loss)
         engine.step()
 
 
 @pytest.mark.parametrize("stage,bf16", [(1, False), (2, False), (3, False), (2, True)])
-def test_layout_matches_where_deepspeed_puts_each_gradient(monkeypatch, stage, bf16):
+def test_layout_matches_where_deepspeed_puts_each_gradient(stage, bf16):
     from ftbridge.models import GPTConfig, build_model
 
-    eng, _ = _engine(monkeypatch, stage, "power_sgd", {"start_powerSGD_iter": 0}, bf16=bf16)
+    eng, _ = _engine(stage, "power_sgd", {"start_powerSGD_iter": 0}, bf16=bf16)
     eng.cross_replica_sync = False
     ref = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
     if bf16:
         ref = ref.to(torch.bfloat16)
-    x, y = _batch(0)
+    x, y = gpt_batch(0)
     ref(x, y)[1].backward()
     ref_grads = [p.grad.float().reshape(-1) for p in ref.parameters()]
     _, loss = eng(x, y)
@@ -90,8 +71,8 @@ def test_layout_matches_where_deepspeed_puts_each_gradient(monkeypatch, stage, b
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_powersgd_runs_post_backward_and_follows_commit_and_discard(monkeypatch, stage):
-    eng, _ = _engine(monkeypatch, stage, "power_sgd", {"start_powerSGD_iter": 1, "matrix_approximation_rank": 2})
+def test_powersgd_runs_post_backward_and_follows_commit_and_discard(stage):
+    eng, _ = _engine(stage, "power_sgd", {"start_powerSGD_iter": 1, "matrix_approximation_rank": 2})
     assert "needs the whole partition" in eng.sync.fallback_reason
     state = eng.sync.hook_state
     _train(eng, [0])                                       # plain average
@@ -113,32 +94,21 @@ def test_powersgd_runs_post_backward_and_follows_commit_and_discard(monkeypatch,
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
-def test_elementwise_hooks_run_per_bucket(monkeypatch, hook):
-    eng, _ = _engine(monkeypatch, 2, hook)
+def test_elementwise_hooks_run_per_bucket(hook):
+    eng, _ = _engine(2, hook)
     assert not eng.sync.fallback_reason
     _train(eng, [0, 1])
     dtype = torch.float16 if hook == "fp16" else torch.bfloat16
     assert len(eng.manager.ops) > 2 and all(op[1] == dtype and op[2] == ReduceOp.SUM for op in eng.manager.ops)
 
 
-def test_user_hook_is_called_with_the_managed_state(monkeypatch):
-    import deepspeed
-
-    from ftbridge import engine as engine_mod
-    from ftbridge.config import FTBridgeConfig
-    from ftbridge.models import GPTConfig, build_model
-
+def test_user_hook_is_called_with_the_managed_state():
     calls = []
 
     def my_hook(state, tensor):
         calls.append((tensor.numel(), state.participants))
         return state.allreduce(tensor)
 
-    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
-    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
-    eng = engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, sync_mode="post_backward"),
-                                         checksum_every=0, comm_hook=my_hook)
+    eng = tiny_engine(2, ft={"sync_mode": "post_backward"}, comm_hook=my_hook)
     _train(eng, [0])
     assert calls and calls[0][1] == 1 and eng.last_committed

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.fakes import FakeManager
+from tests.fakes import FakeManager, gpt_batch, tiny_engine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 
@@ -33,52 +33,35 @@ def _gas(stage):
     return OFFLOAD[stage][1] if stage in OFFLOAD else 1
 
 
-def _engine(monkeypatch, stage, mode="per_bucket", gas=None, bucket_bytes=0, sgd=False, manager_cls=None,
-            checksum_every=0, ft=None):
-    import deepspeed
-
-    from ftbridge import engine as engine_mod
-    from ftbridge.config import FTBridgeConfig
-    from ftbridge.models import GPTConfig, build_model
-
-    monkeypatch.setattr(engine_mod, "ReplicaManager", manager_cls or FakeManager)
-    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+def _engine(stage, mode="per_bucket", gas=None, bucket_bytes=0, sgd=False, manager_cls=None, checksum_every=0,
+            ft=None):
     bf16 = stage == BF16_OPT
     offload = stage in OFFLOAD
     gas = gas or _gas(stage)
     zero_stage = 1 if bf16 else OFFLOAD[stage][0] if offload else stage
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-                 "steps_per_print": 10**9,
-                 "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": 3000},
-                 "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 3}}}
+    ds = {"gradient_accumulation_steps": gas,
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 3}}}
     if offload:
         # A torch optimizer on the CPU (DeepSpeedCPUAdam would need its C++ extension built).
-        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        ds_config["zero_force_ds_cpu_optimizer"] = False
+        ds.update(zero_optimization={"offload_optimizer": {"device": "cpu"}}, zero_force_ds_cpu_optimizer=False)
     if sgd:
-        ds_config["zero_allow_untested_optimizer"] = True
+        ds["zero_allow_untested_optimizer"] = True
     if bf16:
-        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
-    opt = (torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=1e-2)
-    raw, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        ds.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    eng = tiny_engine(zero_stage, manager=manager_cls, ds=ds, checksum_every=checksum_every,
+                      optimizer=(lambda p: torch.optim.SGD(p, lr=1e-2)) if sgd else None,
+                      ft={"sync_mode": mode, "cross_replica_bucket_bytes": bucket_bytes, **(ft or {})})
     if bf16:
-        assert type(raw.optimizer).__name__ == "BF16_Optimizer"
+        assert type(eng.engine.optimizer).__name__ == "BF16_Optimizer"
     if offload:
-        assert raw.zero_cpu_offload()
-    cfg = FTBridgeConfig.resolve(environ={}, sync_mode=mode, cross_replica_bucket_bytes=bucket_bytes, **(ft or {}))
-    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=checksum_every)
-
-
-def _batch(i):
-    g = torch.Generator().manual_seed(i)
-    x = torch.randint(0, 17, (2, 16), generator=g)
-    return x, torch.roll(x, -1, 1)
+        assert eng.engine.zero_cpu_offload()
+    return eng
 
 
 def _train(engine, batches, gas=1):
     for i in batches:
         for m in range(gas):
-            _, loss = engine(*_batch(10 * i + m))
+            _, loss = engine(*gpt_batch(10 * i + m))
             engine.backward(loss)
             engine.step()
 
@@ -89,9 +72,9 @@ def _state(engine):
     return final_digest(engine.engine, engine.adapter), int(engine.global_steps), int(engine.micro_steps)
 
 
-def test_parameter_checksum_every_n_steps_from_the_config(monkeypatch, tmp_path):
+def test_parameter_checksum_every_n_steps_from_the_config(tmp_path):
     log = tmp_path / "events.jsonl"
-    eng = _engine(monkeypatch, 2, checksum_every=None, ft=dict(event_log=str(log), checksum_every=2))
+    eng = _engine(2, checksum_every=None, ft=dict(event_log=str(log), checksum_every=2))
     assert eng.checksum_every == 2
     _train(eng, range(5))
     eng.events.close()
@@ -103,11 +86,11 @@ def test_parameter_checksum_every_n_steps_from_the_config(monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT, *OFFLOAD])
-def test_discarded_step_changes_nothing(monkeypatch, stage):
+def test_discarded_step_changes_nothing(stage):
     gas = _gas(stage)
-    ref = _engine(monkeypatch, stage)
+    ref = _engine(stage)
     _train(ref, [0, 2], gas)
-    eng = _engine(monkeypatch, stage)
+    eng = _engine(stage)
     eng.manager.discard_calls = {2}          # the step on batch 1 is discarded
     _train(eng, [0, 1, 2], gas)
     assert eng.last_committed is True
@@ -117,12 +100,12 @@ def test_discarded_step_changes_nothing(monkeypatch, stage):
 
 
 @pytest.mark.parametrize("stage", ["offload-1", "offload-3"])
-def test_discard_resets_what_offload_computed_in_backward(monkeypatch, stage):
+def test_discard_resets_what_offload_computed_in_backward(stage):
     # What step() resets itself: norms taken in backward (and, ZeRO-1/2, the overflow flag). A stale
     # local_overflow would make only this replica group skip its next committed step.
-    eng = _engine(monkeypatch, stage)
+    eng = _engine(stage)
     eng.manager.discard_calls = {1}
-    _, loss = eng(*_batch(0))
+    _, loss = eng(*gpt_batch(0))
     eng.backward(loss)
     opt = eng.adapter.optimizer
     assert opt.norm_for_param_grads, "offload took no per-parameter norms in backward"
@@ -134,14 +117,14 @@ def test_discard_resets_what_offload_computed_in_backward(monkeypatch, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT, *OFFLOAD])
-def test_heal_state_round_trip_restores_everything(monkeypatch, stage):
+def test_heal_state_round_trip_restores_everything(stage):
     from ftbridge.transport import decode_state, encode_state
 
     gas = _gas(stage)
-    donor = _engine(monkeypatch, stage)
+    donor = _engine(stage)
     _train(donor, [0, 1, 2], gas)
     donor._window_start = int(donor.micro_steps)  # as at the start of the donor's next step
-    joiner = _engine(monkeypatch, stage)          # fresh: no optimizer state yet
+    joiner = _engine(stage)          # fresh: no optimizer state yet
     joiner.load_heal_state(decode_state(encode_state(donor.heal_state())))
     assert _state(joiner) == _state(donor)
     # Both train on identically from here.
@@ -159,7 +142,7 @@ class ConstantManager(FakeManager):
 
 
 @pytest.mark.parametrize("stage", ["offload-1", "offload-2", "offload-3", "offload-2-gas2"])
-def test_heal_in_should_commit_keeps_the_offloaded_gradient(monkeypatch, stage):
+def test_heal_in_should_commit_keeps_the_offloaded_gradient(stage):
     # torchft applies a heal inside should_commit: after backward, where under offload DeepSpeed has
     # already put the averaged gradient into the CPU fp32 partition and taken its norms. The joiner
     # computes its gradient on its own (stale) parameters; the average it received does not depend on
@@ -167,18 +150,18 @@ def test_heal_in_should_commit_keeps_the_offloaded_gradient(monkeypatch, stage):
     from ftbridge.transport import decode_state, encode_state
 
     gas = _gas(stage)
-    donor = _engine(monkeypatch, stage, manager_cls=ConstantManager)
+    donor = _engine(stage, manager_cls=ConstantManager)
     _train(donor, [0, 1], gas)
     donor._window_start = int(donor.micro_steps)
     state = decode_state(encode_state(donor.heal_state()))
 
-    healed_first = _engine(monkeypatch, stage, manager_cls=ConstantManager)
+    healed_first = _engine(stage, manager_cls=ConstantManager)
     healed_first.load_heal_state(state)
     _train(healed_first, [5], gas)
 
-    joiner = _engine(monkeypatch, stage, manager_cls=ConstantManager)
+    joiner = _engine(stage, manager_cls=ConstantManager)
     for m in range(gas):
-        _, loss = joiner(*_batch(50 + m))
+        _, loss = joiner(*gpt_batch(50 + m))
         joiner.backward(loss)
         if m == gas - 1:
             joiner.load_heal_state(state)     # what should_commit does on a healing replica
@@ -192,8 +175,8 @@ def test_heal_in_should_commit_keeps_the_offloaded_gradient(monkeypatch, stage):
 
 @pytest.mark.parametrize("stage,gas,expect_buckets", [(1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
                                                        (2, 2, False)])
-def test_per_bucket_hook_fires_per_bucket_once_per_step(monkeypatch, stage, gas, expect_buckets):
-    eng = _engine(monkeypatch, stage, "per_bucket", gas)
+def test_per_bucket_hook_fires_per_bucket_once_per_step(stage, gas, expect_buckets):
+    eng = _engine(stage, "per_bucket", gas)
     _train(eng, [0, 1], gas)
     per_step = eng.sync.allreduces / 2
     assert not eng.sync.fallback_reason
@@ -203,7 +186,7 @@ def test_per_bucket_hook_fires_per_bucket_once_per_step(monkeypatch, stage, gas,
     else:  # ZeRO-1/2 sum the micro-steps after the last bucket: the same messages go after backward
         assert eng.sync.issued_in_backward == 0
     # Whatever the mode, the whole partition went across replicas exactly once per step.
-    post = _engine(monkeypatch, stage, "post_backward", gas)
+    post = _engine(stage, "post_backward", gas)
     _train(post, [0, 1], gas)
     assert post.sync.allreduces == 2
     assert eng.sync.bytes_sent == post.sync.bytes_sent
@@ -221,14 +204,14 @@ class ZeroingManager(FakeManager):
 @pytest.mark.parametrize("stage,mode", [(s, m) for s in (1, 2, 3, BF16_OPT) for m in ("per_bucket", "post_backward")]
                          # under offload both modes take the same in-backward path (see the test below)
                          + [(s, "per_bucket") for s in OFFLOAD])
-def test_cross_replica_average_is_what_the_optimizer_steps_on(monkeypatch, stage, mode):
+def test_cross_replica_average_is_what_the_optimizer_steps_on(stage, mode):
     gas = _gas(stage)
-    plain = _engine(monkeypatch, stage, mode, sgd=True)
+    plain = _engine(stage, mode, sgd=True)
     before = _state(plain)[0]["params"]
     _train(plain, [0, 1, 2], gas)         # WarmupLR: the first two steps have lr 0
     assert _state(plain)[0]["params"] != before, "SGD did not move the parameters at all"
 
-    eng = _engine(monkeypatch, stage, mode, sgd=True, manager_cls=ZeroingManager)
+    eng = _engine(stage, mode, sgd=True, manager_cls=ZeroingManager)
     _train(eng, [0, 1, 2], gas)
     assert eng.sync.allreduces >= 1
     assert _state(eng)[0]["params"] == before, "the optimizer stepped on a gradient the cross-replica sync did not touch"
@@ -243,44 +226,44 @@ class ScalingManager(FakeManager):
 
 
 @pytest.mark.parametrize("stage", list(OFFLOAD))
-def test_offload_clips_by_the_cross_replica_norm(monkeypatch, stage):
+def test_offload_clips_by_the_cross_replica_norm(stage):
     # DeepSpeed takes the offload path's per-parameter norms in backward. Synced too late, the clip
     # coefficient would come from the local gradient and the step would be 1000x too long. The
     # reference is the same stage without offload, whose sync runs before step() takes the norm.
     zero_stage, gas = OFFLOAD[stage]
-    ref = _engine(monkeypatch, zero_stage, gas=gas, sgd=True, manager_cls=ScalingManager)
+    ref = _engine(zero_stage, gas=gas, sgd=True, manager_cls=ScalingManager)
     _train(ref, [0, 1, 2, 3], gas)
-    eng = _engine(monkeypatch, stage, sgd=True, manager_cls=ScalingManager)
+    eng = _engine(stage, sgd=True, manager_cls=ScalingManager)
     _train(eng, [0, 1, 2, 3], gas)
     for got, want in zip(eng.adapter.full_parameters(), ref.adapter.full_parameters()):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_buckets_are_coalesced_up_to_the_cross_replica_message_size(monkeypatch, stage):
-    every = _engine(monkeypatch, stage, bucket_bytes=0)
+def test_buckets_are_coalesced_up_to_the_cross_replica_message_size(stage):
+    every = _engine(stage, bucket_bytes=0)
     _train(every, [0])
-    coalesced = _engine(monkeypatch, stage, bucket_bytes=12_000)
+    coalesced = _engine(stage, bucket_bytes=12_000)
     _train(coalesced, [0])
     assert 1 < coalesced.sync.allreduces < every.sync.allreduces
     assert coalesced.sync.bytes_sent == every.sync.bytes_sent
     assert _state(coalesced) == _state(every)
 
 
-def test_backward_without_forward_is_refused(monkeypatch):
-    eng = _engine(monkeypatch, 2)
+def test_backward_without_forward_is_refused():
+    eng = _engine(2)
     with pytest.raises(RuntimeError, match="without a training forward"):
         eng.backward(torch.tensor(1.0, requires_grad=True))
 
 
 @pytest.mark.parametrize("stage,in_backward", [("offload-1", False), ("offload-2", False), ("offload-3", True)])
-def test_optimizer_offload_sends_the_layout_fixed_partition_once_per_step(monkeypatch, stage, in_backward):
+def test_optimizer_offload_sends_the_layout_fixed_partition_once_per_step(stage, in_backward):
     # ZeRO-1/2 offload assemble the partition on the CPU: its messages go after backward. ZeRO-3 keeps
     # its per-bucket messages in backward (grad_partitions_flat_buffer, as without offload).
-    eng = _engine(monkeypatch, stage, "per_bucket")
+    eng = _engine(stage, "per_bucket")
     assert eng.adapter.offload
     _train(eng, [0, 1])
-    post = _engine(monkeypatch, stage, "post_backward")
+    post = _engine(stage, "post_backward")
     _train(post, [0, 1])
     assert (eng.sync.issued_in_backward > 0) == in_backward
     assert bool(eng.sync.fallback_reason) != in_backward
@@ -288,35 +271,29 @@ def test_optimizer_offload_sends_the_layout_fixed_partition_once_per_step(monkey
     assert _state(eng) == _state(post)
 
 
-def _offload_engine(monkeypatch, ds_extra, model_dtype=None, **ft):
-    import deepspeed
-
-    from ftbridge import engine as engine_mod
-    from ftbridge.config import FTBridgeConfig
+def _offload_engine(ds_extra, model_dtype=None, **ft):
     from ftbridge.models import GPTConfig, build_model
+    from tests.fakes import TINY_GPT
 
-    monkeypatch.setattr(engine_mod, "ReplicaManager", FakeManager)
-    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
+    model = build_model(GPTConfig(**TINY_GPT), seed=3)
     if model_dtype is not None:
         model = model.to(model_dtype)
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False,
-                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, **ds_extra}
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   config=ds_config)
-    return lambda: engine_mod.FaultTolerantEngine(raw, FTBridgeConfig.resolve(environ={}, **ft), checksum_every=0)
+    ds = {"zero_force_ds_cpu_optimizer": False, "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+          **ds_extra}
+    return lambda: tiny_engine(2, ds=ds, model=model, ft=ft)
 
 
-def test_optimizer_offload_refuses_the_compact_fp32_gradient_path(monkeypatch):
-    build = _offload_engine(monkeypatch, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+def test_optimizer_offload_refuses_the_compact_fp32_gradient_path():
+    build = _offload_engine({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
                             model_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="remove offload_optimizer"):
         build()
 
 
-def test_optimizer_offload_runs_power_sgd_on_the_cpu_partition(monkeypatch):
-    eng = _offload_engine(monkeypatch, {}, comm_hook="power_sgd")()
+def test_optimizer_offload_runs_power_sgd_on_the_cpu_partition():
+    eng = _offload_engine({}, comm_hook="power_sgd")()
     for i in range(2):
-        _, loss = eng(*_batch(i))
+        _, loss = eng(*gpt_batch(i))
         eng.backward(loss)
         eng.step()
     assert eng.last_committed and eng.sync.allreduces >= 2
@@ -327,7 +304,7 @@ def test_exposed_cross_replica_wait_is_summed_over_steps(monkeypatch):
 
     from ftbridge import engine as engine_mod
 
-    eng = _engine(monkeypatch, 2, "post_backward")
+    eng = _engine(2, "post_backward")
     clock = [100.0]
     real_wait = eng.sync.wait
 

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.fakes import FakeManager
+from tests.fakes import FakeManager, gpt_batch, tiny_engine
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -43,28 +43,13 @@ class InfFromAnotherReplica(FakeManager):
         return super().allreduce(tensor, **kwargs)
 
 
-def _fp16_engine(monkeypatch, stage, manager_cls):
-    import deepspeed
-
-    from ftbridge import engine as engine_mod
-    from ftbridge.config import FTBridgeConfig
-    from ftbridge.models import GPTConfig, build_model
-
-    monkeypatch.setattr(engine_mod, "ReplicaManager", manager_cls)
-    model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-                 "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000},
-                 "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   config=ds_config)
-    cfg = FTBridgeConfig.resolve(environ={}, cross_replica_bucket_bytes=0)
-    return engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
+def _fp16_engine(stage, manager_cls):
+    ds = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}}
+    return tiny_engine(stage, manager=manager_cls, ds=ds, ft={"cross_replica_bucket_bytes": 0})
 
 
 def _step(engine, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 17, (2, 16), generator=g)
-    _, loss = engine(x, torch.roll(x, -1, 1))
+    _, loss = engine(*gpt_batch(seed))
     engine.backward(loss)
     engine.step()
 
@@ -79,8 +64,8 @@ def _scale(engine):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_overflow_in_another_replica_skips_the_step_here_and_lowers_the_scale(monkeypatch, stage):
-    eng = _fp16_engine(monkeypatch, stage, InfFromAnotherReplica)
+def test_overflow_in_another_replica_skips_the_step_here_and_lowers_the_scale(stage):
+    eng = _fp16_engine(stage, InfFromAnotherReplica)
     _step(eng, 0)                                  # a normal step
     before, scale, skipped = _params(eng), _scale(eng), int(eng.skipped_steps)
     _step(eng, 1)                                  # this replica's gradient is finite; the average is not
@@ -95,8 +80,8 @@ def test_overflow_in_another_replica_skips_the_step_here_and_lowers_the_scale(mo
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_without_inf_in_the_average_fp16_steps_normally(monkeypatch, stage):
-    eng = _fp16_engine(monkeypatch, stage, FakeManager)
+def test_without_inf_in_the_average_fp16_steps_normally(stage):
+    eng = _fp16_engine(stage, FakeManager)
     _step(eng, 0)
     scale = _scale(eng)
     _step(eng, 1)

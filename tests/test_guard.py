@@ -1,12 +1,12 @@
-"""Divergence guard: slot encoding, the verdict, and the actions (no network: a fake all-reduce)."""
+"""Divergence guard: slot encoding, the verdict, and the actions (no network: replicas in threads, tests/fakes.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftbridge.events import tensor_checksum
-from ftbridge.guard import SLOT, DivergenceGuard, ReplicaDivergenceError, decode_slots, encode_slot, judge
+from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError, decode_slots, encode_slot, judge
+from tests.fakes import FakeWorld, run_replicas
 
 
 def test_slots_round_trip_exactly():
@@ -23,24 +23,6 @@ def test_verdict_names_the_groups_that_differ_from_the_primary():
     assert v.primary == 3 and v.differing == [1] and not v.ok
     assert judge([(3, "a" * 16), None]).ok
     assert judge([None, (1, "b" * 16)]).primary is None
-
-
-class FakeManager:
-    """One replica of an in-process job: ``allreduce`` returns work that fills in the job's SUM."""
-
-    def __init__(self, job, rank):
-        self.job, self.replica_rank, self.healed = job, rank, 0
-
-    @property
-    def participants(self):
-        return len(self.job["values"])
-
-    def allreduce(self, tensor, reduce_op=None):
-        total = self.job["total"]
-        return type("Work", (), {"wait": lambda self: tensor.copy_(total.view_as(tensor))})()
-
-    def report_error(self, e):
-        self.healed += 1  # the group discards this step; torchft heals it at the next quorum
 
 
 class Adapter:
@@ -60,27 +42,16 @@ class Events:
 
 
 def _run(values, action="heal", step=4):
-    """Guards of ``len(values)`` replicas whose state is ``values``; the SUM all-reduce is computed up front."""
-    job = {"values": values}
-    guards = [DivergenceGuard(FakeManager(job, i), Adapter(v), replica_group_id=10 + i, every=2, action=action,
+    """Guards of ``len(values)`` replicas whose state is ``values``, checked concurrently in a fake world."""
+    world = FakeWorld(len(values))
+    guards = [DivergenceGuard(world.manager(i), Adapter(v), replica_group_id=10 + i, every=2, action=action,
                               events=Events()) for i, v in enumerate(values)]
-    total = torch.zeros(len(values) * SLOT, dtype=torch.float64)
-    for i, g in enumerate(guards):
-        digest = tensor_checksum(g.adapter.fingerprint_tensors())
-        total[i * SLOT:(i + 1) * SLOT] += torch.tensor(encode_slot(g.group_id, digest), dtype=torch.float64)
-    job["total"] = total
-    out = []
-    for g in guards:
-        try:
-            out.append(g.check(step))
-        except ReplicaDivergenceError as e:
-            out.append(e)
-    return guards, out
+    return guards, run_replicas(world, lambda i: guards[i].check(step))
 
 
 def test_a_differing_group_heals_and_the_others_go_on():
     guards, verdicts = _run([1.0, 1.0, 2.0])
-    assert [g.manager.healed for g in guards] == [0, 0, 1]
+    assert [len(g.manager.errors) for g in guards] == [0, 0, 1]
     assert all(v.differing == [12] and v.primary == 10 for v in verdicts)
     assert all(g.events.records[0]["event"] == "divergence" for g in guards)
     assert guards[0].mismatches == 1 and guards[0].checks == 1
@@ -101,4 +72,4 @@ def test_stop_raises_on_every_group():
 def test_one_ulp_apart_is_a_divergence():
     nudged = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
     guards, verdicts = _run([1.0, nudged])
-    assert verdicts[0].differing == [11] and guards[1].manager.healed == 1
+    assert verdicts[0].differing == [11] and len(guards[1].manager.errors) == 1

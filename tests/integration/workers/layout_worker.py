@@ -17,18 +17,13 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ftbridge import engine as engine_mod  # noqa: E402
-from ftbridge.config import FTBridgeConfig  # noqa: E402
 from ftbridge.models import GPTConfig, build_model  # noqa: E402
-from tests.test_comm_hooks_engine import FakeManager  # noqa: E402
+from tests.fakes import TINY_GPT, gpt_batch, tiny_engine  # noqa: E402
 
-engine_mod.ReplicaManager = FakeManager
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
-gcfg = GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2)
-g = torch.Generator().manual_seed(0)
-x = torch.randint(0, 17, (2, 16), generator=g)
-y = torch.roll(x, -1, 1)
+gcfg = GPTConfig(**TINY_GPT)
+x, y = gpt_batch(0)
 ref = build_model(gcfg, seed=3)
 ref(x, y)[1].backward()
 ref_grads = {n: p.grad.reshape(-1) for n, p in ref.named_parameters()}
@@ -37,13 +32,9 @@ for stage in (1, 2, 3):
     names = {tuple(p.shape): [] for p in model.parameters()}
     for n, p in model.named_parameters():
         names[tuple(p.shape)].append(n)
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-          "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
-                                "stage3_param_persistence_threshold": 0}}
-    raw, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=ds)
-    cfg = FTBridgeConfig.resolve(environ={}, group_rank=rank, group_size=2, comm_hook="power_sgd",
-                                 comm_state_option={"start_powerSGD_iter": 0})
-    eng = engine_mod.FaultTolerantEngine(raw, cfg, checksum_every=0)
+    eng = tiny_engine(stage, model=model, ds={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+                      ft={"group_rank": rank, "group_size": 2, "comm_hook": "power_sgd",
+                          "comm_state_option": {"start_powerSGD_iter": 0}})
     eng.cross_replica_sync = False
     _, loss = eng(x, y)
     eng.backward(loss)

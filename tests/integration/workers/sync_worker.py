@@ -91,18 +91,16 @@ def run_job(spec, out):
     from safetensors.torch import save_file
 
     import ftbridge
-    from ftbridge import engine as engine_mod
     from ftbridge.config import FTBridgeConfig
     from tests.sync_model import BranchNet, batch
 
-    engine_mod.ReplicaManager = GlooReplicaManager
     g, r = GlooReplicaManager.group_id, dist.get_rank()
     model = BranchNet(spec)
     cfg = FTBridgeConfig.resolve(environ={}, replica_group_id=g, num_replica_groups=spec.groups, group_rank=r,
                                  group_size=spec.group_size, sync_mode=spec.sync_mode,
                                  cross_replica_bucket_bytes=spec.message_bytes, checksum_every=0)
     eng, *_ = ftbridge.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=spec.lr),
-                                  config=spec.ds_config(), ft_config=cfg)
+                                  config=spec.ds_config(), ft_config=cfg, manager_factory=GlooReplicaManager)
     committed = []
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
     for s in range(spec.steps):
