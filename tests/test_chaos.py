@@ -72,11 +72,46 @@ def test_a_group_restarting_from_scratch_loses_steps():
     assert inv.no_committed_step_lost([_rec(0, t, t) for t in range(1, 50)] + [_rec(1, 60, 50, healed=True)]) == []
 
 
+def test_a_commit_one_step_behind_must_carry_the_parameters_the_job_had():
+    job = [_rec(0, t, t, checksum=f"c{t}") for t in range(1, 50)]
+    # A slower group's record of step 48 written after the faster group's 49: same parameters, fine.
+    assert inv.no_committed_step_lost(job + [_rec(1, 60, 48, checksum="c48")]) == []
+    # One step behind with other parameters: a state the job never held.
+    v = inv.no_committed_step_lost(job + [_rec(1, 60, 48, checksum="other")])
+    assert len(v) == 1 and "step 48" in v[0].detail and "other" in v[0].detail
+    # One step behind with no checksum cannot be told apart from that: refused, not passed.
+    v = inv.no_committed_step_lost(job + [_rec(1, 60, 48, checksum=None)])
+    assert len(v) == 1 and "no parameter checksum" in v[0].detail
+    check = next(c for c in inv.log_checks(job + [_rec(1, 60, 48, checksum="c48")])
+                 if c.name == "no committed step lost")
+    assert check.held and check.judged == "50 commits, 1 behind the frontier checked by checksum"
+
+
 def test_different_parameters_after_the_same_commit_are_caught():
     ev = [_rec(0, 1, 5, checksum="x"), _rec(1, 1.01, 5, checksum="y"), _rec(1, 1.02, 6, committed=False,
                                                                              checksum="z")]
     v = inv.replicas_identical_after_commit(ev)
     assert len(v) == 1 and "step 5" in v[0].detail
+
+
+def test_identical_replicas_refuses_commits_without_a_checksum_and_counts_what_it_compared():
+    # Two groups that differ at every step, checksummed only every 100 steps (the library default):
+    # the steps without a checksum are not passed as identical.
+    ev = [_rec(g, s + g / 100, s, checksum=(f"g{g}s{s}" if s % 100 == 0 else None))
+          for s in range(1, 100) for g in (0, 1)]
+    check = inv.identical_replicas(ev)
+    assert not check.held
+    assert [v.detail for v in check.violations] == [
+        "198 commits carry no parameter checksum (steps [1, 2, 3, 4, 5] ...): not compared; run with "
+        "checksum_every=1 (FTBRIDGE_CHECKSUM_EVERY=1) to judge every commit"]
+    assert check.judged.startswith("0 commits compared at 0 steps")
+    assert inv.check_all([_rec(0, 1, 1, checksum=None), _rec(1, 1, 1, checksum=None)])
+    # Every commit checksummed and equal: held, and it says how much it saw.
+    ok = [_rec(g, s + g / 100, s, checksum=f"c{s}") for s in range(1, 11) for g in (0, 1)] + [_rec(0, 20, 11)]
+    check = inv.identical_replicas(ok)
+    assert check.held and check.judged == ("20 commits compared at 10 steps, 1 alone at their step, "
+                                           "0 orphan commits left out")
+    assert str(check).startswith("replicas identical after every commit: held (20 commits")
 
 
 def test_recovery_measures_survivors_and_the_rejoin():
