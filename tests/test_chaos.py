@@ -154,3 +154,36 @@ def test_final_loss_tolerance():
     assert inv.final_loss_close(2.0, 2.05, 0.1) == []
     assert inv.final_loss_close(2.0, 2.5, 0.1)[0].invariant == "final loss"
     assert inv.final_loss_close(None, 2.5, 0.1)
+
+
+def _result(events, checks, violations=None, baseline_loss=None):
+    from ftbridge.chaos.runner import ChaosResult, ChaosSettings
+
+    violations = [str(v) for c in checks for v in c.violations] if violations is None else violations
+    return ChaosResult(ChaosSettings(workdir="unused", baseline=baseline_loss is not None), [], [], events,
+                       violations, 5, 1.9, baseline_loss, [], 12.0, checks)
+
+
+def test_the_report_lists_only_the_checks_that_ran_with_their_outcome():
+    from ftbridge.chaos import report
+
+    ev = [_rec(g, s + g / 100, s, checksum=f"c{s}") for s in range(1, 6) for g in (0, 1)]
+    text = report.table(_result(ev, inv.log_checks(ev)))
+    assert "OK: 3 of 3 checks held" in text
+    assert "held   replicas identical after every commit (10 commits compared at 5 steps" in text
+    assert "not run: final loss against a failure-free run (--no-baseline)" in text
+    assert "every invariant held" not in text and "within tolerance" not in text
+    # Groups that differ, logged without checksums: the run is not ok and the report says so.
+    bad = [_rec(g, s + g / 100, s, checksum=None) for s in range(1, 6) for g in (0, 1)]
+    result = _result(bad, inv.log_checks(bad))
+    text = report.table(result)
+    assert not result.ok and "FAILED: 2 of 3 checks held" in text
+    assert "BROKEN replicas identical after every commit (0 commits compared" in text
+    assert "10 commits carry no parameter checksum" in text and "every invariant held" not in text
+    summary = report.summary(result)
+    assert [c["held"] for c in summary["checks"]] == [True, True, False]
+    # A violation outside the listed checks is shown too, and the loss check shows when it ran.
+    loss = inv.Check("final loss within tolerance", "1.9 against failure-free 1.8, tolerance 0.15",
+                     inv.final_loss_close(1.9, 1.8, 0.15))
+    text = report.table(_result(ev, [loss], violations=["something else"], baseline_loss=1.8))
+    assert "FAILED: 1 of 1 checks held" in text and "BROKEN something else" in text and "not run" not in text
