@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="torch AdamW (weight decay 0) or plain SGD (no momentum): SGD keeps the gradient's scale "
+                        "in the update, so an averaging error shows in the parameters")
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="DeepSpeed gradient_clipping (0: none)")
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
@@ -64,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
     p.add_argument("--no-cross-replica-sync", action="store_true",
                    help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
+    p.add_argument("--test-sync-sum", action="store_true",
+                   help="testing only: sum gradients across replica groups instead of averaging (the negative "
+                        "control of the equivalence tests: a missing division by the participants)")
     p.add_argument("--corrupt-sync-at", default=None, metavar="GROUP:STEP",
                    help="testing only: replica group GROUP triples its averaged gradient at step STEP, a silent "
                         "divergence for the divergence guard (FTBRIDGE_GUARD_EVERY) to find and heal")
@@ -91,12 +99,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The job's optimizer: ``--optimizer`` (AdamW, weight decay 0, or SGD without momentum) at ``--lr``."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+
+def sum_instead_of_average() -> None:
+    """Testing only (``--test-sync-sum``): every cross-replica ``AVG`` in this process becomes a ``SUM``.
+
+    Patches :meth:`ftbridge.manager.ReplicaManager.allreduce`, the one call
+    the gradient sync averages through (fp32; fp16/bf16 payloads are divided
+    by ftbridge before a ``SUM`` and are left as they are), so the
+    equivalence tests can show that a missing division fails them.
+    """
+    from torch.distributed import ReduceOp
+
+    from ftbridge.manager import ReplicaManager
+
+    real = ReplicaManager.allreduce
+
+    def allreduce(self: Any, tensor: torch.Tensor, reduce_op: Any = ReduceOp.AVG) -> Any:
+        return real(self, tensor, ReduceOp.SUM)
+
+    ReplicaManager.allreduce = allreduce  # type: ignore[method-assign]
+
+
 def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     """DeepSpeed config for the main job."""
     cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": args.grad_clip,
         "steps_per_print": 10**9,
         "zero_optimization": {
             "stage": args.zero_stage,
@@ -108,6 +143,8 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
                       "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
                                  "warmup_num_steps": args.warmup_steps, "warmup_type": "linear"}},
     }
+    if args.optimizer == "sgd":
+        cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed lists torch SGD as untested under ZeRO
     if args.zero_stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0,
                                          "stage3_prefetch_bucket_size": args.reduce_bucket_size})

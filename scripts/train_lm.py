@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                                cfg.num_replica_groups * cfg.group_size, cfg.replica_group_id, cfg.group_rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, model = lm_job.build_data_and_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = lm_job.build_optimizer(args, model)
+    if cfg and args.test_sync_sum:
+        lm_job.sum_instead_of_average()
     if args.plain:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args))
     else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ftbridge.bench.core import BenchSettings
-from ftbridge.bench.failover import committed_steps_lost, count_metric, survivor_stall
+from ftbridge.bench.failover import committed_steps_lost, count_metric, killed_group_steps_lost, survivor_stall
+from ftbridge.bench.failure_jobs import check_recovered
 from ftbridge.bench.heal import PHASES, heal_phases, loopback_seconds
 from ftbridge.bench.restart import ftbridge_resume, plain_resume
 
@@ -21,6 +22,45 @@ def test_committed_steps_lost_counts_repeated_steps():
     assert committed_steps_lost([rec(1, 5), rec(2, 5)]) == 1
     # Discarded steps never count; order is by time, not list order.
     assert committed_steps_lost([rec(3, 7), rec(1, 5), rec(2, 6, committed=False)]) == 0
+
+
+def test_killed_group_steps_lost_compares_its_commits_with_the_step_it_resumed_from():
+    before = [rec(1, 1, group=1), rec(2, 2, group=1), rec(3, 3, group=1), rec(3, 3)]
+    # Healed from the survivor (which went on to step 6): it resumes past its own step 3.
+    assert killed_group_steps_lost(before + [rec(9, 7, group=1)], kill_time=3.5) == 0
+    # Healed to exactly where it was: nothing lost either.
+    assert killed_group_steps_lost(before + [rec(9, 4, group=1)], kill_time=3.5) == 0
+    # Restarted from scratch (no peer to heal from): its first commit is step 1, all 3 steps lost,
+    # although the survivor's step counter never went back.
+    assert killed_group_steps_lost(before + [rec(9, 1, group=1)], kill_time=3.5) == 3
+    assert committed_steps_lost([rec(3, 3), rec(4, 4), rec(5, 5)]) == 0
+    # Resumed one step behind what it had committed.
+    assert killed_group_steps_lost(before + [rec(9, 3, group=1)], kill_time=3.5) == 1
+    with pytest.raises(ValueError, match="0 after the kill"):
+        killed_group_steps_lost(before, kill_time=3.5)
+
+
+def _final(g, r, step=9, params="p", opt="o"):
+    return {"event": "final", "time": 10.0 + g, "replica_group": g, "group_rank": r, "step": step,
+            "param_checksum": params, "optimizer_checksum": opt}
+
+
+def test_check_recovered_refuses_a_crash_or_a_divergence_after_recovery():
+    ok = [_final(0, 0), _final(1, 0)]
+    check_recovered(ok, {0: 0, 1: 0}, groups=(0, 1), ranks=1, what="run")
+    with pytest.raises(RuntimeError, match="replica group 1 exited 1"):
+        check_recovered(ok, {0: 0, 1: 1}, groups=(0, 1), ranks=1, what="run")
+    with pytest.raises(RuntimeError, match="final parameters differ"):
+        check_recovered([_final(0, 0), _final(1, 0, params="q")], {0: 0, 1: 0}, groups=(0, 1), ranks=1, what="run")
+    with pytest.raises(RuntimeError, match="final steps differ"):
+        check_recovered([_final(0, 0), _final(1, 0, step=8)], {0: 0, 1: 0}, groups=(0, 1), ranks=1, what="run")
+    with pytest.raises(RuntimeError, match="optimizer state differs"):
+        check_recovered([_final(0, 0), _final(1, 0, opt="x")], {0: 0, 1: 0}, groups=(0, 1), ranks=1, what="run")
+    with pytest.raises(RuntimeError, match=r"no final record from \(group, rank\) \[\(1, 0\)\]"):
+        check_recovered([_final(0, 0)], {0: 0, 1: 0}, groups=(0, 1), ranks=1, what="run")
+    # Only a rank's last launch counts: a first launch that diverged and was healed afterwards is fine.
+    healed = [{**_final(1, 0, params="old"), "time": 1.0}] + ok
+    check_recovered(healed, {0: 0, 1: 0}, groups=(0, 1), ranks=1, what="run")
 
 
 def test_survivor_stall_ends_at_first_commit_without_the_dead_group():
@@ -103,6 +143,9 @@ def test_ftbridge_resume_survivors_and_rejoined_group():
     assert r["survivors_s"] == pytest.approx(2.0)
     assert r["rejoined_s"] == pytest.approx(6.5)
     assert r["lost"] == 0 and r["committed_lost"] == 0
+    # The killed group came back from scratch (step 1): its 2 committed steps are lost.
+    scratch = events[:-2] + [rec(9.0, 1, group=1), rec(9.0, 5)]
+    assert ftbridge_resume(scratch, kill_time=2.5)["committed_lost"] == 2
 
 
 def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
@@ -110,10 +153,16 @@ def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
     from ftbridge.bench.core import Metric
 
     events = [rec(1.0, 1), rec(1.1, 2), rec(1.2, 3), rec(1.0, 1, group=1), rec(1.1, 2, group=1),
-              rec(3.3, 4, participants=1)]
+              rec(3.3, 4, participants=1), rec(6.0, 5, group=1)]
     runs = [failure_jobs.KillRun(1.25, events), failure_jobs.KillRun(1.25, events)]
     ms = failover.stall_metrics("failover", runs)
     assert ms[0].value == pytest.approx((3.3 - 1.25) / (2.0 + 0.1)) and ms[0].met
+    lost = next(m for m in ms if m.name.startswith("committed steps lost"))
+    assert lost.samples == [0.0, 0.0] and lost.met
+    # Group 1 back from scratch: the survivor's counter never went back, yet 2 committed steps are lost.
+    scratch = [failure_jobs.KillRun(1.25, events[:-1] + [rec(6.0, 1, group=1)])]
+    lost = next(m for m in failover.stall_metrics("failover", scratch) if m.name.startswith("committed steps lost"))
+    assert lost.samples == [2.0] and lost.met is False
     failover.plot(ms, str(tmp_path / "failover.png"))
     heal_runs = [failure_jobs.KillRun(10.0, restarted_group_events())] * 2
     monkeypatch.setattr(failure_jobs, "ftbridge_kill_runs", lambda settings: heal_runs)

@@ -72,11 +72,46 @@ def test_a_group_restarting_from_scratch_loses_steps():
     assert inv.no_committed_step_lost([_rec(0, t, t) for t in range(1, 50)] + [_rec(1, 60, 50, healed=True)]) == []
 
 
+def test_a_commit_one_step_behind_must_carry_the_parameters_the_job_had():
+    job = [_rec(0, t, t, checksum=f"c{t}") for t in range(1, 50)]
+    # A slower group's record of step 48 written after the faster group's 49: same parameters, fine.
+    assert inv.no_committed_step_lost(job + [_rec(1, 60, 48, checksum="c48")]) == []
+    # One step behind with other parameters: a state the job never held.
+    v = inv.no_committed_step_lost(job + [_rec(1, 60, 48, checksum="other")])
+    assert len(v) == 1 and "step 48" in v[0].detail and "other" in v[0].detail
+    # One step behind with no checksum cannot be told apart from that: refused, not passed.
+    v = inv.no_committed_step_lost(job + [_rec(1, 60, 48, checksum=None)])
+    assert len(v) == 1 and "no parameter checksum" in v[0].detail
+    check = next(c for c in inv.log_checks(job + [_rec(1, 60, 48, checksum="c48")])
+                 if c.name == "no committed step lost")
+    assert check.held and check.judged == "50 commits, 1 behind the frontier checked by checksum"
+
+
 def test_different_parameters_after_the_same_commit_are_caught():
     ev = [_rec(0, 1, 5, checksum="x"), _rec(1, 1.01, 5, checksum="y"), _rec(1, 1.02, 6, committed=False,
                                                                              checksum="z")]
     v = inv.replicas_identical_after_commit(ev)
     assert len(v) == 1 and "step 5" in v[0].detail
+
+
+def test_identical_replicas_refuses_commits_without_a_checksum_and_counts_what_it_compared():
+    # Two groups that differ at every step, checksummed only every 100 steps (the library default):
+    # the steps without a checksum are not passed as identical.
+    ev = [_rec(g, s + g / 100, s, checksum=(f"g{g}s{s}" if s % 100 == 0 else None))
+          for s in range(1, 100) for g in (0, 1)]
+    check = inv.identical_replicas(ev)
+    assert not check.held
+    assert [v.detail for v in check.violations] == [
+        "198 commits carry no parameter checksum (steps [1, 2, 3, 4, 5] ...): not compared; run with "
+        "checksum_every=1 (FTBRIDGE_CHECKSUM_EVERY=1) to judge every commit"]
+    assert check.judged.startswith("0 commits compared at 0 steps")
+    assert inv.check_all([_rec(0, 1, 1, checksum=None), _rec(1, 1, 1, checksum=None)])
+    # Every commit checksummed and equal: held, and it says how much it saw.
+    ok = [_rec(g, s + g / 100, s, checksum=f"c{s}") for s in range(1, 11) for g in (0, 1)] + [_rec(0, 20, 11)]
+    check = inv.identical_replicas(ok)
+    assert check.held and check.judged == ("20 commits compared at 10 steps, 1 alone at their step, "
+                                           "0 orphan commits left out")
+    assert str(check).startswith("replicas identical after every commit: held (20 commits")
 
 
 def test_recovery_measures_survivors_and_the_rejoin():
@@ -119,3 +154,36 @@ def test_final_loss_tolerance():
     assert inv.final_loss_close(2.0, 2.05, 0.1) == []
     assert inv.final_loss_close(2.0, 2.5, 0.1)[0].invariant == "final loss"
     assert inv.final_loss_close(None, 2.5, 0.1)
+
+
+def _result(events, checks, violations=None, baseline_loss=None):
+    from ftbridge.chaos.runner import ChaosResult, ChaosSettings
+
+    violations = [str(v) for c in checks for v in c.violations] if violations is None else violations
+    return ChaosResult(ChaosSettings(workdir="unused", baseline=baseline_loss is not None), [], [], events,
+                       violations, 5, 1.9, baseline_loss, [], 12.0, checks)
+
+
+def test_the_report_lists_only_the_checks_that_ran_with_their_outcome():
+    from ftbridge.chaos import report
+
+    ev = [_rec(g, s + g / 100, s, checksum=f"c{s}") for s in range(1, 6) for g in (0, 1)]
+    text = report.table(_result(ev, inv.log_checks(ev)))
+    assert "OK: 3 of 3 checks held" in text
+    assert "held   replicas identical after every commit (10 commits compared at 5 steps" in text
+    assert "not run: final loss against a failure-free run (--no-baseline)" in text
+    assert "every invariant held" not in text and "within tolerance" not in text
+    # Groups that differ, logged without checksums: the run is not ok and the report says so.
+    bad = [_rec(g, s + g / 100, s, checksum=None) for s in range(1, 6) for g in (0, 1)]
+    result = _result(bad, inv.log_checks(bad))
+    text = report.table(result)
+    assert not result.ok and "FAILED: 2 of 3 checks held" in text
+    assert "BROKEN replicas identical after every commit (0 commits compared" in text
+    assert "10 commits carry no parameter checksum" in text and "every invariant held" not in text
+    summary = report.summary(result)
+    assert [c["held"] for c in summary["checks"]] == [True, True, False]
+    # A violation outside the listed checks is shown too, and the loss check shows when it ran.
+    loss = inv.Check("final loss within tolerance", "1.9 against failure-free 1.8, tolerance 0.15",
+                     inv.final_loss_close(1.9, 1.8, 0.15))
+    text = report.table(_result(ev, [loss], violations=["something else"], baseline_loss=1.8))
+    assert "FAILED: 1 of 1 checks held" in text and "BROKEN something else" in text and "not run" not in text

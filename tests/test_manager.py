@@ -145,6 +145,34 @@ def test_torchft_calls_get_twice_the_cross_replica_timeout_even_with_torchfts_en
         lighthouse.shutdown()
 
 
+def test_torchft_heals_through_ftbridges_pickle_free_transport(monkeypatch):
+    # Without checkpoint_transport torchft builds its HTTPTransport (torch.load, weights_only=False) and
+    # every heal test still passes: assert on the Manager that ReplicaManager really built.
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    from ftbridge.transport import SafeHTTPTransport
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    for name in ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC",
+                 "TORCHFT_QUORUM_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), group_rank=0, group_size=1,
+                                 replica_group_id=0)
+    manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
+    try:
+        used = manager.torchft._checkpoint_transport
+        assert type(used) is SafeHTTPTransport and used is manager.transport
+        assert not isinstance(used, HTTPTransport)
+        # What torchft advertises to a healing peer is this transport's address (GET /heal/STEP).
+        assert used.metadata().startswith("http://") and used.metadata().endswith("/heal/")
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
+
+
 def _store_process():
     """A TCPStore server in its own process (so it can be SIGSTOPped like a hung rank 0); returns (proc, port)."""
     code = ("import sys; from torch.distributed import TCPStore; "

@@ -11,8 +11,14 @@ survivors' event log:
   progress past the failure, so it does not end the stall.
 * **discarded**: survivor steps after the kill that were not committed, up to
   that commit.
-* **committed steps lost**: a committed step the survivors later commit again
-  (the step counter going back); must be 0.
+* **committed steps lost**: steps the killed group had committed before the
+  kill that the job no longer holds once it comes back: its last commit
+  before the kill against the step it resumed from (its first commit after
+  the kill, minus one; a group restarted from scratch resumes from 0), from
+  :func:`killed_group_steps_lost`; must be 0. The survivors' own step
+  counter going back (:func:`committed_steps_lost`) is reported beside it.
+  Either counts only for a run that ended identical across groups with exit
+  0 (:func:`~ftbridge.bench.failure_jobs.check_recovered`).
 
 Target: stall <= heartbeat timeout + one median step (the lighthouse
 declares the group dead after one heartbeat timeout, then one step runs),
@@ -49,6 +55,33 @@ def committed_steps_lost(records: Sequence[Dict[str, Any]]) -> int:
             lost += top - r["step"] + 1
         top = r["step"] if top is None else max(top, r["step"])
     return lost
+
+
+def killed_group_steps_lost(records: Sequence[Dict[str, Any]], kill_time: float, killed: int = 1) -> int:
+    """Committed steps of the killed group that the job lost by the time that group committed again.
+
+    Args:
+        records: step records of the job (``replica_group``, ``group_rank``,
+            ``time``, ``step`` after the step, ``committed``); group rank 0 counts.
+        kill_time: wall time of the SIGKILL (s since the epoch).
+        killed: the replica group that was killed.
+
+    Returns:
+        ``max(0, K - R)``: ``K`` the killed group's last committed step before
+        the kill, ``R`` the step it resumed from (its first commit after the
+        kill, minus one). A heal from a live peer resumes at or past ``K``.
+
+    Raises:
+        ValueError: the killed group committed nothing before, or nothing after, the kill.
+    """
+    mine = sorted((r for r in records if "event" not in r and r["replica_group"] == killed
+                   and r["group_rank"] == 0 and r["committed"]), key=lambda r: r["time"])
+    before = [r["step"] for r in mine if r["time"] <= kill_time]
+    after = [r["step"] for r in mine if r["time"] > kill_time]
+    if not before or not after:
+        raise ValueError(f"replica group {killed} committed {len(before)} steps before and {len(after)} after "
+                         f"the kill at {kill_time:.3f}: nothing to compare")
+    return max(0, max(before) - (after[0] - 1))
 
 
 def survivor_stall(records: Sequence[Dict[str, Any]], kill_time: float) -> Dict[str, float]:
@@ -93,7 +126,8 @@ def count_metric(name: str, samples: Sequence[float], target_max: Optional[float
                   f"<= {target_max:g} (every rep)", max(samples) <= target_max)
 
 
-def stall_metrics(bench: str, runs: Sequence[failure_jobs.KillRun], survivor: int = 0) -> List[Metric]:
+def stall_metrics(bench: str, runs: Sequence[failure_jobs.KillRun], survivor: int = 0, killed: int = 1
+                  ) -> List[Metric]:
     """Stall ratio, stall seconds, discarded and lost counts over ``runs`` (one survivor rank per run)."""
     stats = [survivor_stall([e for e in r.events if "event" not in e and e["replica_group"] == survivor
                              and e["group_rank"] == 0], r.kill_time) for r in runs]
@@ -107,7 +141,10 @@ def stall_metrics(bench: str, runs: Sequence[failure_jobs.KillRun], survivor: in
                 "step_time_s": [s["step_time_s"] for s in stats]}),
         Metric(bench, "survivor stall", median(stalls), "s", stalls),
         count_metric("survivor steps discarded", [s["discarded"] for s in stats], 1, bench=bench),
-        count_metric("committed steps lost (survivors)", [s["lost"] for s in stats], 0, bench=bench),
+        count_metric("committed steps lost (the killed group's commits, against the step it resumed from)",
+                     [float(killed_group_steps_lost(r.events, r.kill_time, killed)) for r in runs], 0, bench=bench),
+        count_metric("survivor commits repeated (step counter going back)", [s["lost"] for s in stats], 0,
+                     bench=bench),
     ]
     return out
 

@@ -14,6 +14,12 @@ helpers of :mod:`ftbridge.bench.jobs`.
   saving a DeepSpeed checkpoint every N steps and loading the latest on start.
 * :func:`torchrun`: run a worker script under torchrun with a timeout.
 
+A recovery run counts only if it ended well: every launcher exited 0 and every
+rank of every group ended at the same step with the same parameters (and the
+same optimizer state per group rank), from the ranks' ``final`` records
+(:func:`check_recovered`); the plain run's torchrun must exit 0. Otherwise the
+run raises and the benchmarks built on it fail, whatever their times.
+
 Every process is started in its own session and ended by PID.
 """
 
@@ -77,6 +83,7 @@ def ftbridge_kill_runs(settings: BenchSettings, heartbeat_timeout_ms: int = HEAR
 
     Raises:
         TimeoutError: a stage took longer than ``settings.timeout_s`` (group log tails included).
+        RuntimeError: a run did not end identical across groups with exit 0 (:func:`check_recovered`).
     """
     key = (os.path.abspath(settings.workdir), settings.quick, settings.reps, settings.warmup_steps,
            heartbeat_timeout_ms)
@@ -94,6 +101,7 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings,
 
     Raises:
         TimeoutError: any wait past ``settings.timeout_s``.
+        RuntimeError: the run did not end identical across groups with exit 0 (:func:`check_recovered`).
     """
     t_out = settings.timeout_s
     args = [*model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
@@ -110,7 +118,44 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings,
         job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
         job.write_file("stop", str(job.max_step() + 1))
         codes = job.wait(t_out)
-        return KillRun(kill_time, job.events(), heartbeat_timeout_ms / 1000, extra={"exit_codes": codes})
+        events = job.events()
+        check_recovered(events, codes, groups=(0, 1), ranks=RANKS_PER_GROUP, what=f"kill run in {workdir}")
+        return KillRun(kill_time, events, heartbeat_timeout_ms / 1000, extra={"exit_codes": codes})
+
+
+def check_recovered(events: Sequence[Dict[str, Any]], codes: Dict[int, Any], groups: Sequence[int], ranks: int,
+                    what: str) -> None:
+    """Raise unless the run ended well: exit 0 everywhere, every group identical at the same step.
+
+    Args:
+        events: every record of the job (``final`` events carry ``step``,
+            ``param_checksum`` and ``optimizer_checksum``; a rank's last launch counts).
+        codes: replica group -> its launcher's exit status.
+        groups: the groups that must end; ranks: ranks per group.
+        what: names the run in the error.
+
+    Raises:
+        RuntimeError: a non-zero (or missing) exit status, a rank without a
+            final record, different final steps, parameters or optimizer state.
+    """
+    problems = [f"replica group {g} exited {codes.get(g)!r}" for g in groups if codes.get(g) != 0]
+    last: Dict[Tuple[int, int], Dict[str, Any]] = {}
+    for e in sorted((e for e in events if e.get("event") == "final"), key=lambda e: e["time"]):
+        last[(e["replica_group"], e["group_rank"])] = e
+    missing = [(g, r) for g in groups for r in range(ranks) if (g, r) not in last]
+    if missing:
+        problems.append(f"no final record from (group, rank) {missing}")
+    finals = [last[(g, r)] for g in groups for r in range(ranks) if (g, r) in last]
+    for key, label in (("step", "steps"), ("param_checksum", "parameters")):
+        values = {(f["replica_group"], f["group_rank"]): f.get(key) for f in finals}
+        if len(set(values.values())) > 1 or None in values.values():
+            problems.append(f"final {label} differ: {values}")
+    for r in range(ranks):
+        opt = {f["replica_group"]: f.get("optimizer_checksum") for f in finals if f["group_rank"] == r}
+        if len(set(opt.values())) > 1 or None in opt.values():
+            problems.append(f"group rank {r}: final optimizer state differs across groups: {opt}")
+    if problems:
+        raise RuntimeError(f"{what} did not end identical with exit 0: " + "; ".join(problems))
 
 
 def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int = 2) -> KillRun:
@@ -123,7 +168,7 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
 
     Raises:
         TimeoutError: a stage took longer than ``settings.timeout_s`` (log tail included).
-        RuntimeError: torchrun exited before the scenario played out.
+        RuntimeError: torchrun exited before the scenario played out, or not with 0 at the end.
     """
     os.makedirs(workdir, exist_ok=True)
     port = find_free_port()
@@ -153,6 +198,10 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
         with open(os.path.join(workdir, "stop"), "w", encoding="utf-8") as f:
             f.write(str(last + 2))
         proc.wait(timeout=settings.timeout_s)
+        if proc.returncode != 0:
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-30:])
+            raise RuntimeError(f"the restarted plain run exited {proc.returncode} (log {log_path}):\n{tail}")
         return KillRun(kill_time, read_events(paths), extra={"exit_code": proc.returncode, "killed_pid": pids[0]})
     finally:
         _end(proc)

@@ -61,30 +61,49 @@ def commits_never_repeat_or_go_back(events: Sequence[Record]) -> List[Violation]
 
 
 def no_committed_step_lost(events: Sequence[Record]) -> List[Violation]:
-    """The job's progress never goes back: every commit is at or past the frontier.
+    """The job's progress never goes back: a commit behind the frontier must repeat a commit the job had.
 
     The frontier is the highest step committed by any replica so far. A
-    commit more than one step behind it means a replica trained on from an
-    older state than the job had reached (for example a group restarted from
-    step 0 with no peer to heal from). One exception: a replica that was
-    frozen after its all-reduce of step ``s`` may commit ``s`` late, once it
-    resumes; that is the same commit as the others' (same average), so it is
-    accepted when its parameters equal those another replica had after ``s``.
+    commit at or past it is progress. A commit of an older step ``s`` is
+    accepted only when its parameter checksum equals one another replica
+    recorded after committing ``s``: a replica frozen after its all-reduce of
+    ``s`` commits ``s`` late, once it resumes, with the same average (and a
+    faster group's record of ``s + 1`` may simply be written first). Any
+    other commit behind the frontier, even one step behind, is a replica that
+    trained on from a state the job did not hold (for example a group
+    restarted from step 0 with no peer to heal from) and is a violation; so is
+    one without a checksum, which cannot be told apart from it (run with
+    ``checksum_every=1``, the chaos runner's setting).
     """
+    return _no_lost_judged(events).violations
+
+
+def _no_lost_judged(events: Sequence[Record]) -> "Check":
     out = []
     frontier = 0
     seen: Dict[int, set] = {}
+    commits = lagging = 0
     for e in _step_records(events):
         if not e["committed"]:
             continue
-        late_same = e.get("param_checksum") is not None and e["param_checksum"] in seen.get(e["step"], set())
-        if e["step"] + 1 < frontier and not late_same:
-            out.append(Violation("no lost steps", f"replica group {e['replica_group']} rank {e['group_rank']} "
-                                 f"committed step {e['step']} at t={e['time']:.3f} after the job had reached "
-                                 f"step {frontier}"))
+        commits += 1
+        who = f"replica group {e['replica_group']} rank {e['group_rank']}"
+        checksum = e.get("param_checksum")
+        if e["step"] < frontier:
+            lagging += 1
+            if checksum is None:
+                out.append(Violation("no lost steps", f"{who} committed step {e['step']} at t={e['time']:.3f} "
+                                     f"behind the job's step {frontier} with no parameter checksum to show it "
+                                     "repeats a commit the job had (run with checksum_every=1)"))
+            elif checksum not in seen.get(e["step"], set()):
+                out.append(Violation("no lost steps", f"{who} committed step {e['step']} at t={e['time']:.3f} "
+                                     f"after the job had reached step {frontier}, with parameters {checksum} "
+                                     f"that no replica had after step {e['step']}"))
         frontier = max(frontier, e["step"])
-        seen.setdefault(e["step"], set()).add(e.get("param_checksum"))
-    return out
+        if checksum is not None:
+            seen.setdefault(e["step"], set()).add(checksum)
+    return Check("no committed step lost", f"{commits} commits, {lagging} behind the frontier checked by "
+                 "checksum", out)
 
 
 def orphan_commits(events: Sequence[Record]) -> List[Record]:
@@ -120,21 +139,77 @@ def orphan_commits(events: Sequence[Record]) -> List[Record]:
     return out
 
 
+@dataclass
+class Check:
+    """One check that ran on a run's records and what it found.
+
+    Attributes:
+        name: the invariant, as the report names it.
+        judged: what it looked at (for example "412 commits compared at 206
+            steps"), so a check that saw nothing cannot pass unnoticed.
+        violations: what broke; empty when the check held.
+    """
+
+    name: str
+    judged: str
+    violations: List[Violation] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        """True when no violation was found."""
+        return not self.violations
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'held' if self.held else f'{len(self.violations)} violations'} ({self.judged})"
+
+
 def replicas_identical_after_commit(events: Sequence[Record]) -> List[Violation]:
     """Every replica that committed step ``s`` holds the same parameters after it.
 
+    See :func:`identical_replicas` (this returns its violations).
+    """
+    return identical_replicas(events).violations
+
+
+def identical_replicas(events: Sequence[Record]) -> Check:
+    """Judge "replicas identical after every commit" and say how many commits it compared.
+
+    Every commit must carry a parameter checksum: one without (a run with
+    ``checksum_every`` above 1, or 0) cannot be compared, and each such
+    commit is a violation (the check refuses to pass what it did not see).
+    A commit is compared when another rank or group committed the same step;
+    commits of a step only one rank recorded are counted apart.
     :func:`orphan_commits` are left out: their state died with their group
     before any other group could hold or build on it.
+
+    Returns:
+        a :class:`Check` whose ``judged`` reads "N commits compared at S
+        steps, U alone at their step, O orphan commits left out".
     """
     orphans = {id(e) for e in orphan_commits(events)}
     by_step: Dict[int, Dict[str, List[str]]] = {}
+    unchecked: List[Record] = []
     for e in _step_records(events):
-        if e["committed"] and e.get("param_checksum") and id(e) not in orphans:
-            by_step.setdefault(e["step"], {}).setdefault(e["param_checksum"], []).append(
-                f"{e['replica_group']}/{e['group_rank']}")
-    return [Violation("identical replicas", f"step {s}: different parameters on " +
-                      "; ".join(f"{c} on {','.join(who)}" for c, who in sums.items()))
-            for s, sums in sorted(by_step.items()) if len(sums) > 1]
+        if not e["committed"] or id(e) in orphans:
+            continue
+        if not e.get("param_checksum"):
+            unchecked.append(e)
+            continue
+        by_step.setdefault(e["step"], {}).setdefault(e["param_checksum"], []).append(
+            f"{e['replica_group']}/{e['group_rank']}")
+    out = [Violation("identical replicas", f"step {s}: different parameters on " +
+                     "; ".join(f"{c} on {','.join(who)}" for c, who in sums.items()))
+           for s, sums in sorted(by_step.items()) if len(sums) > 1]
+    if unchecked:
+        steps = sorted({e["step"] for e in unchecked})
+        out.append(Violation("identical replicas", f"{len(unchecked)} commits carry no parameter checksum "
+                             f"(steps {steps[:5]}{' ...' if len(steps) > 5 else ''}): not compared; run with "
+                             "checksum_every=1 (FTBRIDGE_CHECKSUM_EVERY=1) to judge every commit"))
+    sizes = [sum(len(w) for w in sums.values()) for sums in by_step.values()]
+    compared = sum(n for n in sizes if n > 1)
+    judged = (f"{compared} commits compared at {sum(1 for n in sizes if n > 1)} steps, "
+              f"{sum(1 for n in sizes if n == 1)} alone at their step, {len(orphans)} orphan commits left out")
+    return Check("replicas identical after every commit", judged, out)
 
 
 @dataclass
@@ -222,6 +297,12 @@ class Stats:
 
 
 def check_all(events: Sequence[Record]) -> List[Violation]:
-    """The invariants that need only the event logs."""
-    return (commits_never_repeat_or_go_back(events) + no_committed_step_lost(events)
-            + replicas_identical_after_commit(events))
+    """The invariants that need only the event logs: the violations of :func:`log_checks`."""
+    return [v for c in log_checks(events) for v in c.violations]
+
+
+def log_checks(events: Sequence[Record]) -> List[Check]:
+    """Run the invariants that need only the event logs; each says what it judged."""
+    commits = sum(1 for e in _step_records(events) if e["committed"])
+    return [Check("commits monotonic", f"{commits} commits", commits_never_repeat_or_go_back(events)),
+            _no_lost_judged(events), identical_replicas(events)]

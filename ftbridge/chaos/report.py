@@ -59,6 +59,8 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
         "orphan_commits": sorted({(e["replica_group"], e["step"]) for e in invariants.orphan_commits(result.events)}),
         "by_kind": by_kind(result),
         "failures": [o.to_json() for o in result.outcomes],
+        "checks": [{"name": c.name, "held": c.held, "judged": c.judged, "violations": [str(v) for v in c.violations]}
+                   for c in result.checks],
         "violations": result.violations,
         "leftover_pids": result.leftover_pids,
     }
@@ -85,13 +87,22 @@ def table(result: ChaosResult) -> str:
         lines.append(f"orphan commits (a group committed a step the others discarded, then died before any other "
                      f"group held it; torchft commits per group): {len(s['orphan_commits'])} "
                      f"(group, step) {s['orphan_commits']}")
-    if result.violations:
-        lines.append("INVARIANTS BROKEN:")
-        lines += [f"  - {v}" for v in result.violations]
-    else:
-        lines.append("every invariant held: commits monotonic, no committed step lost, replicas identical after "
-                     "every commit, recovery within the bound, final loss within tolerance, no process left")
+    lines += checks_text(result)
     return "\n".join(lines)
+
+
+def checks_text(result: ChaosResult) -> List[str]:
+    """The verdict and every check that ran, with its outcome; checks that did not run are named as such."""
+    held = sum(c.held for c in result.checks)
+    lines = [f"{'OK' if result.ok else 'FAILED'}: {held} of {len(result.checks)} checks held"]
+    for c in result.checks:
+        lines.append(f"  {'held  ' if c.held else 'BROKEN'} {c.name} ({c.judged})")
+        lines += [f"         - {v}" for v in c.violations]
+    listed = {str(v) for c in result.checks for v in c.violations}
+    lines += [f"  BROKEN {v}" for v in result.violations if v not in listed]  # never hide one
+    if "final loss within tolerance" not in {c.name for c in result.checks}:
+        lines.append("  not run: final loss against a failure-free run (--no-baseline)")
+    return lines
 
 
 def plot(result: ChaosResult, path: str) -> str:
@@ -139,7 +150,8 @@ def plot(result: ChaosResult, path: str) -> str:
     ax_t.plot([], [], color="green", ls="--", label="heal")
     ax_t.set_ylabel("training loss")
     ax_t.set_xlabel("wall time (s)")
-    verdict = "every invariant held" if result.ok else f"{len(result.violations)} invariants broken"
+    verdict = (f"all {len(result.checks)} checks held" if result.ok
+               else f"FAILED: {len(result.violations)} violations")
     ax_t.set_title(f"chaos run: {len([o for o in result.outcomes if not o.injected.skipped])} failures, "
                    f"{len(groups)} replica groups x {result.settings.nproc} ranks - {verdict}")
     ax_t.legend(loc="upper right", fontsize=7, ncol=2)

@@ -108,6 +108,8 @@ class ChaosResult:
     baseline_loss: Optional[float]
     leftover_pids: List[int]
     wall_s: float
+    checks: List[invariants.Check] = field(default_factory=list)
+    """The checks that ran at the end, each with what it judged and found (``violations`` flattens them)."""
 
     @property
     def ok(self) -> bool:
@@ -220,26 +222,50 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     events = job.events()
     pids = job.all_worker_pids() + [gp.proc.pid for launches in job.groups.values() for gp in launches]
     leftover = [p for p in pids if pid_alive(p)]
-    violations = [str(v) for v in invariants.check_all(events)]
-    violations += _final_state_violations(events, sorted(alive), settings.nproc, final_step)
-    if leftover:
-        violations.append(f"processes left behind: pids {leftover}")
-    if every:
-        violations += checkpoints_valid(ckpt_dir)
+    checks = _end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
+                         ckpt_dir if every else None)
     final_loss = _final_loss(events)
     baseline_loss = None
     if settings.baseline:
         baseline_loss = _baseline(settings, final_step)
-        violations += [str(v) for v in invariants.final_loss_close(final_loss, baseline_loss,
-                                                                    settings.loss_tolerance)]
-    for o in outcomes:
-        rec = o.recovery
-        if rec is not None and rec.survivors_s is not None and rec.survivors_s > settings.recovery_bound_s:
-            violations.append(f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): survivors "
-                              f"took {rec.survivors_s:.1f} s to commit again, above the bound "
-                              f"{settings.recovery_bound_s:.1f} s")
+        checks.append(invariants.Check(
+            "final loss within tolerance", f"{final_loss} against failure-free {baseline_loss}, tolerance "
+            f"{settings.loss_tolerance}", invariants.final_loss_close(final_loss, baseline_loss,
+                                                                       settings.loss_tolerance)))
+    violations = [str(v) for c in checks for v in c.violations]
     return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
-                       leftover, time.time() - t_start)
+                       leftover, time.time() - t_start, checks)
+
+
+def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outcomes: Sequence[Outcome],
+                alive: Sequence[int], final_step: int, started: int, leftover: Sequence[int],
+                ckpt_dir: Optional[str]
+                ) -> List[invariants.Check]:
+    """The checks run once the job has stopped (the final loss is added by the caller when it runs)."""
+    V = invariants.Violation
+    checks = invariants.log_checks(events)
+    checks.append(invariants.Check(
+        "identical end", f"final records of groups {list(alive)} x {settings.nproc} ranks at step {final_step}",
+        [V("identical end", m) for m in _final_state_violations(events, alive, settings.nproc, final_step)]))
+    checks.append(invariants.Check("no process left", f"{started} PIDs started",
+                                   [V("no process left", f"processes left behind: pids {leftover}")] if leftover
+                                   else []))
+    if ckpt_dir is not None:
+        checks.append(invariants.Check("checkpoints valid", ckpt_dir,
+                                       [V("checkpoints valid", m) for m in checkpoints_valid(ckpt_dir)]))
+    injected = [o for o in outcomes if not o.injected.skipped]
+    checks.append(invariants.Check(
+        "recovered from every failure", f"{len(injected)} failures injected",
+        [V("recovery", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}) not recovered from")
+         for o in injected if not o.recovered]))
+    timed = [o for o in injected if o.recovery is not None and o.recovery.survivors_s is not None]
+    checks.append(invariants.Check(
+        "recovery within the bound", f"{len(timed)} survivor recoveries against {settings.recovery_bound_s:.1f} s",
+        [V("recovery bound", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): survivors "
+                             f"took {o.recovery.survivors_s:.1f} s to commit again, above the bound "
+                             f"{settings.recovery_bound_s:.1f} s")
+         for o in timed if o.recovery.survivors_s > settings.recovery_bound_s]))
+    return checks
 
 
 def _final_state_violations(events: Sequence[Dict[str, Any]], alive: Sequence[int], nproc: int,
