@@ -225,7 +225,8 @@ def _check_group_args(args: argparse.Namespace) -> None:
          f"--nproc-per-node={args.nproc_per_node} must be at least 1 (ranks of this group on this node)")
     need(args.max_restarts >= 0,
          f"--max-restarts={args.max_restarts} is negative; use 0 to never restart the group")
-    need(args.shutdown_timeout_s > 0, f"--shutdown-timeout-s={args.shutdown_timeout_s} must be positive")
+    need(math.isfinite(args.shutdown_timeout_s) and args.shutdown_timeout_s > 0,
+         f"--shutdown-timeout-s={args.shutdown_timeout_s} must be a positive number of seconds")
     need(args.node_rank >= 0, f"--node-rank={args.node_rank} is negative")
     need(os.path.isfile(args.script),
          f"script {args.script!r} after '--' is not a file (cwd {os.getcwd()}); "
@@ -268,8 +269,11 @@ def _fmt(value: float) -> str:
 def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> None:
     """Resolve ftbridge's config as rank 0 will, so its rules run now, not in every rank."""
     overrides = {field: getattr(args, flag) for flag, (_, field) in _OPTIONAL_SETTINGS.items()}
-    if overrides["heartbeat_interval"] is not None:
-        overrides["heartbeat_interval"] = timedelta(milliseconds=overrides["heartbeat_interval"])
+    ms = overrides["heartbeat_interval"]
+    if ms is not None:
+        if not (math.isfinite(ms) and ms > 0):
+            raise ValueError(f"--heartbeat-interval-ms={ms} must be a positive number of milliseconds")
+        overrides["heartbeat_interval"] = timedelta(milliseconds=ms)
     try:
         FTBridgeConfig.resolve(environ=env, group_rank=0, group_size=args.nproc_per_node, **overrides)
     except ValueError as exc:

