@@ -74,7 +74,8 @@ def _save(engine, root, step, stage):
 
     store = CheckpointStore(str(root))
     meta = {"format": "ftbridge-checkpoint/1", "step": step, "group_size": 1, "zero_stage": stage,
-            "quorum": {"quorum_id": 1, "participants": 1, "replica_rank": 0, "replica_group_id": 0}, "manager": {}}
+            "quorum": {"quorum_id": 1, "participants": 1, "replica_rank": 0, "replica_group_id": 0}, "manager": {},
+            "versions": {"torch": torch.__version__}}  # a TorchVersion, as checkpoints before this change hold
     save_group_checkpoint(engine, store, step, quorum_id=1, metadata=meta,
                           rank_state={"micro_steps": int(engine.micro_steps), "extra": {}})
     return store

@@ -213,7 +213,7 @@ class Checkpointer:
             "group_size": cfg.group_size, "zero_stage": self.engine.adapter.stage,
             "dtypes": {"params": str(param.dtype), "grad_accum": str(e.get_data_types()[1])},
             "versions": {"ftbridge": ver("ftbridge"), "deepspeed": deepspeed.__version__,
-                         "torch": torch.__version__, "torchft": ver("torchft"),
+                         "torch": str(torch.__version__), "torchft": ver("torchft"),
                          "python": platform.python_version()},
             "quorum": {"quorum_id": m.quorum_id, "participants": participants, "replica_rank": m.replica_rank,
                        "replica_group_id": cfg.replica_group_id},

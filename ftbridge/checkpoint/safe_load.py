@@ -44,6 +44,7 @@ import zipfile
 from typing import Any, Iterator, List, Optional
 
 import torch
+from torch.torch_version import TorchVersion
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -51,10 +52,12 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftbridge.zero.stages import check_deepspeed_version
 
-ALLOWED_GLOBALS: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+ALLOWED_GLOBALS: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, TorchVersion]
 """Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold: the loss
 scaler object of ZeRO-1/2 optimizer states (static for bf16/fp32, dynamic for fp16), the ZeRO
-stage enum, and ``fragment_address`` of BF16_Optimizer and ZeRO-1/2 parameter slice mappings."""
+stage enum, ``fragment_address`` of BF16_Optimizer and ZeRO-1/2 parameter slice mappings, and
+``TorchVersion`` (a ``str`` subclass: ``torch.__version__`` in the metadata of checkpoints written
+before ftbridge stored it as a plain string)."""
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
