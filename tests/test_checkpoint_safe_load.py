@@ -146,14 +146,15 @@ def test_resume_refuses_a_crafted_checkpoint_before_any_state_changes(tmp_path, 
     _plant_payload(store.list()[0].path, "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
     assert store.find_valid() is not None  # hashes match: the manifest alone cannot tell
     _train(engine.engine, 2)
-    before = _state(engine.engine)
+    before = _state(engine.engine) + [p.detach().clone() for p in engine.engine.module.parameters()]
     ck = Checkpointer(engine, CheckpointConfig(dir=str(tmp_path / "ckpt"), handle_sigterm=False))
     with pytest.raises(UnsafeCheckpointError, match=rf"needs type {PAYLOAD_TYPE}, which is not in") as e:
         ck.resume()
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in str(e.value) and "nothing was loaded" in str(e.value)
     assert not marker.exists()
-    for got, want in zip(_state(engine.engine), before):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)  # not one parameter was touched
+    after = _state(engine.engine) + [p.detach().clone() for p in engine.engine.module.parameters()]
+    for got, want in zip(after, before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # not one parameter (master or module) was touched
     assert int(engine.engine.global_steps) == 2
 
 
