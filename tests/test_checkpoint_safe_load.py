@@ -168,8 +168,8 @@ def test_deepspeed_own_loads_go_through_the_safe_loader(tmp_path, monkeypatch):
     store = _save(engine, tmp_path / "ckpt", 1, 2)
     marker = tmp_path / "pwned"
     _plant_payload(store.list()[0].path, "mp_rank_00_model_states.pt", marker)
-    monkeypatch.setattr(safe_load, "check_files", lambda paths: None)  # as if the file changed after the scan
-    monkeypatch.setattr(group_io, "check_files", lambda paths: None)
+    monkeypatch.setattr(safe_load, "check_files", lambda paths: {})  # as if the file changed after the scan
+    monkeypatch.setattr(group_io, "check_files", lambda paths: {})
     with pytest.raises(safe_load.UnsafeCheckpointError, match=PAYLOAD_TYPE):
         group_io.load_group_checkpoint(engine, store.list()[0])
     assert not marker.exists()

@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
 from ftbridge.checkpoint.group_io import kill_self_if, load_group_checkpoint, save_group_checkpoint
-from ftbridge.checkpoint.safe_load import UnsafeCheckpointError, check_files, checkpoint_files
 from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible, load_key
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
@@ -237,8 +236,10 @@ class Checkpointer:
         """Load the newest valid checkpoint into this group; all group ranks call it before training.
 
         Group rank 0 picks the checkpoint (files hashed against the manifest,
-        metadata checked, every ``.pt`` scanned by the safe loader) and
-        broadcasts its choice as a tensor (:func:`broadcast_choice`).
+        metadata checked) and broadcasts its choice as a tensor
+        (:func:`broadcast_choice`); every rank then loads every ``.pt`` of it
+        with the safe loader before DeepSpeed changes any state
+        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
 
         Returns:
             The step loaded, or ``None`` when the folder holds no checkpoint.
@@ -260,8 +261,8 @@ class Checkpointer:
             self.log.info("no checkpoint in %s: starting from step 0", self.cfg.dir)
             return None
         if code != CHOICE_OK:
-            kind = UnsafeCheckpointError if code == CHOICE_UNSAFE else NoValidCheckpointError
-            raise kind(error or f"group rank 0 refused the checkpoints in {self.cfg.dir}; its log says why")
+            raise NoValidCheckpointError(error or f"group rank 0 found no valid checkpoint in {self.cfg.dir}; "
+                                         "its log lists the problems")
         ckpt = next(c for c in self.store.list() if c.step == step)
         meta = ckpt.metadata()  # hashed against the manifest, then parsed
         check_compatible(meta, ckpt.path, group_size=self.engine.cfg.group_size, zero_stage=self.engine.adapter.stage)
@@ -279,13 +280,10 @@ class Checkpointer:
     def _choose(self) -> Tuple[int, int, Optional[str]]:
         try:
             ckpt = self.store.find_valid(self.log)
-            if ckpt is None:
-                return CHOICE_NONE, 0, None
-            check_files(checkpoint_files(ckpt.path))
         except NoValidCheckpointError as e:
             return CHOICE_INVALID, 0, str(e)
-        except UnsafeCheckpointError as e:
-            return CHOICE_UNSAFE, 0, str(e)
+        if ckpt is None:
+            return CHOICE_NONE, 0, None
         return CHOICE_OK, ckpt.step, None
 
     def _apply(self, meta: Dict[str, Any], rank_state: Dict[str, Any]) -> None:
@@ -299,8 +297,8 @@ class Checkpointer:
                 load(rank_state["extra"][k])
 
 
-CHOICE_NONE, CHOICE_OK, CHOICE_INVALID, CHOICE_UNSAFE = 0, 1, 2, 3
-"""Resume choices broadcast by group rank 0: no checkpoint, load step N, none valid, unsafe file."""
+CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
+"""Resume choices broadcast by group rank 0: no checkpoint, load step N, none valid."""
 
 
 def broadcast_choice(code: int, step: int) -> Tuple[int, int]:

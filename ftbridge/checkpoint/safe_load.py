@@ -15,13 +15,13 @@ DeepSpeed 0.19's own ``load_checkpoint`` reads its files through
 ``torch.load(weights_only=False)``. :func:`load_deepspeed_checkpoint` uses
 that extension point (no patch of DeepSpeed code): it
 
-1. scans every ``.pt`` file of the checkpoint with the safe loader first
-   (memory-mapped, so tensor bytes are not read), so a bad file is refused
+1. loads every ``.pt`` file of the checkpoint with the safe loader first
+   (memory-mapped, so only the pickles are parsed), so a bad file is refused
    before DeepSpeed changes any state;
 2. swaps ``engine.checkpoint_engine`` for :class:`SafeCheckpointEngine`
-   during DeepSpeed's ``load_checkpoint`` (a file replaced after the scan
-   still cannot run code), for the DeepSpeed releases in
-   :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only.
+   during DeepSpeed's ``load_checkpoint``, which hands DeepSpeed those
+   objects (each file is parsed once) and loads anything else safely too,
+   for the DeepSpeed releases in :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only.
 
 DeepSpeed's universal-checkpoint loader reads its files with its own
 ``torch.load(weights_only=False)``, past the checkpoint engine; it is refused
@@ -41,7 +41,7 @@ import os
 import pickle
 import re
 import zipfile
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch.torch_version import TorchVersion
@@ -50,6 +50,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from ftbridge.checkpoint.async_save import snapshot
 from ftbridge.zero.stages import check_deepspeed_version
 
 ALLOWED_GLOBALS: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, TorchVersion]
@@ -95,16 +96,20 @@ def safe_load(path: str, map_location: Any = "cpu", *, mmap: bool = False) -> An
             "torch.serialization.add_safe_globals([...]) before resuming.") from None
 
 
-def check_files(paths: List[str]) -> None:
-    """Load every file of ``paths`` with :func:`safe_load` and drop the result (a scan).
+def check_files(paths: List[str]) -> Dict[str, Any]:
+    """Load every file of ``paths`` with :func:`safe_load`, tensors memory-mapped (zip format).
 
-    Zip-format files are memory-mapped, so only their pickles are parsed.
+    Only the pickles are parsed here; tensor bytes are read when used.
+
+    Returns:
+        ``{absolute path: loaded object}`` (CPU tensors), for
+        :class:`SafeCheckpointEngine` to hand to DeepSpeed, so each file is
+        parsed once.
 
     Raises:
         UnsafeCheckpointError: the first file that needs a type that is not allowed.
     """
-    for path in paths:
-        safe_load(path, "cpu", mmap=zipfile.is_zipfile(path))
+    return {os.path.abspath(p): safe_load(p, "cpu", mmap=zipfile.is_zipfile(p)) for p in paths}
 
 
 def checkpoint_files(ckpt_dir: str) -> List[str]:
@@ -113,22 +118,44 @@ def checkpoint_files(ckpt_dir: str) -> List[str]:
         return sorted(e.path for e in it if e.name.endswith(".pt") and e.is_file(follow_symlinks=False))
 
 
-class SafeCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine whose ``load`` is :func:`safe_load` (saves as DeepSpeed's own)."""
+def _to_cpu(map_location: Any) -> bool:
+    # DeepSpeed 0.19 loads with map_location 'cpu', torch.device('cpu') or `lambda storage, loc: storage`
+    # (which keeps the deserialised CPU storage): a CPU object from check_files is then what it would get.
+    return map_location is None or callable(map_location) or str(map_location) == "cpu"
 
-    def __init__(self, zipfile_serialization: bool = True) -> None:
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed checkpoint engine whose ``load`` is :func:`safe_load` (saves as DeepSpeed's own).
+
+    Args:
+        zipfile_serialization: as DeepSpeed's engine (only used if it saves).
+        preloaded: ``{absolute path: object}`` from :func:`check_files`; each
+            is handed out once, for a load to the CPU, copied into memory, instead of
+            parsing the file again.
+    """
+
+    def __init__(self, zipfile_serialization: bool = True, preloaded: Optional[Dict[str, Any]] = None) -> None:
         super().__init__(None)
         self.name = "FTBridgeSafeCheckpointEngine"
         self.zipfile_serialization = zipfile_serialization
+        self.preloaded = dict(preloaded or {})
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """DeepSpeed's load of one file, with ``weights_only=True`` and the allowlist."""
+        obj = self.preloaded.pop(os.path.abspath(path), None)
+        if obj is not None and _to_cpu(map_location):
+            # Copy the memory-mapped tensors into memory (views and sharing kept): DeepSpeed and torch's
+            # optimizer keep some loaded tensors as state, which must not depend on the file staying intact.
+            return snapshot(obj)
         return safe_load(path, map_location)
 
 
 @contextlib.contextmanager
-def safe_deepspeed_loads(ds_engine: Any) -> Iterator[None]:
+def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = None) -> Iterator[None]:
     """Inside the block, DeepSpeed's ``load_checkpoint`` reads files only through :func:`safe_load`.
+
+    Args:
+        preloaded: files already loaded safely (:func:`check_files`), used instead of reading them again.
 
     Raises:
         RuntimeError: a DeepSpeed release this was not checked against, or an
@@ -144,7 +171,7 @@ def safe_deepspeed_loads(ds_engine: Any) -> Iterator[None]:
         raise ValueError('"checkpoint": {"load_universal": true} is set: DeepSpeed loads universal checkpoints '
                          "with torch.load(weights_only=False), past ftbridge's safe loader; ftbridge resumes "
                          "replica-group checkpoints only. Remove load_universal from the DeepSpeed config.")
-    ds_engine.checkpoint_engine = SafeCheckpointEngine(getattr(previous, "zipfile_serialization", True))
+    ds_engine.checkpoint_engine = SafeCheckpointEngine(getattr(previous, "zipfile_serialization", True), preloaded)
     try:
         yield
     finally:
@@ -174,6 +201,6 @@ def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] 
             return None, None
     if os.sep in tag or tag in ("", ".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} is not a folder name inside {load_dir}")
-    check_files(checkpoint_files(os.path.join(load_dir, tag)))
-    with safe_deepspeed_loads(ds_engine):
+    preloaded = check_files(checkpoint_files(os.path.join(load_dir, tag)))
+    with safe_deepspeed_loads(ds_engine, preloaded):
         return ds_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
