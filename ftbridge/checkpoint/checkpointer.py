@@ -144,7 +144,7 @@ class Checkpointer:
 
     def _agree(self) -> tuple[bool, bool]:
         trigger = bool(self.cfg.trigger_file and os.path.exists(self.cfg.trigger_file))
-        flags = torch.tensor([float(self._sigterm), float(self._requested or trigger)])
+        flags = torch.tensor([float(self._sigterm), float(self._requested or trigger)], device=group_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -301,6 +301,13 @@ CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
 """Resume choices broadcast by group rank 0: no checkpoint, load step N, none valid."""
 
 
+def group_device() -> torch.device:
+    """Where tensors for an in-group collective live: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
     """Group rank 0's ``(code, step)`` on every rank of the group, as one int64 tensor (no pickle).
 
@@ -311,7 +318,7 @@ def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
     Returns:
         Rank 0's ``(code, step)``; a rank alone returns its own.
     """
-    choice = torch.tensor([code, step], dtype=torch.int64)
+    choice = torch.tensor([code, step], dtype=torch.int64, device=group_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(choice, src=0)
     return int(choice[0]), int(choice[1])
