@@ -400,12 +400,22 @@ class PlainRun:
                           attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def resume(self) -> None:
-        """Load the latest DeepSpeed checkpoint of ``--checkpoint-dir`` if ``--resume`` and one exists."""
+        """Load the latest DeepSpeed checkpoint of ``--checkpoint-dir`` if ``--resume`` and one exists.
+
+        Files are read with ``weights_only=True`` and ftbridge's allowlist
+        (:func:`ftbridge.checkpoint.safe_load.load_deepspeed_checkpoint`).
+
+        Raises:
+            UnsafeCheckpointError: a file needs a type outside the allowlist;
+                nothing was loaded.
+        """
+        from ftbridge.checkpoint.safe_load import load_deepspeed_checkpoint
+
         d = self.args.checkpoint_dir
         if not (d and self.args.resume and os.path.exists(os.path.join(d, "latest"))):
             return
         t = time.perf_counter()
-        path, _ = self.engine.load_checkpoint(d)
+        path, _ = load_deepspeed_checkpoint(self.engine, d)
         self.events.write(event="checkpoint_loaded", time=now(), step=int(self.engine.global_steps), path=path,
                           load_s=time.perf_counter() - t)
 

@@ -64,6 +64,7 @@ MODULES = [
     "ftbridge.checkpoint.manifest",
     "ftbridge.checkpoint.async_save",
     "ftbridge.checkpoint.group_io",
+    "ftbridge.checkpoint.safe_load",
     "ftbridge.checkpoint.cli",
     "ftbridge.models",
     "ftbridge.launcher",

@@ -75,9 +75,9 @@ def make_checkpoint(root, step, group_size=2, stage=2, publish=True, quorum_id=1
     os.makedirs(staged)
     files = ["mp_rank_00_model_states.pt", *(f"zero_pp_rank_{k}_mp_rank_00_optim_states.pt" for k in range(group_size)),
              *(f"ftbridge_rank_{k}.pt" for k in range(group_size))]
-    for i, name in enumerate(files):
-        with open(os.path.join(staged, name), "wb") as f:
-            f.write(bytes([step % 251, i]) * 1000 + payload)
+    for i, name in enumerate(files):  # small real torch files (verify also loads them with the safe loader)
+        torch.save({"step": step, "file": i, "pad": torch.full((500,), i, dtype=torch.int16), "payload": list(payload)},
+                   os.path.join(staged, name))
     mf.write_json_atomic(os.path.join(staged, "ftbridge.json"),
                          {"step": step, "group_size": group_size, "zero_stage": stage,
                           "quorum": {"quorum_id": quorum_id, "participants": 2, "replica_rank": 0,

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import deepspeed
 import torch
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
 from ftbridge.checkpoint.group_io import kill_self_if, load_group_checkpoint, save_group_checkpoint
-from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible
+from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible, load_key
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
@@ -80,6 +80,9 @@ class CheckpointConfig:
     """Testing: once this file exists, group rank 0 SIGKILLs itself between the shard writes and the publish."""
     publish_timeout_s: float = 300.0
     """How long group rank 0 waits for the other ranks' files."""
+    key_file: Optional[str] = None
+    """Checkpoint key file, outside ``dir``: manifests are signed (``manifest.hmac``) and only signed
+    ones are trusted. ``None``: no HMAC (the manifest then detects corruption, not tampering)."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 0:
@@ -104,7 +107,7 @@ class Checkpointer:
     def __init__(self, engine: Any, cfg: CheckpointConfig) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.store = CheckpointStore(cfg.dir)
+        self.store = CheckpointStore(cfg.dir, load_key(cfg.key_file, cfg.dir))
         self.writer = BackgroundWriter() if cfg.asynchronous else None
         self.log = get_logger("ftbridge.checkpoint", engine.cfg, step_fn=lambda: engine.manager.current_step)
         self.stopping = False
@@ -141,7 +144,7 @@ class Checkpointer:
 
     def _agree(self) -> tuple[bool, bool]:
         trigger = bool(self.cfg.trigger_file and os.path.exists(self.cfg.trigger_file))
-        flags = torch.tensor([float(self._sigterm), float(self._requested or trigger)])
+        flags = torch.tensor([float(self._sigterm), float(self._requested or trigger)], device=group_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -209,7 +212,7 @@ class Checkpointer:
             "group_size": cfg.group_size, "zero_stage": self.engine.adapter.stage,
             "dtypes": {"params": str(param.dtype), "grad_accum": str(e.get_data_types()[1])},
             "versions": {"ftbridge": ver("ftbridge"), "deepspeed": deepspeed.__version__,
-                         "torch": torch.__version__, "torchft": ver("torchft"),
+                         "torch": str(torch.__version__), "torchft": ver("torchft"),
                          "python": platform.python_version()},
             "quorum": {"quorum_id": m.quorum_id, "participants": participants, "replica_rank": m.replica_rank,
                        "replica_group_id": cfg.replica_group_id},
@@ -232,46 +235,56 @@ class Checkpointer:
     def resume(self) -> Optional[int]:
         """Load the newest valid checkpoint into this group; all group ranks call it before training.
 
+        Group rank 0 picks the checkpoint (files hashed against the manifest,
+        metadata checked) and broadcasts its choice as a tensor
+        (:func:`broadcast_choice`); every rank then loads every ``.pt`` of it
+        with the safe loader before DeepSpeed changes any state
+        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
+
         Returns:
             The step loaded, or ``None`` when the folder holds no checkpoint.
 
         Raises:
             NoValidCheckpointError: checkpoints exist but none verifies.
+            UnsafeCheckpointError: the chosen checkpoint has a file that needs
+                a type outside the allowlist (named); nothing was loaded.
             GroupSizeMismatchError: saved by groups of another size; raised
                 on every rank before any state is touched.
         """
-        choice = [self._choose() if dist.get_rank() == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(choice, src=0)
-        kind, payload = choice[0]
-        if kind == "none":
+        error = None
+        if dist.get_rank() == 0:
+            code, step, error = self._choose()
+        else:
+            code, step = CHOICE_NONE, 0
+        code, step = broadcast_choice(code, step)
+        if code == CHOICE_NONE:
             self.log.info("no checkpoint in %s: starting from step 0", self.cfg.dir)
             return None
-        if kind == "error":
-            raise NoValidCheckpointError(payload)
-        ckpt = next(c for c in self.store.list() if c.tag == payload["tag"])
-        meta = payload["meta"]
+        if code != CHOICE_OK:
+            raise NoValidCheckpointError(error or f"group rank 0 found no valid checkpoint in {self.cfg.dir}; "
+                                         "its log lists the problems")
+        ckpt = next(c for c in self.store.list() if c.step == step)
+        meta = ckpt.metadata()  # hashed against the manifest, then parsed
         check_compatible(meta, ckpt.path, group_size=self.engine.cfg.group_size, zero_stage=self.engine.adapter.stage)
         t = time.perf_counter()
         rank_state = load_group_checkpoint(self.engine.engine, ckpt)
         self._apply(meta, rank_state)
         load_s = time.perf_counter() - t
-        step = int(meta["step"])
         self._last_saved = step
         self.engine.events.write(event="checkpoint_loaded", time=time.time(), step=step, path=ckpt.path,
-                                 load_s=load_s, saved_by=meta["quorum"]["replica_group_id"],
+                                 load_s=load_s, saved_by=meta.get("quorum", {}).get("replica_group_id"),
                                  param_checksum=tensor_checksum(self.engine.adapter.full_parameters()))
         self.log.info("resumed from %s (step %d) in %.2f s", ckpt.path, step, load_s)
         return step
 
-    def _choose(self) -> tuple:
+    def _choose(self) -> Tuple[int, int, Optional[str]]:
         try:
             ckpt = self.store.find_valid(self.log)
         except NoValidCheckpointError as e:
-            return ("error", str(e))
+            return CHOICE_INVALID, 0, str(e)
         if ckpt is None:
-            return ("none", None)
-        return ("ok", {"tag": ckpt.tag, "meta": ckpt.metadata()})
+            return CHOICE_NONE, 0, None
+        return CHOICE_OK, ckpt.step, None
 
     def _apply(self, meta: Dict[str, Any], rank_state: Dict[str, Any]) -> None:
         e = self.engine
@@ -282,6 +295,33 @@ class Checkpointer:
         for k, (_, load) in e._extra_state.items():
             if k in rank_state.get("extra", {}):
                 load(rank_state["extra"][k])
+
+
+CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
+"""Resume choices broadcast by group rank 0: no checkpoint, load step N, none valid."""
+
+
+def group_device() -> torch.device:
+    """Where tensors for an in-group collective live: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
+    """Group rank 0's ``(code, step)`` on every rank of the group, as one int64 tensor (no pickle).
+
+    Args:
+        code: one of the ``CHOICE_*`` values (only group rank 0's counts).
+        step: the checkpoint step for ``CHOICE_OK``.
+
+    Returns:
+        Rank 0's ``(code, step)``; a rank alone returns its own.
+    """
+    choice = torch.tensor([code, step], dtype=torch.int64, device=group_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(choice, src=0)
+    return int(choice[0]), int(choice[1])
 
 
 def add_arguments(parser: Any) -> None:
@@ -296,6 +336,9 @@ def add_arguments(parser: Any) -> None:
                    help="load the newest valid checkpoint of --checkpoint-dir on start-up (none: start at step 0)")
     g.add_argument("--checkpoint-trigger", default=None,
                    help="save after the next step once this file exists (default <checkpoint-dir>/SAVE_NOW)")
+    g.add_argument("--checkpoint-key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"), metavar="FILE",
+                   help="sign manifests with the key in FILE (outside the checkpoint folder) and trust only signed "
+                        "ones (default $FTBRIDGE_CKPT_KEY_FILE)")
     g.add_argument("--fault-kill-before-publish", default=None, metavar="FILE",
                    help="testing: once FILE exists, the writer's group rank 0 SIGKILLs itself before publishing")
 
@@ -304,4 +347,5 @@ def config_from_args(args: Any) -> CheckpointConfig:
     """:class:`CheckpointConfig` from the flags of :func:`add_arguments`."""
     return CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints,
                             asynchronous=args.checkpoint_async, trigger_file=args.checkpoint_trigger,
-                            fault_kill_before_publish=args.fault_kill_before_publish)
+                            fault_kill_before_publish=args.fault_kill_before_publish,
+                            key_file=args.checkpoint_key_file)

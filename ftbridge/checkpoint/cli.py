@@ -4,10 +4,18 @@
 
     ftbridge-ckpt list DIR            # one line per checkpoint (no hashing)
     ftbridge-ckpt inspect DIR [TAG]   # metadata and files of TAG (default: latest)
-    ftbridge-ckpt verify DIR [TAG]    # re-hash every file against its manifest
+    ftbridge-ckpt verify DIR [TAG]    # re-hash every file, then scan each .pt with the safe loader
 
-Exit codes: 0 fine; 1 ``verify`` found a bad checkpoint; 2 bad usage or
-nothing to show. Reads files only (no torch, no DeepSpeed import).
+Exit codes: 0 fine; 1 ``verify`` found a bad checkpoint; 2 bad usage,
+no such folder, nothing to show, or metadata/manifest that ``list`` or
+``inspect`` cannot read (a clear message, never a traceback). Every read is
+bounded and refuses links, FIFOs and devices; ``verify`` hashes and never
+runs pickle code: once every hash matches, it loads each ``.pt`` file with the
+safe loader (:mod:`ftbridge.checkpoint.safe_load`, memory-mapped), so a
+file that would run code is reported BAD. ``list`` and ``inspect`` read
+files only (no torch, no DeepSpeed import). With
+``--key-file`` (default ``$FTBRIDGE_CKPT_KEY_FILE``) every manifest's HMAC is
+checked too.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import sys
 from typing import List, Optional
 
 from ftbridge.checkpoint import manifest as mf
-from ftbridge.checkpoint.store import CheckpointInfo, CheckpointStore
+from ftbridge.checkpoint.store import CheckpointInfo, CheckpointStore, load_key
 
 
 def _pick(store: CheckpointStore, tag: Optional[str]) -> Optional[CheckpointInfo]:
@@ -33,28 +41,30 @@ def _size(ckpt: CheckpointInfo) -> int:
     try:
         return int(mf.read_manifest(ckpt.path)["total_bytes"])
     except (OSError, ValueError, KeyError):
-        return sum(os.path.getsize(os.path.join(ckpt.path, n)) for n in os.listdir(ckpt.path))
+        return sum(os.lstat(os.path.join(ckpt.path, n)).st_size for n in os.listdir(ckpt.path))
 
 
 def cmd_list(store: CheckpointStore) -> int:
     found = store.list()
     if not found:
-        print(f"no checkpoints in {store.root}")
+        print(f"no checkpoints in {store.root}", file=sys.stderr)
         return 2
     latest = mf.read_latest(store.root)
+    unreadable = 0
     print(f"{'tag':<20} {'step':>7} {'group':>5} {'stage':>5} {'bytes':>12} {'quorum':>6} {'repl':>4}  saved_at")
     for c in found:
         try:
             m = c.metadata()
             q = m.get("quorum", {})
-            row = (f"{m['group_size']:>5} {m['zero_stage']:>5} {_size(c):>12} {q.get('quorum_id', '?'):>6} "
-                   f"{q.get('participants', '?'):>4}  {m.get('saved_at', '?')}")
-        except (OSError, ValueError, KeyError) as e:
+            row = (f"{m['group_size']:>5} {m['zero_stage']:>5} {_size(c):>12} {str(q.get('quorum_id', '?')):>6} "
+                   f"{str(q.get('participants', '?')):>4}  {m.get('saved_at', '?')}")
+        except (OSError, ValueError) as e:
             row = f"unreadable metadata ({e})"
+            unreadable += 1
         mark = "*" if c.tag == latest else " "
         print(f"{c.tag + mark:<20} {c.step:>7} {row}")
     print("(* latest; repl: replica groups in the quorum at save time)")
-    return 0
+    return 2 if unreadable else 0
 
 
 def cmd_inspect(store: CheckpointStore, tag: Optional[str]) -> int:
@@ -64,9 +74,10 @@ def cmd_inspect(store: CheckpointStore, tag: Optional[str]) -> int:
         return 2
     try:
         meta = ckpt.metadata()
+        files = mf.read_manifest(ckpt.path, store.key)["files"]
     except (OSError, ValueError) as e:
-        print(f"{ckpt.path}: unreadable metadata ({e})", file=sys.stderr)
-        return 1
+        print(f"{ckpt.path}: unreadable metadata or manifest ({e})", file=sys.stderr)
+        return 2
     q = meta.get("quorum", {})
     print(f"checkpoint   {ckpt.path}")
     print(f"step         {meta['step']}")
@@ -79,12 +90,22 @@ def cmd_inspect(store: CheckpointStore, tag: Optional[str]) -> int:
     print(f"saved at     {meta.get('saved_at')}")
     print(f"versions     {meta.get('versions')}")
     print(json.dumps({k: meta[k] for k in ("manager", "engine_counters", "data_position") if k in meta}, indent=1))
-    try:
-        for name, f in sorted(mf.read_manifest(ckpt.path)["files"].items()):
-            print(f"  {f['bytes']:>12}  {f['sha256'][:16]}  {name}")
-    except (OSError, ValueError, KeyError) as e:
-        print(f"  manifest unreadable: {e}")
+    for name, f in sorted(files.items()):
+        print(f"  {f['bytes']:>12}  {f['sha256'][:16]}  {name}")
     return 0
+
+
+def _unsafe_files(ckpt: CheckpointInfo) -> List[str]:
+    """Load every ``.pt`` of a hash-verified checkpoint with the safe loader; the refusals (imports torch)."""
+    from ftbridge.checkpoint.safe_load import UnsafeCheckpointError, check_files, checkpoint_files
+
+    problems = []
+    for path in checkpoint_files(ckpt.path):
+        try:
+            check_files([path])
+        except UnsafeCheckpointError as e:
+            problems.append(str(e))
+    return problems
 
 
 def cmd_verify(store: CheckpointStore, tag: Optional[str]) -> int:
@@ -94,7 +115,7 @@ def cmd_verify(store: CheckpointStore, tag: Optional[str]) -> int:
         return 2
     bad = 0
     for c in targets:
-        problems = c.problems()
+        problems = c.problems() or _unsafe_files(c)
         print(f"{c.tag}: {'OK' if not problems else 'BAD'}")
         for p in problems:
             print(f"  {p}")
@@ -103,8 +124,10 @@ def cmd_verify(store: CheckpointStore, tag: Optional[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``ftbridge-ckpt``."""
+    """Entry point of ``ftbridge-ckpt``; returns the exit code (see the module docstring)."""
     p = argparse.ArgumentParser(prog="ftbridge-ckpt", description="List, inspect and verify ftbridge checkpoints.")
+    p.add_argument("--key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"),
+                   help="checkpoint key: check every manifest's HMAC (default $FTBRIDGE_CKPT_KEY_FILE)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="one line per checkpoint").add_argument("dir")
     for name, text in (("inspect", "metadata and files"), ("verify", "re-hash against the manifest")):
@@ -113,12 +136,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         sp.add_argument("tag", nargs="?", default=None, help="e.g. global_step100 (inspect: default latest; "
                                                              "verify: default all)")
     args = p.parse_args(argv)
-    store = CheckpointStore(args.dir)
-    if args.cmd == "list":
-        return cmd_list(store)
-    if args.cmd == "inspect":
-        return cmd_inspect(store, args.tag)
-    return cmd_verify(store, args.tag)
+    if not os.path.isdir(args.dir):
+        what = "no such folder" if not os.path.lexists(args.dir) else "not a folder"
+        print(f"ftbridge-ckpt: {args.dir}: {what}", file=sys.stderr)
+        return 2
+    try:
+        store = CheckpointStore(args.dir, load_key(args.key_file, args.dir))
+        if args.cmd == "list":
+            return cmd_list(store)
+        if args.cmd == "inspect":
+            return cmd_inspect(store, args.tag)
+        return cmd_verify(store, args.tag)
+    except (OSError, ValueError) as e:  # anything the checks above did not name: a message, not a traceback
+        print(f"ftbridge-ckpt: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

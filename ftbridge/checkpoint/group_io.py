@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
-import torch
 import torch.distributed as dist
 
 from ftbridge import faults
 from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
+from ftbridge.checkpoint.safe_load import check_files, load_deepspeed_checkpoint, safe_load
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
         if rank != 0:
             return
         known = _wait_for_markers(staged, size, publish_timeout_s)
-        manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known)
+        manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known, key=store.key)
         faults.point("checkpoint_publish")
         if before_publish is not None:
             before_publish(staged)
@@ -136,7 +136,7 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             result.published = {"path": os.path.join(store.root, tag), "total_bytes": manifest["total_bytes"],
                                 "write_s": time.perf_counter() - tw}
         # Deleting old checkpoints needs no wait (unlinking 10s of MB took 30 ms per save here).
-        threading.Thread(target=_cleanup, args=(store, staging_root, keep, log), daemon=True,
+        threading.Thread(target=_cleanup, args=(store, staging_root, keep, log, tag), daemon=True,
                          name="ftbridge-ckpt-prune").start()
         if on_published is not None:
             on_published(result.published)
@@ -162,17 +162,17 @@ def _quarantine_if_bad(store: CheckpointStore, tag: str, log: Any) -> None:
     if not os.path.isdir(final):
         return
     step = int(tag[len("global_step"):])
-    problems = CheckpointInfo(tag, step, final).problems()
+    problems = CheckpointInfo(tag, step, final, store.key).problems()
     if problems:
         aside = os.path.join(store.root, f".bad-{tag}-{os.getpid()}")
         os.rename(final, aside)
         log.warning("moved the damaged checkpoint %s to %s (%s) to publish it again", final, aside, problems[0])
 
 
-def _cleanup(store: CheckpointStore, staging_root: str, keep: int, log: Any) -> None:
+def _cleanup(store: CheckpointStore, staging_root: str, keep: int, log: Any, published: str) -> None:
     shutil.rmtree(staging_root, ignore_errors=True)
     try:
-        store.prune(keep, log)
+        store.prune(keep, log, verified=published)
     except OSError as e:  # a concurrent prune removed it first
         log.warning("pruning old checkpoints: %r", e)
 
@@ -201,19 +201,24 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
 
     Loads module, ZeRO optimizer partition (with fp32 master weights and loss
     scaler), lr scheduler and DeepSpeed's counters, through DeepSpeed's
-    ``load_checkpoint``.
+    ``load_checkpoint``, with every file read by
+    :func:`ftbridge.checkpoint.safe_load.safe_load` (no pickle code runs).
 
     Returns:
         This rank's ``ftbridge_rank_<k>.pt`` content.
 
     Raises:
+        UnsafeCheckpointError: a file needs a type outside the allowlist;
+            raised before any state changes.
         RuntimeError: DeepSpeed found nothing to load.
     """
-    path, _ = ds_engine.load_checkpoint(os.path.dirname(ckpt.path), tag=ckpt.tag, load_optimizer_states=True,
+    rank_file = os.path.join(ckpt.path, _rank_file(dist.get_rank()))
+    check_files([rank_file])  # with load_deepspeed_checkpoint's scan: every file checked before any state changes
+    path, _ = load_deepspeed_checkpoint(ds_engine, os.path.dirname(ckpt.path), ckpt.tag, load_optimizer_states=True,
                                         load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
-    return torch.load(os.path.join(ckpt.path, _rank_file(dist.get_rank())), map_location="cpu", weights_only=True)
+    return safe_load(rank_file)
 
 
 def kill_self_if(flag_path: Optional[str]) -> Callable[[str], None]:
@@ -225,7 +230,3 @@ def kill_self_if(flag_path: Optional[str]) -> Callable[[str], None]:
     return hook
 
 
-def read_metadata(path: str) -> Dict[str, Any]:
-    """``ftbridge.json`` of a checkpoint folder."""
-    with open(os.path.join(path, METADATA), encoding="utf-8") as f:
-        return json.load(f)

@@ -19,21 +19,132 @@ latest:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import math
 import os
-from typing import Dict, List, Optional
+import re
+import stat
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.hmac"
 LATEST = "latest"
 _CHUNK = 1 << 20
+MAX_JSON_BYTES = 16 << 20
+"""Largest ``manifest.json`` / ``ftbridge.json`` / ``latest`` read (bytes); larger is refused unread."""
+MAX_FILE_BYTES = 1 << 50
+"""Largest file size a manifest may declare (bytes)."""
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def sha256_file(path: str) -> str:
-    """SHA-256 of a file's bytes, as 64 hex digits."""
+def read_bounded(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Opened without following a symbolic link and without blocking (a FIFO
+    or a device is refused after ``fstat``, never read).
+
+    Raises:
+        OSError: missing or unreadable (``ELOOP``: ``path`` is a symbolic link).
+        ValueError: not a regular file, or larger than ``limit`` bytes.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """Strict JSON: UTF-8, no ``NaN``/``Infinity``, no float that overflows (``1e309``).
+
+    Raises:
+        ValueError: naming ``what`` and the problem (also for nesting too deep to parse).
+    """
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{what}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def check_relpath(rel: Any) -> str:
+    """``rel`` if it names a file inside the checkpoint folder, else ValueError.
+
+    A path is relative, ``/``-separated, without ``..``, ``.`` or empty parts
+    and without NUL; the manifest's own files cannot be listed.
+    """
+    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel:
+        raise ValueError(f"manifest path {rel!r} is not a plain relative path")
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"manifest path {rel!r} leaves the checkpoint folder or is not normalised")
+    if rel in (MANIFEST, SIGNATURE):
+        raise ValueError(f"manifest path {rel!r} is the manifest itself")
+    return rel
+
+
+def is_int(value: Any, lo: int, hi: int) -> bool:
+    """Whether ``value`` is an ``int`` (not ``bool``) with ``lo <= value <= hi``."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def check_manifest(obj: Any) -> Dict[str, Any]:
+    """``obj`` if it has the shape of a manifest, else ValueError naming the first bad field.
+
+    Shape: ``{"files": {relpath: {"bytes": int, "sha256": 64 hex}}, "total_bytes": int,
+    "tag": str, "step": int}`` (``tag`` and ``step`` optional, other keys ignored).
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("files"), dict):
+        raise ValueError("manifest is not an object with a \"files\" object")
+    total = 0
+    for rel, entry in obj["files"].items():
+        check_relpath(rel)
+        if (not isinstance(entry, dict) or not is_int(entry.get("bytes"), 0, MAX_FILE_BYTES)
+                or not isinstance(entry.get("sha256"), str) or not _SHA_RE.match(entry["sha256"])):
+            raise ValueError(f"manifest entry {rel!r} is not {{\"bytes\": int, \"sha256\": 64 hex digits}}")
+        total += entry["bytes"]
+    if obj.get("total_bytes", total) != total:
+        raise ValueError(f"manifest total_bytes {obj.get('total_bytes')!r} is not the sum of its files ({total})")
+    if "step" in obj and not is_int(obj["step"], 0, 2**62):
+        raise ValueError(f"manifest step {obj['step']!r} is not a non-negative integer")
+    if "tag" in obj and not isinstance(obj["tag"], str):
+        raise ValueError(f"manifest tag {obj['tag']!r} is not a string")
+    return obj
+
+
+def sha256_file(path: str, limit: Optional[int] = None) -> str:
+    """SHA-256 of a regular file's bytes (at most ``limit + 1`` read), as 64 hex digits.
+
+    Raises:
+        OSError: missing, unreadable, or a symbolic link.
+        ValueError: not a regular file.
+    """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        left = MAX_FILE_BYTES if limit is None else limit + 1
+        while left > 0:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                break
             h.update(chunk)
+            left -= len(chunk)
     return h.hexdigest()
 
 
@@ -59,7 +170,7 @@ def build_manifest(ckpt_dir: str, known: Optional[Dict[str, Dict[str, object]]] 
     known = known or {}
     for dirpath, _, names in os.walk(ckpt_dir):
         for name in sorted(names):
-            if name == MANIFEST or name.startswith("."):
+            if name in (MANIFEST, SIGNATURE) or name.startswith("."):
                 continue
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, ckpt_dir)
@@ -72,60 +183,122 @@ def build_manifest(ckpt_dir: str, known: Optional[Dict[str, Dict[str, object]]] 
 
 
 def write_manifest(ckpt_dir: str, extra: Optional[Dict[str, object]] = None,
-                   known: Optional[Dict[str, Dict[str, object]]] = None) -> Dict[str, object]:
+                   known: Optional[Dict[str, Dict[str, object]]] = None,
+                   key: Optional[bytes] = None) -> Dict[str, object]:
     """Hash ``ckpt_dir`` (reusing ``known`` entries) and write its ``manifest.json``, fsynced.
+
+    Args:
+        key: with a key, also write ``manifest.hmac`` (HMAC-SHA256 of the
+            manifest's bytes, hex) so that :func:`verify` with the same key
+            detects a manifest rewritten by someone without it.
 
     Returns:
         The manifest: ``{"files": {...}, "total_bytes": n, **extra}``.
     """
     files = build_manifest(ckpt_dir, known)
     manifest = {"files": files, "total_bytes": sum(int(f["bytes"]) for f in files.values()), **(extra or {})}
-    write_json_atomic(os.path.join(ckpt_dir, MANIFEST), manifest)
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    write_text_atomic(os.path.join(ckpt_dir, MANIFEST), text)
+    if key is not None:
+        write_text_atomic(os.path.join(ckpt_dir, SIGNATURE), sign(key, text.encode("utf-8")))
     fsync_path(ckpt_dir)
     return manifest
 
 
-def read_manifest(ckpt_dir: str) -> Dict[str, object]:
-    """The parsed ``manifest.json`` of ``ckpt_dir``.
+def sign(key: bytes, data: bytes) -> str:
+    """HMAC-SHA256 of ``data`` under ``key``, as 64 hex digits."""
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def read_manifest(ckpt_dir: str, key: Optional[bytes] = None) -> Dict[str, Any]:
+    """The parsed and shape-checked ``manifest.json`` of ``ckpt_dir`` (bounded read).
+
+    Args:
+        key: check ``manifest.hmac`` against the manifest's bytes first (constant time).
 
     Raises:
-        OSError: the manifest is missing or unreadable.
-        ValueError: it is not valid JSON.
+        OSError: the manifest is missing, unreadable or a symbolic link.
+        ValueError: not a regular file, too large, not valid JSON, wrong
+            shape (see :func:`check_manifest`), or a missing or wrong HMAC.
     """
-    with open(os.path.join(ckpt_dir, MANIFEST), encoding="utf-8") as f:
-        return json.load(f)
+    data = read_bounded(os.path.join(ckpt_dir, MANIFEST))
+    if key is not None:
+        try:
+            mac = read_bounded(os.path.join(ckpt_dir, SIGNATURE), 256).decode("ascii", "replace").strip()
+        except OSError as e:
+            raise ValueError(f"{os.path.join(ckpt_dir, SIGNATURE)}: missing or unreadable ({e}); a checkpoint key "
+                             "is configured, so an unsigned manifest is not trusted") from None
+        if not hmac.compare_digest(mac, sign(key, data)):
+            raise ValueError(f"{os.path.join(ckpt_dir, SIGNATURE)}: the manifest's HMAC does not match the "
+                             "checkpoint key (tampered, or signed with another key)")
+    return check_manifest(parse_json(data, os.path.join(ckpt_dir, MANIFEST)))
 
 
-def verify(ckpt_dir: str, required: Optional[List[str]] = None) -> List[str]:
+def scan_folder(ckpt_dir: str) -> Tuple[Set[str], List[str]]:
+    """Regular files under ``ckpt_dir`` (relative paths) and problems with anything else found.
+
+    Symbolic links are reported, never followed; so are FIFOs, devices and sockets.
+    """
+    files: Set[str] = set()
+    problems: List[str] = []
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        with os.scandir(os.path.join(ckpt_dir, rel_dir)) as it:
+            for entry in it:
+                rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                if entry.is_symlink():
+                    problems.append(f"{entry.path}: symbolic link (a checkpoint holds regular files only)")
+                elif entry.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+                elif entry.is_file(follow_symlinks=False):
+                    if rel not in (MANIFEST, SIGNATURE):
+                        files.add(rel)
+                else:
+                    problems.append(f"{entry.path}: not a regular file (FIFO, device or socket)")
+    return files, problems
+
+
+def verify(ckpt_dir: str, required: Optional[List[str]] = None, key: Optional[bytes] = None) -> List[str]:
     """Problems found in ``ckpt_dir`` against its manifest; empty when it can be trusted.
 
     Args:
-        ckpt_dir: one published checkpoint (``ROOT/<tag>``).
+        ckpt_dir: one published checkpoint (``ROOT/<tag>``), a real folder.
         required: relative paths that must be listed in the manifest.
+        key: the checkpoint key, if one is configured (see :func:`read_manifest`).
 
     Returns:
-        One message per problem, each naming the file (missing manifest,
-        missing file, size or SHA-256 mismatch, required file not listed).
+        One message per problem, each naming the file: unreadable or
+        ill-shaped manifest, a listed path leaving the folder, a file on disk
+        not in the manifest, a listed file missing, a symbolic link or other
+        non-regular file, a size or SHA-256 mismatch, a required file not
+        listed. Nothing outside ``ckpt_dir`` is opened or measured.
     """
+    if os.path.islink(ckpt_dir) or not os.path.isdir(ckpt_dir):
+        return [f"{ckpt_dir}: not a folder (or a symbolic link to one)"]
     try:
-        manifest = read_manifest(ckpt_dir)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        files = read_manifest(ckpt_dir, key)["files"]
+        on_disk, problems = scan_folder(ckpt_dir)
+    except (OSError, ValueError) as e:
         return [f"{os.path.join(ckpt_dir, MANIFEST)}: unreadable manifest ({e})"]
-    problems = []
     for rel in required or []:
         if rel not in files:
             problems.append(f"{os.path.join(ckpt_dir, rel)}: required file not in the manifest")
+    for rel in sorted(on_disk - set(files)):
+        problems.append(f"{os.path.join(ckpt_dir, rel)}: not in the manifest (added, or its entry removed)")
     for rel, want in sorted(files.items()):
         path = os.path.join(ckpt_dir, rel)
-        if not os.path.isfile(path):
-            problems.append(f"{path}: missing")
+        if rel not in on_disk:
+            problems.append(f"{path}: missing" + ("" if not os.path.lexists(path) else " (not a regular file)"))
             continue
-        size = os.path.getsize(path)
-        if size != want["bytes"]:
-            problems.append(f"{path}: {size} bytes, manifest says {want['bytes']} (truncated or altered)")
-        elif sha256_file(path) != want["sha256"]:
-            problems.append(f"{path}: SHA-256 differs from the manifest (altered)")
+        try:
+            size = os.lstat(path).st_size
+            if size != want["bytes"]:
+                problems.append(f"{path}: {size} bytes, manifest says {want['bytes']} (truncated or altered)")
+            elif sha256_file(path, want["bytes"]) != want["sha256"]:
+                problems.append(f"{path}: SHA-256 differs from the manifest (altered)")
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: unreadable ({e})")
     return problems
 
 
@@ -171,12 +344,12 @@ def publish(staged_dir: str, root: str, tag: str) -> bool:
 
 
 def read_latest(root: str) -> Optional[str]:
-    """The tag in ``root/latest``, or ``None`` when there is none."""
+    """The tag in ``root/latest`` (a bounded read of a regular file); ``None`` when absent or unreadable."""
     try:
-        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
+        text = read_bounded(os.path.join(root, LATEST), 4096).decode("utf-8", "replace").strip()
+    except (OSError, ValueError):
         return None
+    return text or None
 
 
 def update_latest(root: str, tag: str) -> None:

@@ -20,19 +20,24 @@ checkpoints exist but none can be trusted (never loads one silently).
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 from ftbridge.checkpoint import manifest as mf
 
 METADATA = "ftbridge.json"
 TAG_RE = re.compile(r"^global_step(\d+)$")
 TMP_PREFIX = ".tmp-"
+LEFTOVER_RE = re.compile(r"^(?:\.tmp-global_step(?P<step>\d+)-q\d+|\.bad-global_step(?P<bad>\d+)-\d+|latest\.tmp\d+)$")
+"""Names :meth:`CheckpointStore.prune` may remove: staging folders, quarantined copies, ``latest`` temporaries."""
+STALE_TMP_S = 60.0
+"""Age (s) after which a ``latest.tmp<pid>`` file is a leftover (writing ``latest`` takes milliseconds)."""
 UNIVERSAL_HINT = (
     "DeepSpeed refuses to load a ZeRO checkpoint into another data-parallel size. Either restart with "
     "--nproc-per-node {saved} (any number of replica groups works), or convert it to a universal checkpoint "
@@ -57,9 +62,47 @@ def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
-def required_files(group_size: int) -> List[str]:
-    """Files every checkpoint of a group of ``group_size`` ranks must list in its manifest."""
-    return [METADATA, *(f"ftbridge_rank_{k}.pt" for k in range(group_size))]
+def required_files(group_size: int, zero_stage: int = 2) -> List[str]:
+    """Files every checkpoint of a group of ``group_size`` ranks must list, besides its optimizer shards.
+
+    ftbridge's metadata and per-rank files, and DeepSpeed's model states:
+    one ``mp_rank_00_model_states.pt`` for ZeRO-1/2, one
+    ``zero_pp_rank_<k>_mp_rank_00_model_states.pt`` per group rank for ZeRO-3.
+    The optimizer shards (:func:`optimizer_shards`) have two possible names.
+    """
+    model = (["mp_rank_00_model_states.pt"] if zero_stage != 3 else
+             [f"zero_pp_rank_{k}_mp_rank_00_model_states.pt" for k in range(group_size)])
+    return [METADATA, *(f"ftbridge_rank_{k}.pt" for k in range(group_size)), *model]
+
+
+def optimizer_shards(rank: int) -> Tuple[str, str]:
+    """The two names DeepSpeed 0.19 gives group rank ``rank``'s ZeRO optimizer shard (with bf16: ``bf16_`` prefix)."""
+    name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return name, f"bf16_{name}"
+
+
+def check_metadata(meta: Any, path: str, max_group_size: int) -> Dict[str, Any]:
+    """``meta`` if it is a usable ``ftbridge.json``, else ValueError naming the field and the bound.
+
+    Args:
+        meta: the parsed JSON.
+        path: the file (for the message).
+        max_group_size: the largest group size the checkpoint could hold
+            (each rank needs at least two files in the manifest).
+    """
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: metadata is a {type(meta).__name__}, not a JSON object")
+    if not mf.is_int(meta.get("group_size"), 1, max_group_size):
+        raise ValueError(f"{path}: group_size {meta.get('group_size')!r} is not an integer between 1 and "
+                         f"{max_group_size} (the files listed in the manifest hold at most that many ranks)")
+    if not mf.is_int(meta.get("zero_stage"), 1, 3):
+        raise ValueError(f"{path}: zero_stage {meta.get('zero_stage')!r} is not 1, 2 or 3")
+    if not mf.is_int(meta.get("step"), 0, 2**62):
+        raise ValueError(f"{path}: step {meta.get('step')!r} is not a non-negative integer")
+    for key in ("quorum", "manager", "engine_counters", "data_position", "dtypes", "versions"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise ValueError(f"{path}: {key} is a {type(meta[key]).__name__}, not a JSON object")
+    return meta
 
 
 @dataclass
@@ -69,24 +112,55 @@ class CheckpointInfo:
     tag: str
     step: int
     path: str
+    key: Optional[bytes] = field(default=None, repr=False)
+    """Checkpoint key (``manifest.hmac`` is then required and checked); ``None``: no HMAC check."""
 
     def metadata(self) -> Dict[str, Any]:
-        """Its ``ftbridge.json`` (raises OSError/ValueError when unreadable)."""
-        with open(os.path.join(self.path, METADATA), encoding="utf-8") as f:
-            return json.load(f)
+        """Its ``ftbridge.json``: hashed against the manifest first, then parsed and shape-checked.
+
+        Raises:
+            OSError: the manifest or the metadata is missing or unreadable.
+            ValueError: not listed, SHA-256 differs, not JSON, or a field out
+                of bounds (see :func:`check_metadata`).
+        """
+        path = os.path.join(self.path, METADATA)
+        files = mf.read_manifest(self.path, self.key)["files"]
+        want = files.get(METADATA)
+        if want is None:
+            raise ValueError(f"{path}: not in the manifest")
+        data = mf.read_bounded(path, min(want["bytes"], mf.MAX_JSON_BYTES))
+        if hashlib.sha256(data).hexdigest() != want["sha256"]:
+            raise ValueError(f"{path}: SHA-256 differs from the manifest (altered)")
+        return check_metadata(mf.parse_json(data, path), path, max(1, len(files) // 2))
 
     def problems(self) -> List[str]:
-        """What is wrong with it (empty: trusted). See :func:`ftbridge.checkpoint.manifest.verify`."""
+        """What is wrong with it (empty: trusted).
+
+        Every file is checked against the manifest first
+        (:func:`ftbridge.checkpoint.manifest.verify`); only then is the
+        metadata parsed (bounded), and the tag, step and DeepSpeed's file set
+        for the saved group size and stage checked.
+        """
+        problems = mf.verify(self.path, key=self.key)
+        if problems:
+            return problems
         try:
-            size = int(self.metadata()["group_size"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return [f"{os.path.join(self.path, METADATA)}: unreadable metadata ({e})"]
-        problems = mf.verify(self.path, required_files(size))
-        if not problems:
-            listed = mf.read_manifest(self.path)["files"]
-            for k in range(size):
-                if not any(name.startswith(f"zero_pp_rank_{k}_") for name in listed):
-                    problems.append(f"{self.path}: no ZeRO shard of group rank {k} in the manifest")
+            manifest = mf.read_manifest(self.path, self.key)
+            meta = self.metadata()
+        except (OSError, ValueError) as e:
+            return [f"{os.path.join(self.path, METADATA)}: unusable metadata ({e})"]
+        if manifest.get("tag", self.tag) != self.tag or manifest.get("step", self.step) != self.step \
+                or meta["step"] != self.step:
+            return [f"{self.path}: folder is step {self.step}, but the manifest says tag {manifest.get('tag')!r} "
+                    f"step {manifest.get('step')!r} and the metadata step {meta['step']} (renamed?)"]
+        listed = manifest["files"]
+        size = meta["group_size"]
+        for rel in required_files(size, meta["zero_stage"]):
+            if rel not in listed:
+                problems.append(f"{os.path.join(self.path, rel)}: required file not in the manifest")
+        for k in range(size):
+            if not any(name in listed for name in optimizer_shards(k)):
+                problems.append(f"{self.path}: no ZeRO optimizer shard of group rank {k} in the manifest")
         return problems
 
 
@@ -95,23 +169,26 @@ class CheckpointStore:
 
     Args:
         root: checkpoint folder (created on the first save).
+        key: checkpoint key (see :func:`load_key`); every checkpoint must then
+            carry a ``manifest.hmac`` made with it.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, key: Optional[bytes] = None) -> None:
         self.root = os.path.abspath(root)
+        self.key = key
 
     def list(self) -> List[CheckpointInfo]:
         """Published checkpoints, oldest step first (unverified)."""
         try:
             names = os.listdir(self.root)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         found = []
         for name in names:
             m = TAG_RE.match(name)
             path = os.path.join(self.root, name)
             if m and os.path.isdir(path):
-                found.append(CheckpointInfo(name, int(m.group(1)), path))
+                found.append(CheckpointInfo(name, int(m.group(1)), path, self.key))
         return sorted(found, key=lambda c: c.step)
 
     def find_valid(self, log: Any = logger) -> Optional[CheckpointInfo]:
@@ -147,30 +224,87 @@ class CheckpointStore:
         """Folder a writer stages ``tag`` in (the same name on every rank of the group)."""
         return os.path.join(self.root, f"{TMP_PREFIX}{tag}-q{quorum_id}")
 
-    def prune(self, keep: int, log: Any = logger) -> List[str]:
-        """Delete all but the newest ``keep`` checkpoints, and abandoned staging folders of older steps.
+    def prune(self, keep: int, log: Any = logger, verified: Optional[str] = None) -> List[str]:
+        """Delete old checkpoints and leftovers, never the newest verified one or the one ``latest`` names.
 
         Args:
-            keep: checkpoints to keep (0: keep all).
+            keep: checkpoints to keep by step (0: keep all); the newest
+                verified checkpoint and ``latest``'s are kept in addition.
+            verified: tag known to be good without re-hashing (the one just published).
+
+        Also removed: abandoned staging folders (``.tmp-<tag>-q<Q>``) and
+        quarantined damaged copies (``.bad-<tag>-<pid>``) of steps up to the
+        newest checkpoint, and ``latest.tmp<pid>`` files older than
+        :data:`STALE_TMP_S` (a writer killed between write and rename).
+        Only real folders and regular files of exactly these names are removed.
 
         Returns:
-            The folders removed.
+            The paths removed.
         """
         found = self.list()
         removed = []
-        if keep > 0:
+        if keep > 0 and len(found) > keep:
+            protect = {mf.read_latest(self.root)}
+            for ckpt in reversed(found):  # the newest checkpoint that verifies
+                if ckpt.tag == verified or not ckpt.problems():
+                    protect.add(ckpt.tag)
+                    break
             for ckpt in found[:-keep]:
-                shutil.rmtree(ckpt.path, ignore_errors=True)
-                removed.append(ckpt.path)
-        newest = found[-1].step if found else -1
-        for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
-            m = re.match(rf"^{re.escape(TMP_PREFIX)}global_step(\d+)-q", name)
-            if m and int(m.group(1)) <= newest:
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-                removed.append(os.path.join(self.root, name))
+                if ckpt.tag not in protect and not os.path.islink(ckpt.path):
+                    shutil.rmtree(ckpt.path, ignore_errors=True)
+                    removed.append(ckpt.path)
+        removed += self._remove_leftovers(found[-1].step if found else -1)
         if removed:
-            log.info("removed old checkpoints %s", [os.path.basename(p) for p in removed])
+            log.info("removed old checkpoints and leftovers %s", [os.path.basename(p) for p in removed])
         return removed
+
+    def _remove_leftovers(self, newest: int) -> List[str]:
+        removed = []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return removed
+        now = time.time()
+        for entry in entries:
+            m = LEFTOVER_RE.match(entry.name)
+            if m is None or entry.is_symlink():
+                continue
+            step = m.group("step") or m.group("bad")
+            if step is not None and entry.is_dir(follow_symlinks=False) and int(step) <= newest:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif (step is None and entry.is_file(follow_symlinks=False)
+                  and now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S):
+                os.remove(entry.path)
+            else:
+                continue
+            removed.append(entry.path)
+        return removed
+
+
+def load_key(path: Optional[str], root: str) -> Optional[bytes]:
+    """The checkpoint key in file ``path`` (``None`` when ``path`` is ``None``).
+
+    Args:
+        path: key file, e.g. ``$FTBRIDGE_CKPT_KEY_FILE``; it must lie outside
+            ``root`` (a key inside the checkpoint folder protects nothing).
+        root: the checkpoint folder.
+
+    Raises:
+        ValueError: the file is inside ``root``, not a regular file, or holds
+            fewer than 16 or more than 4096 bytes.
+        OSError: the file cannot be read.
+    """
+    if path is None:
+        return None
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, real_root]) == real_root:
+        raise ValueError(f"checkpoint key file {path} lies inside the checkpoint folder {root}; keep it outside "
+                         "(whoever can rewrite the checkpoint could then rewrite its HMAC too)")
+    key = mf.read_bounded(real, 4096).strip()
+    if len(key) < 16:
+        raise ValueError(f"checkpoint key file {path} holds {len(key)} bytes; use at least 16 random bytes, e.g. "
+                         "head -c 32 /dev/urandom | base64 > KEYFILE")
+    return key
 
 
 def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_stage: int) -> None:

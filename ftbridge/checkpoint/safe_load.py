@@ -1,0 +1,206 @@
+"""Loading checkpoint files without running code in them.
+
+A ``.pt`` file is a pickle: ``torch.load(weights_only=False)`` calls whatever
+functions the file names, so a crafted file runs code on the rank that loads
+it, whether or not it matches its manifest (whoever can write the folder can
+rewrite the manifest too). Every ftbridge load goes through this module
+instead: ``torch.load(weights_only=True)`` (tensors, containers, numbers and
+strings only) plus :data:`ALLOWED_GLOBALS`, the DeepSpeed types a ZeRO 1/2/3,
+bf16, fp16 or optimizer-offload checkpoint of DeepSpeed 0.19 holds. A file
+needing any other type is refused with :class:`UnsafeCheckpointError` naming
+the file and the type.
+
+DeepSpeed 0.19's own ``load_checkpoint`` reads its files through
+``engine.checkpoint_engine.load``, and its ``TorchCheckpointEngine`` calls
+``torch.load(weights_only=False)``. :func:`load_deepspeed_checkpoint` uses
+that extension point (no patch of DeepSpeed code): it
+
+1. loads every ``.pt`` file of the checkpoint with the safe loader first
+   (memory-mapped, so only the pickles are parsed), so a bad file is refused
+   before DeepSpeed changes any state;
+2. swaps ``engine.checkpoint_engine`` for :class:`SafeCheckpointEngine`
+   during DeepSpeed's ``load_checkpoint``, which hands DeepSpeed those
+   objects (each file is parsed once) and loads anything else safely too,
+   for the DeepSpeed releases in :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only.
+
+DeepSpeed's universal-checkpoint loader reads its files with its own
+``torch.load(weights_only=False)``, past the checkpoint engine; it is refused
+here. The upstream fix would be ``weights_only=True`` with DeepSpeed's types
+registered in ``TorchCheckpointEngine.load`` (compare DeepSpeed PR #7764 for
+the engine hooks ftbridge would otherwise use).
+
+To trust an extra type (your own state registered with
+``engine.register_state``), allow it before resuming:
+``torch.serialization.add_safe_globals([MyType])``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import zipfile
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.torch_version import TorchVersion
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from ftbridge.checkpoint.async_save import snapshot
+from ftbridge.zero.stages import check_deepspeed_version
+
+ALLOWED_GLOBALS: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, TorchVersion]
+"""Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold: the loss
+scaler object of ZeRO-1/2 optimizer states (static for bf16/fp32, dynamic for fp16), the ZeRO
+stage enum, ``fragment_address`` of BF16_Optimizer and ZeRO-1/2 parameter slice mappings, and
+``TorchVersion`` (a ``str`` subclass: ``torch.__version__`` in the metadata of checkpoints written
+before ftbridge stored it as a plain string)."""
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file needs a type outside the allowlist (or is no torch file); nothing was loaded."""
+
+
+def safe_load(path: str, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` with :data:`ALLOWED_GLOBALS` allowed.
+
+    Args:
+        path: a file written by ``torch.save``.
+        map_location: as for ``torch.load`` (default: tensors on the CPU).
+        mmap: memory-map tensor storages instead of reading them (zip format only).
+
+    Returns:
+        The loaded object.
+
+    Raises:
+        UnsafeCheckpointError: the file needs a type that is not allowed
+            (named in the message) or is not a torch file; no code in it ran.
+        OSError: the file cannot be read.
+    """
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
+        m = _GLOBAL_RE.search(str(e))
+        need = f"type {m.group(1)}, which is not in ftbridge's allowlist" if m else f"no safe torch file ({e!r:.300})"
+        raise UnsafeCheckpointError(
+            f"refusing to load {path}: it needs {need}; nothing was loaded. A checkpoint holds tensors, numbers, "
+            "strings, containers and DeepSpeed's own types only; a file naming other functions can run code when "
+            "loaded. If you wrote this type yourself and trust the file, allow it with "
+            "torch.serialization.add_safe_globals([...]) before resuming.") from None
+
+
+def check_files(paths: List[str]) -> Dict[str, Any]:
+    """Load every file of ``paths`` with :func:`safe_load`, tensors memory-mapped (zip format).
+
+    Only the pickles are parsed here; tensor bytes are read when used.
+
+    Returns:
+        ``{absolute path: loaded object}`` (CPU tensors), for
+        :class:`SafeCheckpointEngine` to hand to DeepSpeed, so each file is
+        parsed once.
+
+    Raises:
+        UnsafeCheckpointError: the first file that needs a type that is not allowed.
+    """
+    return {os.path.abspath(p): safe_load(p, "cpu", mmap=zipfile.is_zipfile(p)) for p in paths}
+
+
+def checkpoint_files(ckpt_dir: str) -> List[str]:
+    """The ``.pt`` files directly in ``ckpt_dir`` (not following links), sorted."""
+    with os.scandir(ckpt_dir) as it:
+        return sorted(e.path for e in it if e.name.endswith(".pt") and e.is_file(follow_symlinks=False))
+
+
+def _to_cpu(map_location: Any) -> bool:
+    # DeepSpeed 0.19 loads with map_location 'cpu', torch.device('cpu') or `lambda storage, loc: storage`
+    # (which keeps the deserialised CPU storage): a CPU object from check_files is then what it would get.
+    return map_location is None or callable(map_location) or str(map_location) == "cpu"
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed checkpoint engine whose ``load`` is :func:`safe_load` (saves as DeepSpeed's own).
+
+    Args:
+        zipfile_serialization: as DeepSpeed's engine (only used if it saves).
+        preloaded: ``{absolute path: object}`` from :func:`check_files`; each
+            is handed out once, for a load to the CPU, copied into memory, instead of
+            parsing the file again.
+    """
+
+    def __init__(self, zipfile_serialization: bool = True, preloaded: Optional[Dict[str, Any]] = None) -> None:
+        super().__init__(None)
+        self.name = "FTBridgeSafeCheckpointEngine"
+        self.zipfile_serialization = zipfile_serialization
+        self.preloaded = dict(preloaded or {})
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """DeepSpeed's load of one file, with ``weights_only=True`` and the allowlist."""
+        obj = self.preloaded.pop(os.path.abspath(path), None)
+        if obj is not None and _to_cpu(map_location):
+            # Copy the memory-mapped tensors into memory (views and sharing kept): DeepSpeed and torch's
+            # optimizer keep some loaded tensors as state, which must not depend on the file staying intact.
+            return snapshot(obj)
+        return safe_load(path, map_location)
+
+
+@contextlib.contextmanager
+def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = None) -> Iterator[None]:
+    """Inside the block, DeepSpeed's ``load_checkpoint`` reads files only through :func:`safe_load`.
+
+    Args:
+        preloaded: files already loaded safely (:func:`check_files`), used instead of reading them again.
+
+    Raises:
+        RuntimeError: a DeepSpeed release this was not checked against, or an
+            engine without a checkpoint engine.
+        ValueError: the engine is configured to load universal checkpoints
+            (DeepSpeed reads those with pickle, past the checkpoint engine).
+    """
+    check_deepspeed_version()
+    previous = getattr(ds_engine, "checkpoint_engine", None)
+    if previous is None:
+        raise RuntimeError("this DeepSpeed engine has no checkpoint_engine; ftbridge cannot load it safely")
+    if ds_engine.load_universal_checkpoint():
+        raise ValueError('"checkpoint": {"load_universal": true} is set: DeepSpeed loads universal checkpoints '
+                         "with torch.load(weights_only=False), past ftbridge's safe loader; ftbridge resumes "
+                         "replica-group checkpoints only. Remove load_universal from the DeepSpeed config.")
+    ds_engine.checkpoint_engine = SafeCheckpointEngine(getattr(previous, "zipfile_serialization", True), preloaded)
+    try:
+        yield
+    finally:
+        ds_engine.checkpoint_engine = previous
+
+
+def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, **kwargs: Any) -> Any:
+    """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, scanned first and loaded safely.
+
+    Args:
+        ds_engine: the DeepSpeed engine.
+        load_dir: checkpoint root (holding ``latest`` and tag folders).
+        tag: the tag to load; ``None``: the one ``load_dir/latest`` names.
+
+    Returns:
+        What DeepSpeed returns: ``(path or None, client_state)``.
+
+    Raises:
+        UnsafeCheckpointError: a file of the tag needs a type outside the
+            allowlist; raised before DeepSpeed touches any state.
+    """
+    if tag is None:
+        from ftbridge.checkpoint.manifest import read_latest
+
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None, None
+    if os.sep in tag or tag in ("", ".", ".."):
+        raise ValueError(f"checkpoint tag {tag!r} is not a folder name inside {load_dir}")
+    preloaded = check_files(checkpoint_files(os.path.join(load_dir, tag)))
+    with safe_deepspeed_loads(ds_engine, preloaded):
+        return ds_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
