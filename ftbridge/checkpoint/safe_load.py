@@ -51,7 +51,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftbridge.checkpoint.async_save import snapshot
-from ftbridge.zero.stages import check_deepspeed_version
+from ftbridge.zero.engine_points import check_deepspeed_version
 
 ALLOWED_GLOBALS: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, TorchVersion]
 """Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold: the loss
