@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"HOST:PORT of the gRPC health service (grpc.health.v1); default: the --bind host, "
                             f"port {DEFAULT_HEALTH_PORT} (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--status-bind", default=None,
-                       help=f"HOST:PORT of the HTTP status page (/, /status.json, /healthz); default: the --bind "
-                            f"host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
+                       help=f"HOST:PORT of the HTTP status page (/, /status.json, /metrics, /healthz); default: "
+                            f"the --bind host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--probe-interval-s", type=float, default=1.0,
                        help="seconds between health probes of the lighthouse (default %(default)s)")
     group = serve.add_argument_group("managers' settings, checked against the lighthouse's (lighthouse.checks)")

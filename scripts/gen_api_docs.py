@@ -56,6 +56,7 @@ MODULES = [
     "ftbridge.zero.stages",
     "ftbridge.zero.state",
     "ftbridge.events",
+    "ftbridge.metrics",
     "ftbridge.data",
     "ftbridge.checkpoint",
     "ftbridge.checkpoint.checkpointer",
@@ -88,6 +89,7 @@ MODULES = [
     "ftbridge.bench.cli",
     "lighthouse.server",
     "lighthouse.status",
+    "lighthouse.metrics",
     "lighthouse.health",
     "lighthouse.checks",
 ]
