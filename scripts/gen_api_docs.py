@@ -68,6 +68,7 @@ MODULES = [
     "ftbridge.checkpoint.cli",
     "ftbridge.models",
     "ftbridge.launcher",
+    "ftbridge.torchx",
     "ftbridge.local_job",
     "ftbridge.report",
     "ftbridge.chaos.schedule",
