@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lighthouse.status import replica_group_of
+
 
 class LighthouseCollector(Collector):
     """Builds the lighthouse metrics from a :class:`~lighthouse.health.LighthouseMonitor` at each scrape."""
@@ -70,9 +72,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _group_of(replica_id: str) -> str:
     """ftbridge's group id from ``replica_group_G:UUID``; other torchft replica ids as they are."""
-    from lighthouse.status import Member
-
-    group = Member(replica_id, 0, 0, "", "", False).replica_group
+    group = replica_group_of(replica_id)
     return replica_id if group is None else str(group)
 
 
