@@ -149,6 +149,12 @@ class FTBridgeConfig:
     and healing groups). 127.0.0.1 works on one machine only; across machines
     set the node's address on the private network (``FTBRIDGE_HEAL_BIND``)."""
 
+    metrics_port: Optional[int] = None
+    """Port on which each replica group's rank 0 serves Prometheus metrics at
+    ``/metrics``, bound to :attr:`heal_bind`; 0 picks a free port (printed at
+    start and written to the event log); ``None`` (unset): no metrics server
+    (``FTBRIDGE_METRICS_PORT``; see :mod:`ftbridge.metrics`)."""
+
     init_sync: bool = False
     """Heal every replica group from one peer at step 0. Off by default: models
     built from the same seed start identical (the event log's checksums show
@@ -226,6 +232,7 @@ class FTBridgeConfig:
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
+        "metrics_port": (int, ("FTBRIDGE_METRICS_PORT",)),
         "init_sync": (bool, ("FTBRIDGE_INIT_SYNC",)),
         "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
         "cross_replica_bucket_bytes": (int, ("FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES",)),
@@ -336,6 +343,9 @@ class FTBridgeConfig:
         need(self.quorum_retries >= 0, f"quorum_retries={self.quorum_retries} must be >= 0")
         need(0 <= self.manager_port < 65536,
              f"manager_port={self.manager_port} is not a port; use 0 for a free one")
+        need(self.metrics_port is None or 0 <= self.metrics_port < 65536,
+             f"metrics_port={self.metrics_port} is not a port; use 0 for a free one, or unset "
+             "FTBRIDGE_METRICS_PORT for no metrics server")
         need(self.cross_replica_bucket_bytes >= 0,
              f"cross_replica_bucket_bytes={self.cross_replica_bucket_bytes} must be >= 0 (0: one message per bucket)")
         need(self.checksum_every >= 0,

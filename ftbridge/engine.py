@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from ftbridge import comm_hooks
 from ftbridge import faults
+from ftbridge import metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
@@ -110,6 +111,7 @@ class FaultTolerantEngine:
         self.events = EventLog(cfg.event_log_path(),
                                {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
 
+        self.metrics = metrics.attach(self)  # Prometheus /metrics on group rank 0 when FTBRIDGE_METRICS_PORT is set
         self.guard = DivergenceGuard(self.manager, self.adapter, replica_group_id=cfg.replica_group_id,
                                      every=cfg.guard_every, action=cfg.guard_action, events=self.events)
         self.sync_scale_once: Optional[float] = None
@@ -383,6 +385,8 @@ class FaultTolerantEngine:
     def shutdown(self) -> None:
         """Stop the manager and heal transport, close the event log."""
         self.manager.shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
         self.events.close()
 
 

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def tensor_checksum(tensors: Iterable[torch.Tensor]) -> str:
@@ -62,6 +65,7 @@ class EventLog:
         self._identity = dict(identity or {})
         self._lock = threading.Lock()
         self._file = None
+        self._listeners: List[Callable[[Dict[str, Any]], None]] = []
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", buffering=1, encoding="utf-8")
@@ -72,14 +76,30 @@ class EventLog:
                     if f.read(1) != b"\n":
                         self._file.write("\n")
 
+    def add_listener(self, listener: Callable[[Dict[str, Any]], None]) -> None:
+        """Call ``listener(record)`` with every record written from now on, with or without a file.
+
+        Listeners (the Prometheus metrics, :mod:`ftbridge.metrics`) run in the
+        writer's thread; an exception in one is logged once and never reaches
+        the writer.
+        """
+        self._listeners.append(listener)
+
     def write(self, **fields: Any) -> None:
-        """Append one record: identity fields, then ``fields``."""
-        if self._file is None:
+        """Append one record: identity fields, then ``fields``; then tell the listeners."""
+        if self._file is None and not self._listeners:
             return
         record = {**self._identity, **fields}
-        with self._lock:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        if self._file is not None:
+            with self._lock:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+        for listener in list(self._listeners):
+            try:
+                listener(record)
+            except Exception:  # a metrics bug must not stop training
+                self._listeners.remove(listener)
+                logger.exception("event listener %r failed and was removed", listener)
 
     def close(self) -> None:
         """Close the file (idempotent)."""

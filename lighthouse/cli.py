@@ -5,6 +5,7 @@ Usage::
     ftbridge-lighthouse serve                                  # 127.0.0.1:29510, health :29511, page :29512
     ftbridge-lighthouse serve --bind 127.0.0.1:0 --min-replicas 2
     ftbridge-lighthouse serve --bind 0.0.0.0:29510             # other machines; see the warning
+    ftbridge-lighthouse serve --exit-when-idle-s 300           # exit 0 after the job's groups are gone
     ftbridge-lighthouse status http://127.0.0.1:29510          # quorum and members as a table
     ftbridge-lighthouse status --json 127.0.0.1:29510
     ftbridge-lighthouse health 127.0.0.1:29511                 # exit 0 when SERVING (Slurm, scripts)
@@ -23,7 +24,8 @@ Before starting, ``serve`` checks its timeouts against the managers' settings
 Point every launcher at that address (``ftbridge-run --lighthouse URL`` or
 ``TORCHFT_LIGHTHOUSE``). Logs go to stderr, one line each:
 ``2026-11-29 21:40:01 INFO [lighthouse] serving address=... min_replicas=1 ...``
-(torchft's own Rust logs keep their format). Exit codes: 0 after a signal,
+(torchft's own Rust logs keep their format). Exit codes: 0 after a signal
+or once idle (``--exit-when-idle-s``),
 2 for a bad argument or timeouts that do not fit, 1 if an address cannot be
 bound. ``status`` exits 1 when the lighthouse cannot be reached; ``health``
 exits 0 for SERVING, 1 otherwise.
@@ -37,11 +39,15 @@ import logging
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ftbridge.cli_types import at_least, finite
 from lighthouse import checks, server
+
+if TYPE_CHECKING:
+    from lighthouse.status import LighthouseStatus
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [lighthouse] %(message)s"
 DEFAULT_HEALTH_PORT = 29511
@@ -71,15 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"HOST:PORT of the gRPC health service (grpc.health.v1); default: the --bind host, "
                             f"port {DEFAULT_HEALTH_PORT} (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--status-bind", default=None,
-                       help=f"HOST:PORT of the HTTP status page (/, /status.json, /healthz); default: the --bind "
-                            f"host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
+                       help=f"HOST:PORT of the HTTP status page (/, /status.json, /metrics, /healthz); default: "
+                            f"the --bind host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--probe-interval-s", type=finite(0.0, strictly_above=True), default=1.0,
                        help="seconds between health probes of the lighthouse (default %(default)s)")
+    serve.add_argument("--exit-when-idle-s", type=finite(0.0), default=0.0,
+                       help="exit 0 once no replica group has heartbeated for this long after the first quorum "
+                            "(the job ended; TorchX and batch jobs then end too); 0: never (default)")
     group = serve.add_argument_group("managers' settings, checked against the lighthouse's (lighthouse.checks)")
     group.add_argument("--manager-heartbeat-interval-ms", type=finite(0.0, strictly_above=True),
                        default=defaults.heartbeat_interval.total_seconds() * 1e3,
                        help="FTBRIDGE_HEARTBEAT_INTERVAL_MS of the job (default %(default)g)")
-    group.add_argument("--manager-quorum-timeout-s", type=finite(0.0, strictly_above=True), default=defaults.quorum_timeout.total_seconds(),
+    group.add_argument("--manager-quorum-timeout-s", type=finite(0.0, strictly_above=True),
+                       default=defaults.quorum_timeout.total_seconds(),
                        help="FTBRIDGE_QUORUM_TIMEOUT_S of the job (default %(default)g)")
     group.add_argument("--manager-cross-replica-timeout-s", type=finite(0.0, strictly_above=True),
                        default=defaults.cross_replica_timeout.total_seconds(),
@@ -155,6 +165,9 @@ def _serve(args: argparse.Namespace) -> int:
                             "exposed %s=%s: health and status endpoints have no authentication "
                             "(they only read); keep them on a private network", name, value)
             _check_timeouts(args)
+            if args.exit_when_idle_s < 0 or (args.exit_when_idle_s and health_bind is None and status_bind is None):
+                raise ValueError(f"--exit-when-idle-s {args.exit_when_idle_s}: give seconds >= 0, and keep the "
+                                 "health or status endpoint on (it reads the heartbeats)")
             service = server.start_lighthouse(
                 args.bind, args.min_replicas,
                 join_timeout_ms=args.join_timeout_ms,
@@ -181,16 +194,46 @@ def _serve(args: argparse.Namespace) -> int:
                 print(f"ftbridge-lighthouse: health on {monitor.health_address}", flush=True)
             if monitor is not None and monitor.page is not None:
                 print(f"ftbridge-lighthouse: status page on http://{monitor.page.address}/", flush=True)
+            idle = IdleTimer(args.exit_when_idle_s)
             while not stop.wait(1.0):  # a timed wait keeps signal handling prompt everywhere
-                pass
-            logging.getLogger("lighthouse").info(
-                "shutting down signal=%s", signal.Signals(received[0]).name)
+                if monitor is not None and idle.expired(monitor.last_status, time.monotonic()):
+                    logging.getLogger("lighthouse").info(
+                        "no replica group heartbeated for %.0f s after the job's quorums: exiting",
+                        args.exit_when_idle_s)
+                    break
+            if received:
+                logging.getLogger("lighthouse").info(
+                    "shutting down signal=%s", signal.Signals(received[0]).name)
             if monitor is not None:
                 monitor.shutdown()
         return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class IdleTimer:
+    """Whether a job's replica groups are all gone: ``serve --exit-when-idle-s``.
+
+    Idle means a quorum was issued (the job ran) and no replica id has a
+    fresh heartbeat; the timer expires once that has held for ``limit_s``
+    seconds without a break. ``limit_s`` 0 never expires.
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._since: Optional[float] = None
+
+    def expired(self, status: Optional["LighthouseStatus"], now: float) -> bool:
+        """Feed one snapshot (``None``: not probed yet) taken at ``now`` (monotonic seconds)."""
+        idle = (status is not None and status.previous_quorum_id is not None
+                and not any(not h.stale for h in status.heartbeats))
+        if not idle or not self.limit_s:
+            self._since = None
+            return False
+        if self._since is None:
+            self._since = now
+        return now - self._since >= self.limit_s
 
 
 def _status(args: argparse.Namespace) -> int:

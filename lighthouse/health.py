@@ -13,9 +13,9 @@ with ``GET /status`` (the lighthouse's only read-only route; a gRPC
   read it;
 * optionally a small HTTP server (:class:`StatusPage`) with a self-contained
   status page (``GET /``: inline CSS, no script, no CDN; it reloads itself
-  every ``refresh_s``), ``GET /status.json`` and ``GET /healthz``
-  (200 ``SERVING`` or 503 ``NOT_SERVING``), for operators and plain HTTP
-  probes.
+  every ``refresh_s``), ``GET /status.json``, ``GET /metrics`` (Prometheus,
+  :mod:`lighthouse.metrics`) and ``GET /healthz`` (200 ``SERVING`` or 503
+  ``NOT_SERVING``), for operators, Prometheus and plain HTTP probes.
 
 The monitor never changes the lighthouse's state. It works for a lighthouse
 in the same process (``ftbridge-lighthouse serve``) or any other address, so
@@ -42,7 +42,9 @@ from typing import Any, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from lighthouse.metrics import registry_for
 from lighthouse.status import LighthouseStatus, fetch_status
 
 logger = logging.getLogger("lighthouse")
@@ -87,6 +89,8 @@ class LighthouseMonitor:
         self.probe_timeout_s = probe_timeout_s
         self.last_status: Optional[LighthouseStatus] = None
         self.last_error: Optional[str] = None
+        self.last_success_monotonic: Optional[float] = None
+        """``time.monotonic()`` of the last successful probe (``None`` before one)."""
         self.serving = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -123,6 +127,7 @@ class LighthouseMonitor:
             self.last_error = error
             if ok:
                 self.last_status = status
+                self.last_success_monotonic = time.monotonic()
         value = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", LIGHTHOUSE_SERVICE):
             self._health.set(service, value)
@@ -236,7 +241,7 @@ def render_page(status: Optional[LighthouseStatus], *, lighthouse: str, serving:
 
 
 class StatusPage:
-    """HTTP server for :class:`LighthouseMonitor`'s snapshot: ``/``, ``/status.json``, ``/healthz``.
+    """HTTP server for :class:`LighthouseMonitor`'s snapshot: ``/``, ``/status.json``, ``/metrics``, ``/healthz``.
 
     Args:
         monitor: the monitor whose last probe is shown.
@@ -251,6 +256,7 @@ class StatusPage:
 
         host, port = parse_bind(bind)
         page = self
+        self.registry = registry_for(monitor)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server API)
@@ -264,11 +270,13 @@ class StatusPage:
                     body: Any = {"lighthouse": monitor.lighthouse, "serving": serving, "error": error,
                                  "status": status.to_json() if status else None}
                     page._send(self, 200, "application/json", json.dumps(body, indent=2))
+                elif path == "/metrics":
+                    page._send(self, 200, CONTENT_TYPE_LATEST, generate_latest(page.registry).decode("utf-8"))
                 elif path == "/healthz":
                     page._send(self, 200 if serving else 503, "text/plain",
                                "SERVING\n" if serving else "NOT_SERVING\n")
                 else:
-                    page._send(self, 404, "text/plain", "not found: try /, /status.json or /healthz\n")
+                    page._send(self, 404, "text/plain", "not found: try /, /status.json, /metrics or /healthz\n")
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("status page: " + fmt, *args)

@@ -72,8 +72,13 @@ class Member:
     @property
     def replica_group(self) -> Optional[int]:
         """ftbridge's replica group id parsed from ``replica_group_G:...``, else ``None``."""
-        match = re.match(r"replica_group_(\d+)(:|$)", self.replica_id)
-        return int(match.group(1)) if match else None
+        return replica_group_of(self.replica_id)
+
+
+def replica_group_of(replica_id: str) -> Optional[int]:
+    """ftbridge's replica group id in a torchft replica id ``replica_group_G:UUID``, else ``None``."""
+    match = re.match(r"replica_group_(\d+)(:|$)", replica_id)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ MODULES = [
     "ftbridge.zero.stages",
     "ftbridge.zero.state",
     "ftbridge.events",
+    "ftbridge.metrics",
     "ftbridge.data",
     "ftbridge.checkpoint",
     "ftbridge.checkpoint.checkpointer",
@@ -68,6 +69,7 @@ MODULES = [
     "ftbridge.checkpoint.cli",
     "ftbridge.models",
     "ftbridge.launcher",
+    "ftbridge.torchx",
     "ftbridge.local_job",
     "ftbridge.report",
     "ftbridge.chaos.schedule",
@@ -89,6 +91,7 @@ MODULES = [
     "ftbridge.bench.cli",
     "lighthouse.server",
     "lighthouse.status",
+    "lighthouse.metrics",
     "lighthouse.health",
     "lighthouse.checks",
 ]

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lighthouse.health import LIGHTHOUSE_SERVICE, LighthouseMonitor, check_health, render_page
 from lighthouse.server import start_lighthouse
-from lighthouse.status import parse_status
+from lighthouse.metrics import registry_for
+from lighthouse.status import Heartbeat, parse_status
 from tests.test_lighthouse_status import FRAGMENT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +80,26 @@ def test_monitor_of_an_absent_lighthouse_starts_not_serving():
         assert mon.last_error
 
 
+def test_lighthouse_metrics_from_the_last_probe():
+    """Figures of the last snapshot; a restarted group (two replica ids) reports its freshest heartbeat."""
+    status = parse_status(FRAGMENT)
+    mon = SimpleNamespace(_lock=threading.Lock(), last_status=status, serving=False,
+                          last_success_monotonic=time.monotonic())
+    got = {(s.name, tuple(s.labels.items())): s.value for fam in registry_for(mon).collect() for s in fam.samples}
+    assert got[("ftbridge_lighthouse_up", ())] == 0  # health from the last probe, figures from the last success
+    assert got[("ftbridge_lighthouse_quorum_id", ())] == 1
+    assert got[("ftbridge_lighthouse_participants", ())] == 2
+    assert got[("ftbridge_lighthouse_heartbeating_groups", ())] == 1  # group 1's heartbeat is stale
+    assert 0.019 <= got[("ftbridge_lighthouse_seconds_since_last_quorum", ())] < 5
+    assert 7.5 <= got[("ftbridge_lighthouse_heartbeat_age_seconds", (("replica_group", "1"),))] < 12
+    restarted = Heartbeat("replica_group_1:uuid2", age_s=0.5, stale=False)
+    mon.last_status = dataclasses.replace(status, heartbeats=[restarted, *status.heartbeats])
+    got = {(s.name, tuple(s.labels.items())): s.value for fam in registry_for(mon).collect() for s in fam.samples}
+    assert 0.5 <= got[("ftbridge_lighthouse_heartbeat_age_seconds", (("replica_group", "1"),))] < 5
+    mon.last_status = None
+    assert [f.name for f in registry_for(mon).collect()] == ["ftbridge_lighthouse_up"]
+
+
 def test_status_page_is_self_contained():
     page = render_page(parse_status(FRAGMENT), lighthouse="http://h:1", serving=True, error=None)
     assert "<script" not in page and "http://" not in page.replace("http://h:", "").replace("http-equiv", "")
@@ -96,6 +121,10 @@ def test_cli_serve_prints_health_and_page_and_health_command_checks_it():
         assert out.returncode == 0 and json.loads(out.stdout)["status"] == "SERVING", out
         code, body = _get(page)
         assert code == 200 and "SERVING" in body
+        code, text = _get(page + "metrics")  # Prometheus text from the same status port
+        got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert code == 200 and got["ftbridge_lighthouse_up"] == 1 and got["ftbridge_lighthouse_quorum_id"] == 0
+        assert got["ftbridge_lighthouse_participants"] == 0 and got["ftbridge_lighthouse_heartbeating_groups"] == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         out = subprocess.run([sys.executable, "-m", "lighthouse.cli", "health", health, "--timeout-s", "1"],

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from ftbridge.local_job import pid_alive
+from lighthouse.health import LighthouseMonitor
 from tests.conftest import TINY
+from tests.test_metrics import scrape, value
 
 
 def _start_staggered(local_job, fault=None, stage=2, env=None, extra=()):
@@ -78,6 +80,44 @@ def _assert_commits_consistent(job):
     assert all(len(v) == 1 for v in by_step.values()), {k: v for k, v in by_step.items() if len(v) > 1}
 
 
+def _metrics_address(job, group):
+    return [e["address"] for e in job.events(group, 0) if e.get("event") == "metrics"][-1]
+
+
+def _assert_metrics_scraped(job):
+    """Prometheus /metrics of both groups' rank 0 (FTBRIDGE_METRICS_PORT=0) and of the lighthouse, mid-job."""
+    committed_before = sum(e["committed"] for e in job.steps(0))
+    survivor = scrape(_metrics_address(job, 0))
+    committed_after = sum(e["committed"] for e in job.steps(0))
+    g0 = {"replica_group": "0"}
+    assert committed_before <= value(survivor, "ftbridge_steps_committed_total", **g0) <= committed_after
+    assert value(survivor, "ftbridge_heals_total", **g0) == 0
+    assert value(survivor, "ftbridge_participants", **g0) in (1, 2)
+    assert value(survivor, "ftbridge_cross_replica_bytes_total", **g0) > 0
+    assert value(survivor, "ftbridge_quorum_id", **g0) >= 1
+    # The restarted group's new rank 0 serves on a new free port; its one heal is timed by phase.
+    g1 = {"replica_group": "1"}
+    healed_address = _metrics_address(job, 1)
+    job.wait_until(lambda: (value(scrape(healed_address), "ftbridge_heal_duration_seconds_count", phase="apply",
+                                  **g1) == 1), 30, "the heal's phases in group 1's metrics")
+    healed = scrape(healed_address)
+    assert value(healed, "ftbridge_heals_total", **g1) == 1
+    assert value(healed, "ftbridge_heal_bytes_total", **g1) > 0
+    for phase in ("transfer", "decode"):
+        assert value(healed, "ftbridge_heal_duration_seconds_count", phase=phase, **g1) == 1
+    # The lighthouse's figures on its status page (as ftbridge-lighthouse serve runs it).
+    with LighthouseMonitor(job.lighthouse.address, health_bind="127.0.0.1:0", status_bind="127.0.0.1:0",
+                           probe_interval_s=0.2) as mon:
+        job.wait_until(lambda: value(scrape(f"http://{mon.page.address}/metrics"),
+                                     "ftbridge_lighthouse_heartbeating_groups") == 2, 30, "2 heartbeating groups")
+        lighthouse = scrape(f"http://{mon.page.address}/metrics")
+    assert value(lighthouse, "ftbridge_lighthouse_up") == 1
+    assert value(lighthouse, "ftbridge_lighthouse_participants") in (1, 2)
+    assert value(lighthouse, "ftbridge_lighthouse_quorum_id") >= 1
+    assert value(lighthouse, "ftbridge_lighthouse_seconds_since_last_quorum") < 30
+    assert value(lighthouse, "ftbridge_lighthouse_heartbeat_age_seconds", replica_group="1") < 5
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("extra", [
     pytest.param((), id="no-offload"),
@@ -86,12 +126,13 @@ def _assert_commits_consistent(job):
     pytest.param(("--offload-optimizer", "--zero-stage", "3"), marks=pytest.mark.slow, id="offload-zero3"),
 ])
 def test_killed_group_restarts_heals_once_and_ends_identical(local_job, extra):
-    job = _start_staggered(local_job, extra=extra)
+    job = _start_staggered(local_job, extra=extra, env={"FTBRIDGE_METRICS_PORT": "0"})
     job.wait_step(1, job.max_step() + 3, timeout_s=120)
     kill_time = time.time()
     pids = job.kill_workers(1)
     assert not any(pid_alive(p) for p in pids)
     job.wait_heal(1, kill_time, 180, "restarted group 1 to heal")
+    _assert_metrics_scraped(job)
     target = _finish(job)
 
     # The survivors never restarted, never healed, and kept committing while group 1 was down.
