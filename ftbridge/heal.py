@@ -95,6 +95,29 @@ def agree_on_heal(manager: Any, group: Optional[Any] = None) -> bool:
     return False
 
 
+LAZY_STATE_FACTOR = 3
+"""Optimizer state tensors a parameter may gain at its first step, each of the parameter's size:
+Adam's moments plus AMSGrad's maximum (RMSprop and NAdam also keep at most three)."""
+
+
+def lazy_state_bytes(optimizer: Any) -> int:
+    """Bytes of optimizer state a donor may hold that this rank does not have yet (bytes).
+
+    ``BF16_Optimizer`` and plain torch optimizers create their state at the
+    first step, so a joiner restarted at step 0 holds a third of the donor's
+    state; its own state alone would be too small a bound for the heal body.
+    Counts :data:`LAZY_STATE_FACTOR` times the bytes of every parameter of
+    ``optimizer`` (a ``torch.optim.Optimizer``; ``None``: 0) without state,
+    plus 1 KiB of header per such parameter.
+    """
+    total = 0
+    for group in getattr(optimizer, "param_groups", None) or []:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                total += LAZY_STATE_FACTOR * p.numel() * p.element_size() + 1024
+    return total
+
+
 def must_wait_for_peer(*, restart_count: int, num_replica_groups: int, step: int, heals: int, participants: int,
                        waited_s: float, limit_s: float) -> bool:
     """Whether a restarted replica group must discard this step and wait for a peer to heal from.

@@ -105,6 +105,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    request_queue_size = 64  # connections past the cap are accepted and closed at once, not left in the backlog
 
     def __init__(self, address: Tuple[str, int], handler: Any, *, family: int, max_connections: int,
                  request_timeout_s: float, response_deadline_s: float) -> None:
@@ -119,6 +120,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         """Connections being served now (each holds one thread)."""
         self.refused = 0
         """Connections closed unread because ``max_connections`` were being served."""
+        self.peak_active = 0
+        """Most connections served at once so far."""
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:  # socketserver API
@@ -128,6 +131,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             return
         with self._active_cond:
             self.active += 1
+            self.peak_active = max(self.peak_active, self.active)
         try:
             super().process_request(request, client_address)
         except BaseException:
