@@ -49,6 +49,8 @@ MODULES = [
     "ftbridge.comm_hooks.fragments",
     "ftbridge.zero.offload_hook",
     "ftbridge.transport",
+    "ftbridge.wire",
+    "ftbridge.heal_http",
     "ftbridge.heal",
     "ftbridge.faults",
     "ftbridge.zero.stages",
