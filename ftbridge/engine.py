@@ -371,8 +371,7 @@ class FaultTolerantEngine:
         """Largest heal body this rank accepts from a donor (bytes): its own :meth:`heal_state`'s size,
         plus optimizer state not created yet (:func:`ftbridge.heal.lazy_state_bytes`), plus headers
         (:func:`ftbridge.wire.size_bound`). Copies no tensor."""
-        base = getattr(self.adapter.optimizer, "optimizer", None)  # the torch optimizer DeepSpeed wraps
-        return size_bound(self.heal_state(), extra_bytes=lazy_state_bytes(base))
+        return size_bound(self.heal_state(), extra_bytes=lazy_state_bytes(self.adapter.optimizer))
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         """Load a peer's :meth:`heal_state`; all ranks of the group call it together.

@@ -103,18 +103,29 @@ Adam's moments plus AMSGrad's maximum (RMSprop and NAdam also keep at most three
 def lazy_state_bytes(optimizer: Any) -> int:
     """Bytes of optimizer state a donor may hold that this rank does not have yet (bytes).
 
-    ``BF16_Optimizer`` and plain torch optimizers create their state at the
-    first step, so a joiner restarted at step 0 holds a third of the donor's
-    state; its own state alone would be too small a bound for the heal body.
-    Counts :data:`LAZY_STATE_FACTOR` times the bytes of every parameter of
-    ``optimizer`` (a ``torch.optim.Optimizer``; ``None``: 0) without state,
-    plus 1 KiB of header per such parameter.
+    ``BF16_Optimizer``, ZeRO-3 and plain torch optimizers create their state
+    at the first step, so a joiner restarted at step 0 holds a third of the
+    donor's state; its own state alone would be too small a bound for the
+    heal body. Counts :data:`LAZY_STATE_FACTOR` times the bytes of every
+    parameter without state, plus 1 KiB of header per such parameter.
+
+    Args:
+        optimizer: a DeepSpeed optimizer wrapping a torch optimizer
+            (``.optimizer``), or a ``torch.optim.Optimizer``; ``None``: 0.
+            ZeRO-3 empties the torch optimizer's ``param_groups`` between
+            steps, so its ``fp32_partitioned_groups_flat`` are counted too.
     """
-    total = 0
-    for group in getattr(optimizer, "param_groups", None) or []:
-        for p in group["params"]:
-            if not optimizer.state.get(p):
-                total += LAZY_STATE_FACTOR * p.numel() * p.element_size() + 1024
+    if optimizer is None:
+        return 0
+    base = getattr(optimizer, "optimizer", optimizer)
+    params = [p for group in getattr(base, "param_groups", None) or [] for p in group["params"]]
+    params += list(getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
+    state = getattr(base, "state", {})
+    total, seen = 0, set()
+    for p in params:
+        if id(p) not in seen and not state.get(p):
+            total += LAZY_STATE_FACTOR * p.numel() * p.element_size() + 1024
+        seen.add(id(p))
     return total
 
 

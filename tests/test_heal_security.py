@@ -157,6 +157,56 @@ def test_the_bound_of_a_real_state_admits_its_own_body_and_the_donors_lazy_adam_
     assert lazy_state_bytes(stepped) == 0 and lazy_state_bytes(None) == 0
 
 
+_DS_BOUND = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, deepspeed, torch.distributed as dist
+from ftbridge.zero.stages import adapter_for
+from ftbridge.heal import lazy_state_bytes
+from ftbridge.wire import encode_state, size_bound
+dist.init_process_group("gloo")
+for stage, bf16 in ((1, True), (2, False), (3, False)):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if bf16:
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    eng, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    ad = adapter_for(eng)
+    fresh = {"optimizer": ad.heal_state()}
+    bound = size_bound(fresh, extra_bytes=lazy_state_bytes(ad.optimizer))
+    eng.backward(eng(torch.randn(2, 64, dtype=torch.bfloat16 if bf16 else torch.float32)).float().sum())
+    eng.step()
+    stepped = len(encode_state({"optimizer": ad.heal_state()}))
+    print("RESULT", type(ad.optimizer).__name__, len(encode_state(fresh)), stepped, bound, flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_fresh_joiners_bound_admits_a_stepped_donors_state_for_every_zero_stage(tmp_path):
+    """DeepSpeed 0.19 creates Adam's moments at the first step (ZeRO-1/2, ZeRO-3, BF16_Optimizer alike):
+    a joiner restarted at step 0 must still accept the state of a donor that has stepped."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import os
+    from pathlib import Path
+
+    import ftbridge
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(ftbridge.__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", _DS_BOUND, str(port)], capture_output=True, text=True, timeout=170,
+                         env=env)
+    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(rows) == 3, out.stdout[-2000:] + out.stderr[-4000:]
+    for name, fresh, stepped, bound in rows:
+        assert int(fresh) < int(stepped) <= int(bound), (name, fresh, stepped, bound)
+
+
 # -- slow donor: one overall deadline -------------------------------------------------------------
 
 def _dribble(donor, conn):
