@@ -95,7 +95,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         family: ``socket.AF_INET`` or ``socket.AF_INET6``.
         max_connections: connections served at once; more are closed unread.
         request_timeout_s: time from accept to a complete request (s), also
-            the socket timeout of every read and write.
+            the socket timeout of every read until then.
         response_deadline_s: time after the request for the handler's wait
             and the whole response (s); the handler may also call
             :meth:`extend`.
@@ -148,7 +148,12 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._release()
 
     def extend(self, request: Any) -> None:
-        """The request was read: give the connection :attr:`response_deadline_s` from now."""
+        """The request was read: give the connection :attr:`response_deadline_s` from now.
+
+        Also the socket's timeout: ``sendall`` applies it to the whole write,
+        so the request timeout would cap a large response on a slow link.
+        """
+        request.settimeout(self.response_deadline_s)
         REAPER.set(request, self.response_deadline_s)
 
     def _release(self) -> None:

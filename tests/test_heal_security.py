@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import socket
+import struct
 import threading
 import time
 import tracemalloc
@@ -106,7 +107,10 @@ def joiner(_joiner):
     _joiner.expect_donor(None)
 
 
-def _claim(size, payload=b"x" * 23):
+HOSTILE_23 = struct.pack("<Q", 2) + b"{}" + b"x" * 13  # 23 bytes with a valid frame: only the claim is a lie
+
+
+def _claim(size, payload=HOSTILE_23):
     def behave(donor, conn):
         conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % size + payload)
     return behave
@@ -288,17 +292,50 @@ def test_an_incomplete_request_is_closed_at_the_request_timeout(donor):
         assert time.monotonic() - t0 < 2.5
 
 
-def test_a_client_that_never_reads_releases_the_state_at_the_send_deadline(donor):
-    donor.send_checkpoint([1], 5, {"w": torch.zeros(8 << 20)}, timedelta(seconds=1))  # 32 MiB: beyond socket buffers
-    with socket.create_connection(("127.0.0.1", _port(donor)), timeout=5) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.sendall(b"GET /heal/5 HTTP/1.0\r\n\r\n")
+def _request_state(donor, step):
+    donor.send_checkpoint([1], step, {"w": torch.zeros(8 << 20)}, timedelta(seconds=1))  # 32 MiB: beyond socket buffers
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    s.settimeout(5)
+    s.connect(("127.0.0.1", _port(donor)))
+    s.sendall(b"GET /heal/%d HTTP/1.0\r\n\r\n" % step)
+    return s
+
+
+def test_a_client_that_never_reads_releases_the_state(donor):
+    with _request_state(donor, 5) as s:
         t0 = time.monotonic()
-        with donor._server._active_cond:
-            assert donor._server._active_cond.wait_for(lambda: donor._server.active == 1, 5)
-        donor.disallow_checkpoint()
         assert donor._server.wait_idle(5), "the handler still holds the old state"
-        assert time.monotonic() - t0 < 3.5  # request timeout (1 s) + send deadline (1 s) + slack
+        assert time.monotonic() - t0 < 3.5
+        donor.disallow_checkpoint()
+        assert s.recv(16).startswith(b"HTTP/1.0 200")  # it was being served, then cut off
+
+
+def test_a_client_reading_slowly_is_cut_off_at_the_send_deadline(donor):
+    with _request_state(donor, 6) as s:
+        stop, got = threading.Event(), [0]
+
+        def read_slowly():  # 1 KiB every 0.1 s: always some progress, so no per-write timeout fires
+            while not stop.wait(0.1):
+                try:
+                    chunk = s.recv(1024)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                got[0] += len(chunk)
+
+        reader = threading.Thread(target=read_slowly, daemon=True)
+        reader.start()
+        t0 = time.monotonic()
+        try:
+            # The handler (and the state it holds) is released at request timeout (1 s) + send deadline (1 s),
+            # while the kernel may still be delivering what it had queued.
+            assert donor._server.wait_idle(5), "the handler still holds the old state"
+            assert time.monotonic() - t0 < 4.0 and got[0] < 8 << 20
+        finally:
+            stop.set()
+            reader.join(timeout=5)
 
 
 # -- the heal URL ---------------------------------------------------------------------------------
