@@ -132,6 +132,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._active_cond:
             self.active += 1
             self.peak_active = max(self.peak_active, self.active)
+            self._active_cond.notify_all()
         try:
             super().process_request(request, client_address)
         except BaseException:

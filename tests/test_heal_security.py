@@ -299,6 +299,9 @@ def _request_state(donor, step):
     s.settimeout(5)
     s.connect(("127.0.0.1", _port(donor)))
     s.sendall(b"GET /heal/%d HTTP/1.0\r\n\r\n" % step)
+    server = donor._server
+    with server._active_cond:  # accepted (peak_active is set at accept and never goes down)
+        assert server._active_cond.wait_for(lambda: server.peak_active >= 1, 5)
     return s
 
 
