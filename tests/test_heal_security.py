@@ -171,7 +171,8 @@ from ftbridge.wire import encode_state, size_bound
 dist.init_process_group("gloo")
 for stage, bf16 in ((1, True), (2, False), (3, False)):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+    # 0.5 M parameters: Adam's moments (4 MB) exceed the bound's 1 MiB header slack
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 8))
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     if bf16:
@@ -180,7 +181,7 @@ for stage, bf16 in ((1, True), (2, False), (3, False)):
     ad = adapter_for(eng)
     fresh = {"optimizer": ad.heal_state()}
     bound = size_bound(fresh, extra_bytes=lazy_state_bytes(ad.optimizer))
-    eng.backward(eng(torch.randn(2, 64, dtype=torch.bfloat16 if bf16 else torch.float32)).float().sum())
+    eng.backward(eng(torch.randn(2, 512, dtype=torch.bfloat16 if bf16 else torch.float32)).float().sum())
     eng.step()
     stepped = len(encode_state({"optimizer": ad.heal_state()}))
     print("RESULT", type(ad.optimizer).__name__, len(encode_state(fresh)), stepped, bound, flush=True)
