@@ -5,7 +5,7 @@ else: **explicit argument, then environment variable, then default**. The
 environment variables read are ``FTBRIDGE_*`` plus the ones torchft and
 torchrun already define (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
 ``TORCHFT_LIGHTHOUSE``, ``TORCHFT_*_SEC``, ``TORCHFT_QUORUM_RETRIES``,
-``TORCHFT_MANAGER_PORT``, ``RANK``, ``WORLD_SIZE``); where both an
+``TORCHFT_MANAGER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``); where both an
 ``FTBRIDGE_*`` and a torchft name exist, the ``FTBRIDGE_*`` one wins.
 
 Timeout hierarchy (checked by :meth:`FTBridgeConfig.validate`)::
@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional
 
 SYNC_MODES = ("per_bucket", "post_backward")
 GUARD_ACTIONS = ("heal", "stop")
+MIN_TOKEN_CHARS = 16
 
 
 def _env(environ: Mapping[str, str], *names: str) -> Optional[str]:
@@ -155,6 +156,28 @@ class FTBridgeConfig:
     start and written to the event log); ``None`` (unset): no metrics server
     (``FTBRIDGE_METRICS_PORT``; see :mod:`ftbridge.metrics`)."""
 
+    heal_timeout: Optional[timedelta] = None
+    """Overall deadline of one heal fetch on the joiner: connect, request and
+    the whole body, not per read (a donor sending a byte every 0.5 s is cut
+    off there); also how long a donor keeps sending one response. ``None``:
+    :attr:`torchft_timeout`, the timeout torchft gives the fetch. Raise it for
+    states that take longer to cross the network (``FTBRIDGE_HEAL_TIMEOUT_S``)."""
+
+    job_token: Optional[str] = field(default=None, repr=False)
+    """Shared secret of the job's ranks (``FTBRIDGE_JOB_TOKEN``; ``ftbridge-run
+    --job-token-file``). With it, a donor serves heal state only to requests
+    carrying an HMAC of it; without it, anyone who reaches a heal port can
+    download the model and optimizer state (keep it on a private network).
+    At least 16 characters, e.g. ``python -c 'import secrets;
+    print(secrets.token_hex(16))'``. Never printed."""
+
+    local_group_size: int = 0
+    """Ranks of this replica group on this node (``LOCAL_WORLD_SIZE`` from
+    torchrun; 0: unknown, taken as the whole group). When smaller than
+    :attr:`group_size` the group spans nodes, and a joiner's group ranks
+    other than 0 accept heal URLs on any host (their donor may sit on another
+    node than the donor's manager); rank 0 always checks the host."""
+
     init_sync: bool = False
     """Heal every replica group from one peer at step 0. Off by default: models
     built from the same seed start identical (the event log's checksums show
@@ -233,6 +256,9 @@ class FTBridgeConfig:
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
         "metrics_port": (int, ("FTBRIDGE_METRICS_PORT",)),
+        "heal_timeout": ("s", ("FTBRIDGE_HEAL_TIMEOUT_S",)),
+        "job_token": (str, ("FTBRIDGE_JOB_TOKEN",)),
+        "local_group_size": (int, ("LOCAL_WORLD_SIZE",)),
         "init_sync": (bool, ("FTBRIDGE_INIT_SYNC",)),
         "sync_mode": (str, ("FTBRIDGE_SYNC_MODE",)),
         "cross_replica_bucket_bytes": (int, ("FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES",)),
@@ -326,6 +352,14 @@ class FTBridgeConfig:
                      "connect_timeout", "heartbeat_interval"):
             value = getattr(self, name)
             need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
+        need(self.heal_timeout is None or self.heal_timeout.total_seconds() > 0,
+             f"heal_timeout={self.heal_timeout and self.heal_timeout.total_seconds()} s "
+             "(FTBRIDGE_HEAL_TIMEOUT_S) must be positive; unset it to use twice the cross-replica timeout")
+        need(self.job_token is None or len(self.job_token) >= MIN_TOKEN_CHARS,
+             f"job_token (FTBRIDGE_JOB_TOKEN) has {len(self.job_token or '')} characters; use at least "
+             f"{MIN_TOKEN_CHARS}, e.g. from: python -c 'import secrets; print(secrets.token_hex(16))'")
+        need(0 <= self.local_group_size <= self.group_size,
+             f"local_group_size={self.local_group_size} (LOCAL_WORLD_SIZE) is outside 0..group_size={self.group_size}")
         need(self.restart_peer_wait.total_seconds() >= 0,
              f"restart_peer_wait={self.restart_peer_wait.total_seconds()} s must be 0 (never wait) or positive")
         need(self.heartbeat_interval < self.cross_replica_timeout,
@@ -379,6 +413,11 @@ class FTBridgeConfig:
         expired first and killed the survivor's group rank 0.
         """
         return 2 * self.cross_replica_timeout
+
+    @property
+    def heal_deadline(self) -> timedelta:
+        """Overall deadline of one heal fetch: :attr:`heal_timeout`, else :attr:`torchft_timeout`."""
+        return self.heal_timeout or self.torchft_timeout
 
     def torchft_environ(self) -> dict[str, str]:
         """torchft's environment variables for these settings.

@@ -54,9 +54,10 @@ from ftbridge import metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
-from ftbridge.heal import agree_on_heal, guard_heal, must_wait_for_peer
+from ftbridge.heal import agree_on_heal, guard_heal, lazy_state_bytes, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
+from ftbridge.wire import size_bound
 from ftbridge.zero.engine_points import align_to_window, check_deepspeed_version, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
 from ftbridge.zero.adapter import ZeroAdapter
@@ -80,7 +81,7 @@ class FaultTolerantEngine:
         comm_hook: a user communication hook ``hook(state, flat) -> work``
             (:mod:`ftbridge.comm_hooks`); default: ``cfg.comm_hook``.
         manager_factory: builds the replica manager, called as
-            ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=...)``;
+            ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=..., max_heal_bytes=...)``;
             default :class:`ftbridge.manager.ReplicaManager`. A seam for tests (a
             scripted manager, no lighthouse) and for other quorum backends.
     """
@@ -99,7 +100,8 @@ class FaultTolerantEngine:
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
         self.manager = (manager_factory or ReplicaManager)(cfg, state_dict=self.heal_state,
                                                            load_state_dict=self.load_heal_state,
-                                                           use_cuda=next(engine.module.parameters()).is_cuda)
+                                                           use_cuda=next(engine.module.parameters()).is_cuda,
+                                                           max_heal_bytes=self.heal_size_bound)
         guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
@@ -359,6 +361,12 @@ class FaultTolerantEngine:
         if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict"):
             state["lr_scheduler"] = to_wire(e.lr_scheduler.state_dict())
         return state
+
+    def heal_size_bound(self) -> int:
+        """Largest heal body this rank accepts from a donor (bytes): its own :meth:`heal_state`'s size,
+        plus optimizer state not created yet (:func:`ftbridge.heal.lazy_state_bytes`), plus headers
+        (:func:`ftbridge.wire.size_bound`). Copies no tensor."""
+        return size_bound(self.heal_state(), extra_bytes=lazy_state_bytes(self.adapter.optimizer))
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         """Load a peer's :meth:`heal_state`; all ranks of the group call it together.

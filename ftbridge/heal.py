@@ -95,6 +95,40 @@ def agree_on_heal(manager: Any, group: Optional[Any] = None) -> bool:
     return False
 
 
+LAZY_STATE_FACTOR = 3
+"""Optimizer state tensors a parameter may gain at its first step, each of the parameter's size:
+Adam's moments plus AMSGrad's maximum (RMSprop and NAdam also keep at most three)."""
+
+
+def lazy_state_bytes(optimizer: Any) -> int:
+    """Bytes of optimizer state a donor may hold that this rank does not have yet (bytes).
+
+    ``BF16_Optimizer``, ZeRO-3 and plain torch optimizers create their state
+    at the first step, so a joiner restarted at step 0 holds a third of the
+    donor's state; its own state alone would be too small a bound for the
+    heal body. Counts :data:`LAZY_STATE_FACTOR` times the bytes of every
+    parameter without state, plus 1 KiB of header per such parameter.
+
+    Args:
+        optimizer: a DeepSpeed optimizer wrapping a torch optimizer
+            (``.optimizer``), or a ``torch.optim.Optimizer``; ``None``: 0.
+            ZeRO-3 empties the torch optimizer's ``param_groups`` between
+            steps, so its ``fp32_partitioned_groups_flat`` are counted too.
+    """
+    if optimizer is None:
+        return 0
+    base = getattr(optimizer, "optimizer", optimizer)
+    params = [p for group in getattr(base, "param_groups", None) or [] for p in group["params"]]
+    params += list(getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
+    state = getattr(base, "state", {})
+    total, seen = 0, set()
+    for p in params:
+        if id(p) not in seen and not state.get(p):
+            total += LAZY_STATE_FACTOR * p.numel() * p.element_size() + 1024
+        seen.add(id(p))
+    return total
+
+
 def must_wait_for_peer(*, restart_count: int, num_replica_groups: int, step: int, heals: int, participants: int,
                        waited_s: float, limit_s: float) -> bool:
     """Whether a restarted replica group must discard this step and wait for a peer to heal from.

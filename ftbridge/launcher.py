@@ -42,6 +42,9 @@ passed through; these win over inherited values):
   for 1-2.5 s per step;
 * ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``: seconds torchrun gives ranks between
   SIGTERM and SIGKILL (``--shutdown-timeout-s``);
+* ``FTBRIDGE_JOB_TOKEN``: the job's heal secret, read from
+  ``--job-token-file`` (a file, not a flag value: other users can read a
+  process's arguments); never printed;
 * ``FTBRIDGE_LAUNCH_ID``: a random tag the launcher uses to find and end
   every process it started, however deep.
 
@@ -137,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "batched_power_sgd (docs/comm_hooks.md)")
     f.add_argument("--comm-wrapper", help="fp16 or bf16 cast around a PowerSGD hook")
     f.add_argument("--comm-state-option", metavar="JSON", help="PowerSGD options as a JSON object")
+    f.add_argument("--job-token-file", metavar="PATH",
+                   help="file holding the job's heal secret (FTBRIDGE_JOB_TOKEN, >= 16 characters; the same on "
+                        "every group): donors then serve heal state only to ranks that know it")
     r = p.add_argument_group("torchrun rendezvous (one rendezvous per replica group)")
     r.add_argument("--nnodes", default="1", help="nodes of this group, N or MIN:MAX (default 1)")
     r.add_argument("--node-rank", type=int, default=0, help="this node's rank (static rendezvous)")
@@ -262,6 +268,30 @@ def _rendezvous(args: argparse.Namespace, pick_port: Callable[[], int]) -> tuple
     return endpoint, args.rdzv_id or f"ftbridge-group-{args.replica_group_id}"
 
 
+TOKEN_ENV = "FTBRIDGE_JOB_TOKEN"
+MAX_TOKEN_FILE_BYTES = 4096
+
+
+def read_token_file(path: str) -> str:
+    """The job token in ``path``: its first line, surrounding whitespace stripped (at most 4 KiB are read).
+
+    Raises:
+        ValueError: the file cannot be read, is not a regular file, or holds no token.
+    """
+    try:
+        if not os.path.isfile(path):
+            raise ValueError(f"--job-token-file={path!r} is not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES)
+        token = raw.decode("utf-8").splitlines()[0].strip() if raw.strip() else ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--job-token-file={path!r} cannot be read: {e}") from None
+    if not token:
+        raise ValueError(f"--job-token-file={path!r} holds no token; write one, e.g. "
+                         "python -c 'import secrets; print(secrets.token_hex(16))' > FILE")
+    return token
+
+
 def _fmt(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
@@ -339,6 +369,8 @@ def build_torchrun_command(
         value = getattr(args, flag)
         if value is not None:
             env[var] = value if isinstance(value, str) else _fmt(value)
+    if getattr(args, "job_token_file", None):
+        env[TOKEN_ENV] = read_token_file(args.job_token_file)
     _check_config(args, env)
 
     argv = [
@@ -537,7 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%Y-%m-%d %H:%M:%S",
                             format=f"%(asctime)s %(levelname)s [replica {args.replica_group_id} launcher] "
                                    "%(message)s")
-    shown = {k: env[k] for k in sorted(env) if env.get(k) != os.environ.get(k)}
+    shown = {k: (env[k] if k != TOKEN_ENV else "<hidden>") for k in sorted(env) if env.get(k) != os.environ.get(k)}
     log.info("running: env %s %s", " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()),
              shlex.join(torchrun_argv))
     return run_torchrun(torchrun_argv, env, shutdown_timeout_s=args.shutdown_timeout_s)

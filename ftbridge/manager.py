@@ -165,10 +165,12 @@ class _QuorumGuard:
     the module docstring for what it does.
     """
 
-    def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None]) -> None:
+    def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
+                 on_quorum: Optional[Callable[[Any], None]] = None) -> None:
         # timeout bounds the vote: keep it well below the cross-replica timeout, which bounds the
         # other ranks' should_commit while this quorum thread votes.
         self._manager = manager
+        self._on_quorum = on_quorum
         self._client = manager._client
         self._timeout = timeout
         self._on_restart = on_restart
@@ -180,6 +182,8 @@ class _QuorumGuard:
 
     def _quorum(self, **kwargs: Any) -> Any:
         result = self._client._quorum(**kwargs)
+        if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
+            self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
         restarted = detect_lighthouse_restart(self.seen, quorum_id, members)
         if restarted:
@@ -256,17 +260,18 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
     return store, votes
 
 
-def _install_quorum_guard(manager: Manager, timeout: timedelta,
-                          on_restart: Callable[[int, int], None]) -> Optional[_QuorumGuard]:
+def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
+                          on_quorum: Optional[Callable[[Any], None]] = None) -> Optional[_QuorumGuard]:
     """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
     version = importlib.metadata.version("torchft")
     needed = ("_client", "_quorum_id", "_async_quorum")
     if not version.startswith(TORCHFT_GUARDED_VERSIONS) or not all(hasattr(manager, a) for a in needed):
         logger.warning("torchft %s is not one of %s: lighthouse-restart guard NOT installed; after a "
-                       "lighthouse restart a repeated quorum id may cost a failed step", version,
+                       "lighthouse restart a repeated quorum id may cost a failed step, and heal URLs are not "
+                       "checked against the donor's host", version,
                        TORCHFT_GUARDED_VERSIONS)
         return None
-    guard = _QuorumGuard(manager, timeout, on_restart)
+    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum)
     manager._client = guard
     return guard
 
@@ -297,6 +302,10 @@ class ReplicaManager:
             inside :meth:`should_commit` of a healing step, on every rank of
             the group at the same point.
         use_cuda: build torchft's NCCL process group instead of Gloo.
+        max_heal_bytes: the largest heal body this rank accepts (bytes),
+            e.g. :func:`ftbridge.wire.size_bound` of its own state; called in
+            torchft's quorum thread before each fetch. ``None``: no bound
+            (the body is then allocated as it arrives).
 
     Raises:
         KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset (not launched by torchrun
@@ -304,13 +313,15 @@ class ReplicaManager:
     """
 
     def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
-                 load_state_dict: Callable[[Dict[str, Any]], None], use_cuda: bool = False) -> None:
+                 load_state_dict: Callable[[Dict[str, Any]], None], use_cuda: bool = False,
+                 max_heal_bytes: Optional[Callable[[], int]] = None) -> None:
         self.cfg = cfg
         _export_torchft_environ(cfg)
         # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
         pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
               else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
-        self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout)
+        self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
+                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes)
         self.heals = 0
         self._healed_this_step = False
         self._load_state_dict = load_state_dict
@@ -340,12 +351,19 @@ class ReplicaManager:
         )
         self.lighthouse_restarts = 0
         self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
-                                                  self._on_lighthouse_restart)
+                                                  self._on_lighthouse_restart, self._on_quorum)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
         logger.warning("[replica %d rank %d] lighthouse restarted (quorum id %d after %d): rebuilding the "
                        "cross-replica process group", self.cfg.replica_group_id, self.cfg.group_rank, new_id, old_id)
+
+    def _on_quorum(self, result: Any) -> None:
+        """Tell the transport the host this quorum's donor may serve heal state from (see ``local_group_size``)."""
+        cfg = self.cfg
+        spans_nodes = 0 < cfg.local_group_size < cfg.group_size
+        donor = getattr(result, "recover_src_manager_address", None) or None
+        self.transport.expect_donor(None if spans_nodes and cfg.group_rank > 0 else donor)
 
     def _load(self, state: Dict[str, Any]) -> None:
         self._load_state_dict(state)

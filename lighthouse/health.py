@@ -175,7 +175,8 @@ def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> str
         grpc.RpcError: the health service cannot be reached (``UNAVAILABLE``),
             the deadline passed, or ``service`` is unknown (``NOT_FOUND``).
     """
-    with grpc.insecure_channel(address) as channel:
+    # grpc honours http_proxy/grpc_proxy by default; a health probe of the private network must not.
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -188,6 +188,11 @@ def parse_status(fragment: str) -> LighthouseStatus:
     )
 
 
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Opener that ignores ``http_proxy``/``HTTP_PROXY``: the lighthouse sits on the job's private network, and a
+proxy would see (and could answer for) it."""
+
+
 def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
     """GET ``{address}/status`` and parse it.
 
@@ -195,6 +200,8 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
         address: the lighthouse, ``http://HOST:PORT`` (a bare ``HOST:PORT`` is
             taken as http).
         timeout_s: connect and read timeout (s).
+
+    Environment proxies (``http_proxy``) are never used.
 
     Returns:
         The current :class:`LighthouseStatus`.
@@ -206,7 +213,7 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
             status fragment.
     """
     url = status_url(address)
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+    with _NO_PROXY.open(url, timeout=timeout_s) as resp:
         body = resp.read().decode("utf-8", errors="replace")
     return parse_status(body)
 

@@ -51,6 +51,8 @@ MODULES = [
     "ftbridge.comm_hooks.powersgd",
     "ftbridge.comm_hooks.fragments",
     "ftbridge.transport",
+    "ftbridge.wire",
+    "ftbridge.heal_http",
     "ftbridge.heal",
     "ftbridge.faults",
     "ftbridge.zero.stages",

@@ -41,7 +41,7 @@ class FakeManager:
     healed_this_step = False
     heals = 0
 
-    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False):
+    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False, max_heal_bytes=None):
         self.state_dict, self.load_state_dict_fn = state_dict, load_state_dict
         self.discard_calls, self.calls, self.step, self.errors = set(), 0, 0, []
         self.ops = []  # (numel, dtype, reduce_op) per all-reduce

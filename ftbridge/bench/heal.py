@@ -209,7 +209,9 @@ def transport_alone(mb: int, reps: int) -> List[Metric]:
             address, encode_s = q.get(timeout=120)
         except queue_mod.Empty:
             raise RuntimeError(f"transport benchmark: the donor process (pid {donor.pid}) served nothing in 120 s") from None
-        joiner = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60))
+        # A job's joiner always bounds the body by its own state's size (the allocate-as-it-arrives path
+        # without a bound is for standalone use): give this one the bound of the state being served.
+        joiner = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60), max_recv_bytes=lambda: (mb + 8) << 20)
         rates, loop = [], []
         try:
             for _ in range(reps):

@@ -56,7 +56,7 @@ class GlooReplicaManager:
     groups = 1
     group_id = 0
 
-    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False):
+    def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False, max_heal_bytes=None):
         self.step, self.errors = 0, []
         self.participants = type(self).groups
         self.replica_rank = type(self).group_id

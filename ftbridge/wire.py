@@ -1,0 +1,298 @@
+"""The heal wire format: a nested dict of tensors and JSON scalars, without pickle.
+
+Layout of one body::
+
+    8-byte little-endian header length | JSON header | safetensors blob
+
+The JSON header maps ``"a/b/c"`` key paths to ``{"t": tensor_name}`` (a
+tensor of the blob), ``{"v": scalar}`` (``int``, ``float``, ``bool``,
+``str``, ``None``) or ``{"d": true}`` (an empty dict). Neither JSON nor
+safetensors executes code on load.
+
+A body comes from the network, so :func:`decode_state` and
+:func:`decode_parts` treat it as hostile. Their contract: every input ends in
+``ValueError`` or in a valid result (nested ``dict`` with non-empty ``str``
+keys, leaves tensors or JSON scalars, no two tensors sharing bytes, no more
+tensor bytes than the body holds), in time and memory linear in the body's
+size. The tensor blob is checked as strictly as ``safetensors`` checks a file
+(header at most 100 MB and starting with ``{``, every tensor's
+``data_offsets`` tiling the data in order with no gap, overlap or trailing
+byte, sizes matching dtype and shape), also on the zero-copy path that
+``safetensors`` does not run. ``tests/test_wire_fuzz.py`` fuzzes this with
+``hypothesis``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+_SCALARS = (bool, int, float, str, type(None))
+_SEP = "/"
+MAX_DEPTH = 64
+"""Most key-path components a decoded state may have (DeepSpeed's states nest about 6 deep)."""
+ST_MAX_HEADER_BYTES = 100_000_000
+"""``safetensors``' own limit on its JSON header (``MAX_HEADER_SIZE``), bytes."""
+HEADER_SLACK_BYTES = 1 << 20
+"""Allowance, on top of twice a state's own header size, for a peer's headers (bytes): :func:`size_bound`."""
+
+# safetensors dtype names (its format spec) for the zero-copy view; any other dtype goes through st_load.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def encode_state(state: Dict[str, Any]) -> bytes:
+    """Serialise a nested dict of tensors and JSON scalars without pickle.
+
+    Args:
+        state: nested ``dict`` with ``str`` keys (no ``"/"`` in keys); leaves
+            are ``torch.Tensor`` (any dtype safetensors supports, any device:
+            copied to contiguous CPU memory) or ``int``/``float``/``bool``/
+            ``str``/``None``.
+
+    Returns:
+        The wire format described in the module docstring.
+
+    Raises:
+        TypeError: a leaf or key of another type (name and path in the message).
+    """
+    header: Dict[str, Any] = {}
+    tensors: Dict[str, torch.Tensor] = {}
+    storages: set = set()
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if not node and path:
+                header[path] = {"d": True}
+            for key, value in node.items():
+                if not isinstance(key, str) or _SEP in key or not key:
+                    raise TypeError(f"heal state key {key!r} at {path or '<root>'!r} must be a non-empty str "
+                                    "without '/'")
+                walk(value, f"{path}{_SEP}{key}" if path else key)
+        elif isinstance(node, torch.Tensor):
+            name = f"t{len(tensors)}"
+            t = node.detach().to("cpu").contiguous()
+            # safetensors refuses tensors sharing a storage (state dicts hold views of flat
+            # buffers): copy only those; the others are copied once, by st_save itself.
+            storage = t.untyped_storage().data_ptr()
+            if storage in storages:
+                t = t.clone()
+            storages.add(storage)
+            tensors[name] = t
+            header[path] = {"t": name}
+        elif isinstance(node, _SCALARS):
+            header[path] = {"v": node}
+        else:
+            raise TypeError(
+                f"heal state leaf {path!r} is a {type(node).__name__}; only tensors and JSON "
+                "scalars are sent (no pickle): convert it in the state function"
+            )
+
+    walk(state, "")
+    head = json.dumps(header).encode()
+    blob = st_save(tensors) if tensors else b""
+    return struct.pack("<Q", len(head)) + head + blob
+
+
+def size_bound(state: Dict[str, Any], extra_bytes: int = 0) -> int:
+    """Largest body (bytes) accepted from a peer for a state shaped like ``state`` (this rank's own).
+
+    The tensors' bytes, plus ``extra_bytes``, plus twice the JSON headers
+    that :func:`encode_state` would write for ``state``, plus
+    :data:`HEADER_SLACK_BYTES`: a peer's scalars (step counts, strings) may
+    be longer than ours. Walks ``state`` without copying any tensor.
+
+    Args:
+        state: this rank's own state (nested dict of tensors and scalars).
+        extra_bytes: state the peer may hold and this rank not yet (bytes),
+            e.g. optimizer moments created at the first step.
+    """
+    tensor_bytes, header = 0, 0
+    stack: List[Tuple[str, Any]] = [("", state)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{path}/{k}", v) for k, v in node.items())
+            header += 32 + len(path.encode())
+        elif isinstance(node, torch.Tensor):
+            tensor_bytes += node.numel() * node.element_size()
+            header += 2 * len(path.encode()) + 96 + 24 * node.dim()
+        else:
+            header += 2 * len(path.encode()) + 32 + (6 * len(node) if isinstance(node, str) else 32)
+    return tensor_bytes + max(0, int(extra_bytes)) + 2 * header + HEADER_SLACK_BYTES
+
+
+def decode_state(body: bytes) -> Dict[str, Any]:
+    """Inverse of :func:`encode_state`; tensors come back on CPU.
+
+    Raises:
+        ValueError: the body is truncated or not in this format (any
+            malformed input; see the module docstring's contract).
+    """
+    n = header_length(body[:8], len(body))
+    return decode_parts(body[8 : 8 + n], body[8 + n :])
+
+
+def header_length(prefix: bytes, body_len: int) -> int:
+    """The JSON header's length from the body's 8-byte prefix, checked against ``body_len`` (bytes).
+
+    Raises:
+        ValueError: fewer than 8 bytes, or a header longer than the body.
+    """
+    if len(prefix) < 8 or body_len < 8:
+        raise ValueError(f"heal state body of {body_len} bytes is truncated")
+    (n,) = struct.unpack("<Q", prefix)
+    if 8 + n > body_len:
+        raise ValueError(f"heal state header of {n} bytes exceeds body of {body_len} bytes")
+    return n
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _st_entries(header: Any, size: int) -> List[Tuple[str, str, List[int], int, int]]:
+    """``(name, dtype, shape, begin, end)`` per tensor of a safetensors header, checked like safetensors does.
+
+    Every entry has a dtype name, a shape of non-negative ints and two
+    offsets; sorted by offset, the tensors tile ``0..size`` exactly. Sizes of
+    the dtypes of :data:`_ST_DTYPES` are checked here; others by
+    ``safetensors.torch.load``.
+    """
+    if not isinstance(header, dict):
+        raise ValueError(f"safetensors header is a {type(header).__name__}, not a mapping")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError("safetensors __metadata__ is not a mapping of strings")
+    entries = []
+    for name, info in header.items():
+        if not (isinstance(info, dict) and set(info) == {"dtype", "shape", "data_offsets"}
+                and isinstance(info["dtype"], str) and isinstance(info["shape"], list)
+                and all(_is_count(d) for d in info["shape"]) and isinstance(info["data_offsets"], list)
+                and len(info["data_offsets"]) == 2 and all(_is_count(o) for o in info["data_offsets"])):
+            raise ValueError(f"tensor {name!r}: {str(info)[:200]} is not {{dtype, shape, data_offsets}}")
+        entries.append((name, info["dtype"], info["shape"], *info["data_offsets"]))
+    entries.sort(key=lambda e: (e[3], e[4]))
+    start = 0
+    for name, dtype, shape, begin, end in entries:
+        if begin != start or end < begin:
+            raise ValueError(f"tensor {name!r}: data_offsets {begin}..{end} overlap or leave a gap "
+                             f"(the previous tensor ends at {start})")
+        if dtype in _ST_DTYPES and end - begin != math.prod(shape) * _ST_DTYPES[dtype].itemsize:
+            raise ValueError(f"tensor {name!r}: data_offsets {begin}..{end} do not hold shape {shape} of {dtype}")
+        start = end
+    if start != size:
+        raise ValueError(f"safetensors data of {size} bytes, but its tensors end at byte {start}")
+    return entries
+
+
+def _view_blob(blob: bytearray) -> Dict[str, torch.Tensor]:
+    """Tensors of a safetensors blob as views of ``blob`` (no copy; they keep it alive and may write to it).
+
+    ``safetensors.torch.load`` copies every tensor out of its ``bytes``; at
+    256 MB that copy took as long as the transfer itself. The layout read here
+    is the safetensors format (8-byte little-endian header length, JSON header
+    of ``dtype``/``shape``/``data_offsets`` per tensor, then the data),
+    checked as ``safetensors`` checks it (:func:`_st_entries`), so no two
+    views share a byte. A dtype outside :data:`_ST_DTYPES` or a big-endian
+    host falls back to ``safetensors.torch.load``.
+
+    Raises:
+        ValueError: a header or offset that does not fit the blob.
+    """
+    view = memoryview(blob)
+    n = header_length(view[:8], len(view))  # safetensors frames its header as this module frames the body
+    if n > ST_MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header of {n} bytes exceeds safetensors' limit of {ST_MAX_HEADER_BYTES}")
+    raw = bytes(view[8 : 8 + n])
+    if not raw.startswith(b"{"):
+        raise ValueError("safetensors header does not start with '{'")
+    entries = _st_entries(_json(raw, "safetensors header"), len(view) - 8 - n)
+    if sys.byteorder != "little" or any(dtype not in _ST_DTYPES for _, dtype, *_ in entries):
+        return st_load(bytes(blob))
+    base, out = 8 + n, {}
+    for name, dtype_name, shape, begin, end in entries:
+        dtype = _ST_DTYPES[dtype_name]
+        numel = (end - begin) // dtype.itemsize
+        out[name] = (torch.frombuffer(blob, dtype=dtype, count=numel, offset=base + begin).reshape(shape) if numel
+                     else torch.empty(shape, dtype=dtype))
+    return out
+
+
+def _json(raw: Any, what: str) -> Any:
+    """``json.loads`` whose every failure (bad UTF-8, bad JSON, nesting too deep, huge int) is a ValueError."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"heal state {what} is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _checked_entries(header: Any, tensors: Dict[str, torch.Tensor]) -> List[Tuple[List[str], str, Any]]:
+    """``(key path, kind, value)`` per header entry; every tensor of the blob named exactly once."""
+    if not isinstance(header, dict):
+        raise ValueError(f"heal state header is a {type(header).__name__}, not a mapping")
+    out, named = [], set()
+    for path, entry in header.items():
+        parts = path.split(_SEP)
+        if not all(parts) or len(parts) > MAX_DEPTH:
+            raise ValueError(f"heal state header path {path[:200]!r} has an empty component or more than "
+                             f"{MAX_DEPTH} levels")
+        if not isinstance(entry, dict) or len(entry) != 1 or next(iter(entry)) not in ("t", "v", "d"):
+            raise ValueError(f"heal state header entry {path[:200]!r}: {str(entry)[:200]} is not one of t/v/d")
+        kind, value = next(iter(entry.items()))
+        if kind == "t" and (not isinstance(value, str) or value not in tensors or value in named):
+            raise ValueError(f"heal state header entry {path[:200]!r} names a missing or already used tensor "
+                             f"{str(value)[:200]!r}")
+        if (kind == "v" and not isinstance(value, _SCALARS)) or (kind == "d" and value is not True):
+            raise ValueError(f"heal state header entry {path[:200]!r}: {kind}={str(value)[:200]} is not a "
+                             "JSON scalar / true")
+        if kind == "t":
+            named.add(value)
+        out.append((parts, kind, value))
+    if len(named) != len(tensors):
+        raise ValueError(f"heal state blob holds {len(tensors) - len(named)} tensor(s) the header does not name")
+    return out
+
+
+def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
+    """:func:`decode_state` of a body already split into its JSON header and safetensors blob.
+
+    The receiver reads the two apart, into a ``bytearray`` for the blob
+    (nearly all of the bytes), whose tensors are then views of it: no copy
+    between the socket and the tensors. A ``bytes`` blob is loaded by
+    ``safetensors.torch.load`` (one copy).
+
+    Raises:
+        ValueError: a malformed header or blob (see the module docstring's contract).
+    """
+    header = _json(head, "header")
+    try:
+        tensors = (_view_blob(blob) if isinstance(blob, bytearray) else st_load(bytes(blob))) if blob else {}
+    except ValueError as e:
+        raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
+    except Exception as e:  # safetensors raises its own error type on a corrupt blob
+        raise ValueError(f"heal state tensor blob is corrupt: {type(e).__name__}: {str(e)[:200]}") from None
+    out: Dict[str, Any] = {}
+    for parts, kind, value in _checked_entries(header, tensors):
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"heal state header path {_SEP.join(parts)[:200]!r} goes through a leaf")
+        leaf: Optional[Any] = node.get(parts[-1])
+        if leaf is not None or parts[-1] in node:
+            if not (kind == "d" and isinstance(leaf, dict)):
+                raise ValueError(f"heal state header path {_SEP.join(parts)[:200]!r} is given twice")
+        elif kind == "d":
+            node[parts[-1]] = {}
+        else:
+            node[parts[-1]] = tensors[value] if kind == "t" else value
+    return out
