@@ -317,3 +317,21 @@ def test_exposed_cross_replica_wait_is_summed_over_steps(monkeypatch):
                                                                   perf_counter=lambda: clock[0]))
     _train(eng, range(3))
     assert eng.cross_replica_wait_s == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT, "offload-2", "offload-3"])
+def test_the_guard_fingerprints_every_master_weight_and_its_optimizer_state(stage):
+    # ZeRO-3 keeps its fp32 partitions out of the torch optimizer's param_groups between steps: a
+    # fingerprint read from there was empty, and the divergence guard compared nothing.
+    from ftbridge.events import tensor_checksum
+
+    eng = _engine(stage)
+    _train(eng, [0, 1, 2], _gas(stage))
+    tensors = eng.adapter.fingerprint_tensors()
+    n_params = sum(p.numel() for p in eng.module.parameters() if p.requires_grad) if stage != 3 else \
+        sum(p.ds_numel for p in eng.module.parameters())
+    assert sum(t.numel() for t in tensors) >= 3 * n_params, "master weights and AdamW's two moments"
+    before = tensor_checksum(tensors)
+    tensors[0].view(-1)[0] += 1e-3                 # one master element of this replica drifts
+    assert tensor_checksum(eng.adapter.fingerprint_tensors()) != before
+

@@ -173,14 +173,8 @@ class ZeroAdapter:
         by its state tensors in key order. Equal on two replicas (same group
         rank) exactly when they will step alike. For the divergence guard.
         """
-        base = self.optimizer.optimizer
-        out: List[torch.Tensor] = []
-        for group in base.param_groups:
-            for p in group["params"]:
-                out.append(p.detach())
-                state = base.state.get(p, {})
-                out.extend(v.detach() for _, v in sorted(state.items()) if torch.is_tensor(v))
-        return out
+        return with_optimizer_state(self.optimizer.optimizer,
+                           [p for group in self.optimizer.optimizer.param_groups for p in group["params"]])
 
     def full_parameters(self) -> List[torch.Tensor]:
         """The module's full parameters (gathered under ZeRO-3), for checksums.
@@ -195,3 +189,14 @@ class ZeroAdapter:
         slots: List[Any] = [None] * dist.get_world_size(group=group)
         slots[dist.get_rank(group=group)] = merged
         return slots
+
+
+def with_optimizer_state(base: torch.optim.Optimizer, masters: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each master tensor followed by its optimizer state tensors (in key order), detached."""
+    out: List[torch.Tensor] = []
+    for p in masters:
+        out.append(p.detach())
+        state = base.state.get(p, {})
+        out.extend(v.detach() for _, v in sorted(state.items()) if torch.is_tensor(v))
+    return out
+

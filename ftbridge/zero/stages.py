@@ -55,7 +55,7 @@ import deepspeed
 import torch
 
 from ftbridge.comm_hooks.fragments import PartitionLayout
-from ftbridge.zero.adapter import ZeroAdapter
+from ftbridge.zero.adapter import ZeroAdapter, with_optimizer_state
 from ftbridge.zero.layout import stage12_layout, stage3_layout
 
 logger = logging.getLogger(__name__)
@@ -297,6 +297,12 @@ class Stage3Adapter(ZeroAdapter):
         opt.checkpoint_event_prologue()
         opt.load_state_dict(self._state_list(state), load_optimizer_states=True, load_from_fp32_weights=True)
         opt.checkpoint_event_epilogue()
+
+    def fingerprint_tensors(self) -> List[torch.Tensor]:
+        # ZeRO-3 puts its fp32 partitions into the torch optimizer's param_groups only while it steps
+        # them (_optimizer_step) and empties them again: read the partitions themselves.
+        opt = self.optimizer
+        return with_optimizer_state(opt.optimizer, list(opt.fp32_partitioned_groups_flat))
 
     def full_parameters(self) -> List[torch.Tensor]:
         params = list(self.engine.module.parameters())
