@@ -14,7 +14,7 @@ from typing import Any
 # hold absolute site-packages paths), so each environment gets its own cache; scripts/setup.sh fills it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
-from ftbridge.config import FTBridgeConfig  # noqa: E402
+from ftbridge.config import FTBridgeConfig
 
 __all__ = ["FTBridgeConfig", "FaultTolerantEngine", "initialize"]
 __version__ = "0.1.0"

@@ -48,9 +48,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ftbridge import comm_hooks
-from ftbridge import faults
-from ftbridge import metrics
+from ftbridge import comm_hooks, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
@@ -58,9 +56,9 @@ from ftbridge.heal import agree_on_heal, guard_heal, lazy_state_bytes, must_wait
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.wire import size_bound
+from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.engine_points import align_to_window, check_deepspeed_version, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
-from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.state import from_wire, to_wire
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")

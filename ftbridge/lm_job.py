@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
+from ftbridge.cli_types import at_least, finite
 from ftbridge.data import ShardedTextData, load_text
 from ftbridge.events import tensor_checksum
-from ftbridge.cli_types import at_least, finite
 from ftbridge.models import GPTConfig, build_model
 
 

@@ -40,8 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from torchft.checkpointing.transport import CheckpointTransport
 
 from ftbridge import faults
-from ftbridge.heal_http import (AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches,
-                                request_mac)
+from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
 from ftbridge.wire import decode_parts, decode_state, encode_state, header_length
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
@@ -144,7 +143,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            def do_GET(self) -> None:
                 parts = self.path.strip("/").split("/")
                 if len(parts) != 2 or parts[0] != "heal" or not parts[1].isdigit() or not parts[1].isascii():
                     self.send_error(404, "expected /heal/STEP")

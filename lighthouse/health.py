@@ -260,7 +260,7 @@ class StatusPage:
         self.registry = registry_for(monitor)
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 with monitor._lock:
                     status, serving, error = monitor.last_status, monitor.serving, monitor.last_error

@@ -22,10 +22,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from ftbridge.local_job import LocalJob  # noqa: E402
-from ftbridge.report import summarize, plot_run  # noqa: E402
+from ftbridge.local_job import LocalJob
+from ftbridge.report import plot_run, summarize
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

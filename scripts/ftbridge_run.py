@@ -1,5 +1,8 @@
 """Run one ftbridge replica group without installing the package: ``python scripts/ftbridge_run.py ...``."""
-import os, sys  # noqa: E401
+import os
+import sys
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ftbridge.launcher import main  # noqa: E402
+from ftbridge.launcher import main
+
 sys.exit(main())

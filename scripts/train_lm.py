@@ -19,14 +19,14 @@ import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" else "cuda")
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import deepspeed
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-import ftbridge  # noqa: E402
-from ftbridge import lm_job  # noqa: E402
-from ftbridge.config import FTBridgeConfig  # noqa: E402
+import ftbridge
+from ftbridge import lm_job
+from ftbridge.config import FTBridgeConfig
 
 IMPORTS_DONE = time.time()  # the heal benchmark's "process start" phase ends here
 

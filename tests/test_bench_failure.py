@@ -149,7 +149,7 @@ def test_ftbridge_resume_survivors_and_rejoined_group():
 
 
 def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
-    from ftbridge.bench import failover, failure_jobs, heal, restart, rescale
+    from ftbridge.bench import failover, failure_jobs, heal, rescale, restart
     from ftbridge.bench.core import Metric
 
     events = [rec(1.0, 1), rec(1.1, 2), rec(1.2, 3), rec(1.0, 1, group=1), rec(1.1, 2, group=1),

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ftbridge.models import CharGPT, GPTConfig, build_model, param_count
+from ftbridge.models import GPTConfig, build_model, param_count
 
 VOCAB = 89  # size of the Shakespeare character vocabulary
 

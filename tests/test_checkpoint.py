@@ -15,8 +15,13 @@ import torch
 from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.async_save import BackgroundWriter, snapshot
 from ftbridge.checkpoint.cli import main as ckpt_cli
-from ftbridge.checkpoint.store import (CheckpointStore, GroupSizeMismatchError, NoValidCheckpointError,
-                                       check_compatible, tag_for)
+from ftbridge.checkpoint.store import (
+    CheckpointStore,
+    GroupSizeMismatchError,
+    NoValidCheckpointError,
+    check_compatible,
+    tag_for,
+)
 from ftbridge.checkpoint.writer import is_writer, replica_ranks, save_due
 
 

@@ -12,9 +12,9 @@ import os
 
 import pytest
 import torch
+from torch.distributed import ReduceOp
 
 from tests.fakes import TINY_GPT, gpt_batch, tiny_engine
-from torch.distributed import ReduceOp
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_rank_world")]
 

@@ -8,7 +8,6 @@ import torch
 
 from ftbridge.events import EventLog, read_events, tensor_checksum
 
-
 # -- tensor_checksum -------------------------------------------------------------
 
 def _params(seed):

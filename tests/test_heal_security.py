@@ -8,7 +8,6 @@ fixed sleep.
 
 from __future__ import annotations
 
-import http.server
 import socket
 import struct
 import threading

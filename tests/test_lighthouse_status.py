@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from lighthouse.server import start_lighthouse
-from lighthouse.status import (StatusFormatError, fetch_status, format_json, format_table, parse_status,
-                               status_url)
+from lighthouse.status import StatusFormatError, fetch_status, format_json, format_table, parse_status, status_url
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,14 @@ from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
 from ftbridge.config import FTBridgeConfig
-
-from ftbridge.manager import (QuorumSeen, ReplicaManager, _QuorumGuard, decide_reconfigure, detect_lighthouse_restart,
-                              rendezvous_namespace)
+from ftbridge.manager import (
+    QuorumSeen,
+    ReplicaManager,
+    _QuorumGuard,
+    decide_reconfigure,
+    detect_lighthouse_restart,
+    rendezvous_namespace,
+)
 
 A, B, C = "replica_group_0:a", "replica_group_1:b", "replica_group_2:c"
 

@@ -109,9 +109,10 @@ def test_kubernetes_dry_run_volcano_job():
 
 def test_component_is_registered_for_torchx(monkeypatch):
     """``ftbridge.job`` resolves through the ``torchx.components`` entry point, beside TorchX's builtins."""
-    import ftbridge.torchx as component
     import torchx.components as builtins
     from torchx.specs import finder
+
+    import ftbridge.torchx as component
 
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '[project.entry-points."torchx.components"]' in text

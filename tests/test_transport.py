@@ -240,7 +240,7 @@ def test_malformed_body_with_valid_framing_raises_value_error(name):
         decode_state(_MALFORMED[name])
     except ValueError:
         return
-    except Exception as e:  # noqa: BLE001 - any other type is the bug
+    except Exception as e:
         raise AssertionError(f"{name}: {type(e).__name__}: {e}") from e
     raise AssertionError(f"{name}: decoded without error")
 
@@ -474,7 +474,7 @@ def test_receiver_refuses_a_pickle_served_by_a_hostile_donor(tmp_path):
     payload = pickle.dumps({"w": _Marker(str(marker))})
 
     class Hostile(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()

@@ -35,8 +35,16 @@ import os
 from typing import List
 
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
-from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain,
-                                 steady_median, train_args)
+from ftbridge.bench.jobs import (
+    MAIN_MODEL,
+    QUICK_MODEL,
+    alternate,
+    next_run_dir,
+    run_ftbridge,
+    run_plain,
+    steady_median,
+    train_args,
+)
 
 GROUPS, RANKS = 2, 1
 """ftbridge topology (replica groups x ranks per group); the baseline has ``GROUPS * RANKS`` ranks."""

@@ -32,8 +32,16 @@ import os
 from typing import List
 
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
-from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, model_params, next_run_dir, rotate, run_ftbridge,
-                                 steady_median, train_args)
+from ftbridge.bench.jobs import (
+    MAIN_MODEL,
+    QUICK_MODEL,
+    model_params,
+    next_run_dir,
+    rotate,
+    run_ftbridge,
+    steady_median,
+    train_args,
+)
 
 GROUPS = 2
 MIN_BUCKETS = 8

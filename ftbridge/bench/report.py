@@ -27,7 +27,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any, Dict, Optional, Sequence
 
-from ftbridge.bench.core import BenchSettings, Metric, PLOTS, save_figure
+from ftbridge.bench.core import PLOTS, BenchSettings, Metric, save_figure
 
 
 def environment() -> Dict[str, Any]:

@@ -33,8 +33,16 @@ import os
 from typing import Dict, List, Sequence, Tuple
 
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, save_figure
-from ftbridge.bench.jobs import (MAIN_MODEL, QUICK_MODEL, alternate, model_params, next_run_dir, run_ftbridge,
-                                 steady_median, train_args)
+from ftbridge.bench.jobs import (
+    MAIN_MODEL,
+    QUICK_MODEL,
+    alternate,
+    model_params,
+    next_run_dir,
+    run_ftbridge,
+    steady_median,
+    train_args,
+)
 
 SIZES_GROUPS = 2
 """Replica groups of the model-size sweep."""

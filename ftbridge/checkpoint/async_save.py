@@ -191,7 +191,7 @@ class BackgroundWriter:
         def run() -> None:
             try:
                 fn()
-            except BaseException as e:  # noqa: BLE001 - reported, never raised into training
+            except BaseException as e:
                 self.last_error = e
                 logger.error("background checkpoint write failed: %r", e, exc_info=True)
 

@@ -44,11 +44,11 @@ import zipfile
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
-from torch.torch_version import TorchVersion
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
+from torch.torch_version import TorchVersion
 
 from ftbridge.checkpoint.async_save import snapshot
 from ftbridge.zero.engine_points import check_deepspeed_version

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import deepspeed
 
-
 SUPPORTED_DEEPSPEED = ("0.19.",)
 """DeepSpeed release prefixes whose internals this module was checked against."""
 

@@ -56,9 +56,9 @@ from ftbridge.comm_hooks.base import CommHookState, wait_result
 from ftbridge.comm_hooks.default import allreduce_hook
 from ftbridge.config import SYNC_MODES
 from ftbridge.manager import ReplicaManager
-from ftbridge.zero.messages import Message, Readiness, plan_messages
-from ftbridge.zero.engine_points import check_accumulation_settings
 from ftbridge.zero.adapter import ZeroAdapter
+from ftbridge.zero.engine_points import check_accumulation_settings
+from ftbridge.zero.messages import Message, Readiness, plan_messages
 from ftbridge.zero.stages import adapter_for
 
 logger = logging.getLogger(__name__)

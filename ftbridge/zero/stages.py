@@ -56,7 +56,7 @@ import torch
 
 from ftbridge.comm_hooks.fragments import PartitionLayout
 from ftbridge.zero.adapter import ZeroAdapter, with_optimizer_state
-from ftbridge.zero.layout import stage12_layout, stage3_layout
+from ftbridge.zero.layout import stage3_layout, stage12_layout
 
 logger = logging.getLogger(__name__)
 

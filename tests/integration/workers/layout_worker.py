@@ -13,12 +13,12 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import deepspeed
+import torch
+import torch.distributed as dist
 
-from ftbridge.models import GPTConfig, build_model  # noqa: E402
-from tests.fakes import TINY_GPT, gpt_batch, tiny_engine  # noqa: E402
+from ftbridge.models import GPTConfig, build_model
+from tests.fakes import TINY_GPT, gpt_batch, tiny_engine
 
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()

@@ -26,9 +26,9 @@ import traceback
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed import ReduceOp  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
 
 
 class Finished:
