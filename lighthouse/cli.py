@@ -50,8 +50,9 @@ if TYPE_CHECKING:
     from lighthouse.status import LighthouseStatus
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [lighthouse] %(message)s"
-DEFAULT_HEALTH_PORT = 29511
-DEFAULT_STATUS_PORT = 29512
+HEALTH_PORT_OFFSET = 1
+STATUS_PORT_OFFSET = 2
+"""Default side ports: the --bind port plus these (29510 gives 29511 and 29512)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quorum-tick-ms", type=at_least(1), default=server.DEFAULT_QUORUM_TICK_MS,
                        help="how often a pending quorum is re-checked, ms (default %(default)s)")
     serve.add_argument("--health-bind", default=None,
-                       help=f"HOST:PORT of the gRPC health service (grpc.health.v1); default: the --bind host, "
-                            f"port {DEFAULT_HEALTH_PORT} (0 when --bind uses port 0); 'none' disables it")
+                       help="HOST:PORT of the gRPC health service (grpc.health.v1); default: the --bind host, "
+                            "the --bind port + 1 (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--status-bind", default=None,
-                       help=f"HOST:PORT of the HTTP status page (/, /status.json, /metrics, /healthz); default: "
-                            f"the --bind host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
+                       help="HOST:PORT of the HTTP status page (/, /status.json, /metrics, /healthz); default: "
+                            "the --bind host, the --bind port + 2 (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--probe-interval-s", type=finite(0.0, strictly_above=True), default=1.0,
                        help="seconds between health probes of the lighthouse (default %(default)s)")
     serve.add_argument("--exit-when-idle-s", type=finite(0.0), default=0.0,
@@ -118,13 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _side_bind(given: Optional[str], bind: str, default_port: int) -> Optional[str]:
-    """The bind of a side endpoint: as given, ``None`` for 'none', else the --bind host and a default port."""
+def _side_bind(given: Optional[str], bind: str, offset: int) -> Optional[str]:
+    """The bind of a side endpoint: as given, ``None`` for 'none', else the --bind host and its port + ``offset``.
+
+    Deriving the port from --bind lets two lighthouses run on one machine with nothing but their own
+    --bind (29510 gives 29511 and 29512); --bind port 0 gives 0 (a free port, printed at start).
+    """
     if given is not None:
         return None if given.lower() == "none" else given
     host, port = server.parse_bind(bind)
     host = f"[{host}]" if ":" in host else host
-    return f"{host}:{default_port if port else 0}"
+    if port and port + offset > 65535:
+        raise ValueError(f"--bind port {port} leaves no room for the side endpoint at port + {offset}; "
+                         "choose a lower --bind port or give --health-bind/--status-bind")
+    return f"{host}:{port + offset if port else 0}"
 
 
 def _check_timeouts(args: argparse.Namespace) -> None:
@@ -155,8 +163,8 @@ def _serve(args: argparse.Namespace) -> int:
     monitor = None
     try:
         try:
-            health_bind = _side_bind(args.health_bind, args.bind, DEFAULT_HEALTH_PORT)
-            status_bind = _side_bind(args.status_bind, args.bind, DEFAULT_STATUS_PORT)
+            health_bind = _side_bind(args.health_bind, args.bind, HEALTH_PORT_OFFSET)
+            status_bind = _side_bind(args.status_bind, args.bind, STATUS_PORT_OFFSET)
             for name, value in (("--health-bind", health_bind), ("--status-bind", status_bind)):
                 if value is not None:
                     host, _ = server.parse_bind(value)

@@ -96,9 +96,14 @@ class LighthouseMonitor:
         self._stop = threading.Event()
 
         self._health = health.HealthServicer()
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lh-health"))
+        # No SO_REUSEPORT (gRPC's default): a second lighthouse must fail on a taken health port, not share it.
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lh-health"),
+                                 options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        port = self._grpc.add_insecure_port(health_bind)
+        try:
+            port = self._grpc.add_insecure_port(health_bind)
+        except RuntimeError as exc:  # grpcio raises when the address is taken
+            raise OSError(f"cannot bind the health service on health_bind={health_bind!r}: {exc}") from exc
         if port == 0:
             raise OSError(f"cannot bind the health service on health_bind={health_bind!r}")
         self.health_port = port

@@ -134,3 +134,27 @@ def test_cli_serve_prints_health_and_page_and_health_command_checks_it():
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_side_ports_follow_the_bind_port_so_two_lighthouses_fit_on_one_machine():
+    from lighthouse.cli import _side_bind
+
+    assert _side_bind(None, "127.0.0.1:29510", 1) == "127.0.0.1:29511"
+    assert _side_bind(None, "127.0.0.1:29610", 2) == "127.0.0.1:29612"   # a second lighthouse's own ports
+    assert _side_bind(None, "127.0.0.1:0", 2) == "127.0.0.1:0"
+    assert _side_bind("none", "127.0.0.1:29510", 1) is None
+    with pytest.raises(ValueError, match="no room"):
+        _side_bind(None, "127.0.0.1:65535", 1)
+
+
+def test_a_taken_health_port_is_refused_not_shared():
+    import socket
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)   # as gRPC's default would
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"health_bind='127.0.0.1:{port}'"):
+            LighthouseMonitor("http://127.0.0.1:9", health_bind=f"127.0.0.1:{port}", status_bind=None,
+                              probe_interval_s=60)

@@ -223,3 +223,60 @@ def test_vote_never_blocks_on_a_hung_primarys_store():
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait(timeout=10)
+
+
+def _listening(pid: int = os.getpid()) -> dict:
+    """``{port: address}`` of the TCP sockets process ``pid`` listens on (Linux /proc), address '::' or '0.0.0.0'
+    for all interfaces."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = {}
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:   # 0A: LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                if width == 8:
+                    addr = ".".join(str(b) for b in reversed(raw))
+                else:
+                    words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]
+                    addr = "::" if not any(raw) else ":".join(w.hex() for w in words)
+                out[int(hexport, 16)] = addr
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads Linux /proc")
+def test_a_group_rank_0_listens_where_docs_lighthouse_md_says(monkeypatch):
+    # docs/lighthouse.md "Listeners": the heal transport on FTBRIDGE_HEAL_BIND only; torchft 0.2's manager
+    # server on every interface (torchft hard-codes bind "[::]:PORT"; no option). If torchft gains one, or the
+    # heal transport starts listening everywhere, this fails and the table must change with it.
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    for name in ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC",
+                 "TORCHFT_QUORUM_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    before = _listening()
+    cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), group_rank=0, group_size=1,
+                                 replica_group_id=0, heal_bind="127.0.0.1")
+    manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
+    try:
+        new = {p: a for p, a in _listening().items() if p not in before}
+        heal_port = int(manager.transport.metadata().split(":")[2].split("/")[0])
+        manager_port = int(manager.torchft._manager.address().rsplit(":", 1)[1])
+        assert new.get(heal_port) == "127.0.0.1", new
+        assert new.get(manager_port) in ("::", "0.0.0.0"), new
+        assert set(new) == {heal_port, manager_port}, f"an undocumented listener: {new}"
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
