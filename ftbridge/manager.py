@@ -49,7 +49,12 @@ version) and, per quorum,
    others'; if any member rebuilds, all do (:func:`decide_reconfigure`), by
    setting ``Manager._quorum_id = -1`` before torchft compares. One
    ``set`` and one ``multi_get`` on that store per quorum, in torchft's
-   quorum thread, overlapped with the forward pass (0.3 ms on loopback here);
+   quorum thread, overlapped with the forward pass (0.3 ms on loopback here).
+   The vote also carries the member's group size: a member whose replica
+   group has another number of ranks than replica rank 0's raises
+   :class:`GroupSizeMismatch` there (:func:`group_size_conflict`), before
+   torchft reconfigures or fetches a heal, and the training thread gets it at
+   its next cross-replica call; the other members go on;
 3. namespaces the rendezvous keys by the quorum's members and step
    (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
    a repeated id does not meet the keys of a quorum of the old lighthouse.
@@ -139,6 +144,32 @@ def decide_reconfigure(own: bool, votes: Optional[Sequence[bool]]) -> bool:
     return own or any(votes)
 
 
+class GroupSizeMismatch(ValueError):
+    """This replica group has another number of ranks than the quorum's primary: it must not heal or all-reduce."""
+
+
+def group_size_conflict(sizes: Sequence[int], replica_rank: int, quorum_id: int) -> Optional[str]:
+    """Why this member must leave the quorum, or ``None``: its group size differs from replica rank 0's.
+
+    Args:
+        sizes: every member's group size (ranks per replica group), by replica rank; 0 where unknown.
+        replica_rank: this member's rank in the quorum.
+        quorum_id: for the message.
+
+    Replica rank 0 (the quorum's primary) is the reference, so exactly the members that differ from it
+    leave and the others go on; a member of unknown size (0) is never judged.
+    """
+    if not sizes or replica_rank >= len(sizes):
+        return None
+    mine, primary = int(sizes[replica_rank]), int(sizes[0])
+    if not mine or not primary or mine == primary:
+        return None
+    return (f"quorum {quorum_id}: this replica group has {mine} ranks but the quorum's primary group has "
+            f"{primary}; every replica group must have the same number of ranks (ZeRO partitions and heal state "
+            f"are shaped by it). Restart this group with {primary} ranks in all (ftbridge-run --nproc-per-node "
+            f"x --nnodes), or restart every group with {mine}")
+
+
 def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
     """The key namespace shared by all members of one quorum: 12 hex digits of its members and step."""
     text = "|".join(sorted(members)) + f"|{max_step}"
@@ -166,7 +197,7 @@ class _QuorumGuard:
     """
 
     def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
-                 on_quorum: Optional[Callable[[Any], None]] = None) -> None:
+                 on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0) -> None:
         # timeout bounds the vote: keep it well below the cross-replica timeout, which bounds the
         # other ranks' should_commit while this quorum thread votes.
         self._manager = manager
@@ -176,6 +207,9 @@ class _QuorumGuard:
         self._on_restart = on_restart
         self._stores: Dict[str, Any] = {}
         self._last_vote: Optional[Tuple[Any, str, int]] = None
+        self._group_size = group_size
+        self.sizes: List[int] = []
+        """Every member's group size at the last vote, by replica rank (empty when the vote failed)."""
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
@@ -192,7 +226,12 @@ class _QuorumGuard:
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
         own = restarted or quorum_id != self._manager._quorum_id
-        if self._vote(result, namespace, own):
+        rebuild = self._vote(result, namespace, own)
+        conflict = group_size_conflict(self.sizes, int(result.replica_rank), quorum_id)
+        if conflict:  # before torchft reconfigures or fetches a heal with this quorum
+            logger.error("%s", conflict)
+            raise GroupSizeMismatch(conflict)
+        if rebuild:
             if not own:
                 self.forced += 1
                 logger.warning("quorum %d: another member rebuilds the cross-replica process group "
@@ -213,9 +252,11 @@ class _QuorumGuard:
         base = f"{int(result.quorum_id)}/{namespace}"
         store, last = self._stores.get(result.store_address), self._last_vote
         votes: Optional[List[bool]] = None
+        self.sizes = []
         try:
-            store, votes = call_bounded(lambda: _vote_on_store(result, base, mine, store, last, self._timeout),
-                                        2 * self._timeout, f"the primary's store {result.store_address}")
+            store, votes, self.sizes = call_bounded(
+                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size),
+                2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
         except Exception as exc:  # a member or the store died or hung: this step fails on it anyway
@@ -230,8 +271,8 @@ class _QuorumGuard:
 
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
-                   timeout: timedelta) -> Tuple[Any, List[bool]]:
-    """One rank's vote on the primary's store: write ``mine``, wait for every member's, read them.
+                   timeout: timedelta, group_size: int = 0) -> Tuple[Any, List[bool], List[int]]:
+    """One rank's vote on the primary's store: write ``mine`` and ``group_size``, wait for every member's, read them.
 
     Args:
         result: torchft's quorum result (``store_address``, ``replica_rank``, ``replica_world_size``).
@@ -241,27 +282,32 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         last: ``(store, base, replica_rank)`` of this rank's previous vote.
         timeout: bound on waiting for the other members' votes.
 
+        group_size: ranks of this replica group (0: not published).
+
     Returns:
-        ``(store client, votes)``, one vote per replica rank.
+        ``(store client, votes, sizes)``, one vote and one group size per replica rank.
 
     Raises:
         Whatever the store raises: ``DistStoreError`` when a member's vote does not come within ``timeout``.
     """
     if store is None:
         store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
-    store.set(f"{base}/{int(result.replica_rank)}", b"1" if mine else b"0")
+    store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
     keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
     store.wait(keys, timeout)
-    votes = [v == b"1" for v in store.multi_get(keys)]
+    values = [bytes(v).decode(errors="replace").partition(":") for v in store.multi_get(keys)]
+    votes = [v == "1" for v, _, _ in values]
+    sizes = [int(n) if n.isdigit() else 0 for _, _, n in values]
     # Drop this rank's previous vote, only on the store that just answered: a previous primary's
     # store may be hung (its group's rank 0 SIGSTOPped), and deleting there blocked (chaos soak).
     if last is not None and last[0] is store and last[1] != base:
         store.delete_key(f"{last[1]}/{last[2]}")
-    return store, votes
+    return store, votes, sizes
 
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
-                          on_quorum: Optional[Callable[[Any], None]] = None) -> Optional[_QuorumGuard]:
+                          on_quorum: Optional[Callable[[Any], None]] = None,
+                          group_size: int = 0) -> Optional[_QuorumGuard]:
     """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
     version = importlib.metadata.version("torchft")
     needed = ("_client", "_quorum_id", "_async_quorum")
@@ -271,7 +317,7 @@ def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Call
                        "checked against the donor's host", version,
                        TORCHFT_GUARDED_VERSIONS)
         return None
-    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum)
+    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size)
     manager._client = guard
     return guard
 
@@ -351,7 +397,7 @@ class ReplicaManager:
         )
         self.lighthouse_restarts = 0
         self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
-                                                  self._on_lighthouse_restart, self._on_quorum)
+                                                  self._on_lighthouse_restart, self._on_quorum, cfg.group_size)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1

@@ -18,11 +18,13 @@ from torchft.coordination import LighthouseServer
 
 from ftbridge.config import FTBridgeConfig
 from ftbridge.manager import (
+    GroupSizeMismatch,
     QuorumSeen,
     ReplicaManager,
     _QuorumGuard,
     decide_reconfigure,
     detect_lighthouse_restart,
+    group_size_conflict,
     rendezvous_namespace,
 )
 
@@ -65,7 +67,7 @@ class _FakeClient:
         return "delegated"
 
 
-def _members(store_port, last_ids, qid, step=5):
+def _members(store_port, last_ids, qid, step=5, group_sizes=(2, 2)):
     """One guard per member, each with its own torchft-like manager whose last quorum id is given."""
     ids = sorted([A, B])
     guards = []
@@ -73,7 +75,8 @@ def _members(store_port, last_ids, qid, step=5):
         result = SimpleNamespace(quorum_id=qid, replica_ids=ids, max_step=step, replica_rank=rank,
                                  replica_world_size=2, store_address=f"127.0.0.1:{store_port}")
         mgr = SimpleNamespace(_client=_FakeClient(result), _quorum_id=last)
-        guard = _QuorumGuard(mgr, timedelta(seconds=10), on_restart=lambda old, new: None)
+        guard = _QuorumGuard(mgr, timedelta(seconds=10), on_restart=lambda old, new: None,
+                             group_size=group_sizes[rank])
         guard.seen = QuorumSeen(last, tuple(ids)) if last >= 0 else None
         guards.append((mgr, guard))
     return guards
@@ -83,7 +86,10 @@ def _run_all(guards):
     views = [None] * len(guards)
 
     def run(i):
-        views[i] = guards[i][1]._quorum(group_rank=0, step=5, commit_failures=0)
+        try:
+            views[i] = guards[i][1]._quorum(group_rank=0, step=5, commit_failures=0)
+        except Exception as e:  # noqa: BLE001 (the test inspects it)
+            views[i] = e
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(guards))]
     for t in threads:
@@ -280,3 +286,25 @@ def test_a_group_rank_0_listens_where_docs_lighthouse_md_says(monkeypatch):
     finally:
         manager.shutdown()
         lighthouse.shutdown()
+
+
+def test_group_size_conflict_names_both_sizes_and_spares_the_primary():
+    assert group_size_conflict([2, 2, 2], 1, 7) is None
+    assert group_size_conflict([1, 2], 0, 7) is None                  # the primary goes on
+    why = group_size_conflict([1, 2], 1, 7)
+    assert "has 2 ranks but the quorum's primary group has 1" in why and "--nproc-per-node" in why
+    assert group_size_conflict([1, 0], 1, 7) is None                  # size unknown: not judged
+    assert group_size_conflict([], 0, 7) is None                      # the vote failed
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_another_size_leaves_before_reconfigure_or_heal():
+    # Seen: a 2-rank group healed from a 1-rank group, then every rank aborted in gloo (size mismatch),
+    # restart after restart. The vote carries the group size; the odd member raises inside the quorum.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    guards = _members(store.port, last_ids=[1, 1], qid=2, group_sizes=(1, 2))
+    views = _run_all(guards)
+    assert isinstance(views[1], GroupSizeMismatch) and "has 2 ranks" in str(views[1])
+    assert guards[1][0]._quorum_id == 1, "the odd member must not be told to reconfigure"
+    assert not isinstance(views[0], Exception) and guards[0][1].sizes == [1, 2]
+
