@@ -394,7 +394,8 @@ class FTBridgeConfig:
 
         comm_hooks.validate(self.comm_hook, self.comm_wrapper, self.comm_state_option)
         need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),
-             f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; give this node's address "
+             f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; "
+             "give this node's address "
              "(127.0.0.1 on one machine, the private-network address across machines)")
 
     def event_log_path(self) -> Optional[str]:

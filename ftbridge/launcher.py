@@ -518,7 +518,7 @@ def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeou
     """
     kill_after_s = shutdown_timeout_s + KILL_AFTER_SHUTDOWN_S
     proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
-                            preexec_fn=_child_preexec(os.getpid()))
+                            preexec_fn=_child_preexec(os.getpid()))  # noqa: PLW1509 - prctl only, no locks
     log.info("torchrun pid %d", proc.pid)
     try:
         with _Supervisor(proc, kill_after_s) as sup:

@@ -218,7 +218,7 @@ class _QuorumGuard:
                                         2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
-        except Exception as exc:  # a member or the store died or hung: this step fails on it anyway
+        except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
             logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
                            int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
                            "rebuilding" if mine else "keeping the process group")

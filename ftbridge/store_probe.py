@@ -48,7 +48,7 @@ def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
     def work() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # handed to the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, re-raised there
             box["error"] = exc
 
     worker = threading.Thread(target=work, name="ftbridge-store-call", daemon=True)

@@ -278,7 +278,7 @@ def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
         tensors = (_view_blob(blob) if isinstance(blob, bytearray) else st_load(bytes(blob))) if blob else {}
     except ValueError as e:
         raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
-    except Exception as e:  # safetensors raises its own error type on a corrupt blob
+    except Exception as e:  # noqa: BLE001 - hostile bytes: whatever safetensors raises becomes ValueError
         raise ValueError(f"heal state tensor blob is corrupt: {type(e).__name__}: {str(e)[:200]}") from None
     out: Dict[str, Any] = {}
     for parts, kind, value in _checked_entries(header, tensors):

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"port {DEFAULT_HEALTH_PORT} (0 when --bind uses port 0); 'none' disables it")
     serve.add_argument("--status-bind", default=None,
                        help=f"HOST:PORT of the HTTP status page (/, /status.json, /metrics, /healthz); default: "
-                            f"the --bind host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); 'none' disables it")
+                            f"the --bind host, port {DEFAULT_STATUS_PORT} (0 when --bind uses port 0); "
+                            "'none' disables it")
     serve.add_argument("--probe-interval-s", type=finite(0.0, strictly_above=True), default=1.0,
                        help="seconds between health probes of the lighthouse (default %(default)s)")
     serve.add_argument("--exit-when-idle-s", type=finite(0.0), default=0.0,
@@ -107,13 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the current quorum and its members")
     status.add_argument("address", help="the lighthouse, http://HOST:PORT or HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0, help="request timeout, s (default %(default)g)")
+    status.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0,
+                        help="request timeout, s (default %(default)g)")
     status.set_defaults(func=_status)
 
     health = sub.add_parser("health", help="ask a gRPC health service; exit 0 when SERVING")
     health.add_argument("address", help="HOST:PORT of the health service (serve's --health-bind)")
     health.add_argument("--service", default="", help="service name (default: the overall status)")
-    health.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0, help="call deadline, s (default %(default)g)")
+    health.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0,
+                        help="call deadline, s (default %(default)g)")
     health.set_defaults(func=_health)
     return parser
 

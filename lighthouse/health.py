@@ -118,7 +118,7 @@ class LighthouseMonitor:
         try:
             status = fetch_status(self.lighthouse, timeout_s=self.probe_timeout_s)
             error = None
-        except Exception as exc:  # unreachable, HTTP error or unparsable page: all mean not serving
+        except Exception as exc:  # noqa: BLE001 - unreachable, HTTP error or unparsable page: not serving
             status, error = None, f"{type(exc).__name__}: {exc}"
         ok = status is not None
         with self._lock:

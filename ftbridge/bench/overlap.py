@@ -66,7 +66,7 @@ def plot(metrics: List[Metric], path: str) -> None:
     bars = [("post-backward\n(1 all-reduce/step)", metrics[0].extra["baseline_samples"], "tab:gray", None)]
     bars += [(f"per-bucket, {m.extra['variant']}\n({m.extra['messages_per_step']:.0f} all-reduces/step)",
               m.extra["candidate_samples"], "tab:blue", m.value) for m in metrics]
-    for i, (label, samples, color, ratio) in enumerate(bars):
+    for i, (_label, samples, color, ratio) in enumerate(bars):
         ms = sorted(v * 1e3 for v in samples)
         mid = ms[len(ms) // 2]
         ax.bar(i, mid, 0.5, color=color, yerr=[[mid - ms[0]], [ms[-1] - mid]], capsize=4)

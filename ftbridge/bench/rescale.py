@@ -153,7 +153,7 @@ def run(settings: BenchSettings) -> List[Metric]:
             if loaded["global_steps"] != SAVE_STEP:
                 raise RuntimeError(f"load_{kind} resumed at step {loaded['global_steps']}, saved at {SAVE_STEP}")
             x[f"{prefix}_load_s"].append(loaded["load_s"])
-    plain_ckpt = [c + l for c, l in zip(x["convert_s"], x["plain_load_s"])]
+    plain_ckpt = [c + ld for c, ld in zip(x["convert_s"], x["plain_load_s"])]
     plain_e2e = [c + p for c, p in zip(x["convert_s"], x["plain_proc_s"])]
     extra = dict(x, ranks_before=2 * m, ranks_after=m, groups_before=groups_before, groups_after=groups_after)
     shape = f"{2 * m} -> {m} ranks ({groups_before} -> {groups_after} replica groups of {m})"

@@ -182,7 +182,8 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     kinds = {f.kind for f in schedule}
     # A scale-up needs a group outside the job: hold one back unless a scale-down makes room first.
     first = {k: min(f.index for f in schedule if f.kind == k) for k in kinds}
-    needs_room = FailureKind.SCALE_UP in kinds and first.get(FailureKind.SCALE_DOWN, 10**9) > first[FailureKind.SCALE_UP]
+    needs_room = (FailureKind.SCALE_UP in kinds
+                  and first.get(FailureKind.SCALE_DOWN, 10**9) > first[FailureKind.SCALE_UP])
     held_back = {settings.groups - 1} if needs_room else set()
     alive = set(range(settings.groups)) - held_back
     outcomes: List[Outcome] = []

@@ -70,7 +70,7 @@ def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -
         return type(obj)(snapshot(v, memo) for v in obj)
     try:
         return copy.deepcopy(obj)
-    except Exception:  # an object that cannot be copied is saved as it is at write time
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is saved as it is at write time
         return obj
 
 
