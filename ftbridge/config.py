@@ -31,7 +31,7 @@ import os
 import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 SYNC_MODES = ("per_bucket", "post_backward")
 GUARD_ACTIONS = ("heal", "stop")
@@ -309,7 +309,7 @@ class FTBridgeConfig:
             elif kind == "json":
                 values[name] = _parse_json_object(raw, env_name)
             else:
-                values[name] = _parse(kind, raw, env_name)
+                values[name] = _parse(cast(type, kind), raw, env_name)
         cfg = cls(**values)
         cfg.validate()
         return cfg

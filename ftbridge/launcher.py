@@ -540,6 +540,8 @@ def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeou
 def lighthouse_unreachable(url: str, timeout_s: float = 3.0) -> str:
     """``""`` if a TCP connection to the lighthouse at ``url`` opens within ``timeout_s``, else the reason."""
     parts = urlsplit(url)
+    if parts.port is None:
+        return f"no port in the lighthouse address {url!r}"
     try:
         with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
             return ""

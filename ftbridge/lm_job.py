@@ -176,6 +176,7 @@ def build_data_and_model(args: argparse.Namespace):
     text = load_text(args.data)
     data = ShardedTextData(text, context=args.context, micro_batch=args.micro_batch, seed=args.seed,
                            gradient_accumulation_steps=args.grad_accum)
+    assert data.tokenizer is not None  # built from text, so it has a tokenizer
     model = build_model(GPTConfig(vocab_size=data.tokenizer.vocab_size, context=args.context, n_layer=args.n_layer,
                                   n_head=args.n_head, d_model=args.d_model), seed=args.seed)
     if args.bf16:

@@ -78,7 +78,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -376,7 +376,8 @@ class ReplicaManager:
         self._healed_this_step = False
         self.torchft.start_quorum()
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+    def allreduce(self, tensor: torch.Tensor,
+                  reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
         """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.
 
         A healing replica contributes zeros and receives the average of the

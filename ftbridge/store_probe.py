@@ -78,6 +78,7 @@ class _Probed:
     """Mixin: probe the quorum's store before torchft's ``configure`` dials it."""
 
     _timeout: timedelta
+    abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         try:

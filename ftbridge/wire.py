@@ -28,7 +28,7 @@ import json
 import math
 import struct
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors.torch import load as st_load
@@ -141,7 +141,7 @@ def decode_state(body: bytes) -> Dict[str, Any]:
     return decode_parts(body[8 : 8 + n], body[8 + n :])
 
 
-def header_length(prefix: bytes, body_len: int) -> int:
+def header_length(prefix: Union[bytes, memoryview], body_len: int) -> int:
     """The JSON header's length from the body's 8-byte prefix, checked against ``body_len`` (bytes).
 
     Raises:

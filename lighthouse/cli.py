@@ -263,7 +263,7 @@ def _health(args: argparse.Namespace) -> int:
     try:
         state = check_health(args.address, args.service, timeout_s=args.timeout_s)
     except grpc.RpcError as exc:
-        state = f"UNREACHABLE ({exc.code().name})"  # type: ignore[attr-defined]
+        state = f"UNREACHABLE ({exc.code().name})"
     print(json.dumps({"address": args.address, "service": args.service, "status": state}), flush=True)
     return 0 if state == "SERVING" else 1
 

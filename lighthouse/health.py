@@ -132,7 +132,7 @@ class LighthouseMonitor:
         for service in ("", LIGHTHOUSE_SERVICE):
             self._health.set(service, value)
         if changed:
-            if ok:
+            if status is not None:
                 logger.info("health SERVING lighthouse=%s quorum_id=%d", self.lighthouse, status.quorum_id)
             else:
                 logger.warning("health NOT_SERVING lighthouse=%s error=%s", self.lighthouse, error)

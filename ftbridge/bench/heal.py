@@ -221,6 +221,7 @@ def transport_alone(mb: int, reps: int) -> List[Metric]:
                 t0 = time.perf_counter()
                 joiner.recv_checkpoint(0, address, 0, timedelta(seconds=60))
                 seconds = time.perf_counter() - t0
+                assert joiner.last_recv is not None  # set by every successful recv_checkpoint
                 nbytes = joiner.last_recv["bytes"]
                 rates.append(nbytes / seconds / 1e6)
                 loop.append(nbytes / loopback_seconds(nbytes) / 1e6)

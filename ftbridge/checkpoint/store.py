@@ -205,7 +205,7 @@ class CheckpointStore:
                 missing, truncated or altered file (all problems listed).
         """
         found = self.list()
-        bad = []
+        bad: List[str] = []
         for ckpt in reversed(found):
             problems = ckpt.problems()
             if not problems:
@@ -259,7 +259,7 @@ class CheckpointStore:
         return removed
 
     def _remove_leftovers(self, newest: int) -> List[str]:
-        removed = []
+        removed: List[str] = []
         try:
             entries = list(os.scandir(self.root))
         except OSError:
