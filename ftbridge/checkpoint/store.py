@@ -7,7 +7,7 @@ DeepSpeed ``load_dir``: ``ROOT/latest`` holds the tag)::
     ROOT/global_step<N>/                one checkpoint, DeepSpeed's files for a
         mp_rank_00_model_states.pt      data-parallel world of the group size
         zero_pp_rank_<k>_mp_rank_00_optim_states.pt   one per group rank k
-        ftbridge.json                   ftbridge metadata (see :mod:`.state`)
+        ftbridge.json                   ftbridge metadata (Checkpointer.metadata; check_metadata)
         ftbridge_rank_<k>.pt            per-rank engine counters and user state
         manifest.json                   sizes and SHA-256 of all the above
     ROOT/.tmp-global_step<N>-q<Q>/      a write in progress (or abandoned)
