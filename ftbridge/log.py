@@ -27,7 +27,7 @@ class _IdentityAdapter(logging.LoggerAdapter):
         if self._step_fn is not None:
             try:
                 step = f" step {self._step_fn()}"
-            except Exception:  # the step may not exist yet during start-up
+            except Exception:  # noqa: BLE001 - the step may not exist yet during start-up
                 step = ""
         return f"[{self._who}{step}] {msg}", kwargs
 

@@ -83,7 +83,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -259,7 +259,7 @@ class _QuorumGuard:
                 2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
-        except Exception as exc:  # a member or the store died or hung: this step fails on it anyway
+        except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
             logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
                            int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
                            "rebuilding" if mine else "keeping the process group")
@@ -422,7 +422,8 @@ class ReplicaManager:
         self._healed_this_step = False
         self.torchft.start_quorum()
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+    def allreduce(self, tensor: torch.Tensor,
+                  reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
         """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.
 
         A healing replica contributes zeros and receives the average of the

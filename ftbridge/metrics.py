@@ -131,7 +131,7 @@ class GroupMetrics:
     def _observe_heal(self, rec: Dict[str, Any]) -> None:
         """Phases of one heal from its ``heal_transfer`` event (written right after the healing step's record)."""
         start, fetched, end = rec.get("start"), rec.get("fetched"), rec.get("time")
-        if None in (start, fetched, end):
+        if start is None or fetched is None or end is None:
             return
         self.heal_bytes.labels(self.group).inc(rec.get("bytes") or 0)
         phases = {"transfer": fetched - start, "decode": end - fetched}

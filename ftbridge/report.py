@@ -113,8 +113,8 @@ def plot_run(events: List[Dict[str, Any]], path: str, title: Optional[str] = Non
                          color=colors[i % len(colors)], label=f"replica group {g}" if a == cuts[0] else None)
             # Participants as seen by this launch; the line stops at the launch's last step (no bridge
             # across the time the group was dead).
-            seen = [e for e in mine if a <= e["time"] < b]
-            ax_part.step([e["time"] - t0 for e in seen], [e["participants"] for e in seen], where="post",
+            window = [e for e in mine if a <= e["time"] < b]
+            ax_part.step([e["time"] - t0 for e in window], [e["participants"] for e in window], where="post",
                          color=colors[i % len(colors)])
 
         for e in mine:

@@ -48,7 +48,7 @@ def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
     def work() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # handed to the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, re-raised there
             box["error"] = exc
 
     worker = threading.Thread(target=work, name="ftbridge-store-call", daemon=True)
@@ -78,6 +78,7 @@ class _Probed:
     """Mixin: probe the quorum's store before torchft's ``configure`` dials it."""
 
     _timeout: timedelta
+    abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         try:

@@ -35,7 +35,7 @@ import time
 import urllib.error
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union, cast
 
 from torchft.checkpointing.transport import CheckpointTransport
 
@@ -153,7 +153,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                                                         self.headers.get("Authorization")):
                     self.send_error(403, "heal request without this job's token (FTBRIDGE_JOB_TOKEN)")
                     return
-                self.server.extend(self.connection)
+                cast(BoundedHTTPServer, self.server).extend(self.connection)
                 body = transport._wait_for(step)
                 if body is None:
                     self.send_error(409, f"step {step} is not being served")

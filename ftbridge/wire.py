@@ -28,7 +28,7 @@ import json
 import math
 import struct
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors.torch import load as st_load
@@ -141,7 +141,7 @@ def decode_state(body: bytes) -> Dict[str, Any]:
     return decode_parts(body[8 : 8 + n], body[8 + n :])
 
 
-def header_length(prefix: bytes, body_len: int) -> int:
+def header_length(prefix: Union[bytes, memoryview], body_len: int) -> int:
     """The JSON header's length from the body's 8-byte prefix, checked against ``body_len`` (bytes).
 
     Raises:
@@ -278,7 +278,7 @@ def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
         tensors = (_view_blob(blob) if isinstance(blob, bytearray) else st_load(bytes(blob))) if blob else {}
     except ValueError as e:
         raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
-    except Exception as e:  # safetensors raises its own error type on a corrupt blob
+    except Exception as e:  # noqa: BLE001 - hostile bytes: whatever safetensors raises becomes ValueError
         raise ValueError(f"heal state tensor blob is corrupt: {type(e).__name__}: {str(e)[:200]}") from None
     out: Dict[str, Any] = {}
     for parts, kind, value in _checked_entries(header, tensors):

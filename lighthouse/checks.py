@@ -118,7 +118,8 @@ def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding
         out.append(Finding("ERROR", "heartbeat-interval",
                            f"heartbeat_timeout_ms={lh.heartbeat_timeout_ms} is not above 2 x the managers' "
                            f"heartbeat_interval={_s(mgr.heartbeat_interval)}: one late heartbeat would declare a live "
-                           "replica group dead; raise heartbeat_timeout_ms (>= 5 x the interval) or lower the interval"))
+                           "replica group dead; raise heartbeat_timeout_ms (>= 5 x the interval) "
+                           "or lower the interval"))
     elif hb_timeout < 5 * mgr.heartbeat_interval:
         out.append(Finding("WARNING", "heartbeat-interval",
                            f"heartbeat_timeout_ms={lh.heartbeat_timeout_ms} is below 5 x the managers' "
@@ -145,7 +146,8 @@ def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding
     if mgr.quorum_retries < 1:
         out.append(Finding("WARNING", "restart-retries",
                            f"quorum_retries={mgr.quorum_retries}: a lighthouse restart or network blip fails every "
-                           "manager's quorum call and kills every rank; set quorum_retries >= 1 (ftbridge's default is 5)"))
+                           "manager's quorum call and kills every rank; set quorum_retries >= 1 "
+                           "(ftbridge's default is 5)"))
     needed = mgr.expected_outage + join + RECONNECT_ALLOWANCE
     if mgr.quorum_timeout < needed:
         out.append(Finding("WARNING", "restart-outage",

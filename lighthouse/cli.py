@@ -108,13 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the current quorum and its members")
     status.add_argument("address", help="the lighthouse, http://HOST:PORT or HOST:PORT")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0, help="request timeout, s (default %(default)g)")
+    status.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0,
+                        help="request timeout, s (default %(default)g)")
     status.set_defaults(func=_status)
 
     health = sub.add_parser("health", help="ask a gRPC health service; exit 0 when SERVING")
     health.add_argument("address", help="HOST:PORT of the health service (serve's --health-bind)")
     health.add_argument("--service", default="", help="service name (default: the overall status)")
-    health.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0, help="call deadline, s (default %(default)g)")
+    health.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=5.0,
+                        help="call deadline, s (default %(default)g)")
     health.set_defaults(func=_health)
     return parser
 
@@ -268,7 +270,7 @@ def _health(args: argparse.Namespace) -> int:
     try:
         state = check_health(args.address, args.service, timeout_s=args.timeout_s)
     except grpc.RpcError as exc:
-        state = f"UNREACHABLE ({exc.code().name})"  # type: ignore[attr-defined]
+        state = f"UNREACHABLE ({exc.code().name})"
     print(json.dumps({"address": args.address, "service": args.service, "status": state}), flush=True)
     return 0 if state == "SERVING" else 1
 

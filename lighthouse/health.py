@@ -123,7 +123,7 @@ class LighthouseMonitor:
         try:
             status = fetch_status(self.lighthouse, timeout_s=self.probe_timeout_s)
             error = None
-        except Exception as exc:  # unreachable, HTTP error or unparsable page: all mean not serving
+        except Exception as exc:  # noqa: BLE001 - unreachable, HTTP error or unparsable page: not serving
             status, error = None, f"{type(exc).__name__}: {exc}"
         ok = status is not None
         with self._lock:
@@ -137,7 +137,7 @@ class LighthouseMonitor:
         for service in ("", LIGHTHOUSE_SERVICE):
             self._health.set(service, value)
         if changed:
-            if ok:
+            if status is not None:
                 logger.info("health SERVING lighthouse=%s quorum_id=%d", self.lighthouse, status.quorum_id)
             else:
                 logger.warning("health NOT_SERVING lighthouse=%s error=%s", self.lighthouse, error)

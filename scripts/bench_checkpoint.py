@@ -44,7 +44,8 @@ def main() -> int:
     print(f"{'save':<16}{'stall ms':>10}{'vs DeepSpeed':>14}{'next step ms':>14}")
     for name in ("deepspeed", "ftbridge_sync", "ftbridge_async"):
         r = stall[name]
-        print(f"{name:<16}{r['stall_s'] * 1e3:>10.1f}{r['stall_s'] / ds['stall_s']:>13.2f}x{r['next_step_s'] * 1e3:>14.1f}")
+        print(f"{name:<16}{r['stall_s'] * 1e3:>10.1f}{r['stall_s'] / ds['stall_s']:>13.2f}x"
+              f"{r['next_step_s'] * 1e3:>14.1f}")
     print("\n2/2 resume a 4-rank job on 2 ranks (ftbridge.bench.rescale) ...", flush=True)
     metrics = rescale.run(BenchSettings(workdir=out, reps=args.reps, timeout_s=900))
     for m in metrics:

@@ -153,5 +153,5 @@ def reference(spec: JobSpec) -> Dict[str, torch.Tensor]:
         with torch.no_grad():
             for p in params.values():
                 if p.grad is not None:
-                    p -= spec.lr * p.grad / (spec.groups * spec.group_size)
+                    p.sub_(spec.lr * p.grad / (spec.groups * spec.group_size))
     return {k: v.detach().float() for k, v in params.items()}

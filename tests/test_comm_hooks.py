@@ -121,7 +121,7 @@ def _train(hook_name: str, steps: int, options=None, wrapper: str = "no", n: int
     for step in range(steps):
         world.step = step
         flats = []
-        for i, m in enumerate(models):
+        for m in models:
             x = torch.randn(16, 32, generator=data)
             y = torch.tanh(x @ w_true)
             m.zero_grad()

@@ -127,8 +127,9 @@ def test_val_batches_deterministic_and_disjoint_from_train():
 
 
 def test_next_batch_and_state_dict_roundtrip(shakespeare):
-    mk = lambda: ShardedTextData(shakespeare[:50_000], CONTEXT, MICRO_BATCH, seed=7,
-                                 gradient_accumulation_steps=2)
+    def mk():
+        return ShardedTextData(shakespeare[:50_000], CONTEXT, MICRO_BATCH, seed=7, gradient_accumulation_steps=2)
+
     data = mk()
     positions = []
     for _ in range(5):

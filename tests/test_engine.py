@@ -214,7 +214,8 @@ def test_cross_replica_average_is_what_the_optimizer_steps_on(stage, mode):
     eng = _engine(stage, mode, sgd=True, manager_cls=ZeroingManager)
     _train(eng, [0, 1, 2], gas)
     assert eng.sync.allreduces >= 1
-    assert _state(eng)[0]["params"] == before, "the optimizer stepped on a gradient the cross-replica sync did not touch"
+    assert _state(eng)[0]["params"] == before, \
+        "the optimizer stepped on a gradient the cross-replica sync did not touch"
 
 
 class ScalingManager(FakeManager):

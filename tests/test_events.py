@@ -58,8 +58,9 @@ def test_checksum_sees_the_lowest_bit_of_bf16_and_the_sign_of_zero():
 
 def test_checksum_differs_when_only_the_dtype_differs():
     # All-zero tensors have identical bytes; the dtype alone must tell them apart.
-    assert tensor_checksum([torch.zeros(4, dtype=torch.float32)]) != tensor_checksum([torch.zeros(4, dtype=torch.int32)])
-    assert tensor_checksum([torch.zeros(2, dtype=torch.float16)]) != tensor_checksum([torch.zeros(2, dtype=torch.bfloat16)])
+    zeros = torch.zeros
+    assert tensor_checksum([zeros(4, dtype=torch.float32)]) != tensor_checksum([zeros(4, dtype=torch.int32)])
+    assert tensor_checksum([zeros(2, dtype=torch.float16)]) != tensor_checksum([zeros(2, dtype=torch.bfloat16)])
     assert tensor_checksum([torch.tensor(1.0)]) != tensor_checksum([torch.tensor(1.0, dtype=torch.float64)])
 
 

@@ -187,7 +187,7 @@ def test_pickle_in_blob_or_header_position_never_runs_code(tmp_path):
         b"PK\x03\x04" + b"\x00" * 4 + payload,                           # torch.save zip magic in front
     ]
     for body in bodies:
-        with pytest.raises(Exception):
+        with pytest.raises(ValueError):
             decode_state(body)
         assert not marker.exists()
 

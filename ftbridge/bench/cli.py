@@ -198,7 +198,7 @@ def _run(args: argparse.Namespace, settings: core.BenchSettings, names: Sequence
              ", ".join(record["files"]))
     for name, err in record["plot_errors"].items():
         log.error("plot %s failed: %s", name, err)
-    return 130 if any(f["error"].startswith("KeyboardInterrupt") for f in failures) else 1 if failures else 0
+    return 130 if any(str(f["error"]).startswith("KeyboardInterrupt") for f in failures) else 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def ftbridge_kill_runs(settings: BenchSettings, heartbeat_timeout_ms: int = HEAR
            heartbeat_timeout_ms)
     if key not in _CACHE:
         reps = 1 if settings.quick else settings.reps
-        name = "ftbridge_kill" if heartbeat_timeout_ms == HEARTBEAT_TIMEOUT_MS else f"ftbridge_kill_hb{heartbeat_timeout_ms}"
+        name = ("ftbridge_kill" if heartbeat_timeout_ms == HEARTBEAT_TIMEOUT_MS
+                else f"ftbridge_kill_hb{heartbeat_timeout_ms}")
         _CACHE[key] = [ftbridge_kill_run(os.path.join(settings.workdir, name, f"rep{i}"), settings,
                                          heartbeat_timeout_ms) for i in range(reps)]
     return _CACHE[key]
@@ -176,7 +177,8 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"restart{port}",
            TRAIN_SCRIPT, "--plain", *model_args(settings), "--steps", "1000000",
-           "--stop-file", os.path.join(workdir, "stop"), "--event-log", os.path.join(workdir, "events_0_{group_rank}.jsonl"),
+           "--stop-file", os.path.join(workdir, "stop"),
+           "--event-log", os.path.join(workdir, "events_0_{group_rank}.jsonl"),
            "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(every), "--resume"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "warn",
            "PYTHONUNBUFFERED": "1"}
@@ -239,7 +241,8 @@ def _wait(cond: Any, proc: subprocess.Popen, timeout_s: float, what: str, log_pa
         if proc.poll() is not None or time.monotonic() > deadline:
             with open(log_path, encoding="utf-8", errors="replace") as f:
                 tail = "".join(f.readlines()[-30:])
-            how = f"torchrun exited ({proc.returncode})" if proc.poll() is not None else f"timed out after {timeout_s} s"
+            how = (f"torchrun exited ({proc.returncode})" if proc.poll() is not None
+                   else f"timed out after {timeout_s} s")
             raise (RuntimeError if proc.poll() is not None else TimeoutError)(f"{how} waiting for {what}\n{tail}")
         time.sleep(0.05)
 

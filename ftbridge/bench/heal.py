@@ -162,8 +162,10 @@ def run(settings: BenchSettings) -> List[Metric]:
     out += [Metric(NAME, f"phase: {p}", median([x[p] for x in phases]), "s", [x[p] for x in phases]) for p in PHASES]
     out.append(ratio_metric(NAME, "heal transfer throughput / loopback TCP", heal_rate, loop_rate,
                             baseline_name="plain TCP socket on 127.0.0.1, same bytes (MB/s)", target_min=0.5,
-                            extra={"bytes": [s["bytes"] for s in stats], "transfer_s": [s["transfer_s"] for s in stats]}))
-    out += transport_alone(TRANSPORT_MB_QUICK if settings.quick else TRANSPORT_MB, 1 if settings.quick else settings.reps)
+                            extra={"bytes": [s["bytes"] for s in stats],
+                                   "transfer_s": [s["transfer_s"] for s in stats]}))
+    out += transport_alone(TRANSPORT_MB_QUICK if settings.quick else TRANSPORT_MB,
+                           1 if settings.quick else settings.reps)
     return out
 
 
@@ -208,7 +210,8 @@ def transport_alone(mb: int, reps: int) -> List[Metric]:
         try:
             address, encode_s = q.get(timeout=120)
         except queue_mod.Empty:
-            raise RuntimeError(f"transport benchmark: the donor process (pid {donor.pid}) served nothing in 120 s") from None
+            raise RuntimeError(
+                f"transport benchmark: the donor process (pid {donor.pid}) served nothing in 120 s") from None
         # A job's joiner always bounds the body by its own state's size (the allocate-as-it-arrives path
         # without a bound is for standalone use): give this one the bound of the state being served.
         joiner = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60), max_recv_bytes=lambda: (mb + 8) << 20)
@@ -218,6 +221,7 @@ def transport_alone(mb: int, reps: int) -> List[Metric]:
                 t0 = time.perf_counter()
                 joiner.recv_checkpoint(0, address, 0, timedelta(seconds=60))
                 seconds = time.perf_counter() - t0
+                assert joiner.last_recv is not None  # set by every successful recv_checkpoint
                 nbytes = joiner.last_recv["bytes"]
                 rates.append(nbytes / seconds / 1e6)
                 loop.append(nbytes / loopback_seconds(nbytes) / 1e6)

@@ -285,7 +285,8 @@ def alternate(reps: int, first: Callable[[int], float], second: Callable[[int], 
 
 
 def rotate(reps: int, fns: Sequence[Callable[[int], float]]) -> List[List[float]]:
-    """Grouped repetitions of several runs: each rep calls every ``fns[i](rep)`` once, the order rotated by one each rep.
+    """Grouped repetitions of several runs: each rep calls every ``fns[i](rep)`` once, the order rotated by one
+    each rep.
 
     The generalisation of :func:`alternate` to more than two configurations
     sharing one baseline: each configuration leads equally often over the reps.

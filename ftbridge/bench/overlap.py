@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import List
+from typing import Any, Callable, List, Optional, Tuple
 
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
 from ftbridge.bench.jobs import (
@@ -63,10 +63,11 @@ def plot(metrics: List[Metric], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(2 + 1.6 * (len(metrics) + 1), 3.5))
-    bars = [("post-backward\n(1 all-reduce/step)", metrics[0].extra["baseline_samples"], "tab:gray", None)]
+    bars: List[Tuple[str, Any, str, Optional[float]]] = [
+        ("post-backward\n(1 all-reduce/step)", metrics[0].extra["baseline_samples"], "tab:gray", None)]
     bars += [(f"per-bucket, {m.extra['variant']}\n({m.extra['messages_per_step']:.0f} all-reduces/step)",
               m.extra["candidate_samples"], "tab:blue", m.value) for m in metrics]
-    for i, (label, samples, color, ratio) in enumerate(bars):
+    for i, (_label, samples, color, ratio) in enumerate(bars):
         ms = sorted(v * 1e3 for v in samples)
         mid = ms[len(ms) // 2]
         ax.bar(i, mid, 0.5, color=color, yerr=[[mid - ms[0]], [ms[-1] - mid]], capsize=4)
@@ -113,8 +114,12 @@ def run(settings: BenchSettings) -> List[Metric]:
 
     log.info("overlap: ZeRO-2, %d params, %d buckets of %d elements, post-backward vs per-bucket %s, %d rep(s)",
              params, buckets, bucket, ", ".join(v for v, _ in variants), settings.reps)
-    fns = [lambda rep: sync("post_backward", "post", "", rep)]
-    fns += [lambda rep, v=v, b=b: sync("per_bucket", v, b, rep) for v, b in variants]
+    fns: List[Callable[[int], float]] = [lambda rep: sync("post_backward", "post", "", rep)]
+
+    def per_bucket(v: str, b: str) -> Callable[[int], float]:
+        return lambda rep: sync("per_bucket", v, b, rep)
+
+    fns += [per_bucket(v, b) for v, b in variants]
     base, *cands = rotate(settings.reps, fns)
     finest = min(messages["finest"])
     if finest < MIN_BUCKETS:

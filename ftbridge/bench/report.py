@@ -25,7 +25,7 @@ import textwrap
 import traceback
 from dataclasses import asdict
 from importlib import metadata
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.bench.core import PLOTS, BenchSettings, Metric, save_figure
 
@@ -118,14 +118,15 @@ def plot_overview(metrics: Sequence[Metric], path: str) -> bool:
         ax.barh(i, m.value, color=color, alpha=0.7,
                 xerr=[[m.value - min(m.samples)], [max(m.samples) - m.value]], capsize=3)
         target = _target_value(m.target)
+        assert target is not None  # ms keeps only metrics with a target
         ax.plot([target, target], [i - 0.4, i + 0.4], color="black", lw=2)
-        ax.text(max(max(m.samples), target) * 1.02 + 0.02, i, f"{m.value:.3f} (target {m.target})", va="center",
+        ax.text(max(*m.samples, target) * 1.02 + 0.02, i, f"{m.value:.3f} (target {m.target})", va="center",
                 fontsize=7)
     # Wrapped, not cut: two metrics may differ only at the end of the name (the restart ratios' timeouts).
     ax.set_yticks(range(len(ms)), ["\n".join(textwrap.wrap(f"{m.benchmark}: {m.name}", 62)) for m in ms], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ratio (median over repetitions; black: target; green met, red not met)")
-    ax.set_xlim(0, max(max(max(m.samples), _target_value(m.target) or 0) for m in ms) * 1.35)
+    ax.set_xlim(0, max(max(*m.samples, _target_value(m.target) or 0) for m in ms) * 1.35)
     save_figure(fig, path)
     return True
 
@@ -141,14 +142,18 @@ def write_plots(metrics: Sequence[Metric], out_dir: str) -> Dict[str, Any]:
     matplotlib.use("Agg")
     files, errors = [], {}
     names = list(dict.fromkeys(m.benchmark for m in metrics))
-    jobs = [(n, lambda p, n=n: PLOTS[n]([m for m in metrics if m.benchmark == n], p)) for n in names if n in PLOTS]
+
+    def job(n: str) -> Callable[[str], Any]:
+        return lambda p: PLOTS[n]([m for m in metrics if m.benchmark == n], p)
+
+    jobs: List[Tuple[str, Callable[[str], Any]]] = [(n, job(n)) for n in names if n in PLOTS]
     jobs.append(("overview", lambda p: plot_overview(metrics, p)))
     for name, draw in jobs:
         path = os.path.join(out_dir, f"{name}.png")
         try:
             if draw(path) is not False:
                 files.append(path)
-        except Exception as exc:  # one broken plot must not lose the report
+        except Exception as exc:  # noqa: BLE001 - one broken plot must not lose the report
             errors[name] = f"{type(exc).__name__}: {exc}"
     return {"files": files, "errors": errors}
 

@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import List
+from typing import Dict, List
 
 from ftbridge.bench import failure_jobs
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
@@ -142,7 +142,7 @@ def run(settings: BenchSettings) -> List[Metric]:
     groups_before, groups_after = 2, 1
     failure_jobs.torchrun(2 * m, WORKER, ["--worker", "plain_save", "--out", out, *flags], to)  # not timed
     ftbridge_save(out, settings, groups_before, m)  # not timed
-    x = {k: [] for k in ("convert_s", "plain_load_s", "plain_proc_s", "ft_load_s", "ft_proc_s")}
+    x: Dict[str, List[float]] = {k: [] for k in ("convert_s", "plain_load_s", "plain_proc_s", "ft_load_s", "ft_proc_s")}
     for _ in range(1 if settings.quick else settings.reps):
         x["convert_s"].append(convert_universal(out, to))
         for kind, prefix in (("universal", "plain"), ("ftbridge", "ft")):
@@ -153,7 +153,7 @@ def run(settings: BenchSettings) -> List[Metric]:
             if loaded["global_steps"] != SAVE_STEP:
                 raise RuntimeError(f"load_{kind} resumed at step {loaded['global_steps']}, saved at {SAVE_STEP}")
             x[f"{prefix}_load_s"].append(loaded["load_s"])
-    plain_ckpt = [c + l for c, l in zip(x["convert_s"], x["plain_load_s"])]
+    plain_ckpt = [c + ld for c, ld in zip(x["convert_s"], x["plain_load_s"])]
     plain_e2e = [c + p for c, p in zip(x["convert_s"], x["plain_proc_s"])]
     extra = dict(x, ranks_before=2 * m, ranks_after=m, groups_before=groups_before, groups_after=groups_after)
     shape = f"{2 * m} -> {m} ranks ({groups_before} -> {groups_after} replica groups of {m})"

@@ -114,7 +114,8 @@ def plot(metrics: List[Metric], png_path: str) -> None:
     a.tick_params(axis="x", labelsize=7)
     a.set_ylabel("seconds from SIGKILL")
     a.set_title("time until training resumes")
-    b.bar(["plain DS", "ftbridge"], [median(x["plain_lost"]), median(x["ftbridge_lost"])], color=["tab:gray", "tab:blue"])
+    b.bar(["plain DS", "ftbridge"], [median(x["plain_lost"]), median(x["ftbridge_lost"])],
+          color=["tab:gray", "tab:blue"])
     b.set_ylabel("steps")
     b.set_title("steps of work lost")
     save_figure(fig, png_path)
@@ -150,7 +151,8 @@ def run(settings: BenchSettings) -> List[Metric]:
         fast = [
             ratio_metric(NAME, f"time to resume: plain restart / ftbridge survivors, heartbeat timeout {hb:g} s",
                          plain_s, fast_s, target_min=10, extra={"heartbeat_timeout_s": hb},
-                         baseline_name=f"ftbridge survivors' first commit after the kill, {hb:g} s heartbeat timeout (s)"),
+                         baseline_name=f"ftbridge survivors' first commit after the kill, "
+                                       f"{hb:g} s heartbeat timeout (s)"),
             count_metric(f"ftbridge, heartbeat timeout {hb:g} s: steps lost (discarded + committed lost)",
                          [f["lost"] for f in fast_ft], 1, bench=NAME),
         ]

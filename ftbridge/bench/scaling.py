@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, save_figure
 from ftbridge.bench.jobs import (
@@ -105,9 +105,9 @@ def run(settings: BenchSettings) -> List[Metric]:
     """
     group_counts, base, models = sweeps(settings.quick)
     root = os.path.join(settings.workdir, "scaling")
-    cache: Dict[Tuple[int, Tuple[Tuple[str, int], ...]], Dict[str, object]] = {}
+    cache: Dict[Tuple[int, Tuple[Tuple[str, int], ...]], Dict[str, Any]] = {}
 
-    def point(groups: int, model: Dict[str, int]) -> Dict[str, object]:
+    def point(groups: int, model: Dict[str, int]) -> Dict[str, Any]:
         key = (groups, tuple(sorted(model.items())))
         if key not in cache:
             cache[key] = measure(settings, root, groups, model)
@@ -123,7 +123,7 @@ def run(settings: BenchSettings) -> List[Metric]:
     return metrics + [exposed_metric(m) for m in metrics]
 
 
-def measure(settings: BenchSettings, root: str, groups: int, model: Dict[str, int]) -> Dict[str, object]:
+def measure(settings: BenchSettings, root: str, groups: int, model: Dict[str, int]) -> Dict[str, Any]:
     """Paired runs with and without the cross-replica all-reduce; costs and step times in seconds."""
     args = train_args(steps=settings.steps + settings.warmup_steps, zero_stage=2, model=model)
     params = model_params(model)
@@ -159,7 +159,7 @@ def exposed_metric(cost: Metric) -> Metric:
                          "params": cost.extra["params"], "oversubscribed": cost.extra["oversubscribed"]})
 
 
-def cost_metric(p: Dict[str, object], axis: str, name: str) -> Metric:
+def cost_metric(p: Dict[str, Any], axis: str, name: str) -> Metric:
     """A ``ms`` metric from :func:`measure`'s point: median of per-repetition (sync - no sync) step times."""
     sync_s, nosync_s = p["sync_s"], p["nosync_s"]
     costs = [(a - b) * 1e3 for a, b in zip(sync_s, nosync_s)]

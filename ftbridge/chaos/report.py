@@ -14,7 +14,8 @@ from ftbridge.chaos.schedule import FailureKind
 _COLORS = {
     FailureKind.KILL_RANK: "tab:red", FailureKind.KILL_GROUP: "darkred", FailureKind.HANG: "tab:orange",
     FailureKind.KILL_JOINER_IN_HEAL: "tab:purple", FailureKind.KILL_DONOR_IN_HEAL: "magenta",
-    FailureKind.KILL_IN_CHECKPOINT: "tab:brown", FailureKind.LIGHTHOUSE_OUTAGE: "black", FailureKind.SCALE_DOWN: "tab:gray", FailureKind.SCALE_UP: "tab:blue",
+    FailureKind.KILL_IN_CHECKPOINT: "tab:brown", FailureKind.LIGHTHOUSE_OUTAGE: "black",
+    FailureKind.SCALE_DOWN: "tab:gray", FailureKind.SCALE_UP: "tab:blue",
 }
 
 

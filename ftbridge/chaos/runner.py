@@ -182,7 +182,8 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     kinds = {f.kind for f in schedule}
     # A scale-up needs a group outside the job: hold one back unless a scale-down makes room first.
     first = {k: min(f.index for f in schedule if f.kind == k) for k in kinds}
-    needs_room = FailureKind.SCALE_UP in kinds and first.get(FailureKind.SCALE_DOWN, 10**9) > first[FailureKind.SCALE_UP]
+    needs_room = (FailureKind.SCALE_UP in kinds
+                  and first.get(FailureKind.SCALE_DOWN, 10**9) > first[FailureKind.SCALE_UP])
     held_back = {settings.groups - 1} if needs_room else set()
     alive = set(range(settings.groups)) - held_back
     outcomes: List[Outcome] = []
@@ -258,13 +259,14 @@ def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outco
         "recovered from every failure", f"{len(injected)} failures injected",
         [V("recovery", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}) not recovered from")
          for o in injected if not o.recovered]))
-    timed = [o for o in injected if o.recovery is not None and o.recovery.survivors_s is not None]
+    timed = [(o, o.recovery.survivors_s) for o in injected
+             if o.recovery is not None and o.recovery.survivors_s is not None]
     checks.append(invariants.Check(
         "recovery within the bound", f"{len(timed)} survivor recoveries against {settings.recovery_bound_s:.1f} s",
         [V("recovery bound", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): survivors "
-                             f"took {o.recovery.survivors_s:.1f} s to commit again, above the bound "
+                             f"took {s:.1f} s to commit again, above the bound "
                              f"{settings.recovery_bound_s:.1f} s")
-         for o in timed if o.recovery.survivors_s > settings.recovery_bound_s]))
+         for o, s in timed if s > settings.recovery_bound_s]))
     return checks
 
 

@@ -61,16 +61,16 @@ def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -
         out.set_(copied, obj.storage_offset(), obj.size(), obj.stride())
         return out
     if isinstance(obj, dict):
-        out = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        new = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
         # Keep attributes of dict subclasses: a module state dict's ``_metadata`` (per-module versions).
         for name, value in getattr(obj, "__dict__", {}).items():
-            setattr(out, name, snapshot(value, memo))
-        return out
+            setattr(new, name, snapshot(value, memo))
+        return new
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(snapshot(v, memo) for v in obj)
     try:
         return copy.deepcopy(obj)
-    except Exception:  # an object that cannot be copied is saved as it is at write time
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is saved as it is at write time
         return obj
 
 
@@ -100,7 +100,8 @@ def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Di
     """
     with open(path, "wb") as f:
         hf = _HashingFile(f)
-        torch.save(state, hf, _use_new_zipfile_serialization=zipfile_serialization)
+        # torch.save takes any object with write(); its stub asks for IO[bytes].
+        torch.save(state, hf, _use_new_zipfile_serialization=zipfile_serialization)  # type: ignore[arg-type]
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": hf.size, "sha256": hf.sha.hexdigest()}

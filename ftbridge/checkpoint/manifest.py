@@ -25,7 +25,7 @@ import math
 import os
 import re
 import stat
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.hmac"
@@ -196,7 +196,7 @@ def write_manifest(ckpt_dir: str, extra: Optional[Dict[str, object]] = None,
         The manifest: ``{"files": {...}, "total_bytes": n, **extra}``.
     """
     files = build_manifest(ckpt_dir, known)
-    manifest = {"files": files, "total_bytes": sum(int(f["bytes"]) for f in files.values()), **(extra or {})}
+    manifest = {"files": files, "total_bytes": sum(int(cast(int, f["bytes"])) for f in files.values()), **(extra or {})}
     text = json.dumps(manifest, indent=1, sort_keys=True)
     write_text_atomic(os.path.join(ckpt_dir, MANIFEST), text)
     if key is not None:

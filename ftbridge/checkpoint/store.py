@@ -7,7 +7,7 @@ DeepSpeed ``load_dir``: ``ROOT/latest`` holds the tag)::
     ROOT/global_step<N>/                one checkpoint, DeepSpeed's files for a
         mp_rank_00_model_states.pt      data-parallel world of the group size
         zero_pp_rank_<k>_mp_rank_00_optim_states.pt   one per group rank k
-        ftbridge.json                   ftbridge metadata (see :mod:`.state`)
+        ftbridge.json                   ftbridge metadata (Checkpointer.metadata; check_metadata)
         ftbridge_rank_<k>.pt            per-rank engine counters and user state
         manifest.json                   sizes and SHA-256 of all the above
     ROOT/.tmp-global_step<N>-q<Q>/      a write in progress (or abandoned)
@@ -205,7 +205,7 @@ class CheckpointStore:
                 missing, truncated or altered file (all problems listed).
         """
         found = self.list()
-        bad = []
+        bad: List[str] = []
         for ckpt in reversed(found):
             problems = ckpt.problems()
             if not problems:
@@ -259,7 +259,7 @@ class CheckpointStore:
         return removed
 
     def _remove_leftovers(self, newest: int) -> List[str]:
-        removed = []
+        removed: List[str] = []
         try:
             entries = list(os.scandir(self.root))
         except OSError:

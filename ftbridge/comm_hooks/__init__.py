@@ -34,7 +34,7 @@ This module imports no torch (the launcher reads the names and validation).
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 
 class DDPCommunicationHookType(str, enum.Enum):
@@ -168,7 +168,7 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
     if kind in POWER_SGD_HOOKS:
         state = powersgd.PowerSGDState(manager, batched=kind is DDPCommunicationHookType.BATCHED_POWER_SGD,
                                        **resolve_state_option(comm_state_option))
-        hook = powersgd.batched_powerSGD_hook if state.batched else powersgd.powerSGD_hook
+        hook: Callable[..., Any] = powersgd.batched_powerSGD_hook if state.batched else powersgd.powerSGD_hook
         if wrapper is DDPCommunicationHookType.FP16:
             hook = default.fp16_compress_wrapper(hook)
         elif wrapper is DDPCommunicationHookType.BF16:

@@ -149,6 +149,7 @@ class CharGPT(nn.Module):
                 nn.init.zeros_(module.bias)
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for block in self.blocks:
+            assert isinstance(block, Block)  # nn.ModuleList types its items as Module
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=resid_std)
 

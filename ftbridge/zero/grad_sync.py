@@ -229,7 +229,7 @@ class GradientSync:
     # -- internals -----------------------------------------------------------
     def _on_reduced(self, keys: List[int]) -> None:
         """DeepSpeed reduced these parameters' gradients in the group (called by the bucket point)."""
-        if not self._armed:
+        if not self._armed or self._readiness is None:  # armed only with a readiness tracker
             return
         for k in self._readiness.reduced(keys):
             self._issue(k, in_backward=True)

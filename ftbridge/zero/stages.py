@@ -289,7 +289,8 @@ class Stage3Adapter(ZeroAdapter):
                 if p.partition_numel() * opt._get_param_partition_rank(p) < p.ds_numel:  # holds real data here
                     opt._offload_grad_partition_at_boundary(p, slots[p.ds_id], grads, offsets)
         opt._swap_out_offload_fp32_gradients(grads, offsets)
-        if opt.grad_partitions_flat_buffer.is_cuda:  # the copies to the CPU are non-blocking; the CPU optimizer reads next
+        # the copies to the CPU are non-blocking; the CPU optimizer reads next
+        if opt.grad_partitions_flat_buffer.is_cuda:
             torch.cuda.current_stream().synchronize()
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:

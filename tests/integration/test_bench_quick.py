@@ -92,7 +92,7 @@ def test_quick_suite_writes_every_metric_and_plot(tmp_path):
     assert _metric(saved, "failover", "committed steps lost")["samples"] == [0]
     assert _metric(saved, "restart", "ftbridge: committed steps lost")["samples"] == [0]
     heal = _metric(saved, "heal", "restart to first commit")
-    for rep, phases in enumerate(heal["extra"]["phases"]):
+    for phases in heal["extra"]["phases"]:
         assert all(v >= -0.02 for v in phases.values()), phases  # /proc start time has 10 ms resolution
     # One rank per group (ZeRO-2): the heal carries fp32 master weights and Adam's two moments of every
     # parameter of the quick model, 12 bytes each (measured: 12 x 113,536 + 4.5 kB of header and

@@ -26,7 +26,7 @@ def test_fragment_layout_matches_deepspeed_partitions_on_two_ranks(tmp_path):
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"layout{port}", WORKER]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, cwd=str(tmp_path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, check=False, env=env, cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for stage in (1, 2, 3):

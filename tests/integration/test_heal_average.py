@@ -59,7 +59,7 @@ def _step(manager: ReplicaManager, g: int, out: Dict[int, Any], fail: bool) -> N
         out[g] = {"participants": state.participants, "participating": participating,
                   "committed": manager.should_commit(), "heals": manager.heals,
                   "tensors": {k: v.float() for k, v in tensors.items()}}
-    except BaseException as e:  # shown by the test, with the group
+    except BaseException as e:  # noqa: BLE001 - shown by the test, with the group
         out[g] = e
 
 

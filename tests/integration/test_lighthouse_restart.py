@@ -41,7 +41,7 @@ def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job
 
     # status, while the job runs: both members, with their steps.
     out = subprocess.run([sys.executable, "-m", "lighthouse.cli", "status", "--json", job.lighthouse.address],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     assert sorted(m["replica_group"] for m in status["members"]) == [0, 1], status

@@ -159,7 +159,7 @@ def main() -> None:
         job = json.loads(line)
         try:
             reply = {"ok": True, **run_job(JobSpec.from_json(job["spec"]), job["out"])}
-        except Exception as e:  # answered, then the worker ends: its peers' collectives no longer pair
+        except Exception as e:  # noqa: BLE001 - answered, then the worker ends: its peers' collectives no longer pair
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         print("@@" + json.dumps(reply), flush=True)
         if not reply["ok"]:
