@@ -3,6 +3,7 @@ and the timeouts the real torchft Manager ends up with."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -156,13 +157,13 @@ def test_torchft_calls_get_twice_the_cross_replica_timeout_even_with_torchfts_en
         lighthouse.shutdown()
 
 
-def test_torchft_heals_through_ftbridges_pickle_free_transport(monkeypatch):
-    # Without checkpoint_transport torchft builds its HTTPTransport (torch.load, weights_only=False) and
-    # every heal test still passes: assert on the Manager that ReplicaManager really built.
-    from torchft.checkpointing.http_transport import HTTPTransport
+@contextlib.contextmanager
+def _rank0_manager(monkeypatch, **settings):
+    """A real ReplicaManager of group rank 0 in a 1-group job: its own lighthouse and group TCPStore.
 
-    from ftbridge.transport import SafeHTTPTransport
-
+    Yields the manager; ``manager.test_own_ports`` are the lighthouse's and the store's ports (the test's, not
+    the manager's listeners).
+    """
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -171,17 +172,29 @@ def test_torchft_heals_through_ftbridges_pickle_free_transport(monkeypatch):
                  "TORCHFT_QUORUM_RETRIES"):
         monkeypatch.delenv(name, raising=False)
     cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), group_rank=0, group_size=1,
-                                 replica_group_id=0)
+                                 replica_group_id=0, **settings)
     manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
+    manager.test_own_ports = {int(lighthouse.address().rsplit(":", 1)[1]), store.port}
     try:
+        yield manager
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
+
+
+def test_torchft_heals_through_ftbridges_pickle_free_transport(monkeypatch):
+    # Without checkpoint_transport torchft builds its HTTPTransport (torch.load, weights_only=False) and
+    # every heal test still passes: assert on the Manager that ReplicaManager really built.
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    from ftbridge.transport import SafeHTTPTransport
+
+    with _rank0_manager(monkeypatch) as manager:
         used = manager.torchft._checkpoint_transport
         assert type(used) is SafeHTTPTransport and used is manager.transport
         assert not isinstance(used, HTTPTransport)
         # What torchft advertises to a healing peer is this transport's address (GET /heal/STEP).
         assert used.metadata().startswith("http://") and used.metadata().endswith("/heal/")
-    finally:
-        manager.shutdown()
-        lighthouse.shutdown()
 
 
 def _store_process():
@@ -265,27 +278,14 @@ def test_a_group_rank_0_listens_where_docs_lighthouse_md_says(monkeypatch):
     # docs/lighthouse.md "Listeners": the heal transport on FTBRIDGE_HEAL_BIND only; torchft 0.2's manager
     # server on every interface (torchft hard-codes bind "[::]:PORT"; no option). If torchft gains one, or the
     # heal transport starts listening everywhere, this fails and the table must change with it.
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(store.port))
-    for name in ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC",
-                 "TORCHFT_QUORUM_RETRIES"):
-        monkeypatch.delenv(name, raising=False)
     before = _listening()
-    cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), group_rank=0, group_size=1,
-                                 replica_group_id=0, heal_bind="127.0.0.1")
-    manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
-    try:
-        new = {p: a for p, a in _listening().items() if p not in before}
+    with _rank0_manager(monkeypatch, heal_bind="127.0.0.1") as manager:
+        new = {p: a for p, a in _listening().items() if p not in before and p not in manager.test_own_ports}
         heal_port = int(manager.transport.metadata().split(":")[2].split("/")[0])
         manager_port = int(manager.torchft._manager.address().rsplit(":", 1)[1])
         assert new.get(heal_port) == "127.0.0.1", new
         assert new.get(manager_port) in ("::", "0.0.0.0"), new
         assert set(new) == {heal_port, manager_port}, f"an undocumented listener: {new}"
-    finally:
-        manager.shutdown()
-        lighthouse.shutdown()
 
 
 def test_group_size_conflict_names_both_sizes_and_spares_the_primary():
