@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -131,25 +132,38 @@ class WorldReplica:
 def run_replicas(world: FakeWorld, fn: Callable[[int], Any], timeout_s: float = 60.0) -> List[Any]:
     """``fn(i)`` for every replica ``i`` of ``world``, concurrently (each in a thread); results or exceptions.
 
-    An exception in one replica aborts the barrier so the others do not wait forever.
+    When a replica fails and others are still running after ``abort_after_s``, they wait on a barrier
+    the failed one will never reach: the barrier is aborted then. Not at the failure itself: a replica
+    may fail right after a collective that released the others, and an abort there would break them.
     """
     out: List[Any] = [None] * world.n
+    failed = threading.Event()
 
     def one(i: int) -> None:
         try:
             out[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 (returned to the caller)
+        except BaseException as e:  # noqa: BLE001 - returned to the caller
             out[i] = e
-            world.barrier.abort()
+            failed.set()
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(world.n)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=timeout_s)
-        if t.is_alive():
+    deadline = time.monotonic() + timeout_s
+    while any(t.is_alive() for t in threads):
+        if failed.is_set():
+            for t in threads:
+                t.join(timeout=abort_after_s)
+            world.barrier.abort()
+        for t in threads:
+            t.join(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        if time.monotonic() > deadline:
             raise TimeoutError(f"a replica of the fake world did not finish within {timeout_s} s")
     return out
+
+
+abort_after_s = 2.0
+"""How long :func:`run_replicas` lets the other replicas finish after one failed, seconds."""
 
 
 TINY_GPT = dict(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2)

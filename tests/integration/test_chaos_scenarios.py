@@ -111,10 +111,12 @@ def test_rank_hung_past_the_cross_replica_timeout(local_job):
     _finish(job, [0, 1, 2])
     assert pid_alive(pid) is False  # ended with the job, not killed by the hang
     # The others went on without a restart (no watchdog killed them), committing without the hung group.
+    # Launches are judged from the hang on: under load a group may restart while the three first meet
+    # (a 4 s cross-replica timeout at start-up, seen once in CI), which is not what this scenario tests.
     for g in (0, 2):
-        assert len(_launches(job, g)) == 1 and len(_launches(job, g, 1)) == 1
+        assert [t for r in (0, 1) for t in _launches(job, g, r) if t > t_stop] == [], f"group {g} restarted"
         assert any(e["committed"] and e["participants"] == 2 and t_stop < e["time"] < t_cont for e in job.steps(g))
-    assert len(_launches(job, 1)) == 1, "the hung group was restarted instead of healing in place"
+    assert [t for t in _launches(job, 1) if t > t_stop] == [], "the hung group was restarted instead of healing"
 
 
 @pytest.mark.timeout(420)
