@@ -98,10 +98,12 @@ def test_torchx_local_run_group_killed_heals_and_job_ends_identical(local_job):
     finally:
         _stop(proc, job)
 
-    # Group 0 never restarted or healed; group 1 restarted once, inside its role, and healed.
+    # Group 0 never restarted, nor healed after the kill; group 1 restarted once, inside its role, and healed.
+    # (At start-up either group may heal once from the other: TorchX starts the roles in no set order, and
+    # the first group may commit alone before the second joins, seen once in CI.)
     starts = {g: [e for e in job.events(g, 0) if e.get("event") == "start"] for g in (0, 1)}
     assert len(starts[0]) == 1 and len(starts[1]) == 2
-    assert not any(e["healed"] for e in job.steps(0))
+    assert not any(e["healed"] and e["time"] > kill_time for e in job.steps(0))
     assert any(e["healed"] and e["time"] > kill_time for e in job.steps(1))
     finals = [e for e in job.events() if e.get("event") == "final"]
     assert len(finals) == 4 and {f["step"] for f in finals} == {target}, finals
