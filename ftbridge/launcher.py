@@ -473,6 +473,10 @@ class _Supervisor:
         self.kill_after_s = kill_after_s
         self.kill_at: Optional[float] = None
         self._previous: dict[int, object] = {}
+        # The handler only appends (one C call): a second signal can run its
+        # handler inside the first one's, so all decisions are made in wait().
+        self._received: list[int] = []
+        self._handled = 0
 
     def __enter__(self) -> "_Supervisor":
         try:
@@ -486,22 +490,32 @@ class _Supervisor:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self.kill_at is None:
-            log.warning("got %s; forwarding it to torchrun (pid %d), SIGKILL in %.0f s",
-                        signal.Signals(signum).name, self.proc.pid, self.kill_after_s)
-            self.kill_at = time.monotonic() + self.kill_after_s
-            _signal_group(self.proc.pid, signum)
-        else:
-            log.warning("got %s again; SIGKILL to torchrun now", signal.Signals(signum).name)
-            self.kill_at = time.monotonic()
+        self._received.append(signum)
+
+    def _handle_signals(self) -> None:
+        """Act on the signals received since the last call: forward the first, escalate on any later one."""
+        while self._handled < len(self._received):
+            signum = self._received[self._handled]
+            self._handled += 1
+            name = signal.Signals(signum).name
+            if self.kill_at is None:
+                self.kill_at = time.monotonic() + self.kill_after_s
+                log.warning("got %s; forwarding it to torchrun (pid %d), SIGKILL in %.0f s",
+                            name, self.proc.pid, self.kill_after_s)
+                _signal_group(self.proc.pid, signum)
+            else:
+                self.kill_at = time.monotonic()
+                log.warning("got %s again; SIGKILL to torchrun now", name)
 
     def wait(self) -> int:
         while True:
+            self._handle_signals()
+            if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                _signal_group(self.proc.pid, signal.SIGKILL)
             try:
-                return self.proc.wait(timeout=0.25)
+                return self.proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
-                if self.kill_at is not None and time.monotonic() >= self.kill_at:
-                    _signal_group(self.proc.pid, signal.SIGKILL)
+                pass
 
 
 def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeout_s: float = 10.0) -> int:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,19 @@ def test_unreachable_lighthouse_is_refused_before_launch(script, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert f"no lighthouse answers at http://127.0.0.1:{port}" in err and "ftbridge-lighthouse serve" in err
+
+
+def test_second_signal_arriving_inside_the_first_handler_still_escalates(monkeypatch):
+    """A second SIGTERM can run its handler inside the first one's (CI saw it); it must still mean SIGKILL now."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(launcher, "_signal_group", lambda pid, sig: sent.append((pid, sig)))
+
+    class Proc:
+        pid = 4242
+
+    sup = launcher._Supervisor(Proc(), kill_after_s=60.0)  # type: ignore[arg-type]
+    sup._on_signal(signal.SIGTERM, None)
+    sup._on_signal(signal.SIGTERM, None)  # before any of the first one's work
+    sup._handle_signals()
+    assert sent == [(4242, signal.SIGTERM)]
+    assert sup.kill_at is not None and sup.kill_at <= time.monotonic()
