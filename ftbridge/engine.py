@@ -189,7 +189,7 @@ class FaultTolerantEngine:
         self.adapter.begin_window()
         self.manager.start_quorum()
         if not self._first_step_checked and faults.armed("first_quorum"):
-            self.manager.torchft.wait_quorum()  # in the quorum, before training a single step
+            self.manager.wait_quorum()  # in the quorum, before training a single step
             faults.point("first_quorum")
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
@@ -221,6 +221,10 @@ class FaultTolerantEngine:
         self.sync.begin_backward(boundary=boundary, first=self._backwards == 0, no_sync=no_sync)
         self._backwards += 1
         self._losses.append(float(loss.detach().float()))
+        if boundary and not no_sync and faults.armed("in_allreduce"):
+            self.manager.wait_quorum()  # now every peer's all-reduce of this step counts on this rank
+            faults.point("in_allreduce", f"after joining the quorum of step {int(e.global_steps)}, "
+                                         "before its all-reduce")
         out = e.backward(loss, **kwargs)
         self.sync.end_backward(boundary=boundary, no_sync=no_sync)
         self._boundary_backward = boundary and not no_sync

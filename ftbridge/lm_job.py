@@ -88,16 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     from ftbridge.checkpoint.checkpointer import add_arguments as add_checkpoint_arguments
 
     add_checkpoint_arguments(p)
-    fault = p.add_argument_group("fault injection (tests and chaos runs)")
-    fault.add_argument("--fault-kill-after-backward", default=None, metavar="FILE",
-                       help="once FILE exists, SIGKILL this process right after the next boundary backward "
-                            "(with --sync-mode post_backward its cross-replica all-reduce may then be in flight)")
-    fault.add_argument("--fault-kill-in-allreduce", default=None, metavar="FILE",
-                       help="once FILE exists, wait until this replica is in the next step's quorum, then "
-                            "SIGKILL this process before the boundary backward: the other replicas' "
-                            "cross-replica all-reduce of that step has a participant that never sends")
-    fault.add_argument("--fault-group", type=int, default=0, help="replica group that injects the fault")
-    fault.add_argument("--fault-rank", type=int, default=0, help="group rank that injects the fault")
     return p
 
 
@@ -184,12 +174,8 @@ def build_data_and_model(args: argparse.Namespace):
     return data, model
 
 
-def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
-               faults: Optional[FaultInjector] = None) -> float:
+def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int) -> float:
     """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
-
-    Args:
-        faults: fault injection around the boundary backward (tests, chaos runs).
 
     Returns:
         Mean training loss of this rank over the micro-steps.
@@ -199,12 +185,7 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     for micro in range(grad_accum):
         x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
         _, loss = engine(x, y)
-        boundary = micro == grad_accum - 1
-        if faults is not None and boundary:
-            faults.before_boundary_backward(step, engine)
         engine.backward(loss)
-        if faults is not None and boundary:
-            faults.after_boundary_backward(step)
         engine.step()
         losses.append(float(loss.detach().float()))
     return sum(losses) / len(losses)
@@ -267,48 +248,6 @@ def save_params(path: Optional[str], engine: Any, adapter: Any, fields: Dict[str
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     names = [n for n, _ in engine.module.named_parameters()]
     save_file({n: t.detach().float().contiguous() for n, t in zip(names, tensors)}, path)
-
-
-class FaultInjector:
-    """The fault flags of one rank: SIGKILL self at a chosen point of a step.
-
-    Only the first launch injects (``TORCHELASTIC_RESTART_COUNT`` 0): a group
-    restarted by torchrun must not kill itself again.
-    """
-
-    def __init__(self, who: str, after_backward: Optional[str], in_allreduce: Optional[str]) -> None:
-        self.who = who
-        self.after_backward_file = after_backward
-        self.in_allreduce_file = in_allreduce
-
-    def before_boundary_backward(self, step: int, engine: Any) -> None:
-        """Kill once this replica has joined step ``step``'s quorum (deterministic discard on the peers)."""
-        if self.in_allreduce_file and os.path.exists(self.in_allreduce_file):
-            # The quorum that includes this replica is decided once it returns, so every peer's
-            # all-reduce of this step waits for data this process will never send.
-            engine.manager.torchft.wait_quorum()
-            self._kill(f"after joining the quorum of step {step}, before its all-reduce")
-
-    def after_boundary_backward(self, step: int) -> None:
-        if self.after_backward_file and os.path.exists(self.after_backward_file):
-            self._kill(f"after backward of step {step}")
-
-    def _kill(self, where: str) -> None:
-        import signal
-        print(f"FAULT {self.who}: SIGKILL self {where}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def fault_injector(args: argparse.Namespace, topo: Topology) -> Optional[FaultInjector]:
-    """The :class:`FaultInjector` for the fault flags on this rank, or ``None``."""
-    if args.fault_kill_after_backward is None and args.fault_kill_in_allreduce is None:
-        return None
-    if (topo.replica_group, topo.group_rank) != (args.fault_group, args.fault_rank):
-        return None
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return None
-    return FaultInjector(f"replica {topo.replica_group} rank {topo.group_rank}",
-                         args.fault_kill_after_backward, args.fault_kill_in_allreduce)
 
 
 def target_steps(args: argparse.Namespace) -> int:

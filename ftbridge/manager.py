@@ -422,6 +422,10 @@ class ReplicaManager:
         self._healed_this_step = False
         self.torchft.start_quorum()
 
+    def wait_quorum(self) -> None:
+        """Block until this step's quorum (started by :meth:`start_quorum`) is decided and applied."""
+        self.torchft.wait_quorum()
+
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
         """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.

@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=args.steps, disable=not (args.progress and topo.group_rank == 0), unit="step",
                desc=f"replica {topo.replica_group}")
     val_loss = None
-    inject = lm_job.fault_injector(args, topo)
     step_times = []
     corrupt = tuple(int(x) for x in args.corrupt_sync_at.split(":")) if args.corrupt_sync_at else None
     while engine.global_steps < lm_job.target_steps(args) and not (ckpt and ckpt.stopping):
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if corrupt and cfg and corrupt == (topo.replica_group, before + 1):
             engine.sync_scale_once = 3.0
         t = lm_job.now()
-        loss = lm_job.train_step(engine, data, topo, args.grad_accum, inject)
+        loss = lm_job.train_step(engine, data, topo, args.grad_accum)
         step_times.append(lm_job.now() - t)
         if plain:
             plain.after_step(step_times[-1], loss)

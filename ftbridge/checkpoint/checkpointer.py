@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
-from ftbridge.checkpoint.group_io import kill_self_if, load_group_checkpoint, save_group_checkpoint
+from ftbridge.checkpoint.group_io import load_group_checkpoint, save_group_checkpoint
 from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible, load_key
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
@@ -76,8 +76,6 @@ class CheckpointConfig:
     cannot finish (the group's quorum waits for the dead rank up to ``quorum_timeout``), and the
     rank 0 kept heartbeating meanwhile, which held a 2-group job's other group until its own quorum
     timed out (chaos soak). Default: 2 x the cross-replica timeout."""
-    fault_kill_before_publish: Optional[str] = None
-    """Testing: once this file exists, group rank 0 SIGKILLs itself between the shard writes and the publish."""
     publish_timeout_s: float = 300.0
     """How long group rank 0 waits for the other ranks' files."""
     key_file: Optional[str] = None
@@ -188,7 +186,7 @@ class Checkpointer:
 
         res = save_group_checkpoint(
             e.engine, self.store, step, quorum_id=m.quorum_id, metadata=meta, rank_state=rank_state,
-            keep=self.cfg.keep, writer=self.writer, before_publish=kill_self_if(self.cfg.fault_kill_before_publish),
+            keep=self.cfg.keep, writer=self.writer,
             on_published=published, publish_timeout_s=self.cfg.publish_timeout_s, log=self.log)
         self._last_saved = step
         self.saves.append(res)
@@ -339,13 +337,10 @@ def add_arguments(parser: Any) -> None:
     g.add_argument("--checkpoint-key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"), metavar="FILE",
                    help="sign manifests with the key in FILE (outside the checkpoint folder) and trust only signed "
                         "ones (default $FTBRIDGE_CKPT_KEY_FILE)")
-    g.add_argument("--fault-kill-before-publish", default=None, metavar="FILE",
-                   help="testing: once FILE exists, the writer's group rank 0 SIGKILLs itself before publishing")
 
 
 def config_from_args(args: Any) -> CheckpointConfig:
     """:class:`CheckpointConfig` from the flags of :func:`add_arguments`."""
     return CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints,
                             asynchronous=args.checkpoint_async, trigger_file=args.checkpoint_trigger,
-                            fault_kill_before_publish=args.fault_kill_before_publish,
                             key_file=args.checkpoint_key_file)

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,7 +60,6 @@ def _rank_file(rank: int) -> str:
 def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, quorum_id: int,
                           metadata: Dict[str, Any], rank_state: Dict[str, Any], keep: int = 0,
                           writer: Optional[BackgroundWriter] = None,
-                          before_publish: Optional[Callable[[str], None]] = None,
                           on_published: Optional[Callable[[Dict[str, Any]], None]] = None,
                           publish_timeout_s: float = 300.0, log: Any = logger) -> SaveResult:
     """Write this group's checkpoint of ``step``; all ranks of the group call it together.
@@ -77,8 +75,6 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             ``ftbridge_rank_<k>.pt``.
         keep: keep the newest K checkpoints (0: all).
         writer: background writer for an async save; ``None`` writes now.
-        before_publish: called on group rank 0 with the staged folder, after
-            the manifest, before the rename (fault injection in tests).
         on_published: called on group rank 0 with ``SaveResult.published``.
         publish_timeout_s: how long group rank 0 waits for the other ranks' files.
 
@@ -122,9 +118,7 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             return
         known = _wait_for_markers(staged, size, publish_timeout_s)
         manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known, key=store.key)
-        faults.point("checkpoint_publish")
-        if before_publish is not None:
-            before_publish(staged)
+        faults.point("checkpoint_publish", f"before publishing {staged}")
         _quarantine_if_bad(store, tag, log)
         if not mf.publish(staged, store.root, tag):
             log.warning("checkpoint %s is already published; this copy is dropped", tag)
@@ -219,14 +213,5 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
     return safe_load(rank_file)
-
-
-def kill_self_if(flag_path: Optional[str]) -> Callable[[str], None]:
-    """A ``before_publish`` hook that SIGKILLs this process once ``flag_path`` exists (tests)."""
-    def hook(staged: str) -> None:
-        if flag_path and os.path.exists(flag_path):
-            print(f"FAULT: SIGKILL self before publishing {staged}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-    return hook
 
 
