@@ -416,6 +416,36 @@ class FTBridgeConfig:
         return 2 * self.cross_replica_timeout
 
     @property
+    def vote_timeout(self) -> timedelta:
+        """Bound of the per-quorum reconfigure vote on the primary's store: ``cross_replica_timeout / 4``.
+
+        Well below the cross-replica timeout, which bounds the other ranks'
+        ``should_commit`` while the quorum thread votes; past it the vote
+        counts as failed and torchft's own decision stands.
+        """
+        return self.cross_replica_timeout / 4
+
+    @property
+    def store_call_timeout(self) -> timedelta:
+        """Bound of one call to a peer's TCPStore (connect, get, delete): 2 x :attr:`vote_timeout`.
+
+        c10d's store client blocks without a timeout on a SIGSTOPped host,
+        so such calls run in a helper thread bounded by this
+        (:func:`ftbridge.store_probe.call_bounded`).
+        """
+        return 2 * self.vote_timeout
+
+    @property
+    def sigterm_grace(self) -> timedelta:
+        """After a SIGTERM, longest wait for the step in flight to finish: 2 x ``cross_replica_timeout``.
+
+        The step may wait out one cross-replica timeout with a dead peer and
+        then a ``should_commit`` bounded by it; past this the rank exits
+        (status 143) rather than hold its group's quorum.
+        """
+        return 2 * self.cross_replica_timeout
+
+    @property
     def heal_deadline(self) -> timedelta:
         """Overall deadline of one heal fetch: :attr:`heal_timeout`, else :attr:`torchft_timeout`."""
         return self.heal_timeout or self.torchft_timeout

@@ -59,7 +59,7 @@ version) and, per quorum,
    (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
    a repeated id does not meet the keys of a quorum of the old lighthouse.
 
-If the vote cannot complete within a quarter of ``cross_replica_timeout``
+If the vote cannot complete within ``FTBridgeConfig.vote_timeout`` (a quarter of ``cross_replica_timeout``)
 (a member or the store's host died after the quorum), the rank falls back to
 torchft's own rule: that step fails on the dead member anyway, and the next
 quorum, without it, has a new id, which every member rebuilds for. (Rebuilding
@@ -197,10 +197,12 @@ class _QuorumGuard:
     """
 
     def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
-                 on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0) -> None:
-        # timeout bounds the vote: keep it well below the cross-replica timeout, which bounds the
-        # other ranks' should_commit while this quorum thread votes.
+                 on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0,
+                 store_timeout: Optional[timedelta] = None) -> None:
+        # timeout bounds the vote (FTBridgeConfig.vote_timeout), store_timeout each store call
+        # (FTBridgeConfig.store_call_timeout; default 2 x timeout).
         self._manager = manager
+        self._store_timeout = store_timeout
         self._on_quorum = on_quorum
         self._client = manager._client
         self._timeout = timeout
@@ -245,9 +247,9 @@ class _QuorumGuard:
         The store is the primary's: its group's rank 0. A SIGSTOPped (hung)
         rank 0 accepts TCP connections but never answers, and c10d's TCPStore
         client then blocks without a timeout (connecting, ``delete_key``), so
-        the store calls run in a helper thread bounded by twice the vote
-        timeout (:func:`ftbridge.store_probe.call_bounded`); past it the vote
-        counts as failed.
+        the store calls run in a helper thread bounded by
+        ``FTBridgeConfig.store_call_timeout`` (:func:`ftbridge.store_probe.call_bounded`);
+        past it the vote counts as failed.
         """
         base = f"{int(result.quorum_id)}/{namespace}"
         store, last = self._stores.get(result.store_address), self._last_vote
@@ -256,7 +258,7 @@ class _QuorumGuard:
         try:
             store, votes, self.sizes = call_bounded(
                 lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size),
-                2 * self._timeout, f"the primary's store {result.store_address}")
+                self._store_timeout or 2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
         except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
@@ -307,7 +309,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
                           on_quorum: Optional[Callable[[Any], None]] = None,
-                          group_size: int = 0) -> Optional[_QuorumGuard]:
+                          group_size: int = 0, store_timeout: Optional[timedelta] = None) -> Optional[_QuorumGuard]:
     """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
     version = importlib.metadata.version("torchft")
     needed = ("_client", "_quorum_id", "_async_quorum")
@@ -317,7 +319,7 @@ def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Call
                        "checked against the donor's host", version,
                        TORCHFT_GUARDED_VERSIONS)
         return None
-    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size)
+    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size, store_timeout)
     manager._client = guard
     return guard
 
@@ -396,8 +398,8 @@ class ReplicaManager:
             quorum_retries=cfg.quorum_retries,
         )
         self.lighthouse_restarts = 0
-        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
-                                                  self._on_lighthouse_restart, self._on_quorum, cfg.group_size)
+        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.vote_timeout, self._on_lighthouse_restart,
+                                                  self._on_quorum, cfg.group_size, cfg.store_call_timeout)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1

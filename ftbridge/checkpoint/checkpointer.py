@@ -75,7 +75,7 @@ class CheckpointConfig:
     at once (status 143). torchrun SIGTERMs a group's other ranks when one dies; their step then
     cannot finish (the group's quorum waits for the dead rank up to ``quorum_timeout``), and the
     rank 0 kept heartbeating meanwhile, which held a 2-group job's other group until its own quorum
-    timed out (chaos soak). Default: 2 x the cross-replica timeout."""
+    timed out (chaos soak). Default: ``FTBridgeConfig.sigterm_grace``."""
     publish_timeout_s: float = 300.0
     """How long group rank 0 waits for the other ranks' files."""
     key_file: Optional[str] = None
@@ -115,7 +115,7 @@ class Checkpointer:
         self._last_saved = -1
         self._grace: Optional[threading.Timer] = None
         grace = cfg.sigterm_grace_s
-        self.sigterm_grace_s = grace if grace is not None else 2 * engine.cfg.cross_replica_timeout.total_seconds()
+        self.sigterm_grace_s = grace if grace is not None else engine.cfg.sigterm_grace.total_seconds()
         engine.add_step_hook(self._after_step)
         if cfg.handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
