@@ -52,7 +52,7 @@ from ftbridge import comm_hooks, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
-from ftbridge.heal import agree_on_heal, guard_heal, lazy_state_bytes, must_wait_for_peer
+from ftbridge.heal import lazy_state_bytes, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.wire import size_bound
@@ -100,7 +100,6 @@ class FaultTolerantEngine:
                                                            load_state_dict=self.load_heal_state,
                                                            use_cuda=next(engine.module.parameters()).is_cuda,
                                                            max_heal_bytes=self.heal_size_bound)
-        guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
@@ -287,7 +286,7 @@ class FaultTolerantEngine:
             self.sync_scale_once = None
         self.guard.check(self.manager.current_step)
         self._wait_for_peer_after_restart()
-        agree_on_heal(self.manager.torchft)
+        self.manager.agree_on_heal()
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
@@ -345,21 +344,71 @@ class FaultTolerantEngine:
                 "finished or died too; resume from a checkpoint instead.", attempt)
             self.events.write(event="restart_without_peer", time=time.time(), step=step, attempt=attempt)
 
+    # -- the state ftbridge adds to a replica ---------------------------------
+    def replica_state(self) -> Dict[str, Any]:
+        """What this rank holds beyond DeepSpeed's model, optimizer and scheduler (tensors and JSON scalars).
+
+        The one owner of that state: the heal sends it with the optimizer
+        partition (:meth:`heal_state`) and the checkpointer saves it per rank;
+        both restore it with :meth:`load_replica_state`.
+
+        Returns:
+            ``counters``: DeepSpeed's ``global_steps``, ``global_samples``,
+            ``skipped_steps`` (int); ``window_start``: ``micro_steps`` at the
+            start of the current accumulation window (of the next one between
+            steps), which decides where a window ends and is in no DeepSpeed
+            checkpoint; ``extra``: every :meth:`register_state` entry, as
+            :func:`ftbridge.zero.state.to_wire` gives it; ``manager``:
+            torchft's counters (``step``, ``batches_committed``).
+        """
+        e = self.engine
+        return {
+            "counters": {k: int(getattr(e, k)) for k in _COUNTERS},
+            "window_start": self._window_start if self._in_step else int(e.micro_steps),
+            "extra": {k: to_wire(fn()) for k, (fn, _) in self._extra_state.items()},
+            "manager": self.manager.state_dict(),
+        }
+
+    def load_replica_state(self, state: Dict[str, Any], *, manager: bool = True) -> None:
+        """Apply a :meth:`replica_state` of a peer or a checkpoint (every rank of the group).
+
+        The window restarts at the saved start, aligned to this engine's
+        ``gradient_accumulation_steps`` (which may differ from the saver's),
+        keeping this rank's offset into a step in progress. Registered state
+        is loaded for the keys present.
+
+        Args:
+            state: :meth:`replica_state` output (decoded from the wire or a file).
+            manager: also set torchft's counters (a heal leaves them to
+                torchft, which loads the donor's itself).
+
+        Raises:
+            ValueError: a registered state's keys or tensor shapes differ.
+            KeyError: ``state`` lacks ``counters`` or ``window_start``.
+        """
+        e = self.engine
+        for k in _COUNTERS:
+            setattr(e, k, int(state["counters"][k]))
+        into_window = int(e.micro_steps) - self._window_start if self._in_step else 0
+        self._window_start = align_to_window(int(state["window_start"]), e.gradient_accumulation_steps())
+        e.micro_steps = self._window_start + into_window
+        extra = state.get("extra", {})
+        for k, (fn, load) in self._extra_state.items():
+            if k in extra:
+                load(from_wire(fn(), extra[k]))
+        if manager and "manager" in state:
+            self.manager.load_state_dict({k: int(v) for k, v in state["manager"].items()})
+
     # -- heal -------------------------------------------------------------
     def heal_state(self) -> Dict[str, Any]:
         """This rank's live state for a joining peer (nested dict of tensors and scalars).
 
         Holds: ZeRO optimizer partition and its optimizer state (with the
-        fp32 master weights), lr scheduler, engine counters, and registered
-        extra state. Taken at the start of a step, before its optimizer step.
+        fp32 master weights), lr scheduler, and :meth:`replica_state`. Taken
+        at the start of a step, before its optimizer step.
         """
         e = self.engine
-        state: Dict[str, Any] = {
-            "optimizer": self.adapter.heal_state(),
-            "counters": {k: int(getattr(e, k)) for k in _COUNTERS},
-            "micro_steps_at_window_start": self._window_start,
-            "extra": {k: to_wire(fn()) for k, (fn, _) in self._extra_state.items()},
-        }
+        state: Dict[str, Any] = {"optimizer": self.adapter.heal_state(), "replica": self.replica_state()}
         if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict"):
             state["lr_scheduler"] = to_wire(e.lr_scheduler.state_dict())
         return state
@@ -378,18 +427,9 @@ class FaultTolerantEngine:
         """
         e = self.engine
         self.adapter.load_heal_state(state["optimizer"])
-        for k in _COUNTERS:
-            setattr(e, k, int(state["counters"][k]))
-        # The peer's window started at its counter (aligned to this rank's accumulation count, in case the
-        # peer's differed); keep our offset into the window.
-        into_window = int(e.micro_steps) - self._window_start
-        self._window_start = align_to_window(int(state["micro_steps_at_window_start"]),
-                                             e.gradient_accumulation_steps())
-        e.micro_steps = self._window_start + into_window
+        self.load_replica_state(state["replica"], manager=False)
         if "lr_scheduler" in state and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(from_wire(e.lr_scheduler.state_dict(), state["lr_scheduler"]))
-        for k, (fn, load) in self._extra_state.items():
-            load(from_wire(fn(), state["extra"][k]))
         self.log.info("healed from a peer at step %d", self.manager.current_step)
 
     def shutdown(self) -> None:

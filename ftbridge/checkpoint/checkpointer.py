@@ -49,7 +49,6 @@ from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, c
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
-from ftbridge.zero.engine_points import align_to_window
 
 FORMAT = "ftbridge-checkpoint/1"
 
@@ -176,8 +175,7 @@ class Checkpointer:
         """
         e, m = self.engine, self.engine.manager
         meta = self.metadata(step)
-        rank_state = {"micro_steps": int(e.engine.micro_steps),
-                      "extra": {k: fn() for k, (fn, _) in e._extra_state.items()}}
+        rank_state = e.replica_state()
 
         def published(info: Dict[str, Any]) -> None:
             e.events.write(event="checkpoint_saved", time=time.time(), step=step, quorum_id=m.quorum_id,
@@ -214,7 +212,7 @@ class Checkpointer:
                          "python": platform.python_version()},
             "quorum": {"quorum_id": m.quorum_id, "participants": participants, "replica_rank": m.replica_rank,
                        "replica_group_id": cfg.replica_group_id},
-            "manager": m.torchft.state_dict(),
+            "manager": m.state_dict(),
             "engine_counters": {k: int(getattr(e, k)) for k in
                                 ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
             "data_position": {"step": int(e.global_steps), "micro_steps": int(e.micro_steps),
@@ -285,14 +283,9 @@ class Checkpointer:
         return CHOICE_OK, ckpt.step, None
 
     def _apply(self, meta: Dict[str, Any], rank_state: Dict[str, Any]) -> None:
-        e = self.engine
-        # A fresh accumulation window, whatever gradient_accumulation_steps the checkpoint was saved with.
-        gas = e.engine.gradient_accumulation_steps()
-        e.engine.micro_steps = align_to_window(int(rank_state["micro_steps"]), gas)
-        e.manager.torchft.load_state_dict(meta["manager"])
-        for k, (_, load) in e._extra_state.items():
-            if k in rank_state.get("extra", {}):
-                load(rank_state["extra"][k])
+        # A fresh accumulation window, whatever gradient_accumulation_steps the checkpoint was saved with;
+        # torchft's counters from ftbridge.json where a rank file predates replica_state's "manager".
+        self.engine.load_replica_state({"manager": meta["manager"], **rank_state})
 
 
 CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
