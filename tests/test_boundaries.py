@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHFT_DOORS = {"ftbridge/manager.py", "ftbridge/store_probe.py", "ftbridge/transport.py", "lighthouse/server.py"}
 """Modules that import torchft (the last three: process-group and transport base classes, the Rust lighthouse)."""
 
-DEEPSPEED_INTERNAL_DOORS = {"ftbridge/zero/", "ftbridge/checkpoint/safe_load.py", "ftbridge/checkpoint/async_save.py"}
+DEEPSPEED_INTERNAL_DOORS = {"ftbridge/zero/"}
 """Where DeepSpeed names other than ``deepspeed`` itself and ``deepspeed.accelerator`` may be imported."""
 
 

@@ -3,7 +3,8 @@
 DeepSpeed's ``save_checkpoint`` assembles each file's state dict and hands it
 to its *checkpoint engine* (``engine.checkpoint_engine.save(state, path)``),
 the extension point DeepSpeed offers for other storage back ends.
-:class:`SnapshotCheckpointEngine` plugs in there:
+:class:`SnapshotCheckpointEngine` is what ftbridge plugs in there (through
+:mod:`ftbridge.zero.checkpoint_engines`, the door to DeepSpeed's internals):
 
 * ``sync``: ``torch.save`` into the file at once, then ``fsync`` (what
   DeepSpeed's ``TorchCheckpointEngine`` does, plus durability);
@@ -30,7 +31,6 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,10 @@ def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Di
     return {"bytes": hf.size, "sha256": hf.sha.hexdigest()}
 
 
-class SnapshotCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine that writes now (sync) or snapshots and queues (async).
+class SnapshotCheckpointEngine:
+    """The ``save`` of a DeepSpeed checkpoint engine that writes now (sync) or snapshots and queues (async).
+
+    Plugged into DeepSpeed with :class:`ftbridge.zero.checkpoint_engines.DelegatingCheckpointEngine`.
 
     Args:
         asynchronous: queue CPU snapshots instead of writing.
@@ -117,16 +119,11 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
     """
 
     def __init__(self, *, asynchronous: bool, zipfile_serialization: bool = True) -> None:
-        super().__init__(None)
-        self.name = "FTBridgeSnapshotCheckpointEngine"
         self.asynchronous = asynchronous
         self.zipfile_serialization = zipfile_serialization
         self.pending: List[Tuple[Any, str]] = []
         self.written: Dict[str, Dict[str, Any]] = {}
         """``{path: {"bytes", "sha256"}}`` of every file this engine wrote."""
-
-    def create(self, info: Any) -> None:
-        """Nothing to prepare (DeepSpeed calls it before the first file)."""
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` to ``path`` now, or queue a CPU snapshot of it."""

@@ -38,6 +38,11 @@ from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
 from ftbridge.checkpoint.safe_load import check_files, load_deepspeed_checkpoint, safe_load
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
+from ftbridge.zero.checkpoint_engines import (
+    DelegatingCheckpointEngine,
+    swapped_checkpoint_engine,
+    zipfile_serialization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +98,12 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
         os.makedirs(store.root, exist_ok=True)
         shutil.rmtree(staging_root, ignore_errors=True)  # an earlier attempt under the same name
     waited = writer.wait() if writer is not None else 0.0  # the next save waits for the previous
-    previous = ds_engine.checkpoint_engine
     ce = SnapshotCheckpointEngine(asynchronous=writer is not None,
-                                  zipfile_serialization=getattr(previous, "zipfile_serialization", True))
-    ds_engine.checkpoint_engine = ce
-    try:
+                                  zipfile_serialization=zipfile_serialization(ds_engine))
+    plugged = DelegatingCheckpointEngine("FTBridgeSnapshotCheckpointEngine", save=ce.save,
+                                         zipfile_serialization=ce.zipfile_serialization)
+    with swapped_checkpoint_engine(ds_engine, plugged):
         ds_engine.save_checkpoint(staging_root, tag=tag, client_state={"ftbridge": metadata}, save_latest=False)
-    finally:
-        ds_engine.checkpoint_engine = previous
     staged = os.path.join(staging_root, tag)
     ce.save(rank_state, os.path.join(staged, _rank_file(rank)))
     if rank == 0:
