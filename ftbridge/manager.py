@@ -92,6 +92,7 @@ from torchft.process_group import create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.outage import OutageRider
 from ftbridge.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL, call_bounded
 from ftbridge.transport import SafeHTTPTransport
 
@@ -213,8 +214,15 @@ class _QuorumGuard:
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
+        self.rider: Optional[OutageRider] = None
+        """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.outage`); set by ReplicaManager."""
 
     def _quorum(self, **kwargs: Any) -> Any:
+        # --- lighthouse outage (ftbridge.outage): reuse the last quorum, no lighthouse call ---
+        reused = self.rider.reuse() if self.rider is not None else None
+        if reused is not None:
+            return reused
+        # --- end lighthouse outage ---
         result = self._client._quorum(**kwargs)
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
@@ -237,7 +245,10 @@ class _QuorumGuard:
                 logger.warning("quorum %d: another member rebuilds the cross-replica process group "
                                "(its lighthouse history differs); rebuilding too", quorum_id)
             self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
-        return _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        view = _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        if self.rider is not None:  # lighthouse outage (ftbridge.outage): the quorum a riding step reuses
+            self.rider.remember(view, members)
+        return view
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
         """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
@@ -398,6 +409,14 @@ class ReplicaManager:
         self.lighthouse_restarts = 0
         self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
                                                   self._on_lighthouse_restart, self._on_quorum, cfg.group_size)
+        # --- lighthouse outage (ftbridge.outage): needs the guard's hook into torchft's quorum call ---
+        self.outage: Optional[OutageRider] = None
+        if self.quorum_guard is not None:
+            self.outage = OutageRider(self.torchft, enabled=cfg.ride_out_lighthouse_outage,
+                                      lighthouse=cfg.lighthouse, group_rank=cfg.group_rank,
+                                      group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout)
+            self.quorum_guard.rider = self.outage
+        # --- end lighthouse outage ---
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -443,9 +462,16 @@ class ReplicaManager:
     def should_commit(self) -> bool:
         """Whether every rank of every participating group may apply this step.
 
-        Applies a pending heal first (on every rank of a healing group).
+        Applies a pending heal first (on every rank of a healing group). In a step that rides out a
+        lighthouse outage, every member of the last quorum must first agree on quorum, membership and
+        step (:meth:`ftbridge.outage.OutageRider.before_commit`).
         """
-        return self.torchft.should_commit()
+        if self.outage is not None:  # lighthouse outage (ftbridge.outage)
+            self.outage.before_commit()
+        committed = self.torchft.should_commit()
+        if self.outage is not None:
+            self.outage.after_commit(committed)
+        return committed
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""
@@ -475,6 +501,11 @@ class ReplicaManager:
     def quorum_id(self) -> int:
         """Id of the quorum of the current step (-1 before the first)."""
         return int(self.torchft._quorum_id)
+
+    @property
+    def rode_out_outage(self) -> bool:
+        """Whether the current step reuses the last quorum because the lighthouse is unreachable."""
+        return self.outage is not None and self.outage.riding
 
     @property
     def healed_this_step(self) -> bool:
