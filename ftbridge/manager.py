@@ -222,8 +222,11 @@ class _QuorumGuard:
         reused = self.rider.reuse() if self.rider is not None else None
         if reused is not None:
             return reused
+        result = (self.rider.ask(lambda: self._client._quorum(**kwargs)) if self.rider is not None
+                  else self._client._quorum(**kwargs))
+        if self.rider is not None and self.rider.riding:  # the lighthouse went away during the call
+            return result
         # --- end lighthouse outage ---
-        result = self._client._quorum(**kwargs)
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
@@ -414,7 +417,8 @@ class ReplicaManager:
         if self.quorum_guard is not None:
             self.outage = OutageRider(self.torchft, enabled=cfg.ride_out_lighthouse_outage,
                                       lighthouse=cfg.lighthouse, group_rank=cfg.group_rank,
-                                      group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout)
+                                      group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
+                                      replica_group_id=cfg.replica_group_id)
             self.quorum_guard.rider = self.outage
         # --- end lighthouse outage ---
 

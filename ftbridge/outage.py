@@ -49,13 +49,15 @@ costs at most one failed step (``cross_replica_timeout``), never a split.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import socket
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
@@ -68,6 +70,9 @@ membership digest, step, ok, lighthouse seen."""
 
 PROBE_TIMEOUT = timedelta(milliseconds=250)
 """How long a TCP connect to the lighthouse may take before it counts as unreachable."""
+
+POLL = timedelta(milliseconds=100)
+"""While a lighthouse call is in flight, how often the rider checks whether the lighthouse went away."""
 
 
 @dataclass(frozen=True)
@@ -222,8 +227,9 @@ class OutageRider:
     """
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
-                 decision_timeout: timedelta, probe: Any = probe_lighthouse) -> None:
+                 decision_timeout: timedelta, probe: Any = probe_lighthouse, replica_group_id: int = 0) -> None:
         self._manager = manager
+        self._who = f"[replica {replica_group_id} rank {group_rank}]"
         self.enabled = enabled
         self._lighthouse, self._probe = lighthouse, probe
         self._group_rank, self._group_size = group_rank, group_size
@@ -261,14 +267,69 @@ class OutageRider:
             ride = self._share(ride)
         last = self.last
         if ride and (last is None or int(self._manager._quorum_id) != last.quorum_id):
-            logger.error("[rank %d] the group rides out a lighthouse outage but this rank holds no matching "
-                         "quorum; asking the lighthouse", self._group_rank)
+            logger.error("%s the group rides out a lighthouse outage but this rank holds no matching "
+                         "quorum; asking the lighthouse", self._who)
             return None
         if not ride or last is None:
             return None
         self.riding = True
         self.rides += 1
         return _Reused(last, int(self._manager.current_step()))
+
+    def ask(self, call: Callable[[], Any]) -> Any:
+        """Run ``call`` (the lighthouse call of a step that does not ride); ride instead if the lighthouse
+        goes away while it is in flight.
+
+        A lighthouse that dies during a quorum call leaves torchft's manager retrying it until
+        ``quorum_timeout``. While the call runs, group rank 0 probes the lighthouse every :data:`POLL`;
+        once it is unreachable (and the step may ride, :func:`decide_ride`), the call is left to time out
+        in its thread and the step rides; the other ranks of the group follow through the store.
+
+        Returns:
+            ``call()``'s result, or the reused quorum (then :attr:`riding` is set).
+
+        Raises:
+            Whatever ``call`` raises, when the step does not ride.
+        """
+        if not self.enabled or self.last is None or int(self._manager._quorum_id) != self.last.quorum_id:
+            return call()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="ftbridge-quorum-call", daemon=True).start()
+        key = f"ftbridge/outage/{self._seq}/abandon"
+        while True:
+            try:
+                return future.result(timeout=POLL.total_seconds())
+            except concurrent.futures.TimeoutError:
+                pass
+            if self._abandon(key):
+                logger.warning("%s lighthouse %s went away during a quorum call: leaving the call and committing "
+                               "on the last quorum (id %d)", self._who, self._lighthouse, self.last.quorum_id)
+                self.riding = True
+                self.rides += 1
+                return _Reused(self.last, int(self._manager.current_step()))
+
+    def _abandon(self, key: str) -> bool:
+        """Whether to leave the lighthouse call in flight (rank 0 probes and publishes; the others read)."""
+        try:
+            if self._group_rank != 0:
+                return bool(self._manager._store.check([key]))
+            self._reachable = self._probe(self._lighthouse)
+            go = decide_ride(enabled=True, has_last=True, same_process_group=True,
+                             last_committed=self._last_committed, rode_last=False, last_all_unreachable=False,
+                             lighthouse_reachable=self._reachable)
+            if go and self._group_size > 1:
+                self._manager._store.set(key, b"1")
+            return go
+        except Exception as exc:  # noqa: BLE001 - no shared decision: keep waiting for the lighthouse
+            logger.warning("%s outage check failed (%s); waiting for the lighthouse", self._who, exc)
+            return False
 
     def _decide(self) -> bool:
         last = self.last
@@ -278,11 +339,12 @@ class OutageRider:
                            last_committed=self._last_committed, rode_last=self._rode_last,
                            last_all_unreachable=self._last_all_unreachable, lighthouse_reachable=self._reachable)
         if ride and not self._rode_last:
-            logger.warning("lighthouse %s unreachable: committing on the last quorum (id %d, %d members) while "
-                           "no group fails", self._lighthouse, last.quorum_id if last else -1,
+            logger.warning("%s lighthouse %s unreachable: committing on the last quorum (id %d, %d members) "
+                           "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
                            last.world_size if last else 0)
         elif self._rode_last and not ride:
-            logger.warning("back to the lighthouse after %d steps on quorum %d (%s)", self.rides,
+            logger.warning("%s back to the lighthouse (%d steps without it so far) on quorum %d (%s)", self._who,
+                           self.rides,
                            last.quorum_id if last else -1,
                            "a member sees it again" if self._last_committed else "a riding step failed")
         return ride
@@ -293,13 +355,14 @@ class OutageRider:
         try:
             if self._group_rank == 0:
                 store.set(key, b"1" if ride else b"0")
-                if self._seq > 2:
+                if self._seq > 2:  # every rank has read it: they all passed the last step's should_commit
                     store.delete_key(f"ftbridge/outage/{self._seq - 2}")
+                    store.delete_key(f"ftbridge/outage/{self._seq - 2}/abandon")
                 return ride
             store.wait([key], self._decision_timeout)
             return bytes(store.get(key)) == b"1"
         except Exception as exc:  # noqa: BLE001 - no shared decision: the lighthouse path, like torchft
-            logger.warning("[rank %d] outage decision not shared (%s); asking the lighthouse", self._group_rank, exc)
+            logger.warning("%s outage decision not shared (%s); asking the lighthouse", self._who, exc)
             return False
 
     # -- training thread ----------------------------------------------------------
