@@ -26,8 +26,9 @@ OUTAGE_S = 10.0
 
 
 def _both_at(job, step, since=0.0, participants=2):
+    """Both groups committed step ``step`` or later, together, after ``since``, in a quorum from the lighthouse."""
     return all(any(e["committed"] and e["step"] >= step and e["time"] >= since and e["participants"] == participants
-                   for e in job.steps(g)) for g in (0, 1))
+                   and not e.get("rode_out_outage") for e in job.steps(g)) for g in (0, 1))
 
 
 def _committed_between(job, group, t0, t1):
