@@ -218,15 +218,10 @@ class _QuorumGuard:
         """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.outage`); set by ReplicaManager."""
 
     def _quorum(self, **kwargs: Any) -> Any:
-        # --- lighthouse outage (ftbridge.outage): reuse the last quorum, no lighthouse call ---
-        reused = self.rider.reuse() if self.rider is not None else None
-        if reused is not None:
-            return reused
-        result = (self.rider.ask(lambda: self._client._quorum(**kwargs)) if self.rider is not None
-                  else self._client._quorum(**kwargs))
-        if self.rider is not None and self.rider.riding:  # the lighthouse went away during the call
+        call = lambda: self._client._quorum(**kwargs)  # noqa: E731
+        result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (ftbridge.outage)
+        if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
             return result
-        # --- end lighthouse outage ---
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
@@ -412,15 +407,10 @@ class ReplicaManager:
         self.lighthouse_restarts = 0
         self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
                                                   self._on_lighthouse_restart, self._on_quorum, cfg.group_size)
-        # --- lighthouse outage (ftbridge.outage): needs the guard's hook into torchft's quorum call ---
-        self.outage: Optional[OutageRider] = None
+        # Lighthouse outage (ftbridge.outage): needs the guard's hook into torchft's quorum call.
+        self.outage = OutageRider.for_config(self.torchft, cfg) if self.quorum_guard is not None else None
         if self.quorum_guard is not None:
-            self.outage = OutageRider(self.torchft, enabled=cfg.ride_out_lighthouse_outage,
-                                      lighthouse=cfg.lighthouse, group_rank=cfg.group_rank,
-                                      group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
-                                      replica_group_id=cfg.replica_group_id)
             self.quorum_guard.rider = self.outage
-        # --- end lighthouse outage ---
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -470,12 +460,9 @@ class ReplicaManager:
         lighthouse outage, every member of the last quorum must first agree on quorum, membership and
         step (:meth:`ftbridge.outage.OutageRider.before_commit`).
         """
-        if self.outage is not None:  # lighthouse outage (ftbridge.outage)
-            self.outage.before_commit()
-        committed = self.torchft.should_commit()
-        if self.outage is not None:
-            self.outage.after_commit(committed)
-        return committed
+        if self.outage is None:
+            return self.torchft.should_commit()
+        return self.outage.commit(self.torchft.should_commit)  # lighthouse outage (ftbridge.outage)
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""

@@ -247,7 +247,20 @@ class OutageRider:
         self.ride_commits = 0
         """Of those, steps committed."""
 
+    @classmethod
+    def for_config(cls, manager: Any, cfg: Any) -> "OutageRider":
+        """The rider of one rank from its :class:`ftbridge.config.FTBridgeConfig`."""
+        return cls(manager, enabled=cfg.ride_out_lighthouse_outage, lighthouse=cfg.lighthouse,
+                   group_rank=cfg.group_rank, group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
+                   replica_group_id=cfg.replica_group_id)
+
     # -- quorum thread --------------------------------------------------------
+    def quorum(self, call: Callable[[], Any]) -> Any:
+        """This step's quorum: the last one reused (:meth:`reuse`), or ``call()``, the lighthouse call
+        (:meth:`ask`). :attr:`riding` tells which."""
+        reused = self.reuse()
+        return reused if reused is not None else self.ask(call)
+
     def remember(self, result: Any, replica_ids: Sequence[str]) -> None:
         """Keep ``result``, the quorum torchft is about to use, for later riding steps."""
         self.last = LastQuorum(result, int(result.quorum_id), membership_digest(replica_ids),
@@ -395,6 +408,13 @@ class OutageRider:
                                               f"the lighthouse: {verdict.reason}"))
         self._last_all_unreachable = verdict.all_unreachable
         return verdict
+
+    def commit(self, should_commit: Callable[[], bool]) -> bool:
+        """:meth:`before_commit`, then torchft's ``should_commit()``, then :meth:`after_commit`; its result."""
+        self.before_commit()
+        committed = should_commit()
+        self.after_commit(committed)
+        return committed
 
     def after_commit(self, committed: bool) -> None:
         """Record the group's ``should_commit`` result for the next step's decision."""
