@@ -91,6 +91,7 @@ def run(settings: BenchSettings) -> List[Metric]:
     lost_on, lost_off = [r["steps_lost"] for r in on], [r["steps_lost"] for r in off]
     extra = {k: {"ride": [r[k] for r in on], "wait": [r[k] for r in off]}
              for k in ("pause_s", "step_s", "committed", "reference_s")}
+    extra["steps_lost"] = {"ride": lost_on, "wait": lost_off}
     return [
         Metric(NAME, "steps lost to the outage, riding it out", median(lost_on), "steps", lost_on, median(lost_off),
                "steps lost waiting for the lighthouse (FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE=0)", "<= 1",
