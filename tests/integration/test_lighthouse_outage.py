@@ -48,8 +48,8 @@ def test_a_group_failing_during_the_outage_stops_the_others_until_the_lighthouse
     job.wait_until(lambda: _together(job, (0,), 1, since=restarted), 90,
                    "group 0 to commit alone after the lighthouse is back")
     job.write_file("stop", str(job.max_step() + 2))
-    codes = job.wait(timeout_s=60, groups=[0])
-    assert codes == {0: 0}, job.tails()
+    codes = job.wait(timeout_s=60)  # group 1's launcher too: its only rank was killed, torchrun gives up
+    assert codes[0] == 0 and codes[1] != 0, job.tails()
 
     assert not after_kill, f"group 0 committed without the lighthouse after its peer died: {after_kill}"
     resumed = [e for e in job.steps(0) if e["committed"] and e["time"] > restarted]
