@@ -139,6 +139,14 @@ class FTBridgeConfig:
     restart does not kill the job; torchft's default 0 does
     (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
 
+    ride_out_lighthouse_outage: bool = True
+    """While the lighthouse is unreachable and no replica group has failed, keep
+    committing on the last quorum (same quorum id and cross-replica process
+    group), each step only after every member agreed on quorum, membership and
+    step; on any failure, wait for the lighthouse as before. Off: every step
+    waits for the lighthouse (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``; see
+    :mod:`ftbridge.outage`)."""
+
     manager_port: int = 0
     """Port of the torchft manager server on group rank 0; 0 picks a free one
     (``FTBRIDGE_MANAGER_PORT`` / ``TORCHFT_MANAGER_PORT``)."""
@@ -253,6 +261,7 @@ class FTBridgeConfig:
         "heartbeat_interval": ("ms", ("FTBRIDGE_HEARTBEAT_INTERVAL_MS",)),
         "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
+        "ride_out_lighthouse_outage": (bool, ("FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
         "metrics_port": (int, ("FTBRIDGE_METRICS_PORT",)),

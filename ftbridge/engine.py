@@ -309,7 +309,8 @@ class FaultTolerantEngine:
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         rec: Dict[str, Any] = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
                    replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
-                   loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum)
+                   loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
+                   rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.outage
         self.events.write(**rec)
         if rec["healed"] and self.manager.transport.last_recv:
             # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.bench.heal).

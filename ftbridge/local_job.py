@@ -142,6 +142,12 @@ class LocalJob:
     def group_size(self, group: int) -> int:
         """Ranks of replica group ``group``."""
         return self.group_sizes.get(group, self.nproc)
+    @property
+    def lighthouse_address(self) -> str:
+        """The lighthouse's address, also while it is stopped (a group may start during an outage)."""
+        if self.lighthouse is not None:
+            return self.lighthouse.address
+        return f"http://127.0.0.1:{self._lighthouse_port}"
 
     def event_log(self, group: int, rank: int) -> str:
         """Event log path of ``group``/``rank``."""
@@ -153,9 +159,10 @@ class LocalJob:
         log_path = os.path.join(self.workdir, f"group_{group}.{n}.log")
         cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", str(group),
                "--num-replica-groups", str(self.num_groups), "--nproc-per-node", str(self.group_size(group)),
-               "--lighthouse", self.lighthouse.address, "--max-restarts", str(self.max_restarts),
+               "--lighthouse", self.lighthouse_address, "--max-restarts", str(self.max_restarts),
                "--min-replicas", str(self.min_replicas),
                "--event-log", os.path.join(self.workdir, "events_{replica_group}_{group_rank}.jsonl"),
+               *([] if self.lighthouse is not None else ["--no-lighthouse-check"]),  # started during an outage
                "--", self.script, *self.script_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         log = open(log_path, "ab")

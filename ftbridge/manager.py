@@ -53,6 +53,7 @@ from torchft.process_group import create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.outage import OutageRider
 from ftbridge.quorum_rules import (
     GroupSizeMismatch,
     QuorumSeen,
@@ -110,9 +111,14 @@ class _QuorumGuard:
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
+        self.rider: Optional[OutageRider] = None
+        """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.outage`); set by ReplicaManager."""
 
     def _quorum(self, **kwargs: Any) -> Any:
-        result = self._client._quorum(**kwargs)
+        call = lambda: self._client._quorum(**kwargs)  # noqa: E731
+        result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (ftbridge.outage)
+        if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
+            return result
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
@@ -134,7 +140,10 @@ class _QuorumGuard:
                 logger.warning("quorum %d: another member rebuilds the cross-replica process group "
                                "(its lighthouse history differs); rebuilding too", quorum_id)
             self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
-        return _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        view = _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        if self.rider is not None:  # lighthouse outage (ftbridge.outage): the quorum a riding step reuses
+            self.rider.remember(view, members)
+        return view
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
         """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
@@ -371,6 +380,10 @@ class ReplicaManager:
         self.quorum_guard = _install_quorum_guard(self.torchft, cfg.vote_timeout, self._on_lighthouse_restart,
                                                   self._on_quorum, cfg.group_size, cfg.store_call_timeout)
         self._heal_agreement = HealAgreement(self.torchft) if self.quorum_guard is not None else None
+        # Lighthouse outage (ftbridge.outage): needs the guard's hook into torchft's quorum call.
+        self.outage = OutageRider.for_config(self.torchft, cfg) if self.quorum_guard is not None else None
+        if self.quorum_guard is not None:
+            self.quorum_guard.rider = self.outage
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -437,9 +450,13 @@ class ReplicaManager:
     def should_commit(self) -> bool:
         """Whether every rank of every participating group may apply this step.
 
-        Applies a pending heal first (on every rank of a healing group).
+        Applies a pending heal first (on every rank of a healing group). In a step that rides out a
+        lighthouse outage, every member of the last quorum must first agree on quorum, membership and
+        step (:meth:`ftbridge.outage.OutageRider.before_commit`).
         """
-        return self.torchft.should_commit()
+        if self.outage is None:
+            return self.torchft.should_commit()
+        return self.outage.commit(self.torchft.should_commit)  # lighthouse outage (ftbridge.outage)
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""
@@ -469,6 +486,11 @@ class ReplicaManager:
     def quorum_id(self) -> int:
         """Id of the quorum of the current step (-1 before the first)."""
         return int(self.torchft._quorum_id)
+
+    @property
+    def rode_out_outage(self) -> bool:
+        """Whether the current step reuses the last quorum because the lighthouse is unreachable."""
+        return self.outage is not None and self.outage.riding
 
     @property
     def healed_this_step(self) -> bool:
