@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed gradient_clipping (0: none)")
     p.add_argument("--warmup-steps", type=at_least(0), default=20)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
@@ -99,6 +101,37 @@ def build_parser() -> argparse.ArgumentParser:
     fault.add_argument("--fault-group", type=int, default=0, help="replica group that injects the fault")
     fault.add_argument("--fault-rank", type=int, default=0, help="group rank that injects the fault")
     return p
+
+
+def choose_device(argv: list) -> str:
+    """Resolve ``--device`` from ``argv`` and point DeepSpeed's accelerator at it; call before importing DeepSpeed.
+
+    Sets ``DS_ACCELERATOR`` (``cuda`` or ``cpu``); ``--device auto`` with ``DS_ACCELERATOR=cpu`` already set
+    (the test suite's runs) stays on the CPU.
+
+    Returns:
+        ``"cpu"`` or ``"cuda:LOCAL_RANK"``.
+
+    Raises:
+        SystemExit: (argparse) ``--device cuda`` without a GPU for this rank, or ``DS_ACCELERATOR`` set to the
+            other kind, with the reason, before any work starts.
+    """
+    from ftbridge import device
+
+    parser = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    preset = os.environ.get("DS_ACCELERATOR")
+    requested = "cpu" if args.device == "auto" and preset == "cpu" else args.device
+    try:
+        where = device.resolve_device(requested, device.probe(), device.local_rank())
+    except ValueError as e:
+        parser.error(str(e))
+    kind = "cpu" if where == "cpu" else "cuda"
+    if preset and preset != kind:
+        parser.error(f"--device {args.device} resolves to {where} but DS_ACCELERATOR={preset} is set; unset "
+                     f"DS_ACCELERATOR or pass --device {preset if preset in ('cpu', 'cuda') else 'auto'}")
+    os.environ["DS_ACCELERATOR"] = kind
+    return where
 
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -198,7 +231,7 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     losses = []
     for micro in range(grad_accum):
         x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
-        _, loss = engine(x, y)
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
         boundary = micro == grad_accum - 1
         if faults is not None and boundary:
             faults.before_boundary_backward(step, engine)
@@ -217,7 +250,7 @@ def validate(engine: Any, data: ShardedTextData, num_batches: int, batch_size: i
     module.eval()
     total = 0.0
     for x, y in data.val_batches(num_batches, batch_size):
-        _, loss = engine(x, y)
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
         total += float(loss.float())
     module.train()
     return total / num_batches

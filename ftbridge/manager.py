@@ -92,6 +92,7 @@ from torchft.process_group import create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.device import backend_for
 from ftbridge.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL, call_bounded
 from ftbridge.transport import SafeHTTPTransport
 
@@ -347,7 +348,10 @@ class ReplicaManager:
         load_state_dict: loads a peer's state; called on the training thread
             inside :meth:`should_commit` of a healing step, on every rank of
             the group at the same point.
-        use_cuda: build torchft's NCCL process group instead of Gloo.
+        use_cuda: the model is on a GPU: the cross-replica process group is
+            torchft's NCCL one, or its gloo one with CUDA tensors where ranks of
+            different groups share a GPU (:func:`ftbridge.device.backend_for`,
+            ``cfg.cross_replica_backend``); on the CPU always gloo.
         max_heal_bytes: the largest heal body this rank accepts (bytes),
             e.g. :func:`ftbridge.wire.size_bound` of its own state; called in
             torchft's quorum thread before each fetch. ``None``: no bound
@@ -356,6 +360,8 @@ class ReplicaManager:
     Raises:
         KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset (not launched by torchrun
             and no process group initialised).
+        ValueError: ``cfg.cross_replica_backend`` cannot work here (NCCL for a
+            model on the CPU, or for ranks sharing a GPU).
     """
 
     def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
@@ -364,7 +370,9 @@ class ReplicaManager:
         self.cfg = cfg
         _export_torchft_environ(cfg)
         # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
-        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
+        self.backend = backend_for(cfg, on_cuda=use_cuda)
+        """``"nccl"`` or ``"gloo"``: the cross-replica process group's backend."""
+        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if self.backend == "nccl"
               else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
                                            token=cfg.job_token, max_recv_bytes=max_heal_bytes)

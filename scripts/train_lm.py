@@ -6,6 +6,10 @@ One replica group per launch; start a lighthouse first::
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py --steps 200
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py --steps 200
 
+``--device auto`` (the default) trains on this rank's GPU (``cuda:LOCAL_RANK``) when
+CUDA is available, else on the CPU; ``--device cuda`` fails at once without a GPU
+(see docs/gpu.md for several groups on one GPU).
+
 Baseline (plain DeepSpeed data parallel over 4 ranks, no ftbridge)::
 
     torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --plain --steps 200
@@ -17,7 +21,10 @@ import os
 import sys
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" else "cuda")
+from ftbridge import lm_job
+
+# Before DeepSpeed is imported: it picks its accelerator (DS_ACCELERATOR) once, at import.
+DEVICE = lm_job.choose_device(sys.argv[1:])
 
 import deepspeed
 import torch
@@ -25,7 +32,6 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ftbridge
-from ftbridge import lm_job
 from ftbridge.config import FTBridgeConfig
 
 IMPORTS_DONE = time.time()  # the heal benchmark's "process start" phase ends here
@@ -35,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = lm_job.build_parser().parse_args(argv)
     if args.plain:
         cfg = None
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if DEVICE.startswith("cuda") else "gloo")
         topo = lm_job.Topology(dist.get_rank(), dist.get_world_size(), 0, dist.get_rank())
     else:
         cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
@@ -44,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                                cfg.num_replica_groups * cfg.group_size, cfg.replica_group_id, cfg.group_rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, model = lm_job.build_data_and_model(args)
+    if DEVICE != "cpu":
+        torch.cuda.set_device(torch.device(DEVICE))
+        model = model.to(DEVICE)
     optimizer = lm_job.build_optimizer(args, model)
     if cfg and args.test_sync_sum:
         lm_job.sum_instead_of_average()
