@@ -27,7 +27,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Tuple
+from typing import Any, Iterable, Mapping, Optional, Tuple
 
 from ftbridge.config import CROSS_REPLICA_BACKENDS, FTBridgeConfig
 
@@ -195,3 +195,22 @@ def check_placement(model_devices: Iterable[str], accelerator: str, cfg: FTBridg
         device = resolve_device("cuda", machine, local_rank() if rank_on_node is None else rank_on_node)
     on_cuda = device != "cpu"
     return device, in_group_backend("cuda" if on_cuda else "cpu"), backend_for(cfg, on_cuda=on_cuda, machine=machine)
+
+
+def collective_device(backend: str) -> "torch.device":
+    """Device of the small tensors ftbridge itself sends through a process group of ``backend``.
+
+    NCCL moves only GPU tensors (this rank's current GPU); gloo takes CPU tensors.
+    """
+    import torch
+
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_backend(group: Any = None) -> str:
+    """``torch.distributed.get_backend(group)`` (``"gloo"`` when no world is initialised)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)) if dist.is_initialized() else "gloo"

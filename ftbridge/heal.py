@@ -33,6 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ftbridge.device import collective_device, group_backend
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,7 +81,7 @@ def agree_on_heal(manager: Any, group: Optional[Any] = None) -> bool:
         return True
     manager.wait_quorum()  # the fetch runs on torchft's quorum thread
     ok = getattr(manager, "_pending_state_dict", None) is not None and manager.errored() is None
-    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=collective_device(group_backend(group)))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     before, manager._ftbridge_before_heal = getattr(manager, "_ftbridge_before_heal", None), None
     if flag.item():

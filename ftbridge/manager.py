@@ -375,7 +375,9 @@ class ReplicaManager:
         pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if self.backend == "nccl"
               else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
-                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes)
+                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes,
+                                           device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
+                                           else None)
         self.heals = 0
         self._healed_this_step = False
         self._load_state_dict = load_state_dict
