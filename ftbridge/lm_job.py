@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=at_least(1), default=4)
     p.add_argument("--plain", action="store_true",
                    help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
+    p.add_argument("--plain-global-of", type=at_least(1), default=0, metavar="N",
+                   help="with --plain on one rank: train on the whole global batch of an N-rank data-parallel world "
+                        "(the baseline of N replica groups of 1 rank when they share one GPU; device check)")
+    p.add_argument("--time-cross-replica-wait", action="store_true",
+                   help="record GPU time the training stream stalls on the cross-replica all-reduce "
+                        "(final event: cross_replica_exposed_wait_s; device check)")
     p.add_argument("--no-cross-replica-sync", action="store_true",
                    help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
     p.add_argument("--test-sync-sum", action="store_true",
@@ -164,7 +170,7 @@ def sum_instead_of_average() -> None:
 def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     """DeepSpeed config for the main job."""
     cfg: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "train_micro_batch_size_per_gpu": args.micro_batch * max(1, getattr(args, "plain_global_of", 0)),
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": args.grad_clip,
         "steps_per_print": 10**9,
@@ -202,6 +208,8 @@ class Topology:
     dp_world_size: int
     replica_group: int
     group_rank: int
+    whole_batch: bool = False
+    """Read the whole global batch of ``dp_world_size`` ranks (``--plain-global-of``), not this rank's rows."""
 
 
 def build_data_and_model(args: argparse.Namespace):
@@ -230,7 +238,8 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     step = int(engine.global_steps)
     losses = []
     for micro in range(grad_accum):
-        x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
+        x, y = (data.global_batch(step, micro, topo.dp_world_size) if topo.whole_batch
+                else data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size))
         _, loss = engine(x.to(engine.device), y.to(engine.device))
         boundary = micro == grad_accum - 1
         if faults is not None and boundary:

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = None
         deepspeed.init_distributed(dist_backend="nccl" if DEVICE.startswith("cuda") else "gloo")
         topo = lm_job.Topology(dist.get_rank(), dist.get_world_size(), 0, dist.get_rank())
+        if args.plain_global_of:
+            if dist.get_world_size() != 1:
+                raise SystemExit("--plain-global-of needs a world of one rank (torchrun --nproc-per-node 1)")
+            topo = lm_job.Topology(0, args.plain_global_of, 0, 0, whole_batch=True)
     else:
         cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
                                      comm_wrapper=args.comm_wrapper, comm_state_option=args.comm_state_option)
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         engine, *_ = ftbridge.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args),
                                          ft_config=cfg)
         engine.cross_replica_sync = not args.no_cross_replica_sync
+        engine.sync.order.timing = args.time_cross_replica_wait
     plain = lm_job.PlainRun(engine, args, topo) if args.plain else None
     lm_job.write_start_phases(plain.events if plain else engine.events, IMPORTS_DONE)
     if plain:
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                             cross_replica_bytes=engine.sync.bytes_sent,
                             cross_replica_messages_in_backward=engine.sync.issued_in_backward,
                             cross_replica_wait_s=engine.cross_replica_wait_s, guard_checks=engine.guard.checks,
+                            cross_replica_exposed_wait_s=engine.sync.order.exposed_wait_s(),
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
                             **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
