@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                             cross_replica_messages_in_backward=engine.sync.issued_in_backward,
                             cross_replica_wait_s=engine.cross_replica_wait_s, guard_checks=engine.guard.checks,
                             cross_replica_exposed_wait_s=engine.sync.order.exposed_wait_s(),
+                            cross_replica_backend=getattr(engine.manager, "backend", None), device=str(engine.device),
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
                             **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,

@@ -61,6 +61,11 @@ class Plan:
     overhead_steps: int = 20
     overhead_warmup: int = 5
     timeout_s: float = 300.0
+    message_bytes: int = 1 << 20
+    """``FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES`` of the equivalence runs: small, so per-bucket sync sends many
+    messages during backward (the stream ordering under test)."""
+    parallel: int = 1
+    """Equivalence configurations run at once (one GPU has room for several small jobs)."""
 
 
 def make_plan(dry_run: bool, stages: Sequence[int] = (1, 2, 3)) -> Plan:
@@ -72,10 +77,11 @@ def make_plan(dry_run: bool, stages: Sequence[int] = (1, 2, 3)) -> Plan:
     if dry_run:
         small = {"n_layer": 2, "d_model": 32, "n_head": 2, "context": 16, "micro_batch": 2}
         return Plan("cpu", 3, small, stages=stages, big_model={**small, "d_model": 64}, overhead_steps=6,
-                    overhead_warmup=2, timeout_s=180.0)
+                    overhead_warmup=2, timeout_s=180.0, message_bytes=16 << 10, parallel=1)
     return Plan("cuda", 6, {"n_layer": 4, "d_model": 256, "n_head": 4, "context": 128, "micro_batch": 8},
                 stages=stages, big_model={"n_layer": 24, "d_model": 1024, "n_head": 16, "context": 256,
-                                          "micro_batch": 8}, overhead_steps=20, overhead_warmup=5, timeout_s=300.0)
+                                          "micro_batch": 8}, overhead_steps=20, overhead_warmup=5, timeout_s=300.0,
+                message_bytes=1 << 20, parallel=3)
 
 
 def model_flags(model: Dict[str, int]) -> List[str]:
@@ -111,21 +117,26 @@ def equivalence_row(workdir: str, plan: Plan, stage: int, dtype: str, overlap: b
     from ftbridge.bench.jobs import run_ftbridge, run_plain
 
     name = f"z{stage}_{dtype}_{'overlap' if overlap else 'serial'}"
+    # lr 1e-3 from the first step (no warm-up): a missing or wrong cross-replica sync moves the parameters
+    # by about that much per step, far above TOLERANCE.
     args = ["--device", plan.device, "--steps", str(plan.equivalence_steps), "--zero-stage", str(stage),
-            "--val-every", "0", "--val-batches", "1", "--reduce-bucket-size", "20000", *model_flags(plan.model)]
+            "--val-every", "0", "--val-batches", "1", "--reduce-bucket-size", "20000", "--warmup-steps", "1",
+            *model_flags(plan.model)]
     args += (["--bf16"] if dtype == "bf16" else []) + (["--overlap-comm"] if overlap else [])
     ft_dir, plain_dir = os.path.join(workdir, name, "ftbridge"), os.path.join(workdir, name, "plain")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         ft = pool.submit(run_ftbridge, ft_dir, 2, 1, [*args, "--save-params",
-                         os.path.join(ft_dir, "params_{replica_group}.safetensors")], timeout_s=plan.timeout_s)
+                         os.path.join(ft_dir, "params_{replica_group}.safetensors")], timeout_s=plan.timeout_s,
+                         env={"FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES": str(plan.message_bytes)})
         plain = pool.submit(run_plain, plain_dir, 1, [*args, "--plain-global-of", "2", "--save-params",
                             os.path.join(plain_dir, "params.safetensors")], plan.timeout_s)
-        ft.result(), plain.result()
+        final, _ = ft.result().finals[0], plain.result()
     g0, g1 = (_load(os.path.join(ft_dir, f"params_{g}.safetensors")) for g in (0, 1))
     diff = max_abs_diff(g0, _load(os.path.join(plain_dir, "params.safetensors")))
     replicas_equal = max_abs_diff(g0, g1) == 0.0
     return {"part": "equivalence", "config": name, "max_abs_diff": diff, "replicas_equal": replicas_equal,
-            "ok": replicas_equal and diff <= TOLERANCE[dtype]}
+            "messages_in_backward": final.get("cross_replica_messages_in_backward"),
+            "backend": final.get("cross_replica_backend"), "ok": replicas_equal and diff <= TOLERANCE[dtype]}
 
 
 def d2h2d_seconds(nbytes: int, device: str) -> float:
@@ -185,8 +196,11 @@ def overhead_row(workdir: str, plan: Plan) -> Dict[str, Any]:
     """Median step time of ftbridge 2 x 1 against the plain baseline on the big model; exposed wait."""
     from ftbridge.bench.jobs import run_ftbridge, run_plain, steady_median
 
+    # bf16 gradients accumulated in bf16: per-bucket sync overlaps backward (fp32 accumulation of bf16
+    # parameters, DeepSpeed's compact path, would send everything after backward).
     args = ["--device", plan.device, "--steps", str(plan.overhead_steps), "--zero-stage", "2", "--val-every", "0",
-            "--val-batches", "1", "--bf16", "--overlap-comm", *model_flags(plan.big_model)]
+            "--val-batches", "1", "--bf16", "--grad-accum-dtype", "bf16", "--overlap-comm",
+            "--reduce-bucket-size", str(25_000_000), *model_flags(plan.big_model)]
     plain = run_plain(os.path.join(workdir, "plain"), 1, [*args, "--plain-global-of", "2"], plan.timeout_s)
     ft = run_ftbridge(os.path.join(workdir, "ftbridge"), 2, 1, [*args, "--time-cross-replica-wait"],
                       timeout_s=plan.timeout_s)
@@ -216,7 +230,6 @@ def _fmt(v: Any) -> str:
 
 def run(plan: Plan, parts: Sequence[str], out: str) -> List[Dict[str, Any]]:
     """Run ``parts`` of ``plan`` under folder ``out``; a part that fails becomes a FAIL row with the error."""
-    rows: List[Dict[str, Any]] = []
     jobs: List[Any] = []
     if "equivalence" in parts:
         jobs += [(f"z{s}_{d}_{o}", lambda s=s, d=d, o=o: equivalence_row(os.path.join(out, "equivalence"), plan,
@@ -226,17 +239,24 @@ def run(plan: Plan, parts: Sequence[str], out: str) -> List[Dict[str, Any]]:
         jobs.append(("failover", lambda: failover_row(os.path.join(out, "failover"), plan)))
     if "overhead" in parts:
         jobs.append(("overhead", lambda: overhead_row(os.path.join(out, "overhead"), plan)))
-    for name, fn in jobs:
-        t0 = time.time()
-        try:
-            row = fn()
-        except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' results
-            row = {"part": name.split("_")[0] if name.startswith(("failover", "overhead")) else "equivalence",
-                   "config": name, "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-        row["wall_s"] = time.time() - t0
-        rows.append(row)
-        print(render_table([row]), flush=True)
+    equivalence = [j for j in jobs if j[0] not in ("failover", "overhead")]
+    with concurrent.futures.ThreadPoolExecutor(max(1, plan.parallel)) as pool:  # equivalence configs at once
+        rows = list(pool.map(_timed_row, equivalence))
+    rows += [_timed_row(j) for j in jobs if j not in equivalence]
     return rows
+
+
+def _timed_row(job: Any) -> Dict[str, Any]:
+    name, fn = job
+    t0 = time.time()
+    try:
+        row = fn()
+    except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' results
+        row = {"part": name if name in ("failover", "overhead") else "equivalence", "config": name, "ok": False,
+               "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+    row["wall_s"] = time.time() - t0
+    print(render_table([row]), flush=True)
+    return row
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
