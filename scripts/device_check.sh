@@ -6,7 +6,7 @@
 # runs/device_check/table.txt (and results.json). Under 8 minutes on one GPU.
 #
 #   scripts/device_check.sh                 # on the GPU machine
-#   scripts/device_check.sh --dry-run       # anywhere: the same script on the CPU, gloo, small sizes
+#   PYTHON=.venv/bin/python scripts/device_check.sh --dry-run   # anywhere: the same on the CPU, gloo, small sizes
 #   scripts/device_check.sh --only equivalence --stages 2 --dtypes fp32 --overlap off
 #
 # Environment: PYTHON (default python3), WHEELS (default ./device_wheels), VENV (default ./.device_venv).
@@ -19,20 +19,19 @@ VENV="${VENV:-$ROOT/.device_venv}"
 dry=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done
 
-if [ "$dry" = 0 ] || [ -d "$WHEELS" ]; then
+if [ "$dry" = 0 ]; then
+  if [ ! -d "$WHEELS" ]; then
+    echo "no wheel folder $WHEELS: run scripts/fetch_device_wheels.sh on a machine with network first" >&2
+    exit 2
+  fi
   if [ ! -x "$VENV/bin/python" ]; then
     # --system-site-packages: the machine's own torch (with its CUDA) is used, never downloaded.
     "$PYTHON" -m venv --system-site-packages "$VENV"
   fi
-  if [ -d "$WHEELS" ]; then
-    "$VENV/bin/python" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
-  else
-    echo "no wheel folder $WHEELS: run scripts/fetch_device_wheels.sh on a machine with network first" >&2
-    exit 2
-  fi
+  "$VENV/bin/python" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
   PY="$VENV/bin/python"
 else
-  PY="${PYTHON}"  # dry run without wheels: the current environment (e.g. the development venv)
+  PY="$PYTHON"  # the dry run uses the given environment as it is, e.g. PYTHON=.venv/bin/python
 fi
 # ftbridge itself from this checkout (no build step needed).
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

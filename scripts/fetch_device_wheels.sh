@@ -24,7 +24,8 @@ BINARY=(
   opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
   opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 protobuf==7.36.2
   googleapis-common-protos==1.76.0 requests==2.34.2 urllib3==1.26.20 idna==3.20 certifi==2026.10.19.post1
-  charset-normalizer==3.5.3 importlib_metadata==10.2.0 zipp==4.1.2 tabulate==0.10.0
+  charset-normalizer==3.5.3 importlib_metadata==10.2.0 lazy-importer==0.1.0 zipp==4.1.2 tabulate==0.10.0
+  opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 Pygments==2.21.0
 )
 mkdir -p "$OUT"

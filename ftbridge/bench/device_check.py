@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 PARTS = ("equivalence", "failover", "overhead")
-TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
-"""Largest |difference| to plain DeepSpeed counted as equivalent (a missing cross-replica sync moves
-parameters by about the learning rate, 1e-3, per step)."""
+TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}
+"""Largest |difference| to plain DeepSpeed counted as equivalent. fp32: a missing cross-replica sync moves
+parameters by about the learning rate, 1e-3, per step (dry run measured 3.7e-9 when right). bf16: a few
+units in the last place of bf16 parameters (dry run: 6e-5 to 2.4e-4); there a broken sync shows in
+``replicas_equal`` (the groups diverge) rather than in this difference."""
 
 
 @dataclass
