@@ -52,7 +52,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ftbridge.comm_hooks.base import CommHookState, wait_result
+from ftbridge.comm_hooks.base import CastBackWork, CommHookState, wait_result
 from ftbridge.comm_hooks.default import allreduce_hook
 from ftbridge.config import SYNC_MODES
 from ftbridge.manager import ReplicaManager
@@ -128,7 +128,13 @@ class GradientSync:
     def _start(self, flat: torch.Tensor, tag: Any = None) -> None:
         """Start averaging 1-D ``flat`` in place; ``tag`` comes back with the result in :meth:`_wait_pending`."""
         try:
-            work = self.hook(self.hook_state, flat)
+            if getattr(self.manager, "backend", "gloo") == "nccl" and not flat.is_cuda:
+                # ZeRO-1/2 optimizer offload keeps the partition on the CPU, which NCCL cannot move: through
+                # this rank's GPU and back (the copy back happens at wait, on the sync stream).
+                on_gpu = flat.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=False)
+                work = CastBackWork(self.hook(self.hook_state, on_gpu), on_gpu, flat)
+            else:
+                work = self.hook(self.hook_state, flat)
         except Exception as e:  # a hook's failure discards the step, like a failed all-reduce
             logger.exception("communication hook %s failed; the step will be discarded",
                              getattr(self.hook, "__name__", self.hook))
