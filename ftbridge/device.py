@@ -58,7 +58,7 @@ def probe() -> Machine:
         return Machine(False, 0, 0)
     visible = torch.cuda.device_count()
     try:
-        physical = int(torch.cuda._raw_device_count_nvml())  # noqa: SLF001 - the count before CUDA_VISIBLE_DEVICES
+        physical = int(torch.cuda._raw_device_count_nvml())  # the count before CUDA_VISIBLE_DEVICES
     except Exception:  # noqa: BLE001 - NVML missing: fall back to what is visible
         physical = -1
     return Machine(True, visible, physical if physical > 0 else visible)
@@ -197,7 +197,7 @@ def check_placement(model_devices: Iterable[str], accelerator: str, cfg: FTBridg
     return device, in_group_backend("cuda" if on_cuda else "cpu"), backend_for(cfg, on_cuda=on_cuda, machine=machine)
 
 
-def collective_device(backend: str) -> "torch.device":
+def collective_device(backend: str) -> Any:
     """Device of the small tensors ftbridge itself sends through a process group of ``backend``.
 
     NCCL moves only GPU tensors (this rank's current GPU); gloo takes CPU tensors.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 
@@ -101,7 +101,7 @@ class Staging:
         if t.device.type == "cpu" and not self.stage_cpu:
             flat = _as_bytes(t.contiguous())
             if flat.numel():
-                yield memoryview(flat.numpy()).cast("B")
+                yield _bytes_view(flat)
             return
         flat = _as_bytes(t.contiguous())
         buf = self.buffer()
@@ -110,7 +110,7 @@ class Staging:
             buf[:n].copy_(flat[start:start + n], non_blocking=self.pin)
             synchronize(t.device)
             self.chunks_moved += 1
-            yield memoryview(buf[:n].numpy()).cast("B")
+            yield _bytes_view(buf[:n])
 
     def fill(self, tensor: torch.Tensor, read_into: Callable[[memoryview], int]) -> int:
         """Fill contiguous ``tensor``'s bytes from ``read_into(view) -> bytes read`` (a socket's ``readinto``).
@@ -123,11 +123,11 @@ class Staging:
         flat = _as_bytes(tensor)
         got = 0
         if tensor.device.type == "cpu" and not self.stage_cpu:
-            return _read_full(read_into, memoryview(flat.numpy()).cast("B")) if flat.numel() else 0
+            return _read_full(read_into, _bytes_view(flat)) if flat.numel() else 0
         buf = self.buffer()
         for start in range(0, flat.numel(), self.nbytes):
             n = min(self.nbytes, flat.numel() - start)
-            k = _read_full(read_into, memoryview(buf[:n].numpy()).cast("B"))
+            k = _read_full(read_into, _bytes_view(buf[:n]))
             flat[start:start + k].copy_(buf[:k], non_blocking=self.pin)
             synchronize(tensor.device)  # the buffer is read again for the next chunk
             self.chunks_moved += 1
@@ -135,6 +135,11 @@ class Staging:
             if k < n:
                 break
         return got
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU uint8 tensor's memory (no copy)."""
+    return memoryview(cast(Any, t.numpy())).cast("B")
 
 
 def _read_full(read_into: Callable[[memoryview], int], view: memoryview) -> int:
@@ -265,7 +270,7 @@ def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torc
     Raises:
         ValueError: a malformed header, a dtype outside the wire format, or a body that ended early.
     """
-    from ftbridge.wire import ST_MAX_HEADER_BYTES, _json, _st_entries, _ST_DTYPES
+    from ftbridge.wire import _ST_DTYPES, ST_MAX_HEADER_BYTES, _json, _st_entries
 
     prefix = bytearray(8)
     if size < 8 or _read_full(read_into, memoryview(prefix)) != 8:

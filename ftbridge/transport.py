@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, List, Optional, Union, cast
 from torchft.checkpointing.transport import CheckpointTransport
 
 from ftbridge import faults
-from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
 from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
+from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
 from ftbridge.wire import decode_parts, decode_state, encode_state, header_length
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
@@ -172,8 +172,12 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if isinstance(body, StagedBody):  # GPU state: chunk by chunk through the pinned buffer
+                    def at_half() -> None:
+                        self.wfile.flush()
+                        faults.point("heal_send")
+
                     try:
-                        body.write_to(self.wfile.write, at_half=lambda: (self.wfile.flush(), faults.point("heal_send")))
+                        body.write_to(self.wfile.write, at_half=at_half)
                     finally:
                         transport._sent_staged()
                     return

@@ -26,13 +26,13 @@ from ftbridge import lm_job
 # Before DeepSpeed is imported: it picks its accelerator (DS_ACCELERATOR) once, at import.
 DEVICE = lm_job.choose_device(sys.argv[1:])
 
-import deepspeed
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
+import deepspeed  # noqa: E402 - after choose_device, which sets DS_ACCELERATOR
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-import ftbridge
-from ftbridge.config import FTBridgeConfig
+import ftbridge  # noqa: E402
+from ftbridge.config import FTBridgeConfig  # noqa: E402
 
 IMPORTS_DONE = time.time()  # the heal benchmark's "process start" phase ends here
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import ftbridge.local_job as local_job_module
 from ftbridge.local_job import LocalJob
 
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a CUDA GPU: skipped with the reason where torch sees none."""
     import torch

@@ -49,7 +49,7 @@ class FakeCuda:
     def current_stream(self):
         return self._current[-1]
 
-    def Event(self, enable_timing=False):  # noqa: N802 - torch.cuda's name
+    def Event(self, enable_timing=False):  # torch.cuda's name
         return FakeEvent(self, enable_timing)
 
     @contextlib.contextmanager

@@ -138,7 +138,8 @@ class StreamOrder:
         return total
 
 
-def side_streams(optimizer: Any, names: Sequence[str] = ("reduction_stream", "reduce_and_partition_stream")) -> List[Any]:
+def side_streams(optimizer: Any,
+                 names: Sequence[str] = ("reduction_stream", "reduce_and_partition_stream")) -> List[Any]:
     """DeepSpeed's side streams that exist on ``optimizer`` (CUDA streams only; ``[]`` on CPU)."""
     try:
         import torch
