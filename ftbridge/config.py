@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Optional, cast
 
 SYNC_MODES = ("per_bucket", "post_backward")
+CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
 GUARD_ACTIONS = ("heal", "stop")
 MIN_TOKEN_CHARS = 16
 
@@ -232,6 +233,13 @@ class FTBridgeConfig:
     """Path of the JSON-lines event log; ``{replica_group}`` and
     ``{group_rank}`` are substituted (``FTBRIDGE_EVENT_LOG``)."""
 
+    cross_replica_backend: str = "auto"
+    """Backend of the cross-replica process group: ``auto``, ``nccl`` or ``gloo``
+    (``FTBRIDGE_CROSS_REPLICA_BACKEND``). ``auto``: gloo on CPU; on CUDA, NCCL
+    when every rank has a GPU of its own, gloo with CUDA tensors when ranks of
+    different replica groups share a GPU (one machine with fewer GPUs than
+    ranks); see :mod:`ftbridge.device`. Every rank of the job must agree."""
+
     comm_hook: str = "no"
     """Communication hook of the cross-replica all-reduce, Accelerate's names:
     ``no``, ``fp16``, ``bf16``, ``power_sgd``, ``batched_power_sgd``
@@ -275,6 +283,7 @@ class FTBridgeConfig:
         "guard_every": (int, ("FTBRIDGE_GUARD_EVERY",)),
         "guard_action": (str, ("FTBRIDGE_GUARD_ACTION",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
+        "cross_replica_backend": (str, ("FTBRIDGE_CROSS_REPLICA_BACKEND",)),
         "comm_hook": (str, ("FTBRIDGE_COMM_HOOK",)),
         "comm_wrapper": (str, ("FTBRIDGE_COMM_WRAPPER",)),
         "comm_state_option": ("json", ("FTBRIDGE_COMM_STATE_OPTION",)),
@@ -397,6 +406,9 @@ class FTBridgeConfig:
              f"guard_every={self.guard_every} must be >= 0 (0: never compare replica fingerprints)")
         need(self.guard_action in GUARD_ACTIONS,
              f"guard_action={self.guard_action!r} is not one of {GUARD_ACTIONS} (FTBRIDGE_GUARD_ACTION)")
+        need(self.cross_replica_backend in CROSS_REPLICA_BACKENDS,
+             f"cross_replica_backend={self.cross_replica_backend!r} (FTBRIDGE_CROSS_REPLICA_BACKEND) is not one of "
+             f"{CROSS_REPLICA_BACKENDS}; auto picks NCCL or gloo from the machine (ftbridge.device)")
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
         from ftbridge import comm_hooks

@@ -48,7 +48,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ftbridge import comm_hooks, faults, metrics
+from ftbridge import comm_hooks, device, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
@@ -133,7 +133,9 @@ class FaultTolerantEngine:
         self._launched = time.time()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
-                          sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
+                          sync_fallback=getattr(self.sync, "fallback_reason", "") or None,
+                          device=str(getattr(engine, "device", "cpu")),
+                          cross_replica_backend=getattr(self.manager, "backend", None))
 
     @property
     def cross_replica_sync(self) -> bool:
@@ -469,7 +471,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
 
     Raises:
         ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported
-            optimizer path, or a torch.distributed world whose size is not the
+            optimizer path, a device setup that cannot work
+            (:func:`ftbridge.device.check_placement`: the model on a GPU under
+            ``DS_ACCELERATOR=cpu``, no GPU for this rank, NCCL across ranks that
+            share a GPU), or a torch.distributed world whose size is not the
             replica group size — all before the engine is built where possible.
         RuntimeError: an untested DeepSpeed version.
     """
@@ -494,9 +499,14 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
                              "or run on a device with fp16")
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={stage}: set it to 1, 2 or 3 in the DeepSpeed config")
+    from deepspeed.accelerator import get_accelerator
+
+    where, group_backend, _ = device.check_placement({p.device.type for p in model.parameters()},
+                                                     get_accelerator().device_name(), cfg)
+    if where != "cpu":
+        torch.cuda.set_device(torch.device(where))  # NCCL (in-group, cross-replica) uses the current device
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, timeout=cfg.in_group_timeout)
+        deepspeed.init_distributed(dist_backend=group_backend, timeout=cfg.in_group_timeout)
     if dist.get_world_size() != cfg.group_size or dist.get_rank() != cfg.group_rank:
         raise ValueError(
             f"torch.distributed world is rank {dist.get_rank()} of {dist.get_world_size()} but ftbridge expects "

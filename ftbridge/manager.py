@@ -3,10 +3,9 @@
 :class:`ReplicaManager` wraps :class:`torchft.Manager` (composition, no
 copy): group rank 0 of each replica group runs torchft's manager server,
 which joins the quorum kept by the lighthouse; every rank gets a
-reconfigurable cross-replica process group (torchft's ``ProcessGroupGloo``
-on CPU, ``ProcessGroupNCCL`` on CUDA) linking the ranks with the same group
-rank across the live replica groups. torchft rebuilds it on every quorum
-change (``start_quorum`` -> ``pg.configure`` with the new quorum id).
+reconfigurable cross-replica process group (torchft's gloo or NCCL one,
+:mod:`ftbridge.device`) linking the ranks with the same group rank across
+the live replica groups; torchft rebuilds it on every quorum change.
 
 Heals go through :class:`ftbridge.transport.SafeHTTPTransport` (no pickle,
 bound to one interface). Before the manager is created, torchft's
@@ -53,6 +52,7 @@ from torchft.process_group import create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.device import backend_for, collective_device, group_backend
 from ftbridge.outage import OutageRider
 from ftbridge.quorum_rules import (
     GroupSizeMismatch,
@@ -301,7 +301,7 @@ class HealAgreement:
             return True
         m.wait_quorum()  # the fetch runs on torchft's quorum thread
         ok = getattr(m, "_pending_state_dict", None) is not None and m.errored() is None
-        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=collective_device(group_backend(group)))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         before, self._before = self._before, None
         if flag.item():
@@ -328,7 +328,8 @@ class ReplicaManager:
         load_state_dict: loads a peer's state; called on the training thread
             inside :meth:`should_commit` of a healing step, on every rank of
             the group at the same point.
-        use_cuda: build torchft's NCCL process group instead of Gloo.
+        use_cuda: the model is on a GPU: torchft's NCCL group, or gloo with CUDA tensors where groups
+            share a GPU (:func:`ftbridge.device.backend_for`); on the CPU always gloo.
         max_heal_bytes: the largest heal body this rank accepts (bytes),
             e.g. :func:`ftbridge.wire.size_bound` of its own state; called in
             torchft's quorum thread before each fetch. ``None``: no bound
@@ -337,6 +338,7 @@ class ReplicaManager:
     Raises:
         KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset (not launched by torchrun
             and no process group initialised).
+        ValueError: ``cfg.cross_replica_backend`` cannot work here (NCCL on CPU or on a shared GPU).
     """
 
     def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
@@ -345,10 +347,12 @@ class ReplicaManager:
         self.cfg = cfg
         _export_torchft_environ(cfg)
         # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
-        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
+        self.backend = backend_for(cfg, on_cuda=use_cuda)  # "nccl" or "gloo"
+        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if self.backend == "nccl"
               else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
-                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes)
+                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes, device=(
+                                               torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
         self.heals = 0
         self._healed_this_step = False
         self._load_state_dict = load_state_dict

@@ -41,6 +41,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from ftbridge import faults
 from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
+from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
 from ftbridge.wire import decode_parts, decode_state, encode_state, header_length
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
@@ -106,6 +107,11 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             each fetch. ``None``: no bound, but the body is allocated as it
             arrives, never up front at the claimed size.
         max_connections: requests served at once; more are closed unread.
+        device: where the joiner's received tensors go; a CUDA device reads
+            them through one pinned staging buffer straight into GPU tensors.
+            ``None``: CPU tensors viewing the received bytes. A donor whose
+            state is on a GPU serves it through the same staging buffer
+            (:mod:`ftbridge.staging`), without a host copy of the whole body.
 
     Raises:
         OSError: ``bind`` is not an address of this machine.
@@ -113,14 +119,17 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
     def __init__(self, bind: str, timeout: timedelta, *, heal_timeout: Optional[timedelta] = None,
                  token: Optional[str] = None, max_recv_bytes: Optional[Callable[[], int]] = None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, device: Any = None) -> None:
         self._timeout = timeout
+        self._device = device
+        self._staging = Staging()
+        self._sending = 0  # staged bodies being written from live tensors (disallow_checkpoint waits for them)
         self._heal_timeout = heal_timeout
         self._token = token or None
         self._max_recv_bytes = max_recv_bytes
         self._donor_host: Optional[str] = None
         self._cond = threading.Condition()
-        self._body: Optional[bytes] = None
+        self._body: Optional[Union[bytes, StagedBody]] = None
         self._step = -1
         self.last_recv: Optional[Dict[str, Any]] = None
         """Timing of the last successful fetch (the heal benchmark reads it): ``bytes``, and wall
@@ -162,6 +171,16 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                if isinstance(body, StagedBody):  # GPU state: chunk by chunk through the pinned buffer
+                    def at_half() -> None:
+                        self.wfile.flush()
+                        faults.point("heal_send")
+
+                    try:
+                        body.write_to(self.wfile.write, at_half=at_half)
+                    finally:
+                        transport._sent_staged()
+                    return
                 view, half = memoryview(body), len(body) // 2  # no copies of the body
                 self.wfile.write(view[:half])
                 self.wfile.flush()
@@ -173,7 +192,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
         return Handler
 
-    def _wait_for(self, step: int) -> Optional[bytes]:
+    def _wait_for(self, step: int) -> Optional[Union[bytes, StagedBody]]:
         deadline = time.monotonic() + self._timeout.total_seconds()
         with self._cond:
             while self._body is None or self._step != step:
@@ -182,7 +201,14 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
                     return None
+            if isinstance(self._body, StagedBody):
+                self._sending += 1
             return self._body
+
+    def _sent_staged(self) -> None:
+        with self._cond:
+            self._sending -= 1
+            self._cond.notify_all()
 
     def metadata(self) -> str:
         """URL prefix of this transport, passed to joiners through the quorum."""
@@ -200,7 +226,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             TypeError: the state holds a leaf that is neither tensor nor JSON scalar.
         """
         t0 = time.perf_counter()
-        body = encode_state(state_dict)
+        body = staged_body(state_dict, self._staging) or encode_state(state_dict)
         with self._cond:
             self._body, self._step = body, step
             self._cond.notify_all()
@@ -208,10 +234,18 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                     step, dst_ranks, len(body) / 1e6, time.perf_counter() - t0)
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving: the donor's state may change from here on."""
+        """Stop serving: the donor's state may change from here on.
+
+        A GPU state is written from the live tensors, so this waits until
+        every response in progress has finished (each is bounded by the
+        response deadline, after which its connection is closed).
+        """
+        deadline = time.monotonic() + self._server.response_deadline_s
         with self._cond:
             self._body = None
             self._cond.notify_all()
+            while self._sending > 0 and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Dict[str, Any]:
         """Fetch and decode the donor's state for ``step``, within one overall deadline.
@@ -246,7 +280,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             sock = conn.sock
             REAPER.set(sock, deadline - time.monotonic())
             conn.request("GET", f"/heal/{int(step)}", headers=headers)
-            head, blob, size = self._read_body(conn.getresponse(), url, step, limit)
+            head, blob, size = self._read_body(conn.getresponse(), url, step, limit, self._device, self._staging)
         except Exception as e:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"heal state for step {step} from {url}: not received within the heal "
@@ -264,7 +298,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         return state
 
     @staticmethod
-    def _read_body(resp: Any, url: str, step: int, limit: Optional[int]) -> tuple:
+    def _read_body(resp: Any, url: str, step: int, limit: Optional[int], device: Any = None,
+                   staging: Optional[Staging] = None) -> tuple:
         """``(JSON header, tensor blob, size)`` of a response, its size checked against ``limit`` before allocating."""
         if resp.status != 200:
             raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, None)
@@ -282,6 +317,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         n = header_length(prefix, size)
         head = resp.read(n)
         faults.point("heal_recv")
+        if device is not None and getattr(device, "type", device) == "cuda" and staging is not None:
+            # Straight into tensors on the GPU, through the pinned staging buffer: no host copy of the body.
+            return head, read_tensors(resp.readinto, size - 8 - n, device, staging), size
         if limit is not None:
             blob: Union[bytearray, bytes] = bytearray(size - 8 - n)
             got = _read_into(resp, memoryview(blob))

@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ftbridge.staging import host_copy, synchronize
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,31 +45,44 @@ def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -
     writes the same bytes as ``torch.save`` of ``obj``. Non-tensor leaves are
     deep-copied where possible.
 
+    GPU storages are copied into pinned host memory with non-blocking copies
+    (:func:`ftbridge.staging.host_copy`), all enqueued before one wait per
+    device at the end, so the stall is the device-to-host transfer itself.
+
     Args:
         obj: dicts, lists, tuples, tensors (any device) and other objects.
 
     Returns:
         The same structure with CPU tensors.
     """
+    top = memo is None
     memo = {} if memo is None else memo
+    out = _snapshot(obj, memo)
+    if top:  # the non-blocking device-to-host copies are complete from here on
+        for device in {key[2] for key in memo if not key[2].startswith("cpu")}:
+            synchronize(torch.device(device))
+    return out
+
+
+def _snapshot(obj: Any, memo: Dict[Tuple[int, int, str], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes(), str(storage.device))
         copied = memo.get(key)
         if copied is None:
-            copied = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            copied = storage.clone() if storage.device.type == "cpu" else host_copy(storage)
             memo[key] = copied
         out = torch.empty(0, dtype=obj.dtype)
         out.set_(copied, obj.storage_offset(), obj.size(), obj.stride())
         return out
     if isinstance(obj, dict):
-        new = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        new = type(obj)((k, _snapshot(v, memo)) for k, v in obj.items())
         # Keep attributes of dict subclasses: a module state dict's ``_metadata`` (per-module versions).
         for name, value in getattr(obj, "__dict__", {}).items():
-            setattr(new, name, snapshot(value, memo))
+            setattr(new, name, _snapshot(value, memo))
         return new
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(snapshot(v, memo) for v in obj)
+        return type(obj)(_snapshot(v, memo) for v in obj)
     try:
         return copy.deepcopy(obj)
     except Exception:  # noqa: BLE001 - an object that cannot be copied is saved as it is at write time
