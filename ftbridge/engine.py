@@ -129,6 +129,7 @@ class FaultTolerantEngine:
         self._decision: Optional[bool] = None
         self._losses: list = []
         self._t0 = 0.0
+        self._t0_mono = 0.0
         self.last_committed: Optional[bool] = None
         self._first_step_checked = False
         self._launched = time.time()
@@ -182,6 +183,7 @@ class FaultTolerantEngine:
     def _begin_step(self) -> None:
         self._in_step = True
         self._t0 = time.time()
+        self._t0_mono = time.monotonic()
         self._losses = []
         self._window_start = int(self.engine.micro_steps)
         self._backwards = 0
@@ -284,6 +286,9 @@ class FaultTolerantEngine:
         self.guard.check(self.manager.current_step)
         self._wait_for_peer_after_restart()
         agree_on_heal(self.manager.torchft)
+        discard_if_dropped = getattr(self.manager, "discard_if_dropped", None)  # peer watch (ftbridge.quorum_watch)
+        if discard_if_dropped is not None:
+            discard_if_dropped(self._t0_mono)
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
