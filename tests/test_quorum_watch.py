@@ -175,3 +175,19 @@ def test_config_peer_watch_settings():
     assert cfg.peer_watch is False and cfg.peer_watch_poll == timedelta(milliseconds=50)
     with pytest.raises(ValueError, match="peer_watch_poll"):
         FTBridgeConfig.resolve({"FTBRIDGE_PEER_WATCH_POLL_MS": "20000"})
+
+
+def test_allreduce_runs_on_a_private_copy_of_the_callers_tensor():
+    class Manager:
+        _pg = None
+
+        def allreduce(self, t, reduce_op=None):
+            self.sent = t
+            return "work"
+
+    manager, tensor = Manager(), torch.ones(4)
+    work = scripted_watch([status()]).allreduce(manager, tensor, None)
+    # An abandoned gloo operation goes on writing into what it was given: never the caller's (DeepSpeed's) buffer.
+    assert manager.sent.data_ptr() != tensor.data_ptr()
+    torch.testing.assert_close(manager.sent, tensor)
+    assert isinstance(work, WatchedWork)
