@@ -22,6 +22,8 @@ from ftbridge.quorum_watch import (
 from ftbridge.store_probe import ProbedProcessGroupGloo
 from lighthouse.status import Heartbeat, LighthouseStatus, Member
 
+pytestmark = pytest.mark.timeout(60)  # a watch that never ends a wait fails here, not at the suite's 300 s
+
 ME, PEER, OTHER = "replica_group_0:aaa", "replica_group_1:bbb", "replica_group_2:ccc"
 QUORUM = (7, (ME, PEER))
 
@@ -191,3 +193,23 @@ def test_allreduce_runs_on_a_private_copy_of_the_callers_tensor():
     assert manager.sent.data_ptr() != tensor.data_ptr()
     torch.testing.assert_close(manager.sent, tensor)
     assert isinstance(work, WatchedWork)
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_wait_makes_every_member_rebuild_at_the_next_quorum_even_a_steady_one():
+    from types import SimpleNamespace
+
+    from tests.test_manager import _members, _run_all
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    guards = _members(store.port, last_ids=[2, 2], qid=2)  # same id and members: torchft would keep the group
+    cut = iter([True])
+    guards[0][1].watch = SimpleNamespace(take_rebuild=lambda: next(cut, False), poll_s=0.05,
+                                         look=lambda remember=False: ())
+    _run_all(guards)
+    # The process group still holds the abandoned operation: the next all-reduce must not pair with it.
+    assert [mgr._quorum_id for mgr, _ in guards] == [-1, -1]
+    for mgr, _ in guards:
+        mgr._quorum_id = 2
+    _run_all(guards)
+    assert [mgr._quorum_id for mgr, _ in guards] == [2, 2]  # once only
