@@ -213,3 +213,26 @@ def test_a_cut_wait_makes_every_member_rebuild_at_the_next_quorum_even_a_steady_
         mgr._quorum_id = 2
     _run_all(guards)
     assert [mgr._quorum_id for mgr, _ in guards] == [2, 2]  # once only
+
+
+def test_a_group_frozen_during_the_step_and_dropped_since_discards_it():
+    now = [100.0]
+    freeze = FreezeClock(timedelta(milliseconds=100), clock=lambda: now[0])
+    reads: List[int] = []
+
+    def fetch():
+        reads.append(1)
+        return status(quorum_id=8, members=(ME,))  # the survivors' quorum, without replica_group_1
+
+    watch = QuorumWatch("http://127.0.0.1:1", "replica_group_1", lambda: QUORUM, fetch=fetch, freeze=freeze)
+    errors: List = []
+    manager = type("M", (), {"report_error": lambda self, e: errors.append(e)})()
+    step_start = now[0]
+    now[0] += 0.1
+    freeze.tick()
+    watch.check_commit(manager, step_start)
+    assert errors == [] and reads == []  # not frozen: the lighthouse is not even asked
+    now[0] += 5.0  # SIGSTOP, then SIGCONT
+    freeze.tick()
+    watch.check_commit(manager, step_start)
+    assert len(errors) == 1 and "frozen" in str(errors[0])
