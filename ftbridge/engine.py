@@ -129,7 +129,6 @@ class FaultTolerantEngine:
         self._decision: Optional[bool] = None
         self._losses: list = []
         self._t0 = 0.0
-        self._t0_mono = 0.0
         self.last_committed: Optional[bool] = None
         self._first_step_checked = False
         self._launched = time.time()
@@ -183,7 +182,6 @@ class FaultTolerantEngine:
     def _begin_step(self) -> None:
         self._in_step = True
         self._t0 = time.time()
-        self._t0_mono = time.monotonic()
         self._losses = []
         self._window_start = int(self.engine.micro_steps)
         self._backwards = 0
@@ -288,7 +286,7 @@ class FaultTolerantEngine:
         agree_on_heal(self.manager.torchft)
         discard_if_dropped = getattr(self.manager, "discard_if_dropped", None)  # peer watch (ftbridge.quorum_watch)
         if discard_if_dropped is not None:
-            discard_if_dropped(self._t0_mono)
+            discard_if_dropped()
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()

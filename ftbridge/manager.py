@@ -81,6 +81,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -377,6 +378,7 @@ class ReplicaManager:
                                            token=cfg.job_token, max_recv_bytes=max_heal_bytes)
         self.heals = 0
         self._healed_this_step = False
+        self._step_start = 0.0
         self._load_state_dict = load_state_dict
 
         self.torchft = Manager(
@@ -407,11 +409,11 @@ class ReplicaManager:
                                                   self._on_lighthouse_restart, self._on_quorum, cfg.group_size)
         self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda)  # cuts a hung peer off (None: off)
 
-    def discard_if_dropped(self, step_start: float) -> None:
-        """Discard this step if this process was frozen during it and the lighthouse has since left its
-        group out (:meth:`ftbridge.quorum_watch.QuorumWatch.check_commit`; ``step_start``: ``time.monotonic()``)."""
+    def discard_if_dropped(self) -> None:
+        """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
+        and the lighthouse has since left its group out (:meth:`ftbridge.quorum_watch.QuorumWatch.check_commit`)."""
         if self.quorum_watch is not None:
-            self.quorum_watch.check_commit(self.torchft, step_start)
+            self.quorum_watch.check_commit(self.torchft, self._step_start)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -434,6 +436,7 @@ class ReplicaManager:
     def start_quorum(self) -> None:
         """Ask for this step's quorum, asynchronously (overlaps the forward pass)."""
         self._healed_this_step = False
+        self._step_start = time.monotonic()  # the peer watch's freeze check (discard_if_dropped)
         self.torchft.start_quorum()
 
     def allreduce(self, tensor: torch.Tensor,
