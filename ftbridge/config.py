@@ -133,6 +133,19 @@ class FTBridgeConfig:
     others come back. After the wait it trains on from step 0 with an ERROR.
     Ignored with ``num_replica_groups`` 1."""
 
+    peer_watch: bool = True
+    """Cut a hung peer off when the lighthouse declares it dead, instead of
+    waiting out :attr:`cross_replica_timeout`: a cross-replica wait longer
+    than :attr:`peer_watch_poll` reads the lighthouse's status every poll and
+    discards the step once a member of the step's quorum has no heartbeat
+    (``FTBRIDGE_PEER_WATCH``; CPU process groups only; see
+    :mod:`ftbridge.quorum_watch`). Costs a copy of each all-reduced message."""
+
+    peer_watch_poll: timedelta = timedelta(milliseconds=100)
+    """How long a cross-replica wait lasts before the peer watch first reads
+    the lighthouse's status, and how often it reads it then
+    (``FTBRIDGE_PEER_WATCH_POLL_MS``)."""
+
     quorum_retries: int = 5
     """Lighthouse calls group rank 0's torchft manager retries within one
     quorum call, sleeping ``quorum_timeout / (quorum_retries + 1)`` between
@@ -268,6 +281,8 @@ class FTBridgeConfig:
         "connect_timeout": ("s", ("FTBRIDGE_CONNECT_TIMEOUT_S", "TORCHFT_CONNECT_TIMEOUT_SEC")),
         "heartbeat_interval": ("ms", ("FTBRIDGE_HEARTBEAT_INTERVAL_MS",)),
         "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
+        "peer_watch": (bool, ("FTBRIDGE_PEER_WATCH",)),
+        "peer_watch_poll": ("ms", ("FTBRIDGE_PEER_WATCH_POLL_MS",)),
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
         "ride_out_lighthouse_outage": (bool, ("FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
@@ -367,7 +382,7 @@ class FTBridgeConfig:
                     "{group_rank} are substituted"
                 ) from None
         for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
-                     "connect_timeout", "heartbeat_interval"):
+                     "connect_timeout", "heartbeat_interval", "peer_watch_poll"):
             value = getattr(self, name)
             need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
         need(self.heal_timeout is None or self.heal_timeout.total_seconds() > 0,
@@ -383,6 +398,9 @@ class FTBridgeConfig:
         need(self.heartbeat_interval < self.cross_replica_timeout,
              f"heartbeat_interval={self.heartbeat_interval.total_seconds()} s must be below "
              f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s")
+        need(self.peer_watch_poll < self.cross_replica_timeout,
+             f"peer_watch_poll={self.peer_watch_poll.total_seconds()} s (FTBRIDGE_PEER_WATCH_POLL_MS) must be "
+             f"below cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s, or the watch never looks")
         need(self.cross_replica_timeout < self.in_group_timeout,
              f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s is not below "
              f"in_group_timeout={self.in_group_timeout.total_seconds()} s: the in-group watchdog would "

@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -62,6 +63,7 @@ from ftbridge.quorum_rules import (
     group_size_conflict,
     rendezvous_namespace,
 )
+from ftbridge.quorum_watch import start_watch, wait_for_keys
 from ftbridge.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL, call_bounded
 from ftbridge.transport import SafeHTTPTransport
 
@@ -113,6 +115,9 @@ class _QuorumGuard:
         self.forced = 0
         self.rider: Optional[OutageRider] = None
         """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.outage`); set by ReplicaManager."""
+        self.watch: Any = None
+        """The peer watch (:class:`ftbridge.quorum_watch.QuorumWatch`) or ``None``: after it cut a wait short
+        this member votes to rebuild; it cuts the vote's wait short when a member is dead."""
 
     def _quorum(self, **kwargs: Any) -> Any:
         call = lambda: self._client._quorum(**kwargs)  # noqa: E731
@@ -129,6 +134,8 @@ class _QuorumGuard:
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
         own = restarted or quorum_id != self._manager._quorum_id
+        if self.watch is not None and self.watch.take_rebuild():  # peer watch (ftbridge.quorum_watch)
+            own = True
         rebuild = self._vote(result, namespace, own)
         conflict = group_size_conflict(self.sizes, int(result.replica_rank), quorum_id)
         if conflict:  # before torchft reconfigures or fetches a heal with this quorum
@@ -161,7 +168,7 @@ class _QuorumGuard:
         self.sizes = []
         try:
             store, votes, self.sizes = call_bounded(
-                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size),
+                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size, self.watch),
                 self._store_timeout or 2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
@@ -177,7 +184,7 @@ class _QuorumGuard:
 
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
-                   timeout: timedelta, group_size: int = 0) -> Tuple[Any, List[bool], List[int]]:
+                   timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
     """One rank's vote on the primary's store: write ``mine`` and ``group_size``, wait for every member's, read them.
 
     Args:
@@ -189,6 +196,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         timeout: bound on waiting for the other members' votes.
 
         group_size: ranks of this replica group (0: not published).
+        watch: the peer watch, which ends the wait early once a member is dead (``None``: none).
 
     Returns:
         ``(store client, votes, sizes)``, one vote and one group size per replica rank.
@@ -200,7 +208,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
     store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
     keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
-    store.wait(keys, timeout)
+    wait_for_keys(store, keys, timeout, watch)
     values = [bytes(v).decode(errors="replace").partition(":") for v in store.multi_get(keys)]
     votes = [v == "1" for v, _, _ in values]
     sizes = [int(n) if n.isdigit() else 0 for _, _, n in values]
@@ -355,6 +363,7 @@ class ReplicaManager:
                                                torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
         self.heals = 0
         self._healed_this_step = False
+        self._step_start = 0.0
         self._load_state_dict = load_state_dict
 
         self.torchft = Manager(
@@ -388,6 +397,13 @@ class ReplicaManager:
         self.outage = OutageRider.for_config(self.torchft, cfg) if self.quorum_guard is not None else None
         if self.quorum_guard is not None:
             self.quorum_guard.rider = self.outage
+        self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda)  # cuts a hung peer off (None: off)
+
+    def discard_if_dropped(self) -> None:
+        """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
+        and the lighthouse has since left its group out (:meth:`ftbridge.quorum_watch.QuorumWatch.check_commit`)."""
+        if self.quorum_watch is not None:
+            self.quorum_watch.check_commit(self.torchft, self._step_start)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -410,6 +426,7 @@ class ReplicaManager:
     def start_quorum(self) -> None:
         """Ask for this step's quorum, asynchronously (overlaps the forward pass)."""
         self._healed_this_step = False
+        self._step_start = time.monotonic()  # the peer watch's freeze check (discard_if_dropped)
         self.torchft.start_quorum()
 
     def wait_quorum(self) -> None:
@@ -432,7 +449,9 @@ class ReplicaManager:
         Returns:
             A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
         """
-        return self.torchft.allreduce(tensor, reduce_op=reduce_op)
+        if self.quorum_watch is None:
+            return self.torchft.allreduce(tensor, reduce_op=reduce_op)
+        return self.quorum_watch.allreduce(self.torchft, tensor, reduce_op)
 
     def agree_on_heal(self) -> bool:
         """Make the ranks of this replica group agree whether this step's heal may be applied (:class:`HealAgreement`).
@@ -509,6 +528,8 @@ class ReplicaManager:
         """Stop the manager server and the heal transport (no leave message exists)."""
         self.torchft.shutdown(wait=False)
         self.transport.shutdown(wait=False)
+        if self.quorum_watch is not None:
+            self.quorum_watch.close()
 
 
 def is_dummy_work(work: Any) -> bool:

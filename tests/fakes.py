@@ -58,6 +58,9 @@ class FakeManager:
     def agree_on_heal(self):
         return True
 
+    def discard_if_dropped(self):
+        pass
+
     def state_dict(self):
         return {"step": self.step, "batches_committed": self.step}
 
