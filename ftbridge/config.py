@@ -146,6 +146,16 @@ class FTBridgeConfig:
     the lighthouse's status, and how often it reads it then
     (``FTBRIDGE_PEER_WATCH_POLL_MS``)."""
 
+    peer_watch_freeze_discard: timedelta = timedelta(seconds=1)
+    """A rank frozen (SIGSTOP, a stuck host) this long during a step discards
+    the step, whatever the lighthouse says when it resumes
+    (``FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS``). The survivors may have cut it
+    off and gone on without it, and the lighthouse may not show that yet; a
+    commit then would leave it with a step the others discarded. Keep it
+    below the lighthouse's heartbeat timeout minus the heartbeat interval
+    (the shortest freeze the lighthouse can declare dead). A discard is
+    always safe: the group is one step behind and heals."""
+
     quorum_retries: int = 5
     """Lighthouse calls group rank 0's torchft manager retries within one
     quorum call, sleeping ``quorum_timeout / (quorum_retries + 1)`` between
@@ -283,6 +293,7 @@ class FTBridgeConfig:
         "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
         "peer_watch": (bool, ("FTBRIDGE_PEER_WATCH",)),
         "peer_watch_poll": ("ms", ("FTBRIDGE_PEER_WATCH_POLL_MS",)),
+        "peer_watch_freeze_discard": ("ms", ("FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS",)),
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
         "ride_out_lighthouse_outage": (bool, ("FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
@@ -382,7 +393,7 @@ class FTBridgeConfig:
                     "{group_rank} are substituted"
                 ) from None
         for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
-                     "connect_timeout", "heartbeat_interval", "peer_watch_poll"):
+                     "connect_timeout", "heartbeat_interval", "peer_watch_poll", "peer_watch_freeze_discard"):
             value = getattr(self, name)
             need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
         need(self.heal_timeout is None or self.heal_timeout.total_seconds() > 0,
@@ -401,6 +412,10 @@ class FTBridgeConfig:
         need(self.peer_watch_poll < self.cross_replica_timeout,
              f"peer_watch_poll={self.peer_watch_poll.total_seconds()} s (FTBRIDGE_PEER_WATCH_POLL_MS) must be "
              f"below cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s, or the watch never looks")
+        need(self.peer_watch_freeze_discard > self.peer_watch_poll,
+             f"peer_watch_freeze_discard={self.peer_watch_freeze_discard.total_seconds()} s "
+             f"(FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS) must be above peer_watch_poll="
+             f"{self.peer_watch_poll.total_seconds()} s (the freeze clock ticks once per poll)")
         need(self.cross_replica_timeout < self.in_group_timeout,
              f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s is not below "
              f"in_group_timeout={self.in_group_timeout.total_seconds()} s: the in-group watchdog would "

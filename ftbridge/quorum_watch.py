@@ -59,14 +59,21 @@ A *false positive* (the lighthouse drops a group that is only slow) costs
 the same: a discarded step and a reconfigure, never a partial average applied,
 since an abandoned result is never read.
 
-Residual risk, stated plainly: the survivors, alone, commit the step number
-the resumed group committed with the abandoned all-reduce. If the resumed
-group rejoins exactly when both counters are equal, torchft sees equal steps
-and does not heal. The resumed group checks for this before it commits
-(:meth:`QuorumWatch.dropped_while_frozen`): when this process was frozen
-during the step (a gap in :class:`FreezeClock`'s ticks) it reads the
-lighthouse and discards if a later quorum was issued without it. Left open:
-a resumed group that checks before the survivors' next quorum is issued.
+The resumed group must therefore never commit a step the survivors
+discarded: the survivors, alone, would commit the same step number with
+another average, and if the two groups met again with equal counters
+torchft would not heal. Before it commits, the resumed group looks at how
+long it was frozen during the step (a gap in :class:`FreezeClock`'s ticks;
+:meth:`QuorumWatch.dropped_while_frozen`): at least
+``FTBridgeConfig.peer_watch_freeze_discard`` (1 s): it discards, whatever the
+lighthouse says (the survivors may have cut it off before the lighthouse
+issued the quorum without it); shorter than that but longer than a poll: it
+discards if the lighthouse issued a later quorum without it. A freeze
+shorter than the lighthouse's heartbeat timeout minus the heartbeat
+interval cannot make the lighthouse declare the group dead, so the
+survivors cannot have cut it off; the bound must stay below that (1 s
+against the default 5 s heartbeat timeout). A discard is always safe: the
+group is then one step behind and heals.
 
 Scope: CPU (gloo) process groups. With NCCL (``use_cuda``) the watch is off:
 the host does not block in ``wait()`` there (the stream does), so it needs a
@@ -211,12 +218,15 @@ class QuorumWatch:
         fetch: returns the lighthouse status (default: :func:`fetch_status_bounded`,
             bounded by ``min(1 s, 4 x poll)``); injectable for tests.
         freeze: the freeze detector for :meth:`dropped_while_frozen` (default: a started :class:`FreezeClock`).
+        freeze_discard: a freeze at least this long discards the step without asking the lighthouse
+            (``FTBridgeConfig.peer_watch_freeze_discard``).
     """
 
     def __init__(self, lighthouse: str, me: str, quorum: Callable[[], Optional[Tuple[int, Sequence[str]]]], *,
                  poll: timedelta = timedelta(milliseconds=100),
                  fetch: Optional[Callable[[], LighthouseStatus]] = None,
-                 freeze: Optional[FreezeClock] = None) -> None:
+                 freeze: Optional[FreezeClock] = None,
+                 freeze_discard: timedelta = timedelta(seconds=1)) -> None:
         if poll <= timedelta(0):
             raise ValueError(f"poll={poll} must be positive (FTBRIDGE_PEER_WATCH_POLL_MS)")
         self.me = me
@@ -228,6 +238,7 @@ class QuorumWatch:
         self._fetch = fetch or (lambda: fetch_status_bounded(lighthouse, limit))
         self._freeze = freeze or FreezeClock()
         self._freeze.start()
+        self._freeze_discard = freeze_discard.total_seconds()
         self._rebuild = False
         self._abandoned = False  # a wait of this step was cut short: cut the step's other waits at once
         self._doomed: Optional[Tuple[int, Tuple[str, ...]]] = None  # (quorum id, lost members) seen by the vote
@@ -335,8 +346,15 @@ class QuorumWatch:
             this group (:func:`dropped_from_quorum`): the step must be
             discarded. Reads the lighthouse only after such a freeze.
         """
-        if self._freeze.frozen_since(step_start) <= self._poll:
+        frozen = self._freeze.frozen_since(step_start)
+        if frozen <= self._poll:
             return False
+        if frozen >= self._freeze_discard:
+            # The survivors may have cut this group off and discarded, before the lighthouse issues the
+            # quorum without it that the check below looks for: only a discard is safe (behind, it heals).
+            logger.warning("peer watch: frozen %.1f s during this step (>= %.1f s): discarding it", frozen,
+                           self._freeze_discard)
+            return True
         seen = self._quorum()
         try:
             status = self._fetch() if seen is not None else None
@@ -378,7 +396,8 @@ def start_watch(cfg: Any, guard: Any, use_cuda: bool) -> Optional[QuorumWatch]:
         seen = guard.seen
         return None if seen is None else (seen.quorum_id, seen.members)
 
-    watch = QuorumWatch(cfg.lighthouse, f"replica_group_{cfg.replica_group_id}", quorum, poll=cfg.peer_watch_poll)
+    watch = QuorumWatch(cfg.lighthouse, f"replica_group_{cfg.replica_group_id}", quorum, poll=cfg.peer_watch_poll,
+                        freeze_discard=cfg.peer_watch_freeze_discard)
     guard.watch = watch
     return watch
 

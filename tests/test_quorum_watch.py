@@ -236,3 +236,33 @@ def test_a_group_frozen_during_the_step_and_dropped_since_discards_it():
     freeze.tick()
     watch.check_commit(manager, step_start)
     assert len(errors) == 1 and "frozen" in str(errors[0])
+
+
+def test_a_long_freeze_discards_even_before_the_lighthouse_shows_the_group_left_out():
+    # The survivors may already have cut this group off and discarded; the lighthouse has not issued the
+    # quorum without it yet. Committing the completed all-reduce now would leave the groups with the same
+    # step number and different models: only a discard is safe.
+    now = [100.0]
+    freeze = FreezeClock(timedelta(milliseconds=100), clock=lambda: now[0])
+    watch = QuorumWatch("http://127.0.0.1:1", "replica_group_1", lambda: QUORUM,
+                        fetch=lambda: status(quorum_id=QUORUM[0], members=QUORUM[1]),  # still the old quorum
+                        freeze=freeze, freeze_discard=timedelta(seconds=1))
+    errors: List = []
+    manager = type("M", (), {"report_error": lambda self, e: errors.append(e)})()
+    step_start = now[0]
+    now[0] += 0.5  # a short stall: the lighthouse cannot have declared the group dead; it still lists it
+    freeze.tick()
+    watch.check_commit(manager, step_start)
+    assert errors == []
+    now[0] += 1.5  # SIGSTOP for 1.5 s, then SIGCONT
+    freeze.tick()
+    watch.check_commit(manager, step_start)
+    assert len(errors) == 1 and "frozen" in str(errors[0])
+
+
+def test_the_freeze_bound_must_exceed_the_poll():
+    from ftbridge.config import FTBridgeConfig
+
+    with pytest.raises(ValueError, match="FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS"):
+        FTBridgeConfig.resolve(environ={"FTBRIDGE_PEER_WATCH_POLL_MS": "500",
+                                        "FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS": "400"})
