@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ftbridge.checkpoint.checkpointer import add_arguments as add_checkpoint_arguments
 
     add_checkpoint_arguments(p)
+    p.add_argument("--log-batches", action="store_true",
+                   help="testing only: write a 'batch' event per micro-step (step, dp_rank, dp_world_size, "
+                        "checksum of the input ids), so tests can check which data shard a group trained on")
     fault = p.add_argument_group("fault injection (tests and chaos runs)")
     fault.add_argument("--fault-kill-after-backward", default=None, metavar="FILE",
                        help="once FILE exists, SIGKILL this process right after the next boundary backward "
@@ -171,6 +174,16 @@ class Topology:
     group_rank: int
 
 
+def topology(cfg: Any) -> Topology:
+    """The data-parallel position of a replica group's rank (an :class:`ftbridge.FTBridgeConfig`).
+
+    ``dp_rank = replica_group_id * group_size + group_rank`` over ``num_replica_groups * group_size``:
+    fixed by the group id, so a warm spare that takes over group ``G`` reads what a restart of ``G`` would.
+    """
+    return Topology(cfg.replica_group_id * cfg.group_size + cfg.group_rank, cfg.num_replica_groups * cfg.group_size,
+                    cfg.replica_group_id, cfg.group_rank)
+
+
 def build_data_and_model(args: argparse.Namespace):
     """Text data and the model, identical on every rank for the same seed."""
     text = load_text(args.data)
@@ -185,11 +198,12 @@ def build_data_and_model(args: argparse.Namespace):
 
 
 def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
-               faults: Optional[FaultInjector] = None) -> float:
+               faults: Optional[FaultInjector] = None, events: Any = None) -> float:
     """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
 
     Args:
         faults: fault injection around the boundary backward (tests, chaos runs).
+        events: an event log to record each micro-batch in (``batch`` events; ``--log-batches``).
 
     Returns:
         Mean training loss of this rank over the micro-steps.
@@ -198,6 +212,9 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     losses = []
     for micro in range(grad_accum):
         x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
+        if events is not None:
+            events.write(event="batch", time=now(), step=step, micro_step=micro, dp_rank=topo.dp_rank,
+                         dp_world_size=topo.dp_world_size, input_checksum=tensor_checksum([x]))
         _, loss = engine(x, y)
         boundary = micro == grad_accum - 1
         if faults is not None and boundary:

@@ -88,6 +88,8 @@ class LocalJob:
             self.env.setdefault("FTBRIDGE_CHECKSUM_EVERY", str(checksum_every))
         self.lighthouse: Any = None
         self.groups: Dict[int, List[GroupProcess]] = {}
+        self.spares: Dict[int, GroupProcess] = {}
+        """Warm spares by index (``ftbridge-run --spare K``); one that joined trains as a group's id."""
 
     # -- lifecycle --------------------------------------------------------
     def start(self, groups: Optional[Sequence[int]] = None) -> None:
@@ -140,8 +142,28 @@ class LocalJob:
     def start_group(self, group: int) -> GroupProcess:
         """Launch replica group ``group`` with ``ftbridge-run``."""
         n = len(self.groups.get(group, []))
-        log_path = os.path.join(self.workdir, f"group_{group}.{n}.log")
-        cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", str(group),
+        gp = self._launch(["--replica-group-id", str(group)], os.path.join(self.workdir, f"group_{group}.{n}.log"),
+                          group)
+        self.groups.setdefault(group, []).append(gp)
+        return gp
+
+    def start_spare(self, index: int = 0) -> GroupProcess:
+        """Launch warm spare ``index`` (``ftbridge-run --spare index``, :mod:`ftbridge.spare`).
+
+        It stands by until the lighthouse drops a group, then trains as that
+        group (its event log is that group's). Same ``max_restarts`` as the groups.
+
+        Raises:
+            RuntimeError: spare ``index`` was started already.
+        """
+        if index in self.spares:
+            raise RuntimeError(f"spare {index} already started (pid {self.spares[index].proc.pid})")
+        gp = self._launch(["--spare", str(index)], os.path.join(self.workdir, f"spare_{index}.log"), -1)
+        self.spares[index] = gp
+        return gp
+
+    def _launch(self, identity: List[str], log_path: str, group: int) -> GroupProcess:
+        cmd = [sys.executable, "-m", "ftbridge.launcher", *identity,
                "--num-replica-groups", str(self.num_groups), "--nproc-per-node", str(self.nproc),
                "--lighthouse", self.lighthouse.address, "--max-restarts", str(self.max_restarts),
                "--min-replicas", str(self.min_replicas),
@@ -151,9 +173,7 @@ class LocalJob:
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        gp = GroupProcess(group, proc, log_path)
-        self.groups.setdefault(group, []).append(gp)
-        return gp
+        return GroupProcess(group, proc, log_path)
 
     def wait(self, timeout_s: float, groups: Optional[Sequence[int]] = None) -> Dict[int, int]:
         """Wait for the latest launch of each group to exit.
@@ -173,6 +193,17 @@ class LocalJob:
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"replica group {g} still running after {timeout_s} s\n{self.tails()}") from None
         return codes
+
+    def wait_spare(self, index: int, timeout_s: float) -> int:
+        """Wait for spare ``index``'s launcher to exit; returns its exit code.
+
+        Raises:
+            TimeoutError: it still runs after ``timeout_s`` (log tails included).
+        """
+        try:
+            return self.spares[index].proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"spare {index} still running after {timeout_s} s\n{self.tails()}") from None
 
     def stop_group(self, group: int, timeout_s: float = 30) -> int:
         """Make replica group ``group`` leave for good: SIGTERM its launcher (torchrun ends its ranks).
@@ -194,7 +225,7 @@ class LocalJob:
 
     def stop(self) -> None:
         """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
-        procs = [gp.proc for launches in self.groups.values() for gp in launches]
+        procs = [gp.proc for launches in self._launches() for gp in launches]
         for p in procs:
             if p.poll() is None:
                 _killpg(p.pid, signal.SIGTERM)
@@ -209,6 +240,9 @@ class LocalJob:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.stop_lighthouse()
+
+    def _launches(self) -> List[List[GroupProcess]]:
+        return [*self.groups.values(), *([gp] for gp in self.spares.values())]
 
     def __enter__(self) -> "LocalJob":
         return self
@@ -313,7 +347,7 @@ class LocalJob:
     def tails(self, lines: int = 25) -> str:
         """Last ``lines`` of every group log, for failure messages."""
         out = []
-        for launches in self.groups.values():
+        for launches in self._launches():
             for gp in launches:
                 try:
                     with open(gp.log_path, encoding="utf-8", errors="replace") as f:

@@ -1,0 +1,294 @@
+"""Warm spare replica groups: fully initialised, outside the quorum until a group dies.
+
+A spare (``ftbridge-run --spare K``) runs the training script like any
+replica group: imports, data, model, ``deepspeed.initialize`` (optimizer and
+ZeRO partitions allocated). Then, in :func:`ftbridge.initialize`, before the
+torchft manager exists, it stands by (:func:`stand_by`): group rank 0 polls
+the lighthouse's read-only ``GET /status`` (:mod:`lighthouse.status`) every
+:data:`POLL_S` until a replica group of ``0..num_replica_groups-1`` is
+*vacant*, takes over that group's id, and tells its other ranks through the
+group's own TCPStore. ``initialize`` then builds the engine with that id:
+the torchft manager starts, joins the next quorum and heals from a live
+group like a cold restart of that group would, only without the process
+start and DeepSpeed initialisation (about 4 s here).
+
+Why the manager is not started before the vacancy
+--------------------------------------------------
+torchft 0.2's manager server heartbeats to the lighthouse from the moment it
+exists, and heartbeats alone change quorums: the lighthouse's split-brain
+guard needs more than half of the *heartbeating* replicas to ask for a
+quorum, and a quorum that changes membership waits ``join_timeout_ms`` for
+heartbeating replicas that do not ask. With 2 active groups and a
+heartbeating spare, the survivor of a kill is 1 of 2 heartbeating replicas:
+no quorum until the spare joins, and a spare that hangs would stall the job.
+So a spare is invisible to the lighthouse until it joins; everything else
+(process, imports, DeepSpeed engine, optimizer state) is ready. The manager,
+its heartbeat and the heal transport start at the join (tens of ms).
+
+Vacancy (:func:`vacancies`, pure)
+---------------------------------
+Group ``G`` is vacant when the lighthouse has heard of ``replica_group_G``
+(it has a heartbeat entry) but every such entry is older than the
+lighthouse's heartbeat timeout (``stale``): the moment the lighthouse drops
+the group from its quorums. A group never heard of is not vacant (at job
+start the active groups may simply not be up yet), and nothing is vacant
+while no group is live (a spare has nothing to heal from; it would restart
+training from step 0).
+
+Which group, and which replica id
+---------------------------------
+The spare takes the smallest vacant id and uses it everywhere a cold
+replacement of that group would: ``cfg.replica_group_id``, hence the data
+shard (``dp_rank = G * group_size + group_rank``, :mod:`ftbridge.data`), the
+event log path, and torchft's ``replica_id = replica_group_G`` (torchft
+appends a fresh UUID, as for any restart). torchft derives the group's
+global rank from that id's trailing digits, and the lighthouse orders
+quorum members by replica id, so the spare's replica rank is the one a cold
+restart of ``G`` would get. Data seen per step is therefore unchanged.
+
+Several spares: spare ``K`` takes a vacancy only after it has been vacant
+for ``K * STAGGER_S`` seconds (:func:`choose_group`); by then a spare before
+it has joined and heartbeats as that group, so the id is no longer vacant.
+Spare 0 reacts at once. A spare whose job is over (no live group for
+``cfg.restart_peer_wait``, after one was seen) exits with status 0.
+
+Known limit: a cold restart of the dead group (torchrun ``--max-restarts``)
+that starts while a spare holds its id would join as a second ``G``; run
+active groups with ``--max-restarts 0`` where spares stand by (the spares
+are the restarts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ftbridge.config import FTBridgeConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+"""Seconds between two lighthouse status reads of a standing-by spare (one HTTP GET each)."""
+STAGGER_S = 1.0
+"""Seconds spare ``K`` lets a vacancy stand per index before taking it (spare 0: at once)."""
+STATUS_TIMEOUT_S = 2.0
+"""Bound on one status read (s); a read that fails counts as "nothing seen" and is retried."""
+STORE_KEY = "ftbridge/spare/replaces"
+"""Key of the group's TCPStore holding rank 0's decision: the replaced group id, or -1 (exit)."""
+
+
+def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
+    """The replica groups with a fresh heartbeat, and every group the lighthouse has heard of (pure).
+
+    Args:
+        heartbeats: :class:`lighthouse.status.Heartbeat` records (``replica_id``, ``stale``).
+
+    Returns:
+        ``(fresh, known)``: sets of ftbridge replica group ids; replica ids not
+        named ``replica_group_G...`` are ignored.
+    """
+    from lighthouse.status import replica_group_of
+
+    fresh, known = set(), set()
+    for hb in heartbeats:
+        g = replica_group_of(hb.replica_id)
+        if g is None:
+            continue
+        known.add(g)
+        if not hb.stale:
+            fresh.add(g)
+    return fresh, known
+
+
+def vacancies(fresh: set, known: set, num_groups: int) -> List[int]:
+    """Group ids a spare may take, smallest first (pure; see the module docstring).
+
+    Args:
+        fresh: groups with a fresh heartbeat; known: groups with any heartbeat entry.
+        num_groups: the job's planned number of replica groups.
+
+    Returns:
+        Ids in ``0..num_groups-1`` heard of but not fresh; empty while no group is fresh.
+    """
+    if not any(0 <= g < num_groups for g in fresh):
+        return []
+    return sorted(g for g in known if 0 <= g < num_groups and g not in fresh)
+
+
+def choose_group(vacant: Sequence[int], first_seen: Dict[int, float], now: float, spare_index: int,
+                 stagger_s: float = STAGGER_S) -> Optional[int]:
+    """The group this spare takes now, or ``None`` (pure).
+
+    Args:
+        vacant: current vacancies (:func:`vacancies`).
+        first_seen: group id -> time (s, any clock) this spare first saw it vacant.
+        now: the same clock's current time.
+        spare_index: this spare's index ``K``: it waits ``K * stagger_s`` after a vacancy appears.
+        stagger_s: seconds per index.
+
+    Returns:
+        The smallest vacant id that has been vacant long enough.
+    """
+    wait = spare_index * stagger_s
+    for g in sorted(vacant):
+        if now - first_seen.get(g, now) >= wait:
+            return g
+    return None
+
+
+@dataclass
+class VacancyWatch:
+    """A spare's memory between status reads: when each vacancy and the last live group were seen.
+
+    Args:
+        num_groups: the job's planned number of replica groups.
+        spare_index: this spare's index.
+        job_gone_s: seconds without a live group (after one was seen) after which the job counts as over.
+    """
+
+    num_groups: int
+    spare_index: int
+    job_gone_s: float
+    first_seen: Dict[int, float] = field(default_factory=dict)
+    last_live: Optional[float] = None
+
+    def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
+        """Update with one status read (``None``: the read failed) at ``now`` (s).
+
+        Returns:
+            ``("join", G)``, ``("wait", None)`` or ``("exit", None)`` (the job is over).
+        """
+        if heartbeats is None:
+            return "wait", None
+        fresh, known = heartbeat_groups(heartbeats)
+        if any(0 <= g < self.num_groups for g in fresh):
+            self.last_live = now
+        elif self.last_live is not None and now - self.last_live >= self.job_gone_s:
+            return "exit", None
+        vacant = vacancies(fresh, known, self.num_groups)
+        self.first_seen = {g: self.first_seen.get(g, now) for g in vacant}
+        g = choose_group(vacant, self.first_seen, now, self.spare_index)
+        return ("join", g) if g is not None else ("wait", None)
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a spare did: the config it trains with and when it decided (wall time, s since the epoch)."""
+
+    cfg: FTBridgeConfig
+    standby_start: float
+    """When the spare was ready and began to stand by."""
+    vacancy_seen: float
+    """When group rank 0 first saw the group it took as vacant (the lighthouse had dropped it); on the
+    other ranks, when they learnt rank 0's decision."""
+    decided: float
+    """When it decided to take it."""
+
+    def event(self) -> Dict[str, Any]:
+        """The ``spare_join`` event record (for the event log)."""
+        return {"event": "spare_join", "time": self.decided, "replaces": self.cfg.replica_group_id,
+                "spare_index": self.cfg.spare_index, "standby_start": self.standby_start,
+                "vacancy_seen": self.vacancy_seen}
+
+
+def _read_heartbeats(address: str, fetch: Callable[..., Any]) -> Optional[List[Any]]:
+    try:
+        return list(fetch(address, timeout_s=STATUS_TIMEOUT_S).heartbeats)
+    except (OSError, ValueError) as exc:  # unreachable, HTTP error, or not torchft's page: retry
+        logger.debug("spare: lighthouse status read failed: %s", exc)
+        return None
+
+
+def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]] = None,
+                     clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep
+                     ) -> Tuple[Optional[int], float]:
+    """Group rank 0's stand-by loop: poll the lighthouse until a vacancy is taken or the job is over.
+
+    Args:
+        cfg: this spare's settings (``lighthouse``, ``num_replica_groups``, ``spare_index``,
+            ``restart_peer_wait`` as the job-over bound).
+        fetch: ``fetch(address, timeout_s=) -> LighthouseStatus``; default
+            :func:`lighthouse.status.fetch_status`.
+        clock, sleep: wall clock (s) and sleep, for tests.
+
+    Returns:
+        ``(group id or None when the job is over, wall time the group was first seen vacant)``.
+    """
+    if fetch is None:
+        from lighthouse.status import fetch_status as fetch
+    watch = VacancyWatch(cfg.num_replica_groups, cfg.spare_index, cfg.restart_peer_wait.total_seconds())
+    while True:
+        now = clock()
+        action, group = watch.observe(now, _read_heartbeats(cfg.lighthouse, fetch))
+        if action == "join":
+            return group, watch.first_seen[group]
+        if action == "exit":
+            return None, now
+        sleep(POLL_S)
+
+
+def share_decision(store: Any, group_rank: int, decision: Optional[int] = None,
+                   sleep: Callable[[float], None] = time.sleep) -> Optional[int]:
+    """Rank 0 publishes its decision on the group's TCPStore; the other ranks wait for it.
+
+    Args:
+        store: a ``torch.distributed.Store`` shared by the group's ranks.
+        group_rank: this rank.
+        decision: rank 0's decision (group id, or ``None`` for "the job is over").
+
+    Returns:
+        The decision, on every rank.
+    """
+    if group_rank == 0:
+        store.set(STORE_KEY, str(-1 if decision is None else int(decision)))
+        return decision
+    while not store.check([STORE_KEY]):  # stand-by may last hours: no single bounded wait fits
+        sleep(POLL_S)
+    value = int(store.get(STORE_KEY).decode())
+    return None if value < 0 else value
+
+
+def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable[..., Any]] = None) -> Takeover:
+    """Stand by until a replica group is vacant, then return the config of its replacement.
+
+    Call after the group's DeepSpeed engine exists and before its torchft
+    manager does (:func:`ftbridge.initialize` does). Every rank of the spare
+    group calls it.
+
+    Args:
+        cfg: the spare's config (``spare_index >= 0``).
+        store: the group's TCPStore (default: torch.distributed's default store).
+        fetch: see :func:`watch_lighthouse`.
+
+    Returns:
+        A :class:`Takeover` whose ``cfg`` has ``replica_group_id`` set to the vacant group.
+
+    Raises:
+        ValueError: ``cfg`` is not a spare's.
+        SystemExit: (status 0) the job is over before any group needed replacing.
+    """
+    if cfg.spare_index < 0:
+        raise ValueError(f"spare_index={cfg.spare_index}: stand_by is for spares (ftbridge-run --spare K)")
+    if store is None and cfg.group_size > 1:
+        import torch.distributed.distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+    start = time.time()
+    logger.info("[spare %d rank %d] ready; standing by outside the quorum for a vacant replica group of %d",
+                cfg.spare_index, cfg.group_rank, cfg.num_replica_groups)
+    group, seen = watch_lighthouse(cfg, fetch=fetch) if cfg.group_rank == 0 else (None, 0.0)
+    if cfg.group_size > 1:
+        group = share_decision(store, cfg.group_rank, group)
+    seen = seen if cfg.group_rank == 0 else time.time()
+    if group is None:
+        logger.info("[spare %d rank %d] no live replica group left: the job is over, exiting",
+                    cfg.spare_index, cfg.group_rank)
+        sys.exit(0)
+    decided = time.time()
+    logger.warning("[spare %d rank %d] replica group %d is vacant: taking its place", cfg.spare_index,
+                   cfg.group_rank, group)
+    return Takeover(dataclasses.replace(cfg, replica_group_id=group), start, seen, decided)
