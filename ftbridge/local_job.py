@@ -194,6 +194,12 @@ class LocalJob:
                 raise TimeoutError(f"replica group {g} still running after {timeout_s} s\n{self.tails()}") from None
         return codes
 
+    def spare_ready(self, index: int) -> bool:
+        """Whether every rank of spare ``index`` stands by (``spare_ready`` events under id ``num_groups + index``)."""
+        g = self.num_groups + index
+        paths = [self.event_log(g, r) for r in range(self.nproc)]
+        return all(any(e.get("event") == "spare_ready" for e in read_events([p])) for p in paths)
+
     def wait_spare(self, index: int, timeout_s: float) -> int:
         """Wait for spare ``index``'s launcher to exit; returns its exit code.
 
@@ -298,8 +304,10 @@ class LocalJob:
         return pids
 
     def all_worker_pids(self) -> List[int]:
-        """Every rank PID ever recorded by this job."""
-        return [e["pid"] for e in self.events() if e.get("event") == "start"]
+        """Every rank PID ever recorded by this job (spares' standing-by ranks included)."""
+        spare_logs = [self.event_log(self.num_groups + k, r) for k in self.spares for r in range(self.nproc)]
+        return [e["pid"] for e in [*self.events(), *read_events(spare_logs)]
+                if e.get("event") in ("start", "spare_ready")]
 
     def kill_workers(self, group: int, sig: int = signal.SIGKILL, timeout_s: float = 30) -> List[int]:
         """Send ``sig`` to every rank of ``group`` (its torchrun stays) and wait until they are gone.

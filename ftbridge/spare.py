@@ -49,7 +49,11 @@ restart of ``G`` would get. Data seen per step is therefore unchanged.
 Several spares: spare ``K`` takes a vacancy only after it has been vacant
 for ``K * STAGGER_S`` seconds (:func:`choose_group`); by then a spare before
 it has joined and heartbeats as that group, so the id is no longer vacant.
-Spare 0 reacts at once. A spare whose job is over (no live group for
+Spare 0 reacts at once. While it stands by, each rank's ``spare_ready``
+event (time, pid) is in the event log of id ``num_replica_groups + K``
+(``ftbridge-run`` gives a spare that id until it joins); after the join it
+writes to the log of the group it replaced, starting with ``start`` and a
+``spare_join`` event (:meth:`Takeover.event`). A spare whose job is over (no live group for
 ``cfg.restart_peer_wait``, after one was seen) exits with status 0.
 
 Known limit: a cold restart of the dead group (torchrun ``--max-restarts``)
@@ -252,6 +256,17 @@ def share_decision(store: Any, group_rank: int, decision: Optional[int] = None,
     return None if value < 0 else value
 
 
+def _mark_ready(cfg: FTBridgeConfig, when: float) -> None:
+    """Write a ``spare_ready`` event (time, pid) to the event log of this spare's pre-join id ``N + K``."""
+    import os
+
+    from ftbridge.events import EventLog
+
+    log = EventLog(cfg.event_log_path(), {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
+    log.write(event="spare_ready", time=when, pid=os.getpid(), spare_index=cfg.spare_index)
+    log.close()
+
+
 def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable[..., Any]] = None) -> Takeover:
     """Stand by until a replica group is vacant, then return the config of its replacement.
 
@@ -278,6 +293,7 @@ def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable
 
         store = c10d._get_default_store()
     start = time.time()
+    _mark_ready(cfg, start)
     logger.info("[spare %d rank %d] ready; standing by outside the quorum for a vacant replica group of %d",
                 cfg.spare_index, cfg.group_rank, cfg.num_replica_groups)
     group, seen = watch_lighthouse(cfg, fetch=fetch) if cfg.group_rank == 0 else (None, 0.0)

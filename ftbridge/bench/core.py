@@ -133,6 +133,7 @@ MODULES: tuple = (
     "ftbridge.bench.rescale",    # 6. resume at another number of groups vs universal checkpoint
     "ftbridge.bench.memory",     # 7. peak RSS vs plain DeepSpeed
     "ftbridge.bench.scaling",    # 8. cross-replica cost vs groups and model size
+    "ftbridge.bench.spare",      # 9. warm spare vs cold restart: drop -> full capacity
 )
 
 REGISTRY: Dict[str, BenchFn] = {}
