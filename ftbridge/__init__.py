@@ -7,7 +7,11 @@ imported lazily so that light tools (the launcher) do not import DeepSpeed.
 
 import os
 import sys
+import time
 from typing import Any
+
+IMPORTED_AT = time.time()
+"""When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""
 
 # DeepSpeed JIT-builds a small op (deepspeed_shm_comm, ~30 s) into TORCH_EXTENSIONS_DIR. The shared
 # default (~/.cache/torch_extensions) is rebuilt whenever another venv built it last (its build files

@@ -336,6 +336,9 @@ class FTBridgeConfig:
              f"num_replica_groups={self.num_replica_groups} must be at least 1")
         need(self.spare_index >= -1,
              f"spare_index={self.spare_index} must be -1 (an active group) or a spare's index 0, 1, ...")
+        need(self.spare_index < 0 or self.num_replica_groups >= 2,
+             f"spare_index={self.spare_index} with num_replica_groups={self.num_replica_groups}: a spare replaces "
+             "one of several groups and heals from another; plan at least 2 groups")
         need(self.group_size >= 1, f"group_size={self.group_size} must be at least 1")
         need(0 <= self.group_rank < self.group_size,
              f"group_rank={self.group_rank} is outside the replica group of size {self.group_size}; "

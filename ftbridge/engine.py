@@ -464,11 +464,14 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
         )
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
     takeover = None
-    if cfg.spare_index >= 0:  # a warm spare: ready, it waits here, outside the quorum (ftbridge.spare)
-        from ftbridge.spare import stand_by
+    if cfg.num_replica_groups > 1:  # warm spares (ftbridge.spare): ready, they wait here, outside the quorum
+        from ftbridge import IMPORTED_AT, spare
 
-        takeover = stand_by(cfg)
-        cfg = takeover.cfg
+        cfg = spare.demote_if_taken(cfg, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                    imported_at=IMPORTED_AT)
+        if cfg.spare_index >= 0:
+            takeover = spare.stand_by(cfg)
+            cfg = takeover.cfg
     ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
                                     manager_factory=manager_factory)
     if takeover is not None:

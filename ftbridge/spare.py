@@ -56,10 +56,13 @@ writes to the log of the group it replaced, starting with ``start`` and a
 ``spare_join`` event (:meth:`Takeover.event`). A spare whose job is over (no live group for
 ``cfg.restart_peer_wait``, after one was seen) exits with status 0.
 
-Known limit: a cold restart of the dead group (torchrun ``--max-restarts``)
-that starts while a spare holds its id would join as a second ``G``; run
-active groups with ``--max-restarts 0`` where spares stand by (the spares
-are the restarts).
+A cold restart of the dead group (torchrun ``--max-restarts``) may come back
+after a spare took its id. It must not join as a second ``G`` (two groups
+would read one data shard), so a *restarted* group checks first
+(:func:`demote_if_taken`): if another process holds its id (a fresh
+heartbeat for ``replica_group_G`` younger than this process's ftbridge
+import, so not its own dead predecessor's), it becomes a spare itself
+(index ``N + G``, so it acts after the launched spares) and stands by.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ STAGGER_S = 1.0
 """Seconds spare ``K`` lets a vacancy stand per index before taking it (spare 0: at once)."""
 STATUS_TIMEOUT_S = 2.0
 """Bound on one status read (s); a read that fails counts as "nothing seen" and is retried."""
+DEMOTED_KEY = "ftbridge/spare/demoted"
+"""Key of the group's TCPStore holding rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
 STORE_KEY = "ftbridge/spare/replaces"
 """Key of the group's TCPStore holding rank 0's decision: the replaced group id, or -1 (exit)."""
 
@@ -106,6 +111,21 @@ def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
         if not hb.stale:
             fresh.add(g)
     return fresh, known
+
+
+def held_by_another(heartbeats: Sequence[Any], group: int, since_s: float) -> bool:
+    """Whether a live process other than this one's dead predecessor holds ``replica_group_<group>`` (pure).
+
+    Args:
+        heartbeats: :class:`lighthouse.status.Heartbeat` records (``replica_id``, ``age_s``, ``stale``).
+        group: this restarted group's id.
+        since_s: seconds since this process imported ftbridge. The predecessor died before this
+            process started, so its last heartbeat is older than that; a live holder's is at most
+            one heartbeat interval old.
+    """
+    from lighthouse.status import replica_group_of
+
+    return any(replica_group_of(h.replica_id) == group and not h.stale and h.age_s < since_s for h in heartbeats)
 
 
 def vacancies(fresh: set, known: set, num_groups: int) -> List[int]:
@@ -265,6 +285,51 @@ def _mark_ready(cfg: FTBridgeConfig, when: float) -> None:
     log = EventLog(cfg.event_log_path(), {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
     log.write(event="spare_ready", time=when, pid=os.getpid(), spare_index=cfg.spare_index)
     log.close()
+
+
+def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: float, store: Any = None,
+                    fetch: Optional[Callable[..., Any]] = None) -> FTBridgeConfig:
+    """``cfg`` as a spare if this restarted group's id is held by another process (a spare took it), else ``cfg``.
+
+    Only for a group torchrun restarted (``restart_count > 0``) in a job of
+    several groups; group rank 0 reads the lighthouse once and shares the
+    verdict on the group's TCPStore. An unreadable lighthouse counts as "not
+    taken" (the group goes on as before spares existed).
+
+    Args:
+        cfg: the active group's config.
+        restart_count: ``TORCHELASTIC_RESTART_COUNT``.
+        imported_at: when this process imported ftbridge (:data:`ftbridge.IMPORTED_AT`).
+        store, fetch: see :func:`stand_by`.
+
+    Returns:
+        ``cfg``, or a spare's config: ``spare_index = N + G`` and, while it stands by,
+        ``replica_group_id = N + spare_index`` (its ``spare_ready`` events stay out of group ``G``'s log).
+    """
+    if cfg.spare_index >= 0 or restart_count <= 0 or cfg.num_replica_groups < 2:
+        return cfg
+    taken = False
+    if cfg.group_rank == 0:
+        if fetch is None:
+            from lighthouse.status import fetch_status as fetch
+        beats = _read_heartbeats(cfg.lighthouse, fetch)
+        taken = beats is not None and held_by_another(beats, cfg.replica_group_id, time.time() - imported_at)
+    if cfg.group_size > 1:
+        if store is None:
+            import torch.distributed.distributed_c10d as c10d
+
+            store = c10d._get_default_store()
+        if cfg.group_rank == 0:
+            store.set(DEMOTED_KEY, "1" if taken else "0")
+        else:
+            taken = store.get(DEMOTED_KEY).decode() == "1"  # rank 0 answers within one status read
+    if not taken:
+        return cfg
+    index = cfg.num_replica_groups + cfg.replica_group_id
+    logger.warning("[replica %d rank %d] restarted, but another process holds replica group %d (a spare took its "
+                   "place): standing by as spare %d instead of joining as a second copy", cfg.replica_group_id,
+                   cfg.group_rank, cfg.replica_group_id, index)
+    return dataclasses.replace(cfg, spare_index=index, replica_group_id=cfg.num_replica_groups + index)
 
 
 def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable[..., Any]] = None) -> Takeover:

@@ -130,3 +130,40 @@ def test_stand_by_refuses_an_active_group():
 def test_config_rejects_a_bad_spare_index():
     with pytest.raises(ValueError, match="spare_index=-2"):
         _cfg(spare_index=-2)
+
+
+def test_config_rejects_a_spare_of_a_one_group_job():
+    with pytest.raises(ValueError, match="plan at least 2 groups"):
+        FTBridgeConfig.resolve(environ={}, num_replica_groups=1, spare_index=0)
+
+
+def hb_age(group, age, stale=False, uid="u"):
+    return Heartbeat(f"replica_group_{group}:{uid}", age, stale)
+
+
+def test_a_restarted_group_is_held_by_another_only_if_a_heartbeat_is_younger_than_its_own_start():
+    # its dead predecessor's last heartbeat is older than this process (even while not yet stale)
+    assert not spare.held_by_another([hb_age(1, 3.0, uid="pred"), hb_age(0, 0.05)], 1, since_s=2.5)
+    # a spare heartbeating as group 1 right now
+    assert spare.held_by_another([hb_age(1, 3.0, stale=True, uid="pred"), hb_age(1, 0.05, uid="spare")], 1, 2.5)
+    assert not spare.held_by_another([hb_age(1, 0.05, stale=True)], 1, 2.5)
+
+
+def test_restarted_group_whose_id_a_spare_holds_stands_by_as_a_spare():
+    beats = [hb_age(0, 0.05), hb_age(1, 0.05, uid="spare")]
+    fetch = lambda address, timeout_s: SimpleNamespace(heartbeats=beats)  # noqa: E731
+    cfg = _cfg(replica_group_id=1)
+    demoted = spare.demote_if_taken(cfg, restart_count=1, imported_at=0.0, fetch=fetch)
+    assert demoted.spare_index == 3 and demoted.replica_group_id == 5  # index N + G; stand-by id N + index
+    # first launch, or nobody else holds the id: unchanged
+    assert spare.demote_if_taken(cfg, restart_count=0, imported_at=0.0, fetch=fetch) is cfg
+    alone = lambda address, timeout_s: SimpleNamespace(heartbeats=beats[:1])  # noqa: E731
+    assert spare.demote_if_taken(cfg, restart_count=1, imported_at=0.0, fetch=alone) is cfg
+
+
+def test_unreadable_lighthouse_never_demotes():
+    def down(address, timeout_s):
+        raise OSError("connection refused")
+
+    cfg = _cfg(replica_group_id=1)
+    assert spare.demote_if_taken(cfg, restart_count=2, imported_at=0.0, fetch=down) is cfg
