@@ -179,6 +179,8 @@ class VacancyWatch:
     job_gone_s: float
     first_seen: Dict[int, float] = field(default_factory=dict)
     last_live: Optional[float] = None
+    last_seen: str = ""
+    """The last status read's heartbeats, ``replica id: age s (stale)``, for the decision's log line."""
 
     def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
         """Update with one status read (``None``: the read failed) at ``now`` (s).
@@ -189,6 +191,8 @@ class VacancyWatch:
         if heartbeats is None:
             return "wait", None
         fresh, known = heartbeat_groups(heartbeats)
+        self.last_seen = ", ".join(f"{h.replica_id}: {h.age_s:.2f} s{' (stale)' if h.stale else ''}"
+                                   for h in heartbeats)
         if any(0 <= g < self.num_groups for g in fresh):
             self.last_live = now
         elif self.last_live is not None and now - self.last_live >= self.job_gone_s:
@@ -249,6 +253,8 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         now = clock()
         action, group = watch.observe(now, _read_heartbeats(cfg.lighthouse, fetch))
         if action == "join":
+            logger.info("spare %d: lighthouse heartbeats when deciding: %s", cfg.spare_index,
+                        watch.last_seen)
             return group, watch.first_seen[group]
         if action == "exit":
             return None, now
