@@ -253,7 +253,7 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         now = clock()
         action, group = watch.observe(now, _read_heartbeats(cfg.lighthouse, fetch))
         if action == "join":
-            logger.info("spare %d: lighthouse heartbeats when deciding: %s", cfg.spare_index,
+            logger.warning("[spare %d] lighthouse heartbeats when deciding: %s", cfg.spare_index,
                         watch.last_seen)
             return group, watch.first_seen[group]
         if action == "exit":
