@@ -24,6 +24,7 @@ EVENTS = [
 
 def test_full_capacity_is_the_replacements_first_committed_step_with_every_group_contributing():
     assert capacity_back(EVENTS, KILL)["time"] == 102.5
+    assert capacity_back(EVENTS, KILL, healed=True)["time"] == 102.3
 
 
 def test_no_restart_after_the_kill_means_no_capacity_back():

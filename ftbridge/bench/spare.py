@@ -50,12 +50,14 @@ def _group1(events: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return sorted((e for e in events if e["replica_group"] == 1 and e["group_rank"] == 0), key=lambda e: e["time"])
 
 
-def capacity_back(events: Sequence[Dict[str, Any]], kill_time: float) -> Dict[str, Any]:
+def capacity_back(events: Sequence[Dict[str, Any]], kill_time: float, healed: bool = False) -> Dict[str, Any]:
     """Group 1 rank 0's first committed full-capacity step of the launch started after ``kill_time`` (pure).
 
     Args:
         events: group 1 rank 0's records, all launches (step records carry ``participants``, ``healed``).
         kill_time: wall time of the SIGKILL (s since the epoch).
+        healed: return the replacement's first committed step instead (the healing one: in the quorum,
+            contributing zeros).
 
     Returns:
         That step record.
@@ -68,7 +70,7 @@ def capacity_back(events: Sequence[Dict[str, Any]], kill_time: float) -> Dict[st
     start = next((e["time"] for e in ev if e.get("event") == "start" and e["time"] > kill_time), None)
     for e in ev:
         if start is not None and "event" not in e and e["time"] > start and e["committed"] \
-                and e["participants"] >= 2 and not e["healed"]:
+                and (healed or (e["participants"] >= 2 and not e["healed"])):
             return e
     raise ValueError(f"group 1 committed no full-capacity step after a restart following the kill at {kill_time:.3f}")
 
@@ -139,9 +141,10 @@ def spare_kill_run(workdir: str, settings: BenchSettings) -> failure_jobs.KillRu
                                     extra={"exit_codes": codes})
 
 
-def _from_drop(run: failure_jobs.KillRun) -> float:
+def _from_drop(run: failure_jobs.KillRun, healed: bool = False) -> float:
+    """Seconds from the drop to full capacity, or (``healed``) to the replacement's first commit."""
     drop = run.kill_time + run.heartbeat_timeout_s - HEARTBEAT_INTERVAL_S
-    return capacity_back(_group1(run.events), run.kill_time)["time"] - drop
+    return capacity_back(_group1(run.events), run.kill_time, healed=healed)["time"] - drop
 
 
 @benchmark(NAME)
@@ -158,6 +161,7 @@ def run(settings: BenchSettings) -> List[Metric]:
     spare_runs = [spare_kill_run(os.path.join(settings.workdir, "spare_kill", f"rep{i}"), settings)
                   for i in range(reps)]
     spare_s, cold_s = [_from_drop(r) for r in spare_runs], [_from_drop(r) for r in cold_runs]
+    spare_in, cold_in = [_from_drop(r, healed=True) for r in spare_runs], [_from_drop(r, healed=True) for r in cold_runs]
     phases = [spare_phases(_group1(r.events), r.kill_time + r.heartbeat_timeout_s - HEARTBEAT_INTERVAL_S,
                            r.kill_time) for r in spare_runs]
     cold_name = "cold restart by torchrun, same invocation (s)"
@@ -168,6 +172,8 @@ def run(settings: BenchSettings) -> List[Metric]:
                   cold_s),
            ratio_metric(NAME, "warm spare / cold restart, drop -> full capacity", spare_s, cold_s,
                         baseline_name=cold_name, paired=len(spare_s) == len(cold_s))]
+    out += [Metric(NAME, "warm spare: lighthouse drop -> first commit in the quorum (the healing step)",
+                   median(spare_in), "s", spare_in, median(cold_in), "cold restart, the same (s)")]
     out += [Metric(NAME, f"spare phase: {p}", median([x[p] for x in phases]), "s", [x[p] for x in phases])
             for p in SPARE_PHASES]
     return out

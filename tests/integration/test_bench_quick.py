@@ -30,7 +30,7 @@ EXPECTED = {
     "rescale": None,
     "memory": 1,
     "scaling": 8,  # groups 1, 2; two model sizes; cost and exposed wait of each
-    "spare": 3 + 7,  # spare and cold drop -> full capacity, their ratio; 7 spare phases
+    "spare": 4 + 7,  # spare and cold drop -> full capacity, their ratio, drop -> first commit; 7 phases
 }
 
 
