@@ -59,7 +59,7 @@ def test_spare_replaces_a_killed_group(local_job, nproc):
     job.write_file("stop", str(target))
     assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()  # group 1's launcher: its stand-by exited 0
     assert job.wait_spare(0, 120) == 0, job.tails()
-    starts_after_kill = [e for e in job.events(1) if e.get("event") == "start" and e["time"] > kill_time]
+    starts_after_kill = [e for e in job.events(1, 0) if e.get("event") == "start" and e["time"] > kill_time]
     assert len(starts_after_kill) == 1, f"a second group 1 joined: {starts_after_kill}"
 
     data = ShardedTextData(load_text(), context=32, micro_batch=4, seed=1234)
