@@ -128,6 +128,29 @@ def held_by_another(heartbeats: Sequence[Any], group: int, since_s: float) -> bo
     return any(replica_group_of(h.replica_id) == group and not h.stale and h.age_s < since_s for h in heartbeats)
 
 
+class DuplicateReplicaGroup(RuntimeError):
+    """Another member of the quorum holds this replica group's id (a spare took it while this group was paused)."""
+
+
+def must_leave(replica_ids: Sequence[str], group: int, healing: bool) -> bool:
+    """Whether this member must leave a quorum in which another member holds its group id (pure).
+
+    A group paused past the lighthouse's heartbeat timeout (SIGSTOP, a stalled host) is dropped like a
+    dead one and a spare takes its id; when it resumes it asks for quorums again and would train as a
+    second copy of the group, on the same data shard. It is the one behind, so it heals in that quorum:
+    the healing holder of a duplicated id leaves (its torchrun restart then finds the id held and stands
+    by, :func:`demote_if_taken`). Holders that do not heal stay.
+
+    Args:
+        replica_ids: the quorum's torchft replica ids (``replica_group_G:UUID``).
+        group: this member's replica group id.
+        healing: whether this member heals in this quorum (it is behind the quorum's step).
+    """
+    from lighthouse.status import replica_group_of
+
+    return healing and sum(1 for r in replica_ids if replica_group_of(r) == group) > 1
+
+
 def vacancies(fresh: set, known: set, num_groups: int) -> List[int]:
     """Group ids a spare may take, smallest first (pure; see the module docstring).
 

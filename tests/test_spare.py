@@ -167,3 +167,22 @@ def test_unreadable_lighthouse_never_demotes():
 
     cfg = _cfg(replica_group_id=1)
     assert spare.demote_if_taken(cfg, restart_count=2, imported_at=0.0, fetch=down) is cfg
+
+
+def test_only_the_healing_holder_of_a_duplicated_group_id_leaves():
+    ids = ["replica_group_0:a", "replica_group_1:spare", "replica_group_1:paused"]
+    assert spare.must_leave(ids, 1, healing=True)
+    assert not spare.must_leave(ids, 1, healing=False)          # the up-to-date holder stays
+    assert not spare.must_leave(ids, 0, healing=True)           # a plain heal of group 0
+    assert not spare.must_leave(["replica_group_0:a", "replica_group_1:b"], 1, healing=True)
+
+
+def test_manager_raises_on_a_duplicate_before_torchft_heals():
+    from ftbridge.manager import ReplicaManager
+
+    fake = SimpleNamespace(cfg=_cfg(replica_group_id=1), transport=SimpleNamespace(expect_donor=lambda d: None))
+    result = SimpleNamespace(recover_src_manager_address="http://x", replica_ids=["replica_group_1:a",
+                             "replica_group_1:b"], heal=True, quorum_id=7)
+    with pytest.raises(spare.DuplicateReplicaGroup, match="quorum 7: another member holds replica group 1"):
+        ReplicaManager._on_quorum(fake, result)
+    ReplicaManager._on_quorum(fake, SimpleNamespace(**{**vars(result), "heal": False}))

@@ -16,6 +16,8 @@ the default suite covers the same path end to end through the quick
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -81,4 +83,40 @@ def test_spare_replaces_a_killed_group(local_job, nproc):
 
     job.stop()
     pids = job.all_worker_pids() + [e["pid"] for e in read_events(demoted) if "pid" in e]
+    assert not [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_group_paused_past_the_heartbeat_timeout_leaves_when_it_finds_the_spare_in_its_place(local_job):
+    """SIGSTOP group 1 until the spare has taken its place; on SIGCONT it must not train as a second group 1."""
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=1,
+                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.start_spare(0)
+    job.wait_until(lambda: job.spare_ready(0) and all(
+        any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)), 180,
+        "both groups to commit together and the spare to stand by")
+    pause = time.time()
+    paused = job.kill_workers(1, sig=signal.SIGSTOP)
+    try:
+        job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 and not e["healed"]
+                                   and e["time"] > pause for e in job.steps(1)), 120, "the spare to train as group 1")
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    demoted = job.event_log(2 + 3, 0)
+    job.wait_until(lambda: any(e.get("event") == "spare_ready" for e in read_events([demoted])), 120,
+                   "the resumed group 1 to leave and stand by as a spare after its restart")
+    job.write_file("stop", str(job.max_step() + 3))
+    assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()
+    assert job.wait_spare(0, 120) == 0, job.tails()
+    assert "another member holds replica group 1" in job.log_text(1)
+    trios = [e for g in (0, 1) for e in job.steps(g) if e["committed"] and e["participants"] > 2]
+    assert not trios, f"steps committed by three groups (two copies of group 1): {trios[:3]}"
+    finals = {g: [e for e in job.events(g) if e.get("event") == "final"][-1] for g in (0, 1)}
+    assert finals[0]["param_checksum"] == finals[1]["param_checksum"]
+    job.stop()
+    pids = job.all_worker_pids() + [e["pid"] for e in read_events([demoted]) if "pid" in e]
     assert not [p for p in pids if pid_alive(p)]
