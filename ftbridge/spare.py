@@ -62,7 +62,11 @@ would read one data shard), so a *restarted* group checks first
 (:func:`demote_if_taken`): if another process holds its id (a fresh
 heartbeat for ``replica_group_G`` younger than this process's ftbridge
 import, so not its own dead predecessor's), it becomes a spare itself
-(index ``N + G``, so it acts after the launched spares) and stands by.
+(index ``N + G``, so it acts after the launched spares) and stands by. A group
+that was only paused past the heartbeat timeout and resumes after a spare took
+its id heals into a quorum where another member holds that id; it leaves
+(:func:`must_leave`, raised from :meth:`ftbridge.manager.ReplicaManager._on_quorum`
+before torchft heals), and its restart stands by.
 """
 
 from __future__ import annotations
