@@ -10,15 +10,15 @@ import sys
 import time
 from typing import Any
 
-IMPORTED_AT = time.time()
-"""When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""
-
 # DeepSpeed JIT-builds a small op (deepspeed_shm_comm, ~30 s) into TORCH_EXTENSIONS_DIR. The shared
 # default (~/.cache/torch_extensions) is rebuilt whenever another venv built it last (its build files
 # hold absolute site-packages paths), so each environment gets its own cache; scripts/setup.sh fills it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 from ftbridge.config import FTBridgeConfig
+
+IMPORTED_AT = time.time()
+"""When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""
 
 __all__ = ["FTBridgeConfig", "FaultTolerantEngine", "initialize"]
 __version__ = "0.1.0"

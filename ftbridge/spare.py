@@ -274,12 +274,14 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         ``(group id or None when the job is over, wall time the group was first seen vacant)``.
     """
     if fetch is None:
-        from lighthouse.status import fetch_status as fetch
+        from lighthouse.status import fetch_status
+
+        fetch = fetch_status
     watch = VacancyWatch(cfg.num_replica_groups, cfg.spare_index, cfg.restart_peer_wait.total_seconds())
     while True:
         now = clock()
         action, group = watch.observe(now, _read_heartbeats(cfg.lighthouse, fetch))
-        if action == "join":
+        if action == "join" and group is not None:
             logger.warning("[spare %d] lighthouse heartbeats when deciding: %s", cfg.spare_index,
                         watch.last_seen)
             return group, watch.first_seen[group]
@@ -344,7 +346,9 @@ def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: flo
     taken = False
     if cfg.group_rank == 0:
         if fetch is None:
-            from lighthouse.status import fetch_status as fetch
+            from lighthouse.status import fetch_status
+
+            fetch = fetch_status
         beats = _read_heartbeats(cfg.lighthouse, fetch)
         taken = beats is not None and held_by_another(beats, cfg.replica_group_id, time.time() - imported_at)
     if cfg.group_size > 1:

@@ -9,8 +9,8 @@ data shard (what a cold restart of group 1 reads), every launcher exited 0
 and no process of the job is left.
 
 Run with 1 and 2 ranks per group (the spare's other ranks take rank 0's
-decision from the group's TCPStore). Slow (about 35-110 s per case on 2 shared cores, most of it three DeepSpeed start-ups);
-the default suite covers the same path end to end through the quick
+decision from the group's TCPStore). Slow (about 35-110 s per case on 2
+shared cores, most of it three DeepSpeed start-ups); the default suite covers the same path end to end through the quick
 ``spare`` benchmark (``tests/integration/test_bench_quick.py``).
 """
 
