@@ -61,6 +61,7 @@ from ftbridge.quorum_rules import (
     decide_reconfigure,
     detect_lighthouse_restart,
     group_size_conflict,
+    lacks_majority,
     rendezvous_namespace,
 )
 from ftbridge.quorum_watch import start_watch, wait_for_keys
@@ -96,7 +97,7 @@ class _QuorumGuard:
 
     def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
                  on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0,
-                 store_timeout: Optional[timedelta] = None) -> None:
+                 store_timeout: Optional[timedelta] = None, majority_wait: timedelta = timedelta(seconds=30)) -> None:
         # timeout bounds the vote (FTBridgeConfig.vote_timeout), store_timeout each store call
         # (FTBridgeConfig.store_call_timeout; default 2 x timeout).
         self._manager = manager
@@ -113,6 +114,10 @@ class _QuorumGuard:
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
+        self._majority_wait = majority_wait.total_seconds()
+        self._need_majority: Optional[Tuple[Tuple[str, ...], float]] = None  # (members before, since monotonic)
+        self.no_majority = 0
+        """Steps discarded because a quorum after a lighthouse restart lacked a majority of the groups before it."""
         self.rider: Optional[OutageRider] = None
         """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.outage`); set by ReplicaManager."""
         self.watch: Any = None
@@ -131,6 +136,9 @@ class _QuorumGuard:
         if restarted:
             self.restarts += 1
             self._on_restart(self.seen.quorum_id if self.seen else -1, quorum_id)
+            if self._need_majority is None and self.seen is not None:
+                self._need_majority = (self.seen.members, time.monotonic())
+        self._check_majority(quorum_id, members)
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
         own = restarted or quorum_id != self._manager._quorum_id
@@ -151,6 +159,34 @@ class _QuorumGuard:
         if self.rider is not None:  # lighthouse outage (ftbridge.outage): the quorum a riding step reuses
             self.rider.remember(view, members)
         return view
+
+    def _check_majority(self, quorum_id: int, members: List[str]) -> None:
+        """After a lighthouse restart, discard steps until a quorum holds most groups of the last one before it.
+
+        See :func:`ftbridge.quorum_rules.lacks_majority`. The error recorded
+        here (on torchft's quorum thread, after ``start_quorum`` cleared the
+        last one) makes ``should_commit`` discard this step; the next step asks
+        again. Past ``majority_wait`` (``FTBridgeConfig.restart_peer_wait``)
+        the groups that did not come back are taken for dead and the job goes on.
+        """
+        if self._need_majority is None:
+            return
+        before, since = self._need_majority
+        if not lacks_majority(before, members):
+            self._need_majority = None
+            return
+        waited = time.monotonic() - since
+        if waited >= self._majority_wait:
+            logger.error("quorum %d after a lighthouse restart holds %d of the %d groups of the last quorum before "
+                         "it, %.0f s after the restart: taking the others for dead and going on",
+                         quorum_id, len(members), len(before), waited)
+            self._need_majority = None
+            return
+        self.no_majority += 1
+        self._manager.report_error(RuntimeError(
+            f"quorum {quorum_id} after a lighthouse restart holds {sorted(members)}, not more than half of the "
+            f"groups of the last quorum before it ({sorted(before)}): the others may still be reconnecting, and "
+            "two such quorums could commit the same step apart; step discarded, asking again"))
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
         """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
@@ -221,7 +257,8 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
                           on_quorum: Optional[Callable[[Any], None]] = None,
-                          group_size: int = 0, store_timeout: Optional[timedelta] = None) -> Optional[_QuorumGuard]:
+                          group_size: int = 0, store_timeout: Optional[timedelta] = None,
+                          majority_wait: timedelta = timedelta(seconds=30)) -> Optional[_QuorumGuard]:
     """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
     version = importlib.metadata.version("torchft")
     needed = ("_client", "_quorum_id", "_async_quorum")
@@ -231,7 +268,7 @@ def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Call
                        "checked against the donor's host", version,
                        TORCHFT_GUARDED_VERSIONS)
         return None
-    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size, store_timeout)
+    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size, store_timeout, majority_wait)
     manager._client = guard
     return guard
 
@@ -391,7 +428,8 @@ class ReplicaManager:
         )
         self.lighthouse_restarts = 0
         self.quorum_guard = _install_quorum_guard(self.torchft, cfg.vote_timeout, self._on_lighthouse_restart,
-                                                  self._on_quorum, cfg.group_size, cfg.store_call_timeout)
+                                                  self._on_quorum, cfg.group_size, cfg.store_call_timeout,
+                                                  cfg.restart_peer_wait)
         self._heal_agreement = HealAgreement(self.torchft) if self.quorum_guard is not None else None
         # Lighthouse outage (ftbridge.outage): needs the guard's hook into torchft's quorum call.
         self.outage = OutageRider.for_config(self.torchft, cfg) if self.quorum_guard is not None else None

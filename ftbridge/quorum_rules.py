@@ -130,3 +130,29 @@ def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
     """The key namespace shared by all members of one quorum: 12 hex digits of its members and step."""
     text = "|".join(sorted(members)) + f"|{max_step}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def replica_group_of(replica_id: str) -> str:
+    """``replica_group_G`` of a torchft replica id ``replica_group_G:UUID`` (the UUID changes on a restart)."""
+    return replica_id.split(":", 1)[0]
+
+
+def lacks_majority(previous_members: Sequence[str], members: Sequence[str]) -> bool:
+    """Whether a quorum after a lighthouse restart holds at most half of the groups of the last quorum before it (pure).
+
+    A restarted lighthouse knows only the groups whose heartbeats reached it
+    so far, and torchft's split-brain rule (a quorum needs more than half of
+    the heartbeating groups) counts only those: right after a restart, one
+    group alone can get a quorum while the others are still reconnecting, and
+    each side then commits the same step on a different membership. Two
+    quorums that each hold more than half of the same previous membership
+    always share a group, so they cannot both commit apart.
+
+    Args:
+        previous_members: replica ids of the last quorum before the restart.
+        members: replica ids of the new quorum.
+    """
+    before = {replica_group_of(m) for m in previous_members}
+    now = {replica_group_of(m) for m in members}
+    return 2 * len(before & now) <= len(before)
+

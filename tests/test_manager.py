@@ -308,3 +308,41 @@ def test_a_group_of_another_size_leaves_before_reconfigure_or_heal():
     assert guards[1][0]._quorum_id == 1, "the odd member must not be told to reconfigure"
     assert not isinstance(views[0], Exception) and guards[0][1].sizes == [1, 2]
 
+
+
+# -- a majority of the groups before a lighthouse restart -----------------------------------------
+
+def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it():
+    from ftbridge.quorum_rules import lacks_majority
+
+    before = ["replica_group_0:a", "replica_group_1:b", "replica_group_2:c"]
+    assert lacks_majority(before, ["replica_group_1:b"])                       # one group alone, of three
+    assert not lacks_majority(before, ["replica_group_0:a", "replica_group_2:c"])
+    assert not lacks_majority(before, ["replica_group_0:x", "replica_group_1:y"])  # restarted groups count
+    assert lacks_majority(before[:2], ["replica_group_0:a"])                   # half of two is no majority
+    assert not lacks_majority(before[:1], ["replica_group_0:a"])               # alone before, alone after
+    # Two quorums that both pass always share a group: they cannot commit apart.
+    sides = [["replica_group_0:a", "replica_group_1:b"], ["replica_group_2:c", "replica_group_1:b"]]
+    assert all(not lacks_majority(before, s) for s in sides) and set(sides[0]) & set(sides[1])
+
+
+def test_after_a_restart_the_guard_discards_until_a_majority_is_back_then_goes_on(monkeypatch):
+    import ftbridge.manager as manager_module
+    from ftbridge.manager import _QuorumGuard
+
+    errors = []
+    clock = [0.0]
+    guard = SimpleNamespace(_need_majority=(("replica_group_0:a", "replica_group_1:b", "replica_group_2:c"), 0.0),
+                            _majority_wait=30.0, no_majority=0,
+                            _manager=SimpleNamespace(report_error=errors.append))
+    monkeypatch.setattr(manager_module.time, "monotonic", lambda: clock[0])
+    _QuorumGuard._check_majority(guard, 1, ["replica_group_1:b"])   # alone right after the restart
+    assert len(errors) == 1 and "not more than half" in str(errors[0]) and guard._need_majority
+    _QuorumGuard._check_majority(guard, 2, ["replica_group_1:b", "replica_group_2:c"])
+    assert len(errors) == 1 and guard._need_majority is None   # a majority: commits again, check done
+    _QuorumGuard._check_majority(guard, 3, ["replica_group_1:b"])
+    assert len(errors) == 1                                     # no restart pending: torchft's rules only
+    guard._need_majority = (("replica_group_0:a", "replica_group_1:b"), 0.0)
+    clock[0] = 31.0                                             # the other never came back within the wait
+    _QuorumGuard._check_majority(guard, 4, ["replica_group_1:b"])
+    assert len(errors) == 1 and guard._need_majority is None
