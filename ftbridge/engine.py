@@ -132,6 +132,7 @@ class FaultTolerantEngine:
         self.last_committed: Optional[bool] = None
         self._first_step_checked = False
         self._launched = time.time()
+        self._prepare_heal_receive()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
                           sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
@@ -342,6 +343,14 @@ class FaultTolerantEngine:
             self.events.write(event="restart_without_peer", time=time.time(), step=step, attempt=attempt)
 
     # -- heal -------------------------------------------------------------
+    def _prepare_heal_receive(self) -> None:
+        """A restarted group heals first: touch its receive buffer while it starts up, drop it at the first commit."""
+        transport = getattr(self.manager, "transport", None)
+        if (self.cfg.num_replica_groups > 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                and hasattr(transport, "prepare_recv")):
+            transport.prepare_recv()
+            self._step_hooks.append(lambda committed: transport.release_recv() if committed else None)
+
     def heal_state(self) -> Dict[str, Any]:
         """This rank's live state for a joining peer (nested dict of tensors and scalars).
 

@@ -41,7 +41,8 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from ftbridge import faults
 from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
-from ftbridge.wire import decode_parts, decode_state, encode_state, header_length
+from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
+from ftbridge.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
 
@@ -60,6 +61,26 @@ def _read_into(resp: Any, view: memoryview) -> int:
     got = 0
     while got < len(view):
         k = resp.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
+
+
+def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` with the response body: what ``http.client`` already buffered, then straight from ``sock``.
+
+    The socket is switched to blocking mode and read with ``MSG_WAITALL``:
+    one system call, so this thread takes the GIL back once rather than after
+    every partial read (each time up to the 5 ms switch interval while the
+    training thread runs). The overall deadline still holds: the
+    :data:`~ftbridge.heal_http.REAPER` shuts the socket down, which ends the
+    read. Returns the bytes read (fewer if the body ended early).
+    """
+    got = resp.fp.readinto1(view) if len(view) else 0  # bytes buffered with the headers, at most one raw read
+    sock.settimeout(None)
+    while got < len(view):
+        k = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         if not k:
             break
         got += k
@@ -86,9 +107,12 @@ def _read_chunked(resp: Any, total: int) -> tuple:
 class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     """torchft checkpoint transport over HTTP with a pickle-free format and bounded ends.
 
-    The donor serialises its state in :meth:`send_checkpoint` (in torchft's
+    The donor snapshots its state in :meth:`send_checkpoint` (in torchft's
     quorum thread, overlapping the forward pass) and serves it until
-    :meth:`disallow_checkpoint`; the joiner fetches ``GET /heal/{step}``.
+    :meth:`disallow_checkpoint`; the joiner fetches ``GET /heal/{step}``. The
+    response starts before the snapshot is complete: the body is laid out
+    from shapes alone and its tensor bytes are sent as they are copied
+    (:mod:`ftbridge.heal_stream`).
 
     Args:
         bind: interface address to listen on, e.g. ``"127.0.0.1"``; port is
@@ -120,11 +144,13 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._max_recv_bytes = max_recv_bytes
         self._donor_host: Optional[str] = None
         self._cond = threading.Condition()
-        self._body: Optional[bytes] = None
+        self._body: Optional[StreamBody] = None
+        self._recv_buffer: Optional[ReceiveBuffer] = None
         self._step = -1
         self.last_recv: Optional[Dict[str, Any]] = None
         """Timing of the last successful fetch (the heal benchmark reads it): ``bytes``, and wall
-        times (seconds since the epoch) ``start``, ``fetched`` (body received) and ``end`` (decoded)."""
+        times (seconds since the epoch) ``start``, ``response`` (status and headers received), ``fetched``
+        (body received) and ``end`` (decoded)."""
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         send_s = (heal_timeout or 2 * timeout).total_seconds()
         self._server = BoundedHTTPServer((bind, 0), self._handler_class(), family=family,
@@ -153,27 +179,41 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                                                         self.headers.get("Authorization")):
                     self.send_error(403, "heal request without this job's token (FTBRIDGE_JOB_TOKEN)")
                     return
-                cast(BoundedHTTPServer, self.server).extend(self.connection)
+                server = cast(BoundedHTTPServer, self.server)
+                server.extend(self.connection)
                 body = transport._wait_for(step)
                 if body is None:
                     self.send_error(409, f"step {step} is not being served")
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                view, half = memoryview(body), len(body) // 2  # no copies of the body
-                self.wfile.write(view[:half])
-                self.wfile.flush()
-                faults.point("heal_send")
-                self.wfile.write(view[half:])
+                # A short last send goes out at once, not after the previous one's delayed ACK (Nagle).
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # Headers, the body's prefix and its first chunk in one system call (sendmsg): each
+                # call ends with this thread taking the GIL back from the training thread.
+                self.log_request(200)
+                head = (f"{self.protocol_version} 200 OK\r\nServer: {self.version_string()}\r\n"
+                        f"Content-Type: application/octet-stream\r\nContent-Length: {body.size}\r\n\r\n").encode()
+                # Blocking sends: the whole chunk in one system call rather than one per partial send;
+                # the connection's deadline (REAPER) still ends a stuck send.
+                self.connection.settimeout(None)
+                try:  # no copies of the body: sent from the donor's tensors (heal_stream)
+                    body.serve(self.connection.sendmsg, cut=self._cut, head=head,
+                               halfway=(lambda: faults.point("heal_send")) if faults.armed("heal_send") else None)
+                except BodyAborted as e:  # the joiner sees a short body: ConnectionError
+                    logger.info("heal transport: response for step %d cut short: %s", step, e)
+                    self.close_connection = True
+
+            def _cut(self) -> None:
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already closed
+                    pass
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("heal transport: " + fmt, *args)
 
         return Handler
 
-    def _wait_for(self, step: int) -> Optional[bytes]:
+    def _wait_for(self, step: int) -> Optional[StreamBody]:
         deadline = time.monotonic() + self._timeout.total_seconds()
         with self._cond:
             while self._body is None or self._step != step:
@@ -194,24 +234,45 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
     def send_checkpoint(self, dst_ranks: List[int], step: int, state_dict: Dict[str, Any],
                         timeout: timedelta) -> None:
-        """Serialise ``state_dict`` and serve it for ``step`` until :meth:`disallow_checkpoint`.
+        """Serve ``state_dict`` for ``step`` until :meth:`disallow_checkpoint`; returns at once.
+
+        Lays the body out from keys, shapes and dtypes
+        (:func:`ftbridge.wire.plan_body`) and serves it: responses write the
+        tensors' bytes from the tensors themselves
+        (:class:`ftbridge.heal_stream.StreamBody`), so the tensors in
+        ``state_dict`` must not change before :meth:`disallow_checkpoint`
+        (torchft calls it right before the donor's optimizer step).
 
         Raises:
-            TypeError: the state holds a leaf that is neither tensor nor JSON scalar.
+            TypeError: the state holds a leaf that is neither tensor nor JSON
+                scalar (before anything is served).
         """
         t0 = time.perf_counter()
-        body = encode_state(state_dict)
+        plan = plan_body(state_dict)
+        body = StreamBody(plan if plan is not None else encode_state(state_dict))
         with self._cond:
             self._body, self._step = body, step
             self._cond.notify_all()
-        logger.info("serving heal state for step %d to replica ranks %s: %.1f MB encoded in %.3f s",
-                    step, dst_ranks, len(body) / 1e6, time.perf_counter() - t0)
+        logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
+                    step, dst_ranks, body.size / 1e6, time.perf_counter() - t0)
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving: the donor's state may change from here on."""
+        """Stop serving: the donor's state may change from here on.
+
+        Responses in flight keep going from a copy of what they have not
+        sent yet (:meth:`ftbridge.heal_stream.StreamBody.freeze`); a response
+        still blocked in a write after the donor's ``timeout`` is cut off.
+        """
         with self._cond:
-            self._body = None
+            body, self._body = self._body, None
             self._cond.notify_all()
+        if body is not None:
+            t0 = time.perf_counter()
+            if not body.freeze():
+                logger.warning("heal transport: a response still wrote from the live state after being cut off")
+            if body.staged_bytes:
+                logger.info("heal transport: kept %.1f MB not yet sent to joiners in %.3f s", body.staged_bytes / 1e6,
+                            time.perf_counter() - t0)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Dict[str, Any]:
         """Fetch and decode the donor's state for ``step``, within one overall deadline.
@@ -246,7 +307,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             sock = conn.sock
             REAPER.set(sock, deadline - time.monotonic())
             conn.request("GET", f"/heal/{int(step)}", headers=headers)
-            head, blob, size = self._read_body(conn.getresponse(), url, step, limit)
+            resp = conn.getresponse()
+            response = time.time()
+            head, blob, size = self._read_body(resp, sock, url, step, limit, deadline)
         except Exception as e:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"heal state for step {step} from {url}: not received within the heal "
@@ -258,13 +321,14 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             conn.close()
         fetched = time.time()
         state = decode_parts(head, blob)
-        self.last_recv = {"bytes": size, "start": wall0, "fetched": fetched, "end": time.time()}
+        self.last_recv = {"bytes": size, "start": wall0, "response": response, "fetched": fetched,
+                          "end": time.time()}
         logger.info("received heal state for step %d from replica rank %d (%s): %.1f MB in %.3f s",
                     step, src_rank, url, size / 1e6, time.perf_counter() - t0)
         return state
 
-    @staticmethod
-    def _read_body(resp: Any, url: str, step: int, limit: Optional[int]) -> tuple:
+    def _read_body(self, resp: Any, sock: socket.socket, url: str, step: int, limit: Optional[int],
+                   deadline: float) -> tuple:
         """``(JSON header, tensor blob, size)`` of a response, its size checked against ``limit`` before allocating."""
         if resp.status != 200:
             raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, None)
@@ -283,8 +347,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         head = resp.read(n)
         faults.point("heal_recv")
         if limit is not None:
-            blob: Union[bytearray, bytes] = bytearray(size - 8 - n)
-            got = _read_into(resp, memoryview(blob))
+            blob: Union[bytearray, memoryview] = self._take_recv_buffer(size - 8 - n, deadline)
+            got = _recv_exact(resp, sock, blob)
         else:
             blob, got = _read_chunked(resp, size - 8 - n)
         got += len(prefix) + len(head)
@@ -292,6 +356,31 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             raise ConnectionError(f"heal state for step {step} from {url}: received {got} of {size} bytes "
                                   "(the donor died or the connection broke)")
         return head, blob, size
+
+    def prepare_recv(self, wait_s: float = 0.0) -> None:
+        """Map and touch memory for the next fetch now, in a background thread (a restarted rank, during start-up).
+
+        Sized by ``max_recv_bytes`` (nothing without it). The next fetch
+        receives into it if it is large enough (:class:`ftbridge.heal_stream.ReceiveBuffer`),
+        after waiting for the touch to finish; :meth:`release_recv` drops it
+        unused.
+
+        Args:
+            wait_s: wait up to this long for the touch to finish here (s).
+        """
+        if self._max_recv_bytes is not None:
+            self._recv_buffer = ReceiveBuffer(self._max_recv_bytes())
+            self._recv_buffer.wait(wait_s)
+
+    def release_recv(self) -> None:
+        """Drop a buffer from :meth:`prepare_recv` that no fetch used (its memory is returned)."""
+        self._recv_buffer = None
+
+    def _take_recv_buffer(self, nbytes: int, deadline: float) -> memoryview:
+        """The prepared buffer if it fits (used once), else fresh memory: ``nbytes`` writable bytes."""
+        prepared, self._recv_buffer = self._recv_buffer, None
+        view = prepared.take(nbytes, deadline) if prepared is not None else None
+        return view if view is not None else fresh_buffer(nbytes)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the HTTP server."""
