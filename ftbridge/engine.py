@@ -157,6 +157,9 @@ class FaultTolerantEngine:
         Args:
             key: unique name.
             state_dict: returns a nested dict of tensors and JSON scalars.
+                A heal sends its tensors from their memory until the
+                optimizer step (:mod:`ftbridge.heal_stream`): return a clone
+                of any tensor that forward or backward changes.
             load_state_dict: applies a peer's value.
 
         Raises:

@@ -28,7 +28,8 @@ import json
 import math
 import struct
 import sys
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors.torch import load as st_load
@@ -52,7 +53,8 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 _DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 
-class BodyPlan(NamedTuple):
+@dataclass(frozen=True)
+class BodyPlan:
     """A body laid out but not yet copied: :func:`plan_body`'s result.
 
     The body is ``prefix`` followed by the bytes of ``tensors`` in order,
