@@ -363,7 +363,7 @@ class FaultTolerantEngine:
             self._heal_first = True
 
             def first_commit(committed: bool) -> None:
-                if committed:
+                if committed and self._heal_first:
                     transport.release_recv()
                     self._heal_first = False
 

@@ -280,3 +280,40 @@ def test_disallow_during_a_fetch_still_delivers_the_snapshot(pair, monkeypatch):
     assert ("got" in out) != ("error" in out)
     if "got" in out:
         assert torch.equal(out["got"]["w"], want)
+
+
+# -- the engine: a restarted group prepares its receive and fetches alone ----------------------------
+
+@pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("restart_count, prepared", [("1", True), ("0", False)])
+def test_a_restarted_group_maps_its_receive_buffer_and_fetches_before_its_first_forward(monkeypatch, restart_count,
+                                                                                          prepared):
+    from types import SimpleNamespace
+
+    from tests.fakes import FakeManager, gpt_batch, tiny_engine
+
+    calls = []
+    transport = SimpleNamespace(prepare_recv=lambda: calls.append("prepare"), release_recv=lambda: calls.append("release"))
+    torchft = SimpleNamespace(wait_quorum=lambda: calls.append("wait_quorum"), _healing=False,
+                              load_state_dict=lambda s: None, state_dict=lambda: {})
+
+    class Manager(FakeManager):
+        participants = 2  # a peer is there: the restarted group does not wait for one (heal.must_wait_for_peer)
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.transport, self.torchft = transport, torchft
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart_count)
+    engine = tiny_engine(2, manager=Manager, ft={"num_replica_groups": 2})
+    try:
+        assert calls == (["prepare"] if prepared else [])
+        for i in range(2):
+            _, loss = engine(*gpt_batch(i))
+            engine.backward(loss)
+            engine.step()
+        # Waits for the first step's quorum only; the buffer goes at the first commit.
+        assert calls == (["prepare", "wait_quorum", "release"] if prepared else [])
+    finally:
+        engine.shutdown()
