@@ -38,6 +38,7 @@ import http.client
 import logging
 import re
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -58,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
 """Heal requests a donor serves at once (each joining group sends one per rank pair); more are closed unread."""
+SERVING_SWITCH_INTERVAL_S = 0.0005
+"""Python's GIL switch interval while a donor serves a heal (s; the default is 5 ms): each step of a
+response (accept, request, send) waits for the GIL held by the training thread, up to the interval
+each time. Restored by :meth:`SafeHTTPTransport.disallow_checkpoint`."""
 UNBOUNDED_CHUNK_BYTES = 64 << 20
 """Without a size bound, the body is read in chunks of this many bytes (allocation follows the bytes received)."""
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
@@ -154,6 +159,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._cond = threading.Condition()
         self._body: Optional[StreamBody] = None
         self._recv_buffer: Optional[ReceiveBuffer] = None
+        self._saved_switch_interval: Optional[float] = None
         self._step = -1
         self.last_recv: Optional[Dict[str, Any]] = None
         """Timing of the last successful fetch (the heal benchmark reads it): ``bytes``, and wall
@@ -245,7 +251,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         """Serve ``state_dict`` for ``step`` until :meth:`disallow_checkpoint`; returns at once.
 
         Lays the body out from keys, shapes and dtypes
-        (:func:`ftbridge.wire.plan_body`) and serves it: responses write the
+        (:func:`ftbridge.wire.plan_body`) and serves it, with Python's GIL
+        switch interval lowered to :data:`SERVING_SWITCH_INTERVAL_S` until
+        :meth:`disallow_checkpoint`: responses write the
         tensors' bytes from the tensors themselves
         (:class:`ftbridge.heal_stream.StreamBody`), so the tensors in
         ``state_dict`` must not change before :meth:`disallow_checkpoint`
@@ -260,6 +268,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         body = StreamBody(plan if plan is not None else encode_state(state_dict))
         with self._cond:
             self._body, self._step = body, step
+            if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
+                self._saved_switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
             self._cond.notify_all()
         logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
                     step, dst_ranks, body.size / 1e6, time.perf_counter() - t0)
@@ -273,6 +284,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         """
         with self._cond:
             body, self._body = self._body, None
+            saved, self._saved_switch_interval = self._saved_switch_interval, None
+            if saved is not None and abs(sys.getswitchinterval() - SERVING_SWITCH_INTERVAL_S) < 1e-9:
+                sys.setswitchinterval(saved)
             self._cond.notify_all()
         if body is not None:
             t0 = time.perf_counter()

@@ -282,6 +282,19 @@ def test_disallow_during_a_fetch_still_delivers_the_snapshot(pair, monkeypatch):
         assert torch.equal(out["got"]["w"], want)
 
 
+def test_serving_lowers_the_gil_switch_interval_until_disallow(pair):
+    import sys
+
+    donor, _ = pair
+    before = sys.getswitchinterval()
+    donor.send_checkpoint([1], 14, {"w": torch.zeros(3)}, timedelta(seconds=2))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(transport_mod.SERVING_SWITCH_INTERVAL_S)
+    finally:
+        donor.disallow_checkpoint()
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
 # -- the engine: a restarted group prepares its receive and fetches alone ----------------------------
 
 @pytest.mark.usefixtures("single_rank_world")
