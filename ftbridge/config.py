@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Optional, cast
 
 SYNC_MODES = ("per_bucket", "post_backward")
+CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
 GUARD_ACTIONS = ("heal", "stop")
 MIN_TOKEN_CHARS = 16
 
@@ -132,12 +133,43 @@ class FTBridgeConfig:
     others come back. After the wait it trains on from step 0 with an ERROR.
     Ignored with ``num_replica_groups`` 1."""
 
+    peer_watch: bool = True
+    """Cut a hung peer off when the lighthouse declares it dead, instead of
+    waiting out :attr:`cross_replica_timeout`: a cross-replica wait longer
+    than :attr:`peer_watch_poll` reads the lighthouse's status every poll and
+    discards the step once a member of the step's quorum has no heartbeat
+    (``FTBRIDGE_PEER_WATCH``; CPU process groups only; see
+    :mod:`ftbridge.quorum_watch`). Costs a copy of each all-reduced message."""
+
+    peer_watch_poll: timedelta = timedelta(milliseconds=100)
+    """How long a cross-replica wait lasts before the peer watch first reads
+    the lighthouse's status, and how often it reads it then
+    (``FTBRIDGE_PEER_WATCH_POLL_MS``)."""
+
+    peer_watch_freeze_discard: timedelta = timedelta(seconds=1)
+    """A rank frozen (SIGSTOP, a stuck host) this long during a step discards
+    the step, whatever the lighthouse says when it resumes
+    (``FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS``). The survivors may have cut it
+    off and gone on without it, and the lighthouse may not show that yet; a
+    commit then would leave it with a step the others discarded. Keep it
+    below the lighthouse's heartbeat timeout minus the heartbeat interval
+    (the shortest freeze the lighthouse can declare dead). A discard is
+    always safe: the group is one step behind and heals."""
+
     quorum_retries: int = 5
     """Lighthouse calls group rank 0's torchft manager retries within one
     quorum call, sleeping ``quorum_timeout / (quorum_retries + 1)`` between
     tries and reconnecting for up to ``connect_timeout``, so a lighthouse
     restart does not kill the job; torchft's default 0 does
     (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
+
+    ride_out_lighthouse_outage: bool = True
+    """While the lighthouse is unreachable and no replica group has failed, keep
+    committing on the last quorum (same quorum id and cross-replica process
+    group), each step only after every member agreed on quorum, membership and
+    step; on any failure, wait for the lighthouse as before. Off: every step
+    waits for the lighthouse (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``; see
+    :mod:`ftbridge.outage`)."""
 
     manager_port: int = 0
     """Port of the torchft manager server on group rank 0; 0 picks a free one
@@ -224,6 +256,13 @@ class FTBridgeConfig:
     """Path of the JSON-lines event log; ``{replica_group}`` and
     ``{group_rank}`` are substituted (``FTBRIDGE_EVENT_LOG``)."""
 
+    cross_replica_backend: str = "auto"
+    """Backend of the cross-replica process group: ``auto``, ``nccl`` or ``gloo``
+    (``FTBRIDGE_CROSS_REPLICA_BACKEND``). ``auto``: gloo on CPU; on CUDA, NCCL
+    when every rank has a GPU of its own, gloo with CUDA tensors when ranks of
+    different replica groups share a GPU (one machine with fewer GPUs than
+    ranks); see :mod:`ftbridge.device`. Every rank of the job must agree."""
+
     comm_hook: str = "no"
     """Communication hook of the cross-replica all-reduce, Accelerate's names:
     ``no``, ``fp16``, ``bf16``, ``power_sgd``, ``batched_power_sgd``
@@ -252,7 +291,11 @@ class FTBridgeConfig:
         "connect_timeout": ("s", ("FTBRIDGE_CONNECT_TIMEOUT_S", "TORCHFT_CONNECT_TIMEOUT_SEC")),
         "heartbeat_interval": ("ms", ("FTBRIDGE_HEARTBEAT_INTERVAL_MS",)),
         "quorum_retries": (int, ("FTBRIDGE_QUORUM_RETRIES", "TORCHFT_QUORUM_RETRIES")),
+        "peer_watch": (bool, ("FTBRIDGE_PEER_WATCH",)),
+        "peer_watch_poll": ("ms", ("FTBRIDGE_PEER_WATCH_POLL_MS",)),
+        "peer_watch_freeze_discard": ("ms", ("FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS",)),
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
+        "ride_out_lighthouse_outage": (bool, ("FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
         "metrics_port": (int, ("FTBRIDGE_METRICS_PORT",)),
@@ -266,6 +309,7 @@ class FTBridgeConfig:
         "guard_every": (int, ("FTBRIDGE_GUARD_EVERY",)),
         "guard_action": (str, ("FTBRIDGE_GUARD_ACTION",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
+        "cross_replica_backend": (str, ("FTBRIDGE_CROSS_REPLICA_BACKEND",)),
         "comm_hook": (str, ("FTBRIDGE_COMM_HOOK",)),
         "comm_wrapper": (str, ("FTBRIDGE_COMM_WRAPPER",)),
         "comm_state_option": ("json", ("FTBRIDGE_COMM_STATE_OPTION",)),
@@ -349,7 +393,7 @@ class FTBridgeConfig:
                     "{group_rank} are substituted"
                 ) from None
         for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
-                     "connect_timeout", "heartbeat_interval"):
+                     "connect_timeout", "heartbeat_interval", "peer_watch_poll", "peer_watch_freeze_discard"):
             value = getattr(self, name)
             need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
         need(self.heal_timeout is None or self.heal_timeout.total_seconds() > 0,
@@ -365,6 +409,13 @@ class FTBridgeConfig:
         need(self.heartbeat_interval < self.cross_replica_timeout,
              f"heartbeat_interval={self.heartbeat_interval.total_seconds()} s must be below "
              f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s")
+        need(self.peer_watch_poll < self.cross_replica_timeout,
+             f"peer_watch_poll={self.peer_watch_poll.total_seconds()} s (FTBRIDGE_PEER_WATCH_POLL_MS) must be "
+             f"below cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s, or the watch never looks")
+        need(self.peer_watch_freeze_discard > self.peer_watch_poll,
+             f"peer_watch_freeze_discard={self.peer_watch_freeze_discard.total_seconds()} s "
+             f"(FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS) must be above peer_watch_poll="
+             f"{self.peer_watch_poll.total_seconds()} s (the freeze clock ticks once per poll)")
         need(self.cross_replica_timeout < self.in_group_timeout,
              f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s is not below "
              f"in_group_timeout={self.in_group_timeout.total_seconds()} s: the in-group watchdog would "
@@ -388,6 +439,9 @@ class FTBridgeConfig:
              f"guard_every={self.guard_every} must be >= 0 (0: never compare replica fingerprints)")
         need(self.guard_action in GUARD_ACTIONS,
              f"guard_action={self.guard_action!r} is not one of {GUARD_ACTIONS} (FTBRIDGE_GUARD_ACTION)")
+        need(self.cross_replica_backend in CROSS_REPLICA_BACKENDS,
+             f"cross_replica_backend={self.cross_replica_backend!r} (FTBRIDGE_CROSS_REPLICA_BACKEND) is not one of "
+             f"{CROSS_REPLICA_BACKENDS}; auto picks NCCL or gloo from the machine (ftbridge.device)")
         need(self.sync_mode in SYNC_MODES,
              f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
         from ftbridge import comm_hooks
@@ -412,6 +466,36 @@ class FTBridgeConfig:
         waiting out a cross-replica all-reduce with a hung peer (bounded by
         ``cross_replica_timeout``); with equal timeouts ``should_commit``
         expired first and killed the survivor's group rank 0.
+        """
+        return 2 * self.cross_replica_timeout
+
+    @property
+    def vote_timeout(self) -> timedelta:
+        """Bound of the per-quorum reconfigure vote on the primary's store: ``cross_replica_timeout / 4``.
+
+        Well below the cross-replica timeout, which bounds the other ranks'
+        ``should_commit`` while the quorum thread votes; past it the vote
+        counts as failed and torchft's own decision stands.
+        """
+        return self.cross_replica_timeout / 4
+
+    @property
+    def store_call_timeout(self) -> timedelta:
+        """Bound of one call to a peer's TCPStore (connect, get, delete): 2 x :attr:`vote_timeout`.
+
+        c10d's store client blocks without a timeout on a SIGSTOPped host,
+        so such calls run in a helper thread bounded by this
+        (:func:`ftbridge.store_probe.call_bounded`).
+        """
+        return 2 * self.vote_timeout
+
+    @property
+    def sigterm_grace(self) -> timedelta:
+        """After a SIGTERM, longest wait for the step in flight to finish: 2 x ``cross_replica_timeout``.
+
+        The step may wait out one cross-replica timeout with a dead peer and
+        then a ``should_commit`` bounded by it; past this the rank exits
+        (status 143) rather than hold its group's quorum.
         """
         return 2 * self.cross_replica_timeout
 

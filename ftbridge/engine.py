@@ -48,11 +48,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ftbridge import comm_hooks, faults, metrics
+from ftbridge import comm_hooks, device, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
-from ftbridge.heal import agree_on_heal, guard_heal, lazy_state_bytes, must_wait_for_peer
+from ftbridge.heal import lazy_state_bytes, must_wait_for_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.wire import size_bound
@@ -100,7 +100,6 @@ class FaultTolerantEngine:
                                                            load_state_dict=self.load_heal_state,
                                                            use_cuda=next(engine.module.parameters()).is_cuda,
                                                            max_heal_bytes=self.heal_size_bound)
-        guard_heal(self.manager.torchft)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager)
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
@@ -136,7 +135,9 @@ class FaultTolerantEngine:
         self._prepare_heal_receive()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
-                          sync_fallback=getattr(self.sync, "fallback_reason", "") or None)
+                          sync_fallback=getattr(self.sync, "fallback_reason", "") or None,
+                          device=str(getattr(engine, "device", "cpu")),
+                          cross_replica_backend=getattr(self.manager, "backend", None))
 
     @property
     def cross_replica_sync(self) -> bool:
@@ -194,9 +195,9 @@ class FaultTolerantEngine:
         self.adapter.begin_window()
         self.manager.start_quorum()
         if self._heal_first:
-            self.manager.torchft.wait_quorum()  # the heal fetch runs alone (_prepare_heal_receive)
+            self.manager.wait_quorum()  # the heal fetch runs alone (_prepare_heal_receive)
         if not self._first_step_checked and faults.armed("first_quorum"):
-            self.manager.torchft.wait_quorum()  # in the quorum, before training a single step
+            self.manager.wait_quorum()  # in the quorum, before training a single step
             faults.point("first_quorum")
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
@@ -228,6 +229,10 @@ class FaultTolerantEngine:
         self.sync.begin_backward(boundary=boundary, first=self._backwards == 0, no_sync=no_sync)
         self._backwards += 1
         self._losses.append(float(loss.detach().float()))
+        if boundary and not no_sync and faults.armed("in_allreduce"):
+            self.manager.wait_quorum()  # now every peer's all-reduce of this step counts on this rank
+            faults.point("in_allreduce", f"after joining the quorum of step {int(e.global_steps)}, "
+                                         "before its all-reduce")
         out = e.backward(loss, **kwargs)
         self.sync.end_backward(boundary=boundary, no_sync=no_sync)
         self._boundary_backward = boundary and not no_sync
@@ -290,7 +295,8 @@ class FaultTolerantEngine:
             self.sync_scale_once = None
         self.guard.check(self.manager.current_step)
         self._wait_for_peer_after_restart()
-        agree_on_heal(self.manager.torchft)
+        self.manager.agree_on_heal()
+        self.manager.discard_if_dropped()  # peer watch (ftbridge.quorum_watch): frozen and left out meanwhile
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
@@ -313,7 +319,8 @@ class FaultTolerantEngine:
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         rec: Dict[str, Any] = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
                    replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
-                   loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum)
+                   loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
+                   rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.outage
         self.events.write(**rec)
         if rec["healed"] and self.manager.transport.last_recv:
             # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.bench.heal).
@@ -348,6 +355,61 @@ class FaultTolerantEngine:
                 "finished or died too; resume from a checkpoint instead.", attempt)
             self.events.write(event="restart_without_peer", time=time.time(), step=step, attempt=attempt)
 
+    # -- the state ftbridge adds to a replica ---------------------------------
+    def replica_state(self) -> Dict[str, Any]:
+        """What this rank holds beyond DeepSpeed's model, optimizer and scheduler (tensors and JSON scalars).
+
+        The one owner of that state: the heal sends it with the optimizer
+        partition (:meth:`heal_state`) and the checkpointer saves it per rank;
+        both restore it with :meth:`load_replica_state`.
+
+        Returns:
+            ``counters``: DeepSpeed's ``global_steps``, ``global_samples``,
+            ``skipped_steps`` (int); ``window_start``: ``micro_steps`` at the
+            start of the current accumulation window (of the next one between
+            steps), which decides where a window ends and is in no DeepSpeed
+            checkpoint; ``extra``: every :meth:`register_state` entry, as
+            :func:`ftbridge.zero.state.to_wire` gives it; ``manager``:
+            torchft's counters (``step``, ``batches_committed``).
+        """
+        e = self.engine
+        return {
+            "counters": {k: int(getattr(e, k)) for k in _COUNTERS},
+            "window_start": self._window_start if self._in_step else int(e.micro_steps),
+            "extra": {k: to_wire(fn()) for k, (fn, _) in self._extra_state.items()},
+            "manager": self.manager.state_dict(),
+        }
+
+    def load_replica_state(self, state: Dict[str, Any], *, manager: bool = True) -> None:
+        """Apply a :meth:`replica_state` of a peer or a checkpoint (every rank of the group).
+
+        The window restarts at the saved start, aligned to this engine's
+        ``gradient_accumulation_steps`` (which may differ from the saver's),
+        keeping this rank's offset into a step in progress. Registered state
+        is loaded for the keys present.
+
+        Args:
+            state: :meth:`replica_state` output (decoded from the wire or a file).
+            manager: also set torchft's counters (a heal leaves them to
+                torchft, which loads the donor's itself).
+
+        Raises:
+            ValueError: a registered state's keys or tensor shapes differ.
+            KeyError: ``state`` lacks ``counters`` or ``window_start``.
+        """
+        e = self.engine
+        for k in _COUNTERS:
+            setattr(e, k, int(state["counters"][k]))
+        into_window = int(e.micro_steps) - self._window_start if self._in_step else 0
+        self._window_start = align_to_window(int(state["window_start"]), e.gradient_accumulation_steps())
+        e.micro_steps = self._window_start + into_window
+        extra = state.get("extra", {})
+        for k, (fn, load) in self._extra_state.items():
+            if k in extra:
+                load(from_wire(fn(), extra[k]))
+        if manager and "manager" in state:
+            self.manager.load_state_dict({k: int(v) for k, v in state["manager"].items()})
+
     # -- heal -------------------------------------------------------------
     def _prepare_heal_receive(self) -> None:
         """A restarted group heals first: map its receive buffer while it starts up, drop it at the first commit.
@@ -373,16 +435,11 @@ class FaultTolerantEngine:
         """This rank's live state for a joining peer (nested dict of tensors and scalars).
 
         Holds: ZeRO optimizer partition and its optimizer state (with the
-        fp32 master weights), lr scheduler, engine counters, and registered
-        extra state. Taken at the start of a step, before its optimizer step.
+        fp32 master weights), lr scheduler, and :meth:`replica_state`. Taken
+        at the start of a step, before its optimizer step.
         """
         e = self.engine
-        state: Dict[str, Any] = {
-            "optimizer": self.adapter.heal_state(),
-            "counters": {k: int(getattr(e, k)) for k in _COUNTERS},
-            "micro_steps_at_window_start": self._window_start,
-            "extra": {k: to_wire(fn()) for k, (fn, _) in self._extra_state.items()},
-        }
+        state: Dict[str, Any] = {"optimizer": self.adapter.heal_state(), "replica": self.replica_state()}
         if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict"):
             state["lr_scheduler"] = to_wire(e.lr_scheduler.state_dict())
         return state
@@ -401,18 +458,9 @@ class FaultTolerantEngine:
         """
         e = self.engine
         self.adapter.load_heal_state(state["optimizer"])
-        for k in _COUNTERS:
-            setattr(e, k, int(state["counters"][k]))
-        # The peer's window started at its counter (aligned to this rank's accumulation count, in case the
-        # peer's differed); keep our offset into the window.
-        into_window = int(e.micro_steps) - self._window_start
-        self._window_start = align_to_window(int(state["micro_steps_at_window_start"]),
-                                             e.gradient_accumulation_steps())
-        e.micro_steps = self._window_start + into_window
+        self.load_replica_state(state["replica"], manager=False)
         if "lr_scheduler" in state and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(from_wire(e.lr_scheduler.state_dict(), state["lr_scheduler"]))
-        for k, (fn, load) in self._extra_state.items():
-            load(from_wire(fn(), state["extra"][k]))
         self.log.info("healed from a peer at step %d", self.manager.current_step)
 
     def shutdown(self) -> None:
@@ -451,7 +499,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
 
     Raises:
         ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported
-            optimizer path, or a torch.distributed world whose size is not the
+            optimizer path, a device setup that cannot work
+            (:func:`ftbridge.device.check_placement`: the model on a GPU under
+            ``DS_ACCELERATOR=cpu``, no GPU for this rank, NCCL across ranks that
+            share a GPU), or a torch.distributed world whose size is not the
             replica group size — all before the engine is built where possible.
         RuntimeError: an untested DeepSpeed version.
     """
@@ -476,9 +527,14 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
                              "or run on a device with fp16")
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={stage}: set it to 1, 2 or 3 in the DeepSpeed config")
+    from deepspeed.accelerator import get_accelerator
+
+    where, group_backend, _ = device.check_placement({p.device.type for p in model.parameters()},
+                                                     get_accelerator().device_name(), cfg)
+    if where != "cpu":
+        torch.cuda.set_device(torch.device(where))  # NCCL (in-group, cross-replica) uses the current device
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, timeout=cfg.in_group_timeout)
+        deepspeed.init_distributed(dist_backend=group_backend, timeout=cfg.in_group_timeout)
     if dist.get_world_size() != cfg.group_size or dist.get_rank() != cfg.group_rank:
         raise ValueError(
             f"torch.distributed world is rank {dist.get_rank()} of {dist.get_world_size()} but ftbridge expects "

@@ -22,6 +22,9 @@ Points in ftbridge:
 * ``heal_send``: the donor, after sending half of its heal state;
 * ``heal_recv``: the joiner, after receiving the heal state's header, before its tensors;
 * ``first_quorum``: a launch's first step, once its quorum is decided, before any training;
+* ``in_allreduce``: a rank in a step's quorum, before the backward of its accumulation boundary: the
+  other groups' cross-replica all-reduce of that step has a participant that never sends (killing
+  after the backward races the all-reduce, which may already have completed);
 * ``checkpoint_publish``: the checkpoint writer's group rank 0, with the checkpoint staged and its
   manifest written, before the atomic publish.
 """
@@ -35,7 +38,7 @@ import time
 from typing import Optional, Tuple
 
 ENV_DIR = "FTBRIDGE_FAULT_DIR"
-POINTS = ("heal_send", "heal_recv", "first_quorum", "checkpoint_publish")
+POINTS = ("heal_send", "heal_recv", "first_quorum", "in_allreduce", "checkpoint_publish")
 """Fault point names that ftbridge's code calls."""
 
 
@@ -100,8 +103,13 @@ def armed(name: str) -> bool:
     return matches(target, *_identity())
 
 
-def point(name: str) -> None:
-    """Fault point ``name``: SIGKILL this process here if the run armed it for this process."""
+def point(name: str, where: str = "") -> None:
+    """Fault point ``name``: SIGKILL this process here if the run armed it for this process.
+
+    Args:
+        name: one of :data:`POINTS`.
+        where: what the process was doing (a step, a file), for the log line and the ``.fired`` file.
+    """
     if not armed(name):
         return
     path = os.path.join(os.environ[ENV_DIR], name)
@@ -112,7 +120,8 @@ def point(name: str) -> None:
     except OSError:
         return
     with open(done, "a", encoding="utf-8") as f:
-        f.write(f"\nreplica_group={group} group_rank={rank} pid={os.getpid()} time={time.time():.3f}\n")
-    print(f"FAULT {name}: replica group {group} rank {rank} (pid {os.getpid()}) kills itself", file=sys.stderr,
-          flush=True)
+        f.write(f"\nreplica_group={group} group_rank={rank} pid={os.getpid()} time={time.time():.3f}"
+                f"{' where=' + where if where else ''}\n")
+    print(f"FAULT {name}: replica group {group} rank {rank} (pid {os.getpid()}) kills itself"
+          f"{' ' + where if where else ''}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ftbridge.device import collective_device, group_backend
 from ftbridge.events import tensor_checksum
 
 logger = logging.getLogger(__name__)
@@ -130,11 +131,12 @@ def gather_rows(manager: Any, row: List[float]) -> torch.Tensor:
         Whatever the manager's ``allreduce`` or its work's ``wait`` raises.
     """
     n, rank = max(int(manager.participants), 1), manager.replica_rank
-    rows = torch.zeros(n, len(row), dtype=torch.float64)
+    where = collective_device(getattr(manager, "backend", "gloo"))  # NCCL takes only GPU tensors
+    rows = torch.zeros(n, len(row), dtype=torch.float64, device=where)
     if rank is not None and 0 <= rank < n:
         rows[rank] = torch.tensor(row, dtype=torch.float64)
     manager.allreduce(rows, reduce_op=ReduceOp.SUM).wait()
-    return rows
+    return rows.cpu()
 
 
 class DivergenceGuard:
@@ -230,6 +232,7 @@ class DivergenceGuard:
         """Each flag true on every rank of the group if it is true on any rank (one in-group MAX)."""
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return tuple(mine)
-        flags = torch.tensor([int(m) for m in mine], dtype=torch.int32)
+        flags = torch.tensor([int(m) for m in mine], dtype=torch.int32,
+                             device=collective_device(group_backend(self.group)))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return tuple(bool(f) for f in flags.tolist())

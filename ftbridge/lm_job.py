@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed gradient_clipping (0: none)")
     p.add_argument("--warmup-steps", type=at_least(0), default=20)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
@@ -69,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batches", type=at_least(1), default=4)
     p.add_argument("--plain", action="store_true",
                    help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
+    p.add_argument("--plain-global-of", type=at_least(1), default=0, metavar="N",
+                   help="with --plain on one rank: train on the whole global batch of an N-rank data-parallel world "
+                        "(the baseline of N replica groups of 1 rank when they share one GPU; device check)")
+    p.add_argument("--time-cross-replica-wait", action="store_true",
+                   help="record GPU time the training stream stalls on the cross-replica all-reduce "
+                        "(final event: cross_replica_exposed_wait_s; device check)")
     p.add_argument("--no-cross-replica-sync", action="store_true",
                    help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
     p.add_argument("--test-sync-sum", action="store_true",
@@ -88,17 +96,38 @@ def build_parser() -> argparse.ArgumentParser:
     from ftbridge.checkpoint.checkpointer import add_arguments as add_checkpoint_arguments
 
     add_checkpoint_arguments(p)
-    fault = p.add_argument_group("fault injection (tests and chaos runs)")
-    fault.add_argument("--fault-kill-after-backward", default=None, metavar="FILE",
-                       help="once FILE exists, SIGKILL this process right after the next boundary backward "
-                            "(with --sync-mode post_backward its cross-replica all-reduce may then be in flight)")
-    fault.add_argument("--fault-kill-in-allreduce", default=None, metavar="FILE",
-                       help="once FILE exists, wait until this replica is in the next step's quorum, then "
-                            "SIGKILL this process before the boundary backward: the other replicas' "
-                            "cross-replica all-reduce of that step has a participant that never sends")
-    fault.add_argument("--fault-group", type=int, default=0, help="replica group that injects the fault")
-    fault.add_argument("--fault-rank", type=int, default=0, help="group rank that injects the fault")
     return p
+
+
+def choose_device(argv: list) -> str:
+    """Resolve ``--device`` from ``argv`` and point DeepSpeed's accelerator at it; call before importing DeepSpeed.
+
+    Sets ``DS_ACCELERATOR`` (``cuda`` or ``cpu``); ``--device auto`` with ``DS_ACCELERATOR=cpu`` already set
+    (the test suite's runs) stays on the CPU.
+
+    Returns:
+        ``"cpu"`` or ``"cuda:LOCAL_RANK"``.
+
+    Raises:
+        SystemExit: (argparse) ``--device cuda`` without a GPU for this rank, or ``DS_ACCELERATOR`` set to the
+            other kind, with the reason, before any work starts.
+    """
+    from ftbridge import device
+
+    parser = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    preset = os.environ.get("DS_ACCELERATOR")
+    requested = "cpu" if args.device == "auto" and preset == "cpu" else args.device
+    try:
+        where = device.resolve_device(requested, device.probe(), device.local_rank())
+    except ValueError as e:
+        parser.error(str(e))
+    kind = "cpu" if where == "cpu" else "cuda"
+    if preset and preset != kind:
+        parser.error(f"--device {args.device} resolves to {where} but DS_ACCELERATOR={preset} is set; unset "
+                     f"DS_ACCELERATOR or pass --device {preset if preset in ('cpu', 'cuda') else 'auto'}")
+    os.environ["DS_ACCELERATOR"] = kind
+    return where
 
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -131,7 +160,7 @@ def sum_instead_of_average() -> None:
 def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     """DeepSpeed config for the main job."""
     cfg: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "train_micro_batch_size_per_gpu": args.micro_batch * max(1, getattr(args, "plain_global_of", 0)),
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": args.grad_clip,
         "steps_per_print": 10**9,
@@ -169,6 +198,8 @@ class Topology:
     dp_world_size: int
     replica_group: int
     group_rank: int
+    whole_batch: bool = False
+    """Read the whole global batch of ``dp_world_size`` ranks (``--plain-global-of``), not this rank's rows."""
 
 
 def build_data_and_model(args: argparse.Namespace):
@@ -184,12 +215,8 @@ def build_data_and_model(args: argparse.Namespace):
     return data, model
 
 
-def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
-               faults: Optional[FaultInjector] = None) -> float:
+def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int) -> float:
     """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
-
-    Args:
-        faults: fault injection around the boundary backward (tests, chaos runs).
 
     Returns:
         Mean training loss of this rank over the micro-steps.
@@ -197,14 +224,10 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     step = int(engine.global_steps)
     losses = []
     for micro in range(grad_accum):
-        x, y = data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size)
-        _, loss = engine(x, y)
-        boundary = micro == grad_accum - 1
-        if faults is not None and boundary:
-            faults.before_boundary_backward(step, engine)
+        x, y = (data.global_batch(step, micro, topo.dp_world_size) if topo.whole_batch
+                else data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size))
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
-        if faults is not None and boundary:
-            faults.after_boundary_backward(step)
         engine.step()
         losses.append(float(loss.detach().float()))
     return sum(losses) / len(losses)
@@ -217,7 +240,7 @@ def validate(engine: Any, data: ShardedTextData, num_batches: int, batch_size: i
     module.eval()
     total = 0.0
     for x, y in data.val_batches(num_batches, batch_size):
-        _, loss = engine(x, y)
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
         total += float(loss.float())
     module.train()
     return total / num_batches
@@ -267,48 +290,6 @@ def save_params(path: Optional[str], engine: Any, adapter: Any, fields: Dict[str
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     names = [n for n, _ in engine.module.named_parameters()]
     save_file({n: t.detach().float().contiguous() for n, t in zip(names, tensors)}, path)
-
-
-class FaultInjector:
-    """The fault flags of one rank: SIGKILL self at a chosen point of a step.
-
-    Only the first launch injects (``TORCHELASTIC_RESTART_COUNT`` 0): a group
-    restarted by torchrun must not kill itself again.
-    """
-
-    def __init__(self, who: str, after_backward: Optional[str], in_allreduce: Optional[str]) -> None:
-        self.who = who
-        self.after_backward_file = after_backward
-        self.in_allreduce_file = in_allreduce
-
-    def before_boundary_backward(self, step: int, engine: Any) -> None:
-        """Kill once this replica has joined step ``step``'s quorum (deterministic discard on the peers)."""
-        if self.in_allreduce_file and os.path.exists(self.in_allreduce_file):
-            # The quorum that includes this replica is decided once it returns, so every peer's
-            # all-reduce of this step waits for data this process will never send.
-            engine.manager.torchft.wait_quorum()
-            self._kill(f"after joining the quorum of step {step}, before its all-reduce")
-
-    def after_boundary_backward(self, step: int) -> None:
-        if self.after_backward_file and os.path.exists(self.after_backward_file):
-            self._kill(f"after backward of step {step}")
-
-    def _kill(self, where: str) -> None:
-        import signal
-        print(f"FAULT {self.who}: SIGKILL self {where}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def fault_injector(args: argparse.Namespace, topo: Topology) -> Optional[FaultInjector]:
-    """The :class:`FaultInjector` for the fault flags on this rank, or ``None``."""
-    if args.fault_kill_after_backward is None and args.fault_kill_in_allreduce is None:
-        return None
-    if (topo.replica_group, topo.group_rank) != (args.fault_group, args.fault_rank):
-        return None
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return None
-    return FaultInjector(f"replica {topo.replica_group} rank {topo.group_rank}",
-                         args.fault_kill_after_backward, args.fault_kill_in_allreduce)
 
 
 def target_steps(args: argparse.Namespace) -> int:

@@ -61,6 +61,9 @@ class LocalJob:
         max_restarts: torchrun restarts per group.
         heartbeat_timeout_ms, join_timeout_ms: lighthouse settings.
         env: extra environment for every group.
+        group_sizes: ranks of particular groups, ``{group: nproc}``, where they
+            differ from ``nproc_per_node`` (to try a job whose groups do not
+            match, which ftbridge must refuse).
         checksum_every: parameter checksum in the event log every N steps
             (``FTBRIDGE_CHECKSUM_EVERY``); default 1, so tests and chaos runs can
             compare replicas at every step. ``None``: the library default.
@@ -69,13 +72,16 @@ class LocalJob:
     def __init__(self, workdir: str, num_groups: int, nproc_per_node: int, script_args: Sequence[str], *,
                  script: str = TRAIN_SCRIPT, min_replicas: int = 1, lighthouse_min_replicas: Optional[int] = None,
                  max_restarts: int = 3, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000,
-                 env: Optional[Dict[str, str]] = None, checksum_every: Optional[int] = 1) -> None:
-        if num_groups < 1 or nproc_per_node < 1:
-            raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}: both must be >= 1")
+                 env: Optional[Dict[str, str]] = None, checksum_every: Optional[int] = 1,
+                 group_sizes: Optional[Dict[int, int]] = None) -> None:
+        if num_groups < 1 or nproc_per_node < 1 or any(n < 1 for n in (group_sizes or {}).values()):
+            raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}, group_sizes={group_sizes}: "
+                             "all must be >= 1")
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.num_groups = num_groups
         self.nproc = nproc_per_node
+        self.group_sizes = {g: int(n) for g, n in (group_sizes or {}).items()}
         self.script = script
         self.script_args = list(script_args)
         self.min_replicas = min_replicas
@@ -133,6 +139,16 @@ class LocalJob:
             self.lighthouse.shutdown()
             self.lighthouse = None
 
+    def group_size(self, group: int) -> int:
+        """Ranks of replica group ``group``."""
+        return self.group_sizes.get(group, self.nproc)
+    @property
+    def lighthouse_address(self) -> str:
+        """The lighthouse's address, also while it is stopped (a group may start during an outage)."""
+        if self.lighthouse is not None:
+            return self.lighthouse.address
+        return f"http://127.0.0.1:{self._lighthouse_port}"
+
     def event_log(self, group: int, rank: int) -> str:
         """Event log path of ``group``/``rank``."""
         return os.path.join(self.workdir, f"events_{group}_{rank}.jsonl")
@@ -142,10 +158,11 @@ class LocalJob:
         n = len(self.groups.get(group, []))
         log_path = os.path.join(self.workdir, f"group_{group}.{n}.log")
         cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", str(group),
-               "--num-replica-groups", str(self.num_groups), "--nproc-per-node", str(self.nproc),
-               "--lighthouse", self.lighthouse.address, "--max-restarts", str(self.max_restarts),
+               "--num-replica-groups", str(self.num_groups), "--nproc-per-node", str(self.group_size(group)),
+               "--lighthouse", self.lighthouse_address, "--max-restarts", str(self.max_restarts),
                "--min-replicas", str(self.min_replicas),
                "--event-log", os.path.join(self.workdir, "events_{replica_group}_{group_rank}.jsonl"),
+               *([] if self.lighthouse is not None else ["--no-lighthouse-check"]),  # started during an outage
                "--", self.script, *self.script_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         log = open(log_path, "ab")
@@ -220,8 +237,8 @@ class LocalJob:
     def events(self, group: Optional[int] = None, rank: Optional[int] = None) -> List[Dict[str, Any]]:
         """Event records (sorted by time), optionally for one group/rank."""
         groups = range(self.num_groups) if group is None else [group]
-        ranks = range(self.nproc) if rank is None else [rank]
-        return read_events([self.event_log(g, r) for g in groups for r in ranks])
+        return read_events([self.event_log(g, r) for g in groups
+                            for r in (range(self.group_size(g)) if rank is None else [rank])])
 
     def steps(self, group: int, rank: int = 0) -> List[Dict[str, Any]]:
         """Step records (no ``event`` key) of one rank."""
@@ -257,7 +274,7 @@ class LocalJob:
     def worker_pids(self, group: int) -> Dict[int, int]:
         """PIDs of the current ranks of ``group`` (from their latest start events)."""
         pids = {}
-        for r in range(self.nproc):
+        for r in range(self.group_size(group)):
             starts = [e for e in self.events(group, r) if e.get("event") == "start"]
             if starts:
                 pids[r] = starts[-1]["pid"]

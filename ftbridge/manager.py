@@ -3,10 +3,9 @@
 :class:`ReplicaManager` wraps :class:`torchft.Manager` (composition, no
 copy): group rank 0 of each replica group runs torchft's manager server,
 which joins the quorum kept by the lighthouse; every rank gets a
-reconfigurable cross-replica process group (torchft's ``ProcessGroupGloo``
-on CPU, ``ProcessGroupNCCL`` on CUDA) linking the ranks with the same group
-rank across the live replica groups. torchft rebuilds it on every quorum
-change (``start_quorum`` -> ``pg.configure`` with the new quorum id).
+reconfigurable cross-replica process group (torchft's gloo or NCCL one,
+:mod:`ftbridge.device`) linking the ranks with the same group rank across
+the live replica groups; torchft rebuilds it on every quorum change.
 
 Heals go through :class:`ftbridge.transport.SafeHTTPTransport` (no pickle,
 bound to one interface). Before the manager is created, torchft's
@@ -20,51 +19,13 @@ hosts and the cross-replica process group's rendezvous may use).
 Lighthouse restarts
 -------------------
 The lighthouse keeps its state in memory; restarted, it numbers quorums from
-1 again. torchft 0.2.0's ``Manager`` rebuilds the cross-replica process group
-only when ``quorum_id != self._quorum_id`` and names the rendezvous keys
-``{store}/torchft/{quorum_id}/{group_rank}``. After a restart both go wrong:
-
-* a member whose last quorum had the id the new one repeats keeps its process
-  group, while a member that saw an intermediate quorum of the new
-  lighthouse rebuilds: the step fails and waits out ``cross_replica_timeout``
-  (likewise a repeated id with other members than last time);
-* a rebuilt group may rendezvous on the keys a quorum of the old lighthouse
-  left in the same TCPStore (same prefix) and dial dead addresses.
-
-The first case is the common one: the group whose retry reaches the new
-lighthouse first gets quorum 1 alone, the other joins at quorum 2, an id
-both had before. Measured here, that step failed after the 10 s
-cross-replica timeout and the job paused for 20 s instead of 10.
-
-:class:`_QuorumGuard` fixes both without touching torchft's code: it wraps the
-manager's client (``Manager._client``, checked against the installed torchft
-version) and, per quorum,
-
-1. detects a restart with :func:`detect_lighthouse_restart`: the id went
-   backwards, or repeated with other members (in one lighthouse's lifetime
-   ids never go down and a membership change always bumps the id);
-2. votes: every member of the quorum writes whether it rebuilds (torchft's
-   rule, or a detected restart) to the quorum's TCPStore (``store_address``,
-   the same for all members of one cross-replica group) and reads the
-   others'; if any member rebuilds, all do (:func:`decide_reconfigure`), by
-   setting ``Manager._quorum_id = -1`` before torchft compares. One
-   ``set`` and one ``multi_get`` on that store per quorum, in torchft's
-   quorum thread, overlapped with the forward pass (0.3 ms on loopback here).
-   The vote also carries the member's group size: a member whose replica
-   group has another number of ranks than replica rank 0's raises
-   :class:`GroupSizeMismatch` there (:func:`group_size_conflict`), before
-   torchft reconfigures or fetches a heal, and the training thread gets it at
-   its next cross-replica call; the other members go on;
-3. namespaces the rendezvous keys by the quorum's members and step
-   (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
-   a repeated id does not meet the keys of a quorum of the old lighthouse.
-
-If the vote cannot complete within a quarter of ``cross_replica_timeout``
-(a member or the store's host died after the quorum), the rank falls back to
-torchft's own rule: that step fails on the dead member anyway, and the next
-quorum, without it, has a new id, which every member rebuilds for. (Rebuilding
-on a failed vote instead was tried: the rebuild dialled the dead store for
-10 s, the other ranks' ``should_commit`` timed out, and the survivor died.)
+1 again, which torchft 0.2 mistakes for old quorums. :class:`_QuorumGuard`
+wraps the manager's client (``Manager._client``, checked against the
+installed torchft version) and, per quorum, detects a restart, runs a vote
+on the quorum's TCPStore so that every member rebuilds the cross-replica
+process group or none does, refuses a member of another group size, and
+namespaces the rendezvous keys. The rules, and why, are in
+:mod:`ftbridge.quorum_rules`.
 
 Riding out an outage needs torchft's own retries: its manager retries a
 failed lighthouse call ``quorum_retries`` times, sleeping
@@ -77,21 +38,32 @@ defaults and what they survive.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import logging
 import os
-from dataclasses import dataclass
+import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torchft import Manager
 from torchft.process_group import create_store_client
 from torchft.work import _DummyWork
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.device import backend_for, collective_device, group_backend
+from ftbridge.outage import OutageRider
+from ftbridge.quorum_rules import (
+    GroupSizeMismatch,
+    QuorumSeen,
+    decide_reconfigure,
+    detect_lighthouse_restart,
+    group_size_conflict,
+    rendezvous_namespace,
+)
+from ftbridge.quorum_watch import start_watch, wait_for_keys
 from ftbridge.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL, call_bounded
 from ftbridge.transport import SafeHTTPTransport
 
@@ -100,80 +72,6 @@ logger = logging.getLogger(__name__)
 
 TORCHFT_GUARDED_VERSIONS = ("0.2.",)
 """torchft versions whose ``Manager`` internals :class:`_QuorumGuard` was written against."""
-
-
-@dataclass(frozen=True)
-class QuorumSeen:
-    """What one rank remembers of the last quorum it took part in."""
-
-    quorum_id: int
-    members: Tuple[str, ...]
-
-
-def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int, members: Sequence[str]) -> bool:
-    """Whether ``quorum_id``/``members`` must come from a restarted lighthouse (pure).
-
-    Within one lighthouse's lifetime quorum ids never go down, and a quorum
-    with other members always gets a new id; a quorum that breaks either
-    rule comes from a restarted lighthouse (its ids start again at 1).
-
-    Args:
-        prev: the previous quorum this rank took part in (``None``: none yet).
-        quorum_id: id of the new quorum.
-        members: replica ids of its participants (any order).
-    """
-    if prev is None:
-        return False
-    return quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and tuple(sorted(members)) != prev.members)
-
-
-def decide_reconfigure(own: bool, votes: Optional[Sequence[bool]]) -> bool:
-    """The quorum-wide decision from every member's vote (pure).
-
-    Args:
-        own: this rank's own vote (torchft's rule or a detected restart).
-        votes: every member's vote (``True``: rebuild), or ``None`` when the
-            vote could not complete (a member or the store died).
-
-    Returns:
-        ``True`` if any member rebuilds: a process group must be rebuilt by
-        all its members or by none. ``own`` when the vote failed.
-    """
-    if votes is None:
-        return own
-    return own or any(votes)
-
-
-class GroupSizeMismatch(ValueError):
-    """This replica group has another number of ranks than the quorum's primary: it must not heal or all-reduce."""
-
-
-def group_size_conflict(sizes: Sequence[int], replica_rank: int, quorum_id: int) -> Optional[str]:
-    """Why this member must leave the quorum, or ``None``: its group size differs from replica rank 0's.
-
-    Args:
-        sizes: every member's group size (ranks per replica group), by replica rank; 0 where unknown.
-        replica_rank: this member's rank in the quorum.
-        quorum_id: for the message.
-
-    Replica rank 0 (the quorum's primary) is the reference, so exactly the members that differ from it
-    leave and the others go on; a member of unknown size (0) is never judged.
-    """
-    if not sizes or replica_rank >= len(sizes):
-        return None
-    mine, primary = int(sizes[replica_rank]), int(sizes[0])
-    if not mine or not primary or mine == primary:
-        return None
-    return (f"quorum {quorum_id}: this replica group has {mine} ranks but the quorum's primary group has "
-            f"{primary}; every replica group must have the same number of ranks (ZeRO partitions and heal state "
-            f"are shaped by it). Restart this group with {primary} ranks in all (ftbridge-run --nproc-per-node "
-            f"x --nnodes), or restart every group with {mine}")
-
-
-def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
-    """The key namespace shared by all members of one quorum: 12 hex digits of its members and step."""
-    text = "|".join(sorted(members)) + f"|{max_step}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 class _QuorumView:
@@ -197,10 +95,12 @@ class _QuorumGuard:
     """
 
     def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
-                 on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0) -> None:
-        # timeout bounds the vote: keep it well below the cross-replica timeout, which bounds the
-        # other ranks' should_commit while this quorum thread votes.
+                 on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0,
+                 store_timeout: Optional[timedelta] = None) -> None:
+        # timeout bounds the vote (FTBridgeConfig.vote_timeout), store_timeout each store call
+        # (FTBridgeConfig.store_call_timeout; default 2 x timeout).
         self._manager = manager
+        self._store_timeout = store_timeout
         self._on_quorum = on_quorum
         self._client = manager._client
         self._timeout = timeout
@@ -213,9 +113,17 @@ class _QuorumGuard:
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
+        self.rider: Optional[OutageRider] = None
+        """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.outage`); set by ReplicaManager."""
+        self.watch: Any = None
+        """The peer watch (:class:`ftbridge.quorum_watch.QuorumWatch`) or ``None``: after it cut a wait short
+        this member votes to rebuild; it cuts the vote's wait short when a member is dead."""
 
     def _quorum(self, **kwargs: Any) -> Any:
-        result = self._client._quorum(**kwargs)
+        call = lambda: self._client._quorum(**kwargs)  # noqa: E731
+        result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (ftbridge.outage)
+        if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
+            return result
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
@@ -226,6 +134,8 @@ class _QuorumGuard:
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
         own = restarted or quorum_id != self._manager._quorum_id
+        if self.watch is not None and self.watch.take_rebuild():  # peer watch (ftbridge.quorum_watch)
+            own = True
         rebuild = self._vote(result, namespace, own)
         conflict = group_size_conflict(self.sizes, int(result.replica_rank), quorum_id)
         if conflict:  # before torchft reconfigures or fetches a heal with this quorum
@@ -237,7 +147,10 @@ class _QuorumGuard:
                 logger.warning("quorum %d: another member rebuilds the cross-replica process group "
                                "(its lighthouse history differs); rebuilding too", quorum_id)
             self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
-        return _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        view = _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        if self.rider is not None:  # lighthouse outage (ftbridge.outage): the quorum a riding step reuses
+            self.rider.remember(view, members)
+        return view
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
         """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
@@ -245,9 +158,9 @@ class _QuorumGuard:
         The store is the primary's: its group's rank 0. A SIGSTOPped (hung)
         rank 0 accepts TCP connections but never answers, and c10d's TCPStore
         client then blocks without a timeout (connecting, ``delete_key``), so
-        the store calls run in a helper thread bounded by twice the vote
-        timeout (:func:`ftbridge.store_probe.call_bounded`); past it the vote
-        counts as failed.
+        the store calls run in a helper thread bounded by
+        ``FTBridgeConfig.store_call_timeout`` (:func:`ftbridge.store_probe.call_bounded`);
+        past it the vote counts as failed.
         """
         base = f"{int(result.quorum_id)}/{namespace}"
         store, last = self._stores.get(result.store_address), self._last_vote
@@ -255,8 +168,8 @@ class _QuorumGuard:
         self.sizes = []
         try:
             store, votes, self.sizes = call_bounded(
-                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size),
-                2 * self._timeout, f"the primary's store {result.store_address}")
+                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size, self.watch),
+                self._store_timeout or 2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
         except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
@@ -271,7 +184,7 @@ class _QuorumGuard:
 
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
-                   timeout: timedelta, group_size: int = 0) -> Tuple[Any, List[bool], List[int]]:
+                   timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
     """One rank's vote on the primary's store: write ``mine`` and ``group_size``, wait for every member's, read them.
 
     Args:
@@ -283,6 +196,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         timeout: bound on waiting for the other members' votes.
 
         group_size: ranks of this replica group (0: not published).
+        watch: the peer watch, which ends the wait early once a member is dead (``None``: none).
 
     Returns:
         ``(store client, votes, sizes)``, one vote and one group size per replica rank.
@@ -294,7 +208,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
     store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
     keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
-    store.wait(keys, timeout)
+    wait_for_keys(store, keys, timeout, watch)
     values = [bytes(v).decode(errors="replace").partition(":") for v in store.multi_get(keys)]
     votes = [v == "1" for v, _, _ in values]
     sizes = [int(n) if n.isdigit() else 0 for _, _, n in values]
@@ -307,7 +221,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
                           on_quorum: Optional[Callable[[Any], None]] = None,
-                          group_size: int = 0) -> Optional[_QuorumGuard]:
+                          group_size: int = 0, store_timeout: Optional[timedelta] = None) -> Optional[_QuorumGuard]:
     """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
     version = importlib.metadata.version("torchft")
     needed = ("_client", "_quorum_id", "_async_quorum")
@@ -317,7 +231,7 @@ def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Call
                        "checked against the donor's host", version,
                        TORCHFT_GUARDED_VERSIONS)
         return None
-    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size)
+    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size, store_timeout)
     manager._client = guard
     return guard
 
@@ -336,6 +250,81 @@ def _export_torchft_environ(cfg: FTBridgeConfig) -> None:
         os.environ[name] = value
 
 
+class HealAgreement:
+    """The ranks of one replica group apply a heal together or not at all (torchft 0.2 internals).
+
+    torchft heals per rank: each group rank of a joining group fetches the
+    state of the same group rank in a healthy group on torchft's quorum
+    thread, and ``should_commit`` applies it. ftbridge's load ends with a
+    collective inside the group (ZeRO-1/2 all-gather the updated parameters;
+    ZeRO-3 wraps the load in its checkpoint events), so either every rank of
+    the group loads, or none may. If a donor dies half-way, some ranks may
+    hold a complete state and others none: left alone, the group would hang
+    in that collective until the in-group timeout. :meth:`agree` prevents it
+    with one small all-reduce inside the group, only in a step that heals.
+
+    torchft also loads its own counters (``step``, ``batches_committed``)
+    from the donor as soon as a rank's fetch succeeds; a dropped heal must
+    take those back too, or the ranks of the group report different steps.
+    The constructor wraps the manager's ``load_state_dict`` to remember them.
+
+    There is no public torchft API for "did this rank's fetch succeed": this
+    reads ``_healing`` and ``_pending_state_dict``, so :class:`ReplicaManager`
+    builds it only for the torchft versions in :data:`TORCHFT_GUARDED_VERSIONS`.
+
+    Args:
+        manager: the rank's ``torchft.Manager`` (or an object with the same
+            ``state_dict``/``load_state_dict``/``wait_quorum``/``errored``/
+            ``report_error`` and ``_healing``/``_pending_state_dict``).
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._before: Optional[Dict[str, Any]] = None
+        self._load_counters = manager.load_state_dict
+
+        def load_state_dict(state: Any) -> None:  # torchft's quorum thread, right after a fetch
+            self._before = manager.state_dict()
+            self._load_counters(state)
+
+        manager.load_state_dict = load_state_dict
+
+    def agree(self, group: Optional[Any] = None) -> bool:
+        """Whether this step's heal state may be applied; call on every rank of the group before ``should_commit``.
+
+        Args:
+            group: the replica group's process group (default: the default
+                world, which ftbridge makes the replica group).
+
+        Returns:
+            ``True`` if this step does not heal, or every rank of the group
+            holds its complete heal state. ``False`` if any rank failed: this
+            rank's received state is dropped, an error is reported to torchft
+            (the step is discarded on every replica and the next quorum heals
+            again), and torchft's counters are put back to their values
+            before the heal.
+        """
+        m = self._manager
+        if not getattr(m, "_healing", False):
+            return True
+        m.wait_quorum()  # the fetch runs on torchft's quorum thread
+        ok = getattr(m, "_pending_state_dict", None) is not None and m.errored() is None
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=collective_device(group_backend(group)))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        before, self._before = self._before, None
+        if flag.item():
+            return True
+        m._pending_state_dict = None
+        if before is not None:  # torchft already took the donor's step: take it back
+            self._load_counters(before)
+        if ok:
+            m.report_error(RuntimeError(
+                "another rank of this replica group did not receive its heal state (its donor died or the "
+                "transfer broke); no rank applies a heal this step, the next quorum heals again"))
+            logger.warning("heal dropped: another rank of this replica group failed to receive its state")
+        return False
+
+
 class ReplicaManager:
     """One rank's view of the quorum: participants, replica rank, step, commit.
 
@@ -347,7 +336,8 @@ class ReplicaManager:
         load_state_dict: loads a peer's state; called on the training thread
             inside :meth:`should_commit` of a healing step, on every rank of
             the group at the same point.
-        use_cuda: build torchft's NCCL process group instead of Gloo.
+        use_cuda: the model is on a GPU: torchft's NCCL group, or gloo with CUDA tensors where groups
+            share a GPU (:func:`ftbridge.device.backend_for`); on the CPU always gloo.
         max_heal_bytes: the largest heal body this rank accepts (bytes),
             e.g. :func:`ftbridge.wire.size_bound` of its own state; called in
             torchft's quorum thread before each fetch. ``None``: no bound
@@ -356,6 +346,7 @@ class ReplicaManager:
     Raises:
         KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset (not launched by torchrun
             and no process group initialised).
+        ValueError: ``cfg.cross_replica_backend`` cannot work here (NCCL on CPU or on a shared GPU).
     """
 
     def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
@@ -364,12 +355,15 @@ class ReplicaManager:
         self.cfg = cfg
         _export_torchft_environ(cfg)
         # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
-        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if use_cuda
+        self.backend = backend_for(cfg, on_cuda=use_cuda)  # "nccl" or "gloo"
+        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if self.backend == "nccl"
               else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
-                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes)
+                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes, device=(
+                                               torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
         self.heals = 0
         self._healed_this_step = False
+        self._step_start = 0.0
         self._load_state_dict = load_state_dict
 
         self.torchft = Manager(
@@ -396,8 +390,20 @@ class ReplicaManager:
             quorum_retries=cfg.quorum_retries,
         )
         self.lighthouse_restarts = 0
-        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.cross_replica_timeout / 4,
-                                                  self._on_lighthouse_restart, self._on_quorum, cfg.group_size)
+        self.quorum_guard = _install_quorum_guard(self.torchft, cfg.vote_timeout, self._on_lighthouse_restart,
+                                                  self._on_quorum, cfg.group_size, cfg.store_call_timeout)
+        self._heal_agreement = HealAgreement(self.torchft) if self.quorum_guard is not None else None
+        # Lighthouse outage (ftbridge.outage): needs the guard's hook into torchft's quorum call.
+        self.outage = OutageRider.for_config(self.torchft, cfg) if self.quorum_guard is not None else None
+        if self.quorum_guard is not None:
+            self.quorum_guard.rider = self.outage
+        self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda)  # cuts a hung peer off (None: off)
+
+    def discard_if_dropped(self) -> None:
+        """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
+        and the lighthouse has since left its group out (:meth:`ftbridge.quorum_watch.QuorumWatch.check_commit`)."""
+        if self.quorum_watch is not None:
+            self.quorum_watch.check_commit(self.torchft, self._step_start)
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -420,7 +426,12 @@ class ReplicaManager:
     def start_quorum(self) -> None:
         """Ask for this step's quorum, asynchronously (overlaps the forward pass)."""
         self._healed_this_step = False
+        self._step_start = time.monotonic()  # the peer watch's freeze check (discard_if_dropped)
         self.torchft.start_quorum()
+
+    def wait_quorum(self) -> None:
+        """Block until this step's quorum (started by :meth:`start_quorum`) is decided and applied."""
+        self.torchft.wait_quorum()
 
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
@@ -438,14 +449,37 @@ class ReplicaManager:
         Returns:
             A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
         """
-        return self.torchft.allreduce(tensor, reduce_op=reduce_op)
+        if self.quorum_watch is None:
+            return self.torchft.allreduce(tensor, reduce_op=reduce_op)
+        return self.quorum_watch.allreduce(self.torchft, tensor, reduce_op)
+
+    def agree_on_heal(self) -> bool:
+        """Make the ranks of this replica group agree whether this step's heal may be applied (:class:`HealAgreement`).
+
+        Call on every rank of the group right before :meth:`should_commit`.
+        With a torchft version it was not written for, no agreement is made
+        and ``True`` is returned (a warning said so at start-up).
+        """
+        return self._heal_agreement.agree() if self._heal_agreement is not None else True
+
+    def state_dict(self) -> Dict[str, int]:
+        """torchft's counters: ``{"step": committed steps, "batches_committed": int}``."""
+        return dict(self.torchft.state_dict())
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Set torchft's counters from :meth:`state_dict` output (a checkpoint's)."""
+        self.torchft.load_state_dict(state)
 
     def should_commit(self) -> bool:
         """Whether every rank of every participating group may apply this step.
 
-        Applies a pending heal first (on every rank of a healing group).
+        Applies a pending heal first (on every rank of a healing group). In a step that rides out a
+        lighthouse outage, every member of the last quorum must first agree on quorum, membership and
+        step (:meth:`ftbridge.outage.OutageRider.before_commit`).
         """
-        return self.torchft.should_commit()
+        if self.outage is None:
+            return self.torchft.should_commit()
+        return self.outage.commit(self.torchft.should_commit)  # lighthouse outage (ftbridge.outage)
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""
@@ -477,6 +511,11 @@ class ReplicaManager:
         return int(self.torchft._quorum_id)
 
     @property
+    def rode_out_outage(self) -> bool:
+        """Whether the current step reuses the last quorum because the lighthouse is unreachable."""
+        return self.outage is not None and self.outage.riding
+
+    @property
     def healed_this_step(self) -> bool:
         """Whether this rank loaded a peer's state in the current step."""
         return self._healed_this_step
@@ -489,6 +528,8 @@ class ReplicaManager:
         """Stop the manager server and the heal transport (no leave message exists)."""
         self.torchft.shutdown(wait=False)
         self.transport.shutdown(wait=False)
+        if self.quorum_watch is not None:
+            self.quorum_watch.close()
 
 
 def is_dummy_work(work: Any) -> bool:

@@ -19,6 +19,7 @@ discarded on every replica) instead of blocking until the hang ends.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, TypeVar
 
@@ -75,10 +76,27 @@ def probe_store(store_addr: str, timeout: timedelta) -> None:
 
 
 class _Probed:
-    """Mixin: probe the quorum's store before torchft's ``configure`` dials it."""
+    """Mixin: probe the quorum's store before torchft's ``configure`` dials it; :meth:`bury` a hung group."""
 
     _timeout: timedelta
+    _pg: Any  # torchft's ProcessGroupWrapper: the c10d process group of the current quorum
     abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
+
+    def bury(self) -> None:
+        """Set the current c10d process group aside, with its operations still pending (:mod:`ftbridge.quorum_watch`).
+
+        Gloo cannot cancel an operation, and aborting or dropping the group
+        waited for the pending one to time out; kept here, the group is
+        released once every group set aside earlier is older than twice the
+        timeout (its operations have timed out by then). The next
+        ``configure`` builds a new group; until then collectives on this one fail.
+        """
+        now = time.monotonic()
+        graves = getattr(self, "_graves", [])
+        self._graves = [(t, pg) for t, pg in graves if now - t < 2 * self._timeout.total_seconds()]
+        if self._pg is not None:
+            self._graves.append((now, self._pg))
+            self._pg = None
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         try:

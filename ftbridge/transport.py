@@ -51,6 +51,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from ftbridge import faults
 from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
 from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
+from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
 from ftbridge.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
@@ -143,6 +144,11 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             each fetch. ``None``: no bound, but the body is allocated as it
             arrives, never up front at the claimed size.
         max_connections: requests served at once; more are closed unread.
+        device: where the joiner's received tensors go; a CUDA device reads
+            them through one pinned staging buffer straight into GPU tensors.
+            ``None``: CPU tensors viewing the received bytes. A donor whose
+            state is on a GPU serves it through the same staging buffer
+            (:mod:`ftbridge.staging`), without a host copy of the whole body.
 
     Raises:
         OSError: ``bind`` is not an address of this machine.
@@ -150,14 +156,17 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
     def __init__(self, bind: str, timeout: timedelta, *, heal_timeout: Optional[timedelta] = None,
                  token: Optional[str] = None, max_recv_bytes: Optional[Callable[[], int]] = None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, device: Any = None) -> None:
         self._timeout = timeout
+        self._device = device
+        self._staging = Staging()
+        self._sending = 0  # staged bodies being written from live tensors (disallow_checkpoint waits for them)
         self._heal_timeout = heal_timeout
         self._token = token or None
         self._max_recv_bytes = max_recv_bytes
         self._donor_host: Optional[str] = None
         self._cond = threading.Condition()
-        self._body: Optional[StreamBody] = None
+        self._body: Optional[Union[StreamBody, StagedBody]] = None
         self._recv_buffer: Optional[ReceiveBuffer] = None
         self._saved_switch_interval: Optional[float] = None
         self._step = -1
@@ -199,6 +208,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 if body is None:
                     self.send_error(409, f"step {step} is not being served")
                     return
+                if isinstance(body, StagedBody):  # GPU state: chunk by chunk through the pinned buffer
+                    self._send_staged(body)
+                    return
                 # A short last send goes out at once, not after the previous one's delayed ACK (Nagle).
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 # Headers, the body's prefix and its first chunk in one system call (sendmsg): each
@@ -216,6 +228,21 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                     logger.info("heal transport: response for step %d cut short: %s", step, e)
                     self.close_connection = True
 
+            def _send_staged(self, body: StagedBody) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+
+                def at_half() -> None:
+                    self.wfile.flush()
+                    faults.point("heal_send")
+
+                try:
+                    body.write_to(self.wfile.write, at_half=at_half)
+                finally:
+                    transport._sent_staged()
+
             def _cut(self) -> None:
                 try:
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -227,7 +254,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
         return Handler
 
-    def _wait_for(self, step: int) -> Optional[StreamBody]:
+    def _wait_for(self, step: int) -> Optional[Union[StreamBody, StagedBody]]:
         deadline = time.monotonic() + self._timeout.total_seconds()
         with self._cond:
             while self._body is None or self._step != step:
@@ -236,7 +263,14 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
                     return None
+            if isinstance(self._body, StagedBody):
+                self._sending += 1
             return self._body
+
+    def _sent_staged(self) -> None:
+        with self._cond:
+            self._sending -= 1
+            self._cond.notify_all()
 
     def metadata(self) -> str:
         """URL prefix of this transport, passed to joiners through the quorum."""
@@ -264,8 +298,10 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 scalar (before anything is served).
         """
         t0 = time.perf_counter()
-        plan = plan_body(state_dict)
-        body = StreamBody(plan if plan is not None else encode_state(state_dict))
+        body: Union[StreamBody, StagedBody, None] = staged_body(state_dict, self._staging)  # GPU: pinned buffer
+        if body is None:
+            plan = plan_body(state_dict)
+            body = StreamBody(plan if plan is not None else encode_state(state_dict))
         with self._cond:
             self._body, self._step = body, step
             if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
@@ -273,22 +309,29 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
             self._cond.notify_all()
         logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
-                    step, dst_ranks, body.size / 1e6, time.perf_counter() - t0)
+                    step, dst_ranks, (len(body) if isinstance(body, StagedBody) else body.size) / 1e6,
+                    time.perf_counter() - t0)
 
     def disallow_checkpoint(self) -> None:
         """Stop serving: the donor's state may change from here on.
 
         Responses in flight keep going from a copy of what they have not
         sent yet (:meth:`ftbridge.heal_stream.StreamBody.freeze`); a response
-        still blocked in a write after the donor's ``timeout`` is cut off.
+        still blocked in a write after ``heal_stream.FREEZE_GRACE_S`` is cut
+        off. A GPU state (:mod:`ftbridge.staging`) is written from the live
+        tensors through the pinned buffer, so this waits until every such
+        response has finished (each bounded by the response deadline).
         """
+        deadline = time.monotonic() + self._server.response_deadline_s
         with self._cond:
             body, self._body = self._body, None
             saved, self._saved_switch_interval = self._saved_switch_interval, None
             if saved is not None and abs(sys.getswitchinterval() - SERVING_SWITCH_INTERVAL_S) < 1e-9:
                 sys.setswitchinterval(saved)
             self._cond.notify_all()
-        if body is not None:
+            while self._sending > 0 and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+        if isinstance(body, StreamBody):
             t0 = time.perf_counter()
             if not body.freeze():
                 logger.warning("heal transport: a response still wrote from the live state after being cut off")
@@ -368,6 +411,10 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         n = header_length(prefix, size)
         head = resp.read(n)
         faults.point("heal_recv")
+        device = self._device
+        if device is not None and getattr(device, "type", device) == "cuda":
+            # Straight into tensors on the GPU, through the pinned staging buffer: no host copy of the body.
+            return head, read_tensors(resp.readinto, size - 8 - n, device, self._staging), size
         if limit is not None:
             blob: Union[bytearray, memoryview] = self._take_recv_buffer(size - 8 - n, deadline)
             got = _recv_exact(resp, sock, blob)
@@ -382,7 +429,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     def prepare_recv(self, wait_s: float = 0.0) -> None:
         """Map and touch memory for the next fetch now, in a background thread (a restarted rank, during start-up).
 
-        Sized by ``max_recv_bytes`` (nothing without it). The next fetch
+        Sized by ``max_recv_bytes`` (nothing without it, nor for a CUDA
+        ``device``, whose fetch reads through the pinned staging buffer). The next fetch
         receives into it if it is large enough (:class:`ftbridge.heal_stream.ReceiveBuffer`),
         after waiting for the touch to finish; :meth:`release_recv` drops it
         unused.
@@ -390,8 +438,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         Args:
             wait_s: wait up to this long for the touch to finish here (s).
         """
-        if self._max_recv_bytes is not None:
-            self._recv_buffer = ReceiveBuffer(self._max_recv_bytes())
+        if self._max_recv_bytes is not None and getattr(self._device, "type", self._device) != "cuda":
+            self._recv_buffer = ReceiveBuffer(self._max_recv_bytes())  # (a CUDA joiner reads through ftbridge.staging)
             self._recv_buffer.wait(wait_s)
 
     def release_recv(self) -> None:

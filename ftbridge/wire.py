@@ -362,7 +362,10 @@ def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
     header = _json(head, "header")
     writable = isinstance(blob, bytearray) or (isinstance(blob, memoryview) and not blob.readonly)
     try:
-        tensors = (_view_blob(blob) if writable else st_load(bytes(blob))) if len(blob) else {}
+        if isinstance(blob, dict):  # already read and checked: ftbridge.staging.read_tensors (GPU joiners)
+            tensors = blob
+        else:
+            tensors = (_view_blob(blob) if writable else st_load(bytes(blob))) if len(blob) else {}
     except ValueError as e:
         raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
     except Exception as e:  # noqa: BLE001 - hostile bytes: whatever safetensors raises becomes ValueError

@@ -247,11 +247,11 @@ class IdleTimer:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from lighthouse.status import StatusFormatError, fetch_status, format_json, format_table
+    from lighthouse.status import fetch_status, format_json, format_table
 
     try:
         status = fetch_status(args.address, timeout_s=args.timeout_s)
-    except StatusFormatError as exc:
+    except ValueError as exc:  # StatusFormatError, or an address that is not http
         print(f"ftbridge-lighthouse: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except OSError as exc:

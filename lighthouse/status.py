@@ -188,9 +188,24 @@ def parse_status(fragment: str) -> LighthouseStatus:
     )
 
 
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""Opener that ignores ``http_proxy``/``HTTP_PROXY``: the lighthouse sits on the job's private network, and a
-proxy would see (and could answer for) it."""
+MAX_STATUS_BYTES = 4 << 20
+"""Largest status page read (bytes): a lighthouse of a thousand groups answers well under 1 MiB."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses redirects: urllib then raises ``HTTPError`` with the 3xx code."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.OpenerDirector()
+for _handler in (urllib.request.ProxyHandler({}), urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
+                 urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor(), _NoRedirect()):
+    _OPENER.add_handler(_handler)
+"""Opener for ``http``/``https`` only (no ``file://``, ``ftp://``, ``data:``), ignoring ``http_proxy``/
+``HTTP_PROXY`` (the lighthouse sits on the job's private network, and a proxy would see, and could answer
+for, it) and following no redirect."""
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
@@ -198,31 +213,44 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
 
     Args:
         address: the lighthouse, ``http://HOST:PORT`` (a bare ``HOST:PORT`` is
-            taken as http).
-        timeout_s: connect and read timeout (s).
+            taken as http; ``https`` is allowed, nothing else).
+        timeout_s: connect and per-read timeout (s).
 
-    Environment proxies (``http_proxy``) are never used.
+    Environment proxies (``http_proxy``) are never used and redirects are
+    never followed; at most :data:`MAX_STATUS_BYTES` are read.
 
     Returns:
         The current :class:`LighthouseStatus`.
 
     Raises:
+        ValueError: ``address`` is not an ``http``/``https`` address.
         OSError: the lighthouse cannot be reached or answers with an HTTP
-            error (``urllib.error.URLError`` is an ``OSError``).
+            error, a redirect included (``urllib.error.URLError`` is an
+            ``OSError``).
         StatusFormatError: it answered with something else than torchft 0.2's
-            status fragment.
+            status fragment, or with more than :data:`MAX_STATUS_BYTES`.
     """
     url = status_url(address)
-    with _NO_PROXY.open(url, timeout=timeout_s) as resp:
-        body = resp.read().decode("utf-8", errors="replace")
-    return parse_status(body)
+    with _OPENER.open(url, timeout=timeout_s) as resp:
+        raw = resp.read(MAX_STATUS_BYTES + 1)
+    if len(raw) > MAX_STATUS_BYTES:
+        raise StatusFormatError(f"the status page at {url} is larger than {MAX_STATUS_BYTES} bytes")
+    return parse_status(raw.decode("utf-8", errors="replace"))
 
 
 def status_url(address: str) -> str:
-    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL)."""
+    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL).
+
+    Raises:
+        ValueError: the address has a scheme other than ``http``/``https``.
+    """
     address = address.strip().rstrip("/")
     if "://" not in address:
         address = f"http://{address}"
+    scheme = address.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"lighthouse address {address!r}: only http:// or https:// (or HOST:PORT) is read; "
+                         "give the lighthouse's http address")
     return f"{address}/status"
 
 

@@ -6,6 +6,10 @@ One replica group per launch; start a lighthouse first::
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py --steps 200
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py --steps 200
 
+``--device auto`` (the default) trains on this rank's GPU (``cuda:LOCAL_RANK``) when
+CUDA is available, else on the CPU; ``--device cuda`` fails at once without a GPU
+(see docs/gpu.md for several groups on one GPU).
+
 Baseline (plain DeepSpeed data parallel over 4 ranks, no ftbridge)::
 
     torchrun --standalone --nproc-per-node 4 scripts/train_lm.py --plain --steps 200
@@ -17,16 +21,18 @@ import os
 import sys
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" else "cuda")
-
-import deepspeed
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
-
-import ftbridge
 from ftbridge import lm_job
-from ftbridge.config import FTBridgeConfig
+
+# Before DeepSpeed is imported: it picks its accelerator (DS_ACCELERATOR) once, at import.
+DEVICE = lm_job.choose_device(sys.argv[1:])
+
+import deepspeed  # noqa: E402 - after choose_device, which sets DS_ACCELERATOR
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import ftbridge  # noqa: E402
+from ftbridge.config import FTBridgeConfig  # noqa: E402
 
 IMPORTS_DONE = time.time()  # the heal benchmark's "process start" phase ends here
 
@@ -35,8 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     args = lm_job.build_parser().parse_args(argv)
     if args.plain:
         cfg = None
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if DEVICE.startswith("cuda") else "gloo")
         topo = lm_job.Topology(dist.get_rank(), dist.get_world_size(), 0, dist.get_rank())
+        if args.plain_global_of:
+            if dist.get_world_size() != 1:
+                raise SystemExit("--plain-global-of needs a world of one rank (torchrun --nproc-per-node 1)")
+            topo = lm_job.Topology(0, args.plain_global_of, 0, 0, whole_batch=True)
     else:
         cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
                                      comm_wrapper=args.comm_wrapper, comm_state_option=args.comm_state_option)
@@ -44,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                                cfg.num_replica_groups * cfg.group_size, cfg.replica_group_id, cfg.group_rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, model = lm_job.build_data_and_model(args)
+    if DEVICE != "cpu":
+        torch.cuda.set_device(torch.device(DEVICE))
+        model = model.to(DEVICE)
     optimizer = lm_job.build_optimizer(args, model)
     if cfg and args.test_sync_sum:
         lm_job.sum_instead_of_average()
@@ -53,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         engine, *_ = ftbridge.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args),
                                          ft_config=cfg)
         engine.cross_replica_sync = not args.no_cross_replica_sync
+        engine.sync.order.timing = args.time_cross_replica_wait
     plain = lm_job.PlainRun(engine, args, topo) if args.plain else None
     lm_job.write_start_phases(plain.events if plain else engine.events, IMPORTS_DONE)
     if plain:
@@ -68,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=args.steps, disable=not (args.progress and topo.group_rank == 0), unit="step",
                desc=f"replica {topo.replica_group}")
     val_loss = None
-    inject = lm_job.fault_injector(args, topo)
     step_times = []
     corrupt = tuple(int(x) for x in args.corrupt_sync_at.split(":")) if args.corrupt_sync_at else None
     while engine.global_steps < lm_job.target_steps(args) and not (ckpt and ckpt.stopping):
@@ -76,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if corrupt and cfg and corrupt == (topo.replica_group, before + 1):
             engine.sync_scale_once = 3.0
         t = lm_job.now()
-        loss = lm_job.train_step(engine, data, topo, args.grad_accum, inject)
+        loss = lm_job.train_step(engine, data, topo, args.grad_accum)
         step_times.append(lm_job.now() - t)
         if plain:
             plain.after_step(step_times[-1], loss)
@@ -111,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                             cross_replica_bytes=engine.sync.bytes_sent,
                             cross_replica_messages_in_backward=engine.sync.issued_in_backward,
                             cross_replica_wait_s=engine.cross_replica_wait_s, guard_checks=engine.guard.checks,
+                            cross_replica_exposed_wait_s=engine.sync.order.exposed_wait_s(),
+                            cross_replica_backend=getattr(engine.manager, "backend", None), device=str(engine.device),
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
                             **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,

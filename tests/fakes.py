@@ -43,7 +43,7 @@ class FakeManager:
     heals = 0
 
     def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False, max_heal_bytes=None):
-        self.state_dict, self.load_state_dict_fn = state_dict, load_state_dict
+        self.heal_state_fn, self.load_heal_state_fn = state_dict, load_state_dict
         self.discard_calls, self.calls, self.step, self.errors = set(), 0, 0, []
         self.ops = []  # (numel, dtype, reduce_op) per all-reduce
 
@@ -51,6 +51,21 @@ class FakeManager:
 
     def start_quorum(self):
         pass
+
+    def wait_quorum(self):
+        pass
+
+    def agree_on_heal(self):
+        return True
+
+    def discard_if_dropped(self):
+        pass
+
+    def state_dict(self):
+        return {"step": self.step, "batches_committed": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
 
     def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
         self.ops.append((tensor.numel(), tensor.dtype, reduce_op))

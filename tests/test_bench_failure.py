@@ -164,6 +164,11 @@ def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
     lost = next(m for m in failover.stall_metrics("failover", scratch) if m.name.startswith("committed steps lost"))
     assert lost.samples == [2.0] and lost.met is False
     failover.plot(ms, str(tmp_path / "failover.png"))
+    # The hang variant: same figures, prefixed, with the watch-off runs' stall as the stall's baseline.
+    off = [failure_jobs.KillRun(1.25, events[:-2] + [rec(11.3, 4, participants=1), rec(13.0, 5, group=1)])]
+    hang = failover.stall_metrics("failover", runs, prefix="hang: ", baseline_runs=off, baseline_name="watch off")
+    assert [m.name for m in hang] == ["hang: " + m.name for m in ms]
+    assert hang[1].value == pytest.approx(3.3 - 1.25) and hang[1].baseline == pytest.approx(11.3 - 1.25)
     heal_runs = [failure_jobs.KillRun(10.0, restarted_group_events())] * 2
     monkeypatch.setattr(failure_jobs, "ftbridge_kill_runs", lambda settings: heal_runs)
     monkeypatch.setattr(heal, "transport_alone", lambda mb, reps: [])

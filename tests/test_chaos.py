@@ -187,3 +187,26 @@ def test_the_report_lists_only_the_checks_that_ran_with_their_outcome():
                      inv.final_loss_close(1.9, 1.8, 0.15))
     text = report.table(_result(ev, [loss], violations=["something else"], baseline_loss=1.8))
     assert "FAILED: 1 of 1 checks held" in text and "BROKEN something else" in text and "not run" not in text
+
+
+def test_outage_pause_counts_the_longest_gap_in_steps_and_the_report_shows_it():
+    from ftbridge.chaos import report
+    from ftbridge.chaos.inject import Injected
+    from ftbridge.chaos.runner import Outcome
+    from ftbridge.chaos.schedule import Failure
+
+    def recs(times):
+        return [dict(time=t, committed=True, step_time_s=0.1) for t in times]
+
+    before = [9.0 + 0.1 * i for i in range(10)]  # commits every 0.1 s up to 9.9
+    rode = inv.outage_pause(recs(before + [10.0 + 0.1 * i for i in range(100)] + [20.0]), 10.0, 20.0)
+    assert rode.committed == 100 and rode.pause_s == pytest.approx(0.1) and rode.steps_lost == pytest.approx(0.0)
+    waited = inv.outage_pause(recs(before + [10.0, 20.3]), 10.0, 20.0)  # the step in flight, then 10.3 s
+    assert waited.committed == 1 and waited.pause_s == pytest.approx(10.3)
+    assert waited.steps_lost == pytest.approx(102.0) and waited.reference_s == pytest.approx(0.1)
+    assert inv.outage_pause(recs(before), 10.0, 20.0) is None  # nothing after the outage: not judged
+    result = _result([], [])
+    failure = Failure(0, FailureKind.LIGHTHOUSE_OUTAGE, 1.0, duration_s=10.0)
+    result.outcomes.append(Outcome(Injected(failure, 10.0, [], [], "down", ended=20.0), True, None, [], waited))
+    assert "steps lost 102.0 / 102.0 / 102.0, longest pause between commits 10.3 / 10.3 / 10.3 s" in \
+        report.table(result)

@@ -89,7 +89,7 @@ def test_powersgd_runs_post_backward_and_follows_commit_and_discard(stage):
     _train(eng, [3])
     assert eng.last_committed is False
     assert state.iter == 3 and torch.equal(state.q, q) and torch.equal(state.error, err)
-    heal = eng.heal_state()["extra"]["comm_hook"]
+    heal = eng.heal_state()["replica"]["extra"]["comm_hook"]
     assert heal["iter"] == 3 and torch.equal(heal["q"], q)
 
 

@@ -399,3 +399,12 @@ def test_event_log_with_unknown_placeholder_is_refused_at_validation():
 def test_lighthouse_without_port_is_refused(address):
     with pytest.raises(ValueError, match="lighthouse="):
         resolve(lighthouse=address)
+
+
+def test_derived_timeouts_are_named_and_ordered():
+    cfg = resolve(cross_replica_timeout=8)
+    assert (cfg.vote_timeout, cfg.store_call_timeout, cfg.torchft_timeout, cfg.sigterm_grace) == (
+        timedelta(seconds=2), timedelta(seconds=4), timedelta(seconds=16), timedelta(seconds=16))
+    # The vote and its store calls end before the cross-replica timeout that bounds the other ranks'
+    # should_commit meanwhile; torchft's own calls outlast a cross-replica all-reduce with a hung peer.
+    assert cfg.vote_timeout < cfg.store_call_timeout < cfg.cross_replica_timeout < cfg.torchft_timeout

@@ -1,4 +1,4 @@
-"""agree_on_heal: the ranks of a replica group apply a heal together or not at all (2 real gloo ranks)."""
+"""HealAgreement: the ranks of a replica group apply a heal together or not at all (2 real gloo ranks)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ftbridge.heal import agree_on_heal, guard_heal
+from ftbridge.manager import HealAgreement
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class FakeTorchft:
-    """The torchft Manager attributes agree_on_heal reads, after a quorum that heals (or not)."""
+    """The torchft Manager attributes HealAgreement reads, after a quorum that heals (or not)."""
 
     def __init__(self, healing, received):
         self._healing = healing
         self._step, self._batches_committed = 3, 12
         self._pending_state_dict = None
         self._error = None if received or not healing else RuntimeError("recv failed")
-        guard_heal(self)
+        self.agreement = HealAgreement(self)
         if healing and received:  # what torchft's quorum thread does after a successful fetch
             self._pending_state_dict = {"user": {}, "torchft": {"step": 40, "batches_committed": 160}}
             self.load_state_dict(self._pending_state_dict["torchft"])
@@ -49,7 +49,7 @@ def _rank(rank, store_path, cases, out_dir):
         results = []
         for healing, received in cases[rank]:
             m = FakeTorchft(healing, received)
-            ok = agree_on_heal(m)
+            ok = m.agreement.agree()
             results.append(f"{int(ok)}{int(m._pending_state_dict is not None)}{int(m.errored() is not None)}"
                            f"-{m._step}-{m._batches_committed}")
         with open(os.path.join(out_dir, f"r{rank}"), "w") as f:

@@ -420,6 +420,31 @@ def test_lighthouse_status_ignores_environment_proxies(proxy, raw_donor):
     assert lighthouse.requests == 1 and proxy.requests == 0
 
 
+def test_lighthouse_status_follows_no_redirect_and_reads_only_http(raw_donor, tmp_path):
+    from lighthouse.status import fetch_status
+
+    target = raw_donor(lambda d, c: c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello"))
+    lighthouse = raw_donor(lambda d, c: c.sendall(
+        f"HTTP/1.0 302 Found\r\nLocation: {target.url}\r\nContent-Length: 0\r\n\r\n".encode()))
+    with pytest.raises(urllib.error.HTTPError) as err:
+        fetch_status(f"127.0.0.1:{lighthouse.port}", timeout_s=5)
+    assert err.value.code == 302 and lighthouse.requests == 1 and target.requests == 0
+    (tmp_path / "status").write_text("<div>quorum</div>")
+    for address in (f"file://{tmp_path}", "ftp://127.0.0.1:1"):
+        with pytest.raises(ValueError, match="only http"):
+            fetch_status(address, timeout_s=5)
+
+
+def test_lighthouse_status_reads_a_bounded_page(raw_donor, monkeypatch):
+    from lighthouse import status
+    from lighthouse.status import StatusFormatError, fetch_status
+
+    monkeypatch.setattr(status, "MAX_STATUS_BYTES", 1000)
+    big = raw_donor(lambda d, c: c.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + b"x" * 5000))
+    with pytest.raises(StatusFormatError, match="larger than 1000 bytes"):
+        fetch_status(f"127.0.0.1:{big.port}", timeout_s=5)
+
+
 # -- the job token --------------------------------------------------------------------------------
 
 @pytest.fixture

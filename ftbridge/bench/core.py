@@ -133,6 +133,7 @@ MODULES: tuple = (
     "ftbridge.bench.rescale",    # 6. resume at another number of groups vs universal checkpoint
     "ftbridge.bench.memory",     # 7. peak RSS vs plain DeepSpeed
     "ftbridge.bench.scaling",    # 8. cross-replica cost vs groups and model size
+    "ftbridge.bench.outage",     # 9. steps lost to a lighthouse outage, riding it out vs waiting
 )
 
 REGISTRY: Dict[str, BenchFn] = {}

@@ -23,6 +23,14 @@ survivors' event log:
 Target: stall <= heartbeat timeout + one median step (the lighthouse
 declares the group dead after one heartbeat timeout, then one step runs),
 reported as the ratio stall / bound <= 1.0.
+
+**Hang variant** (issue #15 item 1; full mode only, the quick CI run skips
+it): group 1 is SIGSTOPped instead of killed
+(:func:`~ftbridge.bench.failure_jobs.ftbridge_hang_runs`), once with the
+peer watch on (:mod:`ftbridge.quorum_watch`) and once off
+(``FTBRIDGE_PEER_WATCH=0``, the behaviour before it: the survivors wait out
+the cross-replica timeout), in the same invocation. Same figures, prefixed
+``hang:``, with the watch-off stall as the baseline.
 """
 
 from __future__ import annotations
@@ -126,24 +134,34 @@ def count_metric(name: str, samples: Sequence[float], target_max: Optional[float
                   f"<= {target_max:g} (every rep)", max(samples) <= target_max)
 
 
-def stall_metrics(bench: str, runs: Sequence[failure_jobs.KillRun], survivor: int = 0, killed: int = 1
-                  ) -> List[Metric]:
-    """Stall ratio, stall seconds, discarded and lost counts over ``runs`` (one survivor rank per run)."""
+def stall_metrics(bench: str, runs: Sequence[failure_jobs.KillRun], survivor: int = 0, killed: int = 1,
+                  prefix: str = "", baseline_runs: Sequence[failure_jobs.KillRun] = (),
+                  baseline_name: str = "") -> List[Metric]:
+    """Stall ratio, stall seconds, discarded and lost counts over ``runs`` (one survivor rank per run).
+
+    Args:
+        prefix: put before every metric name (``"hang: "``).
+        baseline_runs: the same failure under another configuration; their median survivor stall
+            (s) becomes the stall metric's baseline, named ``baseline_name``.
+    """
     stats = [survivor_stall([e for e in r.events if "event" not in e and e["replica_group"] == survivor
                              and e["group_rank"] == 0], r.kill_time) for r in runs]
     bounds = [r.heartbeat_timeout_s + s["step_time_s"] for r, s in zip(runs, stats)]
     stalls = [s["stall_s"] for s in stats]
     ratio = [s / b for s, b in zip(stalls, bounds)]
+    base = [survivor_stall([e for e in r.events if "event" not in e and e["replica_group"] == survivor
+                            and e["group_rank"] == 0], r.kill_time)["stall_s"] for r in baseline_runs]
     out = [
-        Metric(bench, "survivor stall / (heartbeat timeout + 1 step)", median(ratio), "ratio", ratio, median(bounds),
-               "heartbeat timeout + median step", "<= 1", median(ratio) <= 1.0,
+        Metric(bench, prefix + "survivor stall / (heartbeat timeout + 1 step)", median(ratio), "ratio", ratio,
+               median(bounds), "heartbeat timeout + median step", "<= 1", median(ratio) <= 1.0,
                {"stall_s": stalls, "bound_s": bounds, "heartbeat_timeout_s": runs[0].heartbeat_timeout_s,
                 "step_time_s": [s["step_time_s"] for s in stats]}),
-        Metric(bench, "survivor stall", median(stalls), "s", stalls),
-        count_metric("survivor steps discarded", [s["discarded"] for s in stats], 1, bench=bench),
-        count_metric("committed steps lost (the killed group's commits, against the step it resumed from)",
+        Metric(bench, prefix + "survivor stall", median(stalls), "s", stalls, median(base) if base else None,
+               baseline_name or None, extra={"baseline_s": base} if base else {}),
+        count_metric(prefix + "survivor steps discarded", [s["discarded"] for s in stats], 1, bench=bench),
+        count_metric(prefix + "committed steps lost (the killed group's commits, against the step it resumed from)",
                      [float(killed_group_steps_lost(r.events, r.kill_time, killed)) for r in runs], 0, bench=bench),
-        count_metric("survivor commits repeated (step counter going back)", [s["lost"] for s in stats], 0,
+        count_metric(prefix + "survivor commits repeated (step counter going back)", [s["lost"] for s in stats], 0,
                      bench=bench),
     ]
     return out
@@ -177,4 +195,10 @@ def run(settings: BenchSettings) -> List[Metric]:
         TimeoutError: a run stage exceeded ``settings.timeout_s``.
         ValueError: a run has no commit after the kill.
     """
-    return stall_metrics(NAME, failure_jobs.ftbridge_kill_runs(settings))
+    metrics = stall_metrics(NAME, failure_jobs.ftbridge_kill_runs(settings))
+    if not settings.quick:
+        off = failure_jobs.ftbridge_hang_runs(settings, peer_watch=False)
+        on = failure_jobs.ftbridge_hang_runs(settings, peer_watch=True)
+        metrics += stall_metrics(NAME, on, prefix="hang: ", baseline_runs=off,
+                                 baseline_name="peer watch off (FTBRIDGE_PEER_WATCH=0), same invocation")
+    return metrics

@@ -9,6 +9,9 @@ helpers of :mod:`ftbridge.bench.jobs`.
   benchmarks (failover: the survivors' stall; heal: the restarted group's
   phases; restart: ftbridge's side), so the runs of one suite invocation are
   cached per ``(workdir, settings)``.
+* :func:`ftbridge_hang_runs`: the same job, but group 1 is SIGSTOPped (hung)
+  instead of killed, with the peer watch on or off (``FTBRIDGE_PEER_WATCH``);
+  after the survivors commit alone it gets SIGCONT and rejoins by healing.
 * :func:`plain_kill_run`: the same failure in plain DeepSpeed under torchrun
   ``--max-restarts 1`` (c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
   saving a DeepSpeed checkpoint every N steps and loading the latest on start.
@@ -125,6 +128,60 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings,
         events = job.events()
         check_recovered(events, codes, groups=(0, 1), ranks=RANKS_PER_GROUP, what=f"kill run in {workdir}")
         return KillRun(kill_time, events, heartbeat_timeout_ms / 1000, extra={"exit_codes": codes})
+
+
+def ftbridge_hang_runs(settings: BenchSettings, peer_watch: bool) -> List[KillRun]:
+    """``settings.reps`` hang runs (:func:`ftbridge_hang_run`), cached for this suite invocation."""
+    key = (os.path.abspath(settings.workdir), settings.quick, settings.reps, settings.warmup_steps, "hang", peer_watch)
+    if key not in _CACHE:
+        reps = 1 if settings.quick else settings.reps
+        name = f"ftbridge_hang_watch_{'on' if peer_watch else 'off'}"
+        _CACHE[key] = [ftbridge_hang_run(os.path.join(settings.workdir, name, f"rep{i}"), settings, peer_watch)
+                       for i in range(reps)]
+    return _CACHE[key]
+
+
+def ftbridge_hang_run(workdir: str, settings: BenchSettings, peer_watch: bool,
+                      alone_steps: int = 3) -> KillRun:
+    """2 groups train; every rank of group 1 is SIGSTOPped until group 0 commits ``alone_steps`` steps alone
+    (or ``settings.timeout_s`` passes), then SIGCONTed; it rejoins by healing; then all stop.
+
+    ``kill_time`` is the time of the SIGSTOP. No torchrun restart is allowed: a hung group must come back
+    by healing, not by restarting.
+
+    Raises:
+        TimeoutError: any wait past ``settings.timeout_s``.
+        RuntimeError: the run did not end identical across groups with exit 0 (:func:`check_recovered`).
+    """
+    t_out = settings.timeout_s
+    args = [*model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
+    job = LocalJob(workdir, 2, RANKS_PER_GROUP, args, max_restarts=0, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+                   env={"OMP_NUM_THREADS": "1", "FTBRIDGE_PEER_WATCH": "1" if peer_watch else "0"},
+                   checksum_every=None)
+    warm = warm_steps(settings)
+    with job:
+        job.start()
+        job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["step"] >= warm
+                                       for e in job.steps(g)) for g in (0, 1)), t_out, "both groups to commit together")
+        pids = list(job.worker_pids(1).values())
+        stop_time = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            job.wait_until(lambda: sum(e["committed"] and e["participants"] == 1 and e["time"] > stop_time
+                                       for e in job.steps(0)) >= alone_steps, t_out, "group 0 to commit alone")
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        cont_time = time.time()
+        job.wait_heal(1, cont_time, t_out, "the hung group 1 to heal")
+        job.wait_step(1, job.max_step() + 2, t_out, since=cont_time)
+        job.write_file("stop", str(job.max_step() + 1))
+        codes = job.wait(t_out)
+        events = job.events()
+        check_recovered(events, codes, groups=(0, 1), ranks=RANKS_PER_GROUP, what=f"hang run in {workdir}")
+        return KillRun(stop_time, events, HEARTBEAT_TIMEOUT_MS / 1000,
+                       extra={"exit_codes": codes, "peer_watch": peer_watch, "hang_s": cont_time - stop_time})
 
 
 def check_recovered(events: Sequence[Dict[str, Any]], codes: Dict[int, Any], groups: Sequence[int], ranks: int,

@@ -271,6 +271,53 @@ def recovery(events: Sequence[Record], t_inject: float, hit: Sequence[int], unti
     return Recovery(survivors_s, rejoin_s, discarded)
 
 
+@dataclass(frozen=True)
+class OutagePause:
+    """What a lighthouse outage cost one survivor rank (:func:`outage_pause`).
+
+    Attributes:
+        pause_s: the longest time between two consecutive commits from the last commit before the
+            outage to the first commit after it ended (seconds).
+        step_s: median ``step_time_s`` of the committed steps before the outage (seconds).
+        steps_lost: ``max(0, pause_s / step_s - 1)``: the pause beyond one ordinary step, in steps.
+        committed: commits during the outage.
+        reference_s: the longest such gap in a window of the outage's length just before it (the
+            machine's own jitter; ``None`` without records there).
+    """
+
+    pause_s: float
+    step_s: float
+    steps_lost: float
+    committed: int
+    reference_s: Optional[float]
+
+
+def outage_pause(records: Sequence[Record], t_down: float, t_up: float) -> Optional[OutagePause]:
+    """How long one survivor rank went without a commit around a lighthouse outage (pure).
+
+    Args:
+        records: that rank's step records (``time``, ``committed``, ``step_time_s``), any order.
+        t_down, t_up: when the lighthouse stopped and started again (s since the epoch).
+
+    Returns:
+        :class:`OutagePause`, or ``None`` when there is no commit before the outage or none after it.
+    """
+    commits = sorted(r["time"] for r in records if r.get("committed"))
+    before = [t for t in commits if t < t_down]
+    after = [t for t in commits if t >= t_up]
+    if not before or not after:
+        return None
+    window = [before[-1]] + [t for t in commits if t_down <= t < t_up] + [after[0]]
+    pause = max(b - a for a, b in zip(window, window[1:]))
+    times = [r["step_time_s"] for r in sorted(records, key=lambda r: r["time"])
+             if r.get("committed") and r["time"] < t_down and r.get("step_time_s") is not None]
+    step_s = statistics.median(times[1:] or times) if times else pause
+    ref = [t for t in before if t >= t_down - (t_up - t_down)]
+    reference = max((b - a for a, b in zip(ref, ref[1:])), default=None)
+    return OutagePause(pause, step_s, max(0.0, pause / step_s - 1.0) if step_s > 0 else 0.0,
+                       len(window) - 2, reference)
+
+
 def final_loss_close(chaos_loss: Optional[float], baseline_loss: Optional[float], tolerance: float
                      ) -> List[Violation]:
     """The final validation loss is within ``tolerance`` (absolute, nats) of a failure-free run."""

@@ -25,7 +25,7 @@ def by_kind(result: ChaosResult) -> Dict[str, Dict[str, Any]]:
     for o in result.outcomes:
         k = o.injected.failure.kind.value
         row = rows.setdefault(k, {"injected": 0, "skipped": 0, "survived": 0, "survivors_s": [], "rejoin_s": [],
-                                  "discarded": 0})
+                                  "discarded": 0, "outage_steps_lost": [], "outage_pause_s": []})
         if o.injected.skipped:
             row["skipped"] += 1
             continue
@@ -37,6 +37,9 @@ def by_kind(result: ChaosResult) -> Dict[str, Dict[str, Any]]:
             if o.recovery.rejoin_s is not None:
                 row["rejoin_s"].append(o.recovery.rejoin_s)
             row["discarded"] += o.recovery.discarded
+        if o.outage is not None:
+            row["outage_steps_lost"].append(o.outage.steps_lost)
+            row["outage_pause_s"].append(o.outage.pause_s)
     return rows
 
 
@@ -84,6 +87,11 @@ def table(result: ChaosResult) -> str:
     lines.append(f"{len(result.outcomes)} failures in {result.wall_s:.0f} s; {s['heals']} heals, "
                  f"{s['steps_discarded']} steps discarded, final step {result.final_step}; {loss}")
     lines.append(f"recovery bound from the timeouts: {result.settings.recovery_bound_s:.1f} s")
+    outage = by_kind(result).get(FailureKind.LIGHTHOUSE_OUTAGE.value)
+    if outage and outage["outage_steps_lost"]:
+        lines.append(f"lighthouse outages, worst survivor (min / median / max): steps lost "
+                     f"{Stats(outage['outage_steps_lost']).text()}, longest pause between commits "
+                     f"{Stats(outage['outage_pause_s']).text()} s")
     if s["orphan_commits"]:
         lines.append(f"orphan commits (a group committed a step the others discarded, then died before any other "
                      f"group held it; torchft commits per group): {len(s['orphan_commits'])} "

@@ -85,12 +85,16 @@ class Outcome:
     recovered: bool
     recovery: Optional[invariants.Recovery] = None
     violations: List[str] = field(default_factory=list)
+    outage: Optional[invariants.OutagePause] = None
+    """For a lighthouse outage: the survivor that lost the most steps (:func:`invariants.outage_pause`)."""
 
     def to_json(self) -> Dict[str, Any]:
         rec = self.recovery
         return {**describe(self.injected), "recovered": self.recovered,
                 "survivors_recovery_s": rec.survivors_s if rec else None,
                 "rejoin_s": rec.rejoin_s if rec else None, "discarded": rec.discarded if rec else None,
+                "outage_steps_lost": self.outage.steps_lost if self.outage else None,
+                "outage_pause_s": self.outage.pause_s if self.outage else None,
                 "violations": self.violations}
 
 
@@ -120,6 +124,16 @@ class ChaosResult:
 def _final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
     finals = [e["val_loss"] for e in events if e.get("event") == "final" and e.get("val_loss") is not None]
     return statistics.fmean(finals) if finals else None
+
+
+def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int]
+                  ) -> Optional[invariants.OutagePause]:
+    """For a lighthouse outage, the worst survivor's pause around it (``None`` for other failures)."""
+    if inj.failure.kind != FailureKind.LIGHTHOUSE_OUTAGE or inj.ended is None:
+        return None
+    pauses = [invariants.outage_pause([e for e in events if "event" not in e and e["replica_group"] == g
+                                       and e["group_rank"] == 0], inj.time, inj.ended) for g in alive]
+    return max((p for p in pauses if p is not None), key=lambda p: p.steps_lost, default=None)
 
 
 def _all_together(job: LocalJob, alive: Sequence[int], since: float) -> bool:
@@ -208,7 +222,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                                           heal_optional=inj.heal_optional)
                 found = [str(v) for v in invariants.check_all(events)]
                 new = [v for v in found if all(v not in o.violations for o in outcomes)]
-                outcomes.append(Outcome(inj, ok, rec, new))
+                outcomes.append(Outcome(inj, ok, rec, new, _outage_pause(events, inj, sorted(alive))))
                 for v in new:
                     logger.error("invariant broken after failure %d: %s", failure.index, v)
                 if not ok:

@@ -3,7 +3,8 @@
 DeepSpeed's ``save_checkpoint`` assembles each file's state dict and hands it
 to its *checkpoint engine* (``engine.checkpoint_engine.save(state, path)``),
 the extension point DeepSpeed offers for other storage back ends.
-:class:`SnapshotCheckpointEngine` plugs in there:
+:class:`SnapshotCheckpointEngine` is what ftbridge plugs in there (through
+:mod:`ftbridge.zero.checkpoint_engines`, the door to DeepSpeed's internals):
 
 * ``sync``: ``torch.save`` into the file at once, then ``fsync`` (what
   DeepSpeed's ``TorchCheckpointEngine`` does, plus durability);
@@ -30,7 +31,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from ftbridge.staging import host_copy, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -43,31 +45,44 @@ def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -
     writes the same bytes as ``torch.save`` of ``obj``. Non-tensor leaves are
     deep-copied where possible.
 
+    GPU storages are copied into pinned host memory with non-blocking copies
+    (:func:`ftbridge.staging.host_copy`), all enqueued before one wait per
+    device at the end, so the stall is the device-to-host transfer itself.
+
     Args:
         obj: dicts, lists, tuples, tensors (any device) and other objects.
 
     Returns:
         The same structure with CPU tensors.
     """
+    top = memo is None
     memo = {} if memo is None else memo
+    out = _snapshot(obj, memo)
+    if top:  # the non-blocking device-to-host copies are complete from here on
+        for device in {key[2] for key in memo if not key[2].startswith("cpu")}:
+            synchronize(torch.device(device))
+    return out
+
+
+def _snapshot(obj: Any, memo: Dict[Tuple[int, int, str], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes(), str(storage.device))
         copied = memo.get(key)
         if copied is None:
-            copied = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            copied = storage.clone() if storage.device.type == "cpu" else host_copy(storage)
             memo[key] = copied
         out = torch.empty(0, dtype=obj.dtype)
         out.set_(copied, obj.storage_offset(), obj.size(), obj.stride())
         return out
     if isinstance(obj, dict):
-        new = type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        new = type(obj)((k, _snapshot(v, memo)) for k, v in obj.items())
         # Keep attributes of dict subclasses: a module state dict's ``_metadata`` (per-module versions).
         for name, value in getattr(obj, "__dict__", {}).items():
-            setattr(new, name, snapshot(value, memo))
+            setattr(new, name, _snapshot(value, memo))
         return new
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(snapshot(v, memo) for v in obj)
+        return type(obj)(_snapshot(v, memo) for v in obj)
     try:
         return copy.deepcopy(obj)
     except Exception:  # noqa: BLE001 - an object that cannot be copied is saved as it is at write time
@@ -107,8 +122,10 @@ def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Di
     return {"bytes": hf.size, "sha256": hf.sha.hexdigest()}
 
 
-class SnapshotCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine that writes now (sync) or snapshots and queues (async).
+class SnapshotCheckpointEngine:
+    """The ``save`` of a DeepSpeed checkpoint engine that writes now (sync) or snapshots and queues (async).
+
+    Plugged into DeepSpeed with :class:`ftbridge.zero.checkpoint_engines.DelegatingCheckpointEngine`.
 
     Args:
         asynchronous: queue CPU snapshots instead of writing.
@@ -117,16 +134,11 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
     """
 
     def __init__(self, *, asynchronous: bool, zipfile_serialization: bool = True) -> None:
-        super().__init__(None)
-        self.name = "FTBridgeSnapshotCheckpointEngine"
         self.asynchronous = asynchronous
         self.zipfile_serialization = zipfile_serialization
         self.pending: List[Tuple[Any, str]] = []
         self.written: Dict[str, Dict[str, Any]] = {}
         """``{path: {"bytes", "sha256"}}`` of every file this engine wrote."""
-
-    def create(self, info: Any) -> None:
-        """Nothing to prepare (DeepSpeed calls it before the first file)."""
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` to ``path`` now, or queue a CPU snapshot of it."""

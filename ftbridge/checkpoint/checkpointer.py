@@ -44,12 +44,11 @@ import torch
 import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
-from ftbridge.checkpoint.group_io import kill_self_if, load_group_checkpoint, save_group_checkpoint
+from ftbridge.checkpoint.group_io import load_group_checkpoint, save_group_checkpoint
 from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible, load_key
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
-from ftbridge.zero.engine_points import align_to_window
 
 FORMAT = "ftbridge-checkpoint/1"
 
@@ -75,9 +74,7 @@ class CheckpointConfig:
     at once (status 143). torchrun SIGTERMs a group's other ranks when one dies; their step then
     cannot finish (the group's quorum waits for the dead rank up to ``quorum_timeout``), and the
     rank 0 kept heartbeating meanwhile, which held a 2-group job's other group until its own quorum
-    timed out (chaos soak). Default: 2 x the cross-replica timeout."""
-    fault_kill_before_publish: Optional[str] = None
-    """Testing: once this file exists, group rank 0 SIGKILLs itself between the shard writes and the publish."""
+    timed out (chaos soak). Default: ``FTBridgeConfig.sigterm_grace``."""
     publish_timeout_s: float = 300.0
     """How long group rank 0 waits for the other ranks' files."""
     key_file: Optional[str] = None
@@ -117,7 +114,7 @@ class Checkpointer:
         self._last_saved = -1
         self._grace: Optional[threading.Timer] = None
         grace = cfg.sigterm_grace_s
-        self.sigterm_grace_s = grace if grace is not None else 2 * engine.cfg.cross_replica_timeout.total_seconds()
+        self.sigterm_grace_s = grace if grace is not None else engine.cfg.sigterm_grace.total_seconds()
         engine.add_step_hook(self._after_step)
         if cfg.handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -178,8 +175,7 @@ class Checkpointer:
         """
         e, m = self.engine, self.engine.manager
         meta = self.metadata(step)
-        rank_state = {"micro_steps": int(e.engine.micro_steps),
-                      "extra": {k: fn() for k, (fn, _) in e._extra_state.items()}}
+        rank_state = e.replica_state()
 
         def published(info: Dict[str, Any]) -> None:
             e.events.write(event="checkpoint_saved", time=time.time(), step=step, quorum_id=m.quorum_id,
@@ -188,7 +184,7 @@ class Checkpointer:
 
         res = save_group_checkpoint(
             e.engine, self.store, step, quorum_id=m.quorum_id, metadata=meta, rank_state=rank_state,
-            keep=self.cfg.keep, writer=self.writer, before_publish=kill_self_if(self.cfg.fault_kill_before_publish),
+            keep=self.cfg.keep, writer=self.writer,
             on_published=published, publish_timeout_s=self.cfg.publish_timeout_s, log=self.log)
         self._last_saved = step
         self.saves.append(res)
@@ -216,7 +212,7 @@ class Checkpointer:
                          "python": platform.python_version()},
             "quorum": {"quorum_id": m.quorum_id, "participants": participants, "replica_rank": m.replica_rank,
                        "replica_group_id": cfg.replica_group_id},
-            "manager": m.torchft.state_dict(),
+            "manager": m.state_dict(),
             "engine_counters": {k: int(getattr(e, k)) for k in
                                 ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
             "data_position": {"step": int(e.global_steps), "micro_steps": int(e.micro_steps),
@@ -287,14 +283,9 @@ class Checkpointer:
         return CHOICE_OK, ckpt.step, None
 
     def _apply(self, meta: Dict[str, Any], rank_state: Dict[str, Any]) -> None:
-        e = self.engine
-        # A fresh accumulation window, whatever gradient_accumulation_steps the checkpoint was saved with.
-        gas = e.engine.gradient_accumulation_steps()
-        e.engine.micro_steps = align_to_window(int(rank_state["micro_steps"]), gas)
-        e.manager.torchft.load_state_dict(meta["manager"])
-        for k, (_, load) in e._extra_state.items():
-            if k in rank_state.get("extra", {}):
-                load(rank_state["extra"][k])
+        # A fresh accumulation window, whatever gradient_accumulation_steps the checkpoint was saved with;
+        # torchft's counters from ftbridge.json where a rank file predates replica_state's "manager".
+        self.engine.load_replica_state({"manager": meta["manager"], **rank_state})
 
 
 CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
@@ -339,13 +330,10 @@ def add_arguments(parser: Any) -> None:
     g.add_argument("--checkpoint-key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"), metavar="FILE",
                    help="sign manifests with the key in FILE (outside the checkpoint folder) and trust only signed "
                         "ones (default $FTBRIDGE_CKPT_KEY_FILE)")
-    g.add_argument("--fault-kill-before-publish", default=None, metavar="FILE",
-                   help="testing: once FILE exists, the writer's group rank 0 SIGKILLs itself before publishing")
 
 
 def config_from_args(args: Any) -> CheckpointConfig:
     """:class:`CheckpointConfig` from the flags of :func:`add_arguments`."""
     return CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints,
                             asynchronous=args.checkpoint_async, trigger_file=args.checkpoint_trigger,
-                            fault_kill_before_publish=args.fault_kill_before_publish,
                             key_file=args.checkpoint_key_file)

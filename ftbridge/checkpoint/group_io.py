@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,11 @@ from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
 from ftbridge.checkpoint.safe_load import check_files, load_deepspeed_checkpoint, safe_load
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
+from ftbridge.zero.checkpoint_engines import (
+    DelegatingCheckpointEngine,
+    swapped_checkpoint_engine,
+    zipfile_serialization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,6 @@ def _rank_file(rank: int) -> str:
 def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, quorum_id: int,
                           metadata: Dict[str, Any], rank_state: Dict[str, Any], keep: int = 0,
                           writer: Optional[BackgroundWriter] = None,
-                          before_publish: Optional[Callable[[str], None]] = None,
                           on_published: Optional[Callable[[Dict[str, Any]], None]] = None,
                           publish_timeout_s: float = 300.0, log: Any = logger) -> SaveResult:
     """Write this group's checkpoint of ``step``; all ranks of the group call it together.
@@ -77,8 +80,6 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             ``ftbridge_rank_<k>.pt``.
         keep: keep the newest K checkpoints (0: all).
         writer: background writer for an async save; ``None`` writes now.
-        before_publish: called on group rank 0 with the staged folder, after
-            the manifest, before the rename (fault injection in tests).
         on_published: called on group rank 0 with ``SaveResult.published``.
         publish_timeout_s: how long group rank 0 waits for the other ranks' files.
 
@@ -97,14 +98,12 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
         os.makedirs(store.root, exist_ok=True)
         shutil.rmtree(staging_root, ignore_errors=True)  # an earlier attempt under the same name
     waited = writer.wait() if writer is not None else 0.0  # the next save waits for the previous
-    previous = ds_engine.checkpoint_engine
     ce = SnapshotCheckpointEngine(asynchronous=writer is not None,
-                                  zipfile_serialization=getattr(previous, "zipfile_serialization", True))
-    ds_engine.checkpoint_engine = ce
-    try:
+                                  zipfile_serialization=zipfile_serialization(ds_engine))
+    plugged = DelegatingCheckpointEngine("FTBridgeSnapshotCheckpointEngine", save=ce.save,
+                                         zipfile_serialization=ce.zipfile_serialization)
+    with swapped_checkpoint_engine(ds_engine, plugged):
         ds_engine.save_checkpoint(staging_root, tag=tag, client_state={"ftbridge": metadata}, save_latest=False)
-    finally:
-        ds_engine.checkpoint_engine = previous
     staged = os.path.join(staging_root, tag)
     ce.save(rank_state, os.path.join(staged, _rank_file(rank)))
     if rank == 0:
@@ -122,9 +121,7 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
             return
         known = _wait_for_markers(staged, size, publish_timeout_s)
         manifest = mf.write_manifest(staged, {"tag": tag, "step": step}, known, key=store.key)
-        faults.point("checkpoint_publish")
-        if before_publish is not None:
-            before_publish(staged)
+        faults.point("checkpoint_publish", f"before publishing {staged}")
         _quarantine_if_bad(store, tag, log)
         if not mf.publish(staged, store.root, tag):
             log.warning("checkpoint %s is already published; this copy is dropped", tag)
@@ -219,14 +216,5 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
     return safe_load(rank_file)
-
-
-def kill_self_if(flag_path: Optional[str]) -> Callable[[str], None]:
-    """A ``before_publish`` hook that SIGKILLs this process once ``flag_path`` exists (tests)."""
-    def hook(staged: str) -> None:
-        if flag_path and os.path.exists(flag_path):
-            print(f"FAULT: SIGKILL self before publishing {staged}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-    return hook
 
 

@@ -18,10 +18,12 @@ that extension point (no patch of DeepSpeed code): it
 1. loads every ``.pt`` file of the checkpoint with the safe loader first
    (memory-mapped, so only the pickles are parsed), so a bad file is refused
    before DeepSpeed changes any state;
-2. swaps ``engine.checkpoint_engine`` for :class:`SafeCheckpointEngine`
-   during DeepSpeed's ``load_checkpoint``, which hands DeepSpeed those
-   objects (each file is parsed once) and loads anything else safely too,
-   for the DeepSpeed releases in :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only.
+2. swaps ``engine.checkpoint_engine`` for one whose ``load`` is
+   :class:`SafeLoader` during DeepSpeed's ``load_checkpoint``
+   (:mod:`ftbridge.zero.checkpoint_engines`, for the DeepSpeed releases in
+   :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only), which hands
+   DeepSpeed those objects (each file is parsed once) and loads anything
+   else safely too.
 
 DeepSpeed's universal-checkpoint loader reads its files with its own
 ``torch.load(weights_only=False)``, past the checkpoint engine; it is refused
@@ -44,21 +46,22 @@ import zipfile
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 from torch.torch_version import TorchVersion
 
 from ftbridge.checkpoint.async_save import snapshot
-from ftbridge.zero.engine_points import check_deepspeed_version
+from ftbridge.zero.checkpoint_engines import (
+    DEEPSPEED_CHECKPOINT_TYPES,
+    DelegatingCheckpointEngine,
+    loads_universal,
+    swapped_checkpoint_engine,
+    zipfile_serialization,
+)
 
-ALLOWED_GLOBALS: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, TorchVersion]
-"""Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold: the loss
-scaler object of ZeRO-1/2 optimizer states (static for bf16/fp32, dynamic for fp16), the ZeRO
-stage enum, ``fragment_address`` of BF16_Optimizer and ZeRO-1/2 parameter slice mappings, and
-``TorchVersion`` (a ``str`` subclass: ``torch.__version__`` in the metadata of checkpoints written
-before ftbridge stored it as a plain string)."""
+ALLOWED_GLOBALS: List[Any] = [*DEEPSPEED_CHECKPOINT_TYPES, TorchVersion]
+"""Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold
+(:data:`ftbridge.zero.checkpoint_engines.DEEPSPEED_CHECKPOINT_TYPES`: loss scalers, the ZeRO stage
+enum, ``fragment_address``), and ``TorchVersion`` (a ``str`` subclass: ``torch.__version__`` in the
+metadata of checkpoints written before ftbridge stored it as a plain string)."""
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -124,20 +127,16 @@ def _to_cpu(map_location: Any) -> bool:
     return map_location is None or callable(map_location) or str(map_location) == "cpu"
 
 
-class SafeCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine whose ``load`` is :func:`safe_load` (saves as DeepSpeed's own).
+class SafeLoader:
+    """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, handing out preloaded files first.
 
     Args:
-        zipfile_serialization: as DeepSpeed's engine (only used if it saves).
         preloaded: ``{absolute path: object}`` from :func:`check_files`; each
             is handed out once, for a load to the CPU, copied into memory, instead of
             parsing the file again.
     """
 
-    def __init__(self, zipfile_serialization: bool = True, preloaded: Optional[Dict[str, Any]] = None) -> None:
-        super().__init__(None)
-        self.name = "FTBridgeSafeCheckpointEngine"
-        self.zipfile_serialization = zipfile_serialization
+    def __init__(self, preloaded: Optional[Dict[str, Any]] = None) -> None:
         self.preloaded = dict(preloaded or {})
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -163,19 +162,14 @@ def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = N
         ValueError: the engine is configured to load universal checkpoints
             (DeepSpeed reads those with pickle, past the checkpoint engine).
     """
-    check_deepspeed_version()
-    previous = getattr(ds_engine, "checkpoint_engine", None)
-    if previous is None:
-        raise RuntimeError("this DeepSpeed engine has no checkpoint_engine; ftbridge cannot load it safely")
-    if ds_engine.load_universal_checkpoint():
+    if loads_universal(ds_engine):
         raise ValueError('"checkpoint": {"load_universal": true} is set: DeepSpeed loads universal checkpoints '
                          "with torch.load(weights_only=False), past ftbridge's safe loader; ftbridge resumes "
                          "replica-group checkpoints only. Remove load_universal from the DeepSpeed config.")
-    ds_engine.checkpoint_engine = SafeCheckpointEngine(getattr(previous, "zipfile_serialization", True), preloaded)
-    try:
+    plugged = DelegatingCheckpointEngine("FTBridgeSafeCheckpointEngine", load=SafeLoader(preloaded).load,
+                                         zipfile_serialization=zipfile_serialization(ds_engine))
+    with swapped_checkpoint_engine(ds_engine, plugged):
         yield
-    finally:
-        ds_engine.checkpoint_engine = previous
 
 
 def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, **kwargs: Any) -> Any:

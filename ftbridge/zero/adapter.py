@@ -140,14 +140,20 @@ class ZeroAdapter:
         """After the cross-replica average, before DeepSpeed's step: redo what backward derived from the
         local gradient (under offload: the CPU fp32 copy, per-parameter norms, overflow); nothing elsewhere."""
 
-    def _after_deepspeed_streams(self, *names: str) -> None:
-        """On CUDA, order the current stream after DeepSpeed's side streams (reads of what they wrote)."""
-        if not torch.cuda.is_available():
-            return
-        for name in names:
-            stream = getattr(self.optimizer, name, None)
-            if isinstance(stream, torch.cuda.Stream):
-                torch.cuda.current_stream().wait_stream(stream)
+    @property
+    def on_cuda(self) -> bool:
+        """The model (so the gradient partition, offload aside) is on a GPU."""
+        return any(p.is_cuda for p in self.engine.module.parameters())
+
+    def side_streams(self) -> List[Any]:
+        """DeepSpeed's CUDA side streams that write gradient buffers (``[]`` on CPU)."""
+        from ftbridge.zero.stream_order import side_streams
+
+        return side_streams(self.optimizer)
+
+    def bucket_stream(self) -> Any:
+        """At the bucket point: the CUDA stream that reduced the bucket just handed over (``None``: the current one)."""
+        return None
 
     # -- state -----------------------------------------------------------
     def heal_state(self) -> Dict[str, Any]:

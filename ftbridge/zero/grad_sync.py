@@ -52,7 +52,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ftbridge.comm_hooks.base import CommHookState, wait_result
+from ftbridge.comm_hooks.base import CastBackWork, CommHookState, wait_result
 from ftbridge.comm_hooks.default import allreduce_hook
 from ftbridge.config import SYNC_MODES
 from ftbridge.manager import ReplicaManager
@@ -60,6 +60,7 @@ from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.engine_points import check_accumulation_settings
 from ftbridge.zero.messages import Message, Readiness, plan_messages
 from ftbridge.zero.stages import adapter_for
+from ftbridge.zero.stream_order import StreamOrder
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class GradientSync:
             ``0``: one message per parameter fragment.
         hook: ``hook(state, flat) -> work`` (:mod:`ftbridge.comm_hooks`); default the plain average.
         hook_state: its state; default a :class:`CommHookState` of ``manager``.
+        order: ordering against DeepSpeed's CUDA streams (:mod:`ftbridge.zero.stream_order`);
+            default one that is active when the model is on a GPU.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`SYNC_MODES`, or ``min_bytes < 0``.
@@ -87,7 +90,7 @@ class GradientSync:
 
     def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, mode: str = "per_bucket",
                  min_bytes: int = 25 << 20, hook: Optional[Callable[..., Any]] = None,
-                 hook_state: Optional[CommHookState] = None) -> None:
+                 hook_state: Optional[CommHookState] = None, order: Optional[StreamOrder] = None) -> None:
         if mode not in SYNC_MODES:
             raise ValueError(f"sync mode {mode!r}: use one of {', '.join(SYNC_MODES)}")
         if min_bytes < 0:
@@ -99,6 +102,7 @@ class GradientSync:
         self.enabled = True
         """Testing only: ``False`` skips the all-reduce, and the replica groups diverge."""
         self.adapter = adapter
+        self.order = order if order is not None else StreamOrder(adapter.on_cuda)
         self.mode = mode
         self.min_bytes = min_bytes
         self.fallback_reason = ""
@@ -124,7 +128,13 @@ class GradientSync:
     def _start(self, flat: torch.Tensor, tag: Any = None) -> None:
         """Start averaging 1-D ``flat`` in place; ``tag`` comes back with the result in :meth:`_wait_pending`."""
         try:
-            work = self.hook(self.hook_state, flat)
+            if getattr(self.manager, "backend", "gloo") == "nccl" and not flat.is_cuda:
+                # ZeRO-1/2 optimizer offload keeps the partition on the CPU, which NCCL cannot move: through
+                # this rank's GPU and back (the copy back happens at wait, on the sync stream).
+                on_gpu = flat.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=False)
+                work = CastBackWork(self.hook(self.hook_state, on_gpu), on_gpu, flat)
+            else:
+                work = self.hook(self.hook_state, flat)
         except Exception as e:  # a hook's failure discards the step, like a failed all-reduce
             logger.exception("communication hook %s failed; the step will be discarded",
                              getattr(self.hook, "__name__", self.hook))
@@ -186,6 +196,8 @@ class GradientSync:
                 ``coalesce_grad_reduction``): the partition is assembled later.
         """
         self._armed = False
+        if boundary and not no_sync:
+            self.order.begin()
         if self._readiness is None or not boundary or no_sync or not self.enabled:
             return
         reason = self.adapter.window_not_exact(first)
@@ -207,11 +219,15 @@ class GradientSync:
         Failures do not raise: torchft records them and the step is discarded.
         """
         self._issue_rest()
-        if any(tag is not None for _, _, tag in self._pending):
-            canon = CanonicalPartition(self.adapter.partition_grads())
-            self._wait_pending(lambda flat, m: canon.scatter(m.start, flat))
-        else:
-            self._wait_pending()
+        had_work = bool(self._pending)
+        with self.order.waiting():  # on the stream the work was issued on (torchft asserts it)
+            if any(tag is not None for _, _, tag in self._pending):
+                canon = CanonicalPartition(self.adapter.partition_grads())
+                self._wait_pending(lambda flat, m: canon.scatter(m.start, flat))
+            else:
+                self._wait_pending()
+        if had_work:  # DeepSpeed's streams may write its buffers only after the all-reduces finished
+            self.order.release(self.adapter.side_streams())
         self._next = 0
 
     def reset(self) -> None:
@@ -231,8 +247,13 @@ class GradientSync:
         """DeepSpeed reduced these parameters' gradients in the group (called by the bucket point)."""
         if not self._armed or self._readiness is None:  # armed only with a readiness tracker
             return
-        for k in self._readiness.reduced(keys):
-            self._issue(k, in_backward=True)
+        ready = self._readiness.reduced(keys)
+        if not ready:
+            return
+        # After the stream that reduced this bucket, on the sync stream (ftbridge.zero.stream_order).
+        with self.order.issuing(self.order.fence(self.adapter.bucket_stream())):
+            for k in ready:
+                self._issue(k, in_backward=True)
 
     def _issue_rest(self) -> None:
         if not self.enabled:
@@ -244,8 +265,9 @@ class GradientSync:
             if start == 0:
                 self.adapter.assemble_partition()
             canon = CanonicalPartition(self.adapter.partition_grads())
-            for k in range(start, len(self.plan)):
-                self._issue(k, in_backward=False, canon=canon)
+            with self.order.issuing(self.order.fence_all(self.adapter.side_streams())):
+                for k in range(start, len(self.plan)):
+                    self._issue(k, in_backward=False, canon=canon)
 
     def _issue(self, k: int, *, in_backward: bool, canon: Optional["CanonicalPartition"] = None) -> None:
         if k != self.issued:

@@ -165,9 +165,14 @@ class Stage12Adapter(ZeroAdapter):
         opt.reduce_ipg_grads = reduce_ipg_grads
         self._param_of = {opt.get_param_id(p): p for group in opt.bit16_groups for p in group}
 
+    def bucket_stream(self) -> Any:
+        # reduce_ipg_grads reduced (and copied into the partition) on reduction_stream with overlap_comm,
+        # else on the current stream.
+        opt = self.optimizer
+        return getattr(opt, "reduction_stream", None) if getattr(opt, "overlap_comm", False) else None
+
     def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
         opt = self.optimizer
-        self._after_deepspeed_streams("reduction_stream")
         params = [self._param_of[f.key] for f in message.fragments]
         device = params[0].device if params else torch.device("cpu")
         flat = torch.zeros(message.numel, dtype=self.grad_dtype(), device=device)
@@ -265,8 +270,11 @@ class Stage3Adapter(ZeroAdapter):
 
         self.optimizer.partition_grads = partition_grads
 
+    def bucket_stream(self) -> Any:
+        # partition_grads runs inside DeepSpeed's `with stream(reduce_and_partition_stream)` block.
+        return getattr(self.optimizer, "reduce_and_partition_stream", None)
+
     def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
-        self._after_deepspeed_streams("reduce_and_partition_stream")
         return self.optimizer.grad_partitions_flat_buffer.view(-1)[message.start:message.end], False
 
     def begin_window(self) -> None:

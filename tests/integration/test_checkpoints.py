@@ -17,6 +17,7 @@ import signal
 
 import pytest
 
+from ftbridge import faults
 from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.store import CheckpointStore
 from tests.conftest import TINY
@@ -95,19 +96,18 @@ def test_writer_group_killed_before_scheduled_save_other_group_writes_it_once(lo
     ckpt = str(tmp_path / "ckpt")
     job = local_job(2, 2, [*TINY, "--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "1",
                            "--keep-checkpoints", "0"], max_restarts=0,
-                    env={"FTBRIDGE_SYNC_MODE": "post_backward"})
+                    env={"FTBRIDGE_SYNC_MODE": "post_backward", faults.ENV_DIR: str(tmp_path / "faults")})
     # Killed once in the step's quorum, before its all-reduce: group 1's all-reduce of that step then
     # fails for sure (killing after backward raced the all-reduce).
-    job.script_args += ["--stop-file", f"{job.workdir}/stop", "--fault-kill-in-allreduce",
-                        f"{job.workdir}/FAULT", "--fault-group", "0", "--fault-rank", "0"]
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     job.start(groups=[0])
     job.wait_step(0, 1, timeout_s=120)
     job.start_group(1)
     job.wait_until(lambda: sum(e["committed"] and e["participants"] == 2 for e in job.steps(1)) >= 2, 120,
                    "both groups to commit together")
-    job.write_file("FAULT", "")  # group 0 (replica rank 0, the writer) dies inside its next step
-    job.wait_until(lambda: "FAULT replica 0 rank 0" in job.log_text(0), 120, "the fault to fire")
-    fault_step = int(re.search(r"SIGKILL self after joining the quorum of step (\d+)", job.log_text(0)).group(1))
+    faults.arm(str(tmp_path / "faults"), "in_allreduce", group=0, rank=0)  # the writer dies inside its next step
+    job.wait_until(lambda: faults.fired(str(tmp_path / "faults"), "in_allreduce"), 120, "the fault to fire")
+    fault_step = int(re.search(r"after joining the quorum of step (\d+)", job.log_text(0)).group(1))
     job.wait_step(1, fault_step + 3, timeout_s=120)
     job.write_file("stop", str(job.max_step() + 1))
     assert job.wait(timeout_s=120, groups=[1]) == {1: 0}, job.tails()
@@ -128,13 +128,13 @@ def test_writer_group_killed_before_scheduled_save_other_group_writes_it_once(lo
 def test_killed_mid_write_latest_stays_previous_restart_falls_back_then_on_demand_and_sigterm_saves(local_job,
                                                                                                       tmp_path):
     ckpt = str(tmp_path / "ckpt")
+    fault_dir = str(tmp_path / "faults")
     job = local_job(1, 2, [*TINY, "--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "2",
-                           "--resume"], max_restarts=0)
-    job.script_args += ["--fault-kill-before-publish", f"{job.workdir}/FAULT"]
+                           "--resume"], max_restarts=0, env={faults.ENV_DIR: fault_dir})
     job.start()  # --resume with an empty folder starts from step 0
     job.wait_until(lambda: len(_saves(job)) >= 2, 120, "two checkpoints")
-    job.write_file("FAULT", "")
-    job.wait_until(lambda: "FAULT: SIGKILL self before publishing" in job.log_text(0), 120, "the fault to fire")
+    faults.arm(fault_dir, "checkpoint_publish", group=0, rank=0)
+    job.wait_until(lambda: faults.fired(fault_dir, "checkpoint_publish"), 120, "the fault to fire")
     assert job.wait(timeout_s=60)[0] != 0
     published = [e["step"] for e in job.events(0, 0) if e.get("event") == "checkpoint_saved"]
     killed = int(re.search(r"before publishing .*global_step(\d+)", job.log_text(0)).group(1))
@@ -149,7 +149,8 @@ def test_killed_mid_write_latest_stays_previous_restart_falls_back_then_on_deman
 
     # The group restarts with no live peer: it resumes from the newest valid checkpoint, not step 0.
     # This launch saves only on demand (trigger file) and on SIGTERM, asynchronously.
-    os.remove(os.path.join(job.workdir, "FAULT"))
+    # The point fired once (its trigger renamed): the restart is not killed again.
+    assert faults.fired(fault_dir, "checkpoint_publish") and not os.path.exists(f"{fault_dir}/checkpoint_publish")
     job.script_args += ["--checkpoint-every", "0", "--checkpoint-async"]
     job.start_group(0)
     job.wait_until(lambda: any(e.get("event") == "checkpoint_loaded" for e in job.events(0, 0)), 120, "resume")

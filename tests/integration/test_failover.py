@@ -14,19 +14,17 @@ import time
 
 import pytest
 
+from ftbridge import faults
 from ftbridge.local_job import pid_alive
 from lighthouse.health import LighthouseMonitor
 from tests.conftest import TINY
 from tests.test_metrics import scrape, value
 
 
-def _start_staggered(local_job, fault=None, stage=2, env=None, extra=()):
+def _start_staggered(local_job, stage=2, env=None, extra=()):
     job = local_job(2, 2, [*TINY, "--steps", "100000", "--zero-stage", str(stage), *extra], max_restarts=2,
                     env=env)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
-    if fault:
-        job.script_args += [fault, f"{job.workdir}/FAULT", "--fault-group", "1",
-                            "--fault-rank", "0"]
     job.start(groups=[0])
     job.wait_step(0, 1, timeout_s=120)
     job.start_group(1)
@@ -150,17 +148,18 @@ def test_killed_group_restarts_heals_once_and_ends_identical(local_job, extra):
 
 
 @pytest.mark.timeout(420)
-def test_peer_killed_during_cross_replica_allreduce_discards_step(local_job):
+def test_peer_killed_during_cross_replica_allreduce_discards_step(local_job, tmp_path):
     # Group 1 rank 0 dies once it is in the step's quorum, before its backward: group 0's all-reduce of
     # that step has a participant that never sends. (Killing it after its backward races: the
     # all-reduce may already have completed, and then the step rightly commits.)
-    job = _start_staggered(local_job, fault="--fault-kill-in-allreduce")
-    job.write_file("FAULT", "")
-    job.wait_until(lambda: "FAULT replica 1 rank 0" in job.log_text(1), 120, "the fault to fire")
+    fault_dir = str(tmp_path / "faults")
+    job = _start_staggered(local_job, env={faults.ENV_DIR: fault_dir})
+    faults.arm(fault_dir, "in_allreduce", group=1, rank=0)
+    job.wait_until(lambda: faults.fired(fault_dir, "in_allreduce"), 120, "the fault to fire")
     job.wait_until(lambda: _healed_after_restart(job, 1), 240, "group 1 to restart and heal")
     target = _finish(job)
-    fault_step = int(re.search(r"FAULT replica 1 rank 0: SIGKILL self after joining the quorum of step (\d+)",
-                               job.log_text(1)).group(1))
+    fault_step = int(re.search(r"FAULT in_allreduce: replica group 1 rank 0 .* after joining the quorum of step "
+                               r"(\d+)", job.log_text(1)).group(1))
 
     # On the survivor the step whose all-reduce lost its peer is discarded on both ranks; the next commits.
     for r in (0, 1):

@@ -2,10 +2,12 @@
 
 Two replica groups (1 rank each, the tiny model) train with ftbridge's
 default quorum settings. The lighthouse goes down after both have committed
-a few steps together; the groups pause in their quorum calls (torchft's
-manager retries) and go on once it is back, with quorum ids starting again
-at 1, and no rank restarts. Also: ``ftbridge-lighthouse status`` lists both
-members with their steps while the job runs.
+a few steps together; the groups keep committing on their last quorum
+(:mod:`ftbridge.outage`) and go back to the lighthouse once it is up again,
+with quorum ids starting again at 1, and no rank restarts. With
+``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE=0`` (slow variant) they pause in their
+quorum calls (torchft's manager retries) instead. Also: ``ftbridge-lighthouse
+status`` lists both members with their steps while the job runs.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ OUTAGE_S = 10.0
 
 
 def _both_at(job, step, since=0.0, participants=2):
+    """Both groups committed step ``step`` or later, together, after ``since``, in a quorum from the lighthouse."""
     return all(any(e["committed"] and e["step"] >= step and e["time"] >= since and e["participants"] == participants
-                   for e in job.steps(g)) for g in (0, 1))
+                   and not e.get("rode_out_outage") for e in job.steps(g)) for g in (0, 1))
 
 
 def _committed_between(job, group, t0, t1):
@@ -33,8 +36,10 @@ def _committed_between(job, group, t0, t1):
 
 
 @pytest.mark.timeout(240)
-def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job, tmp_path):
-    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0)
+@pytest.mark.parametrize("ride", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["ride", "pause"])
+def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job, tmp_path, ride):
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0,
+                    env={"FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": "1" if ride else "0"})
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     job.start()
     job.wait_until(lambda: _both_at(job, 3), 150, "both groups to commit step 3 together")
@@ -70,8 +75,11 @@ def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job
     codes = job.wait(timeout_s=120)
     assert codes == {0: 0, 1: 0}, job.tails()
 
-    # The job paused: at most the step in flight committed during the outage.
-    assert all(len(v) <= 1 for v in during.values()), during
+    if ride:  # both groups kept committing, on the last quorum, from about 1 s into the outage to its end
+        assert all(len(v) >= 10 and all(e["rode_out_outage"] for e in v) for v in during.values()), during
+        assert all(v[-1]["time"] > restarted - 2.0 for v in during.values()), during
+    else:  # the job paused: at most the step in flight committed during the outage
+        assert all(len(v) <= 1 for v in during.values()), during
     # No rank restarted (one start event per group) and both end identical.
     starts = [e for e in job.events() if e.get("event") == "start"]
     assert len(starts) == 2, job.tails()

@@ -1,0 +1,132 @@
+"""Pure rules of a quorum change: lighthouse restarts, the reconfigure vote, group sizes, key namespaces.
+
+No torchft, no clock, no network: :class:`ftbridge.manager._QuorumGuard`
+applies them on torchft's quorum thread.
+
+The lighthouse keeps its state in memory; restarted, it numbers quorums from
+1 again. torchft 0.2.0's ``Manager`` rebuilds the cross-replica process group
+only when ``quorum_id != self._quorum_id`` and names the rendezvous keys
+``{store}/torchft/{quorum_id}/{group_rank}``. After a restart both go wrong:
+
+* a member whose last quorum had the id the new one repeats keeps its process
+  group, while a member that saw an intermediate quorum of the new
+  lighthouse rebuilds: the step fails and waits out ``cross_replica_timeout``
+  (likewise a repeated id with other members than last time);
+* a rebuilt group may rendezvous on the keys a quorum of the old lighthouse
+  left in the same TCPStore (same prefix) and dial dead addresses.
+
+The first case is the common one: the group whose retry reaches the new
+lighthouse first gets quorum 1 alone, the other joins at quorum 2, an id
+both had before. Measured here, that step failed after the 10 s
+cross-replica timeout and the job paused for 20 s instead of 10.
+
+:class:`ftbridge.manager._QuorumGuard` fixes both without touching torchft's code: it wraps the
+manager's client (``Manager._client``, checked against the installed torchft
+version) and, per quorum,
+
+1. detects a restart with :func:`detect_lighthouse_restart`: the id went
+   backwards, or repeated with other members (in one lighthouse's lifetime
+   ids never go down and a membership change always bumps the id);
+2. votes: every member of the quorum writes whether it rebuilds (torchft's
+   rule, or a detected restart) to the quorum's TCPStore (``store_address``,
+   the same for all members of one cross-replica group) and reads the
+   others'; if any member rebuilds, all do (:func:`decide_reconfigure`), by
+   setting ``Manager._quorum_id = -1`` before torchft compares. One
+   ``set`` and one ``multi_get`` on that store per quorum, in torchft's
+   quorum thread, overlapped with the forward pass (0.3 ms on loopback here).
+   The vote also carries the member's group size: a member whose replica
+   group has another number of ranks than replica rank 0's raises
+   :class:`GroupSizeMismatch` there (:func:`group_size_conflict`), before
+   torchft reconfigures or fetches a heal, and the training thread gets it at
+   its next cross-replica call; the other members go on;
+3. namespaces the rendezvous keys by the quorum's members and step
+   (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
+   a repeated id does not meet the keys of a quorum of the old lighthouse.
+
+If the vote cannot complete within ``FTBridgeConfig.vote_timeout`` (a quarter of ``cross_replica_timeout``)
+(a member or the store's host died after the quorum), the rank falls back to
+torchft's own rule: that step fails on the dead member anyway, and the next
+quorum, without it, has a new id, which every member rebuilds for. (Rebuilding
+on a failed vote instead was tried: the rebuild dialled the dead store for
+10 s, the other ranks' ``should_commit`` timed out, and the survivor died.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class QuorumSeen:
+    """What one rank remembers of the last quorum it took part in."""
+
+    quorum_id: int
+    members: Tuple[str, ...]
+
+
+def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int, members: Sequence[str]) -> bool:
+    """Whether ``quorum_id``/``members`` must come from a restarted lighthouse (pure).
+
+    Within one lighthouse's lifetime quorum ids never go down, and a quorum
+    with other members always gets a new id; a quorum that breaks either
+    rule comes from a restarted lighthouse (its ids start again at 1).
+
+    Args:
+        prev: the previous quorum this rank took part in (``None``: none yet).
+        quorum_id: id of the new quorum.
+        members: replica ids of its participants (any order).
+    """
+    if prev is None:
+        return False
+    return quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and tuple(sorted(members)) != prev.members)
+
+
+def decide_reconfigure(own: bool, votes: Optional[Sequence[bool]]) -> bool:
+    """The quorum-wide decision from every member's vote (pure).
+
+    Args:
+        own: this rank's own vote (torchft's rule or a detected restart).
+        votes: every member's vote (``True``: rebuild), or ``None`` when the
+            vote could not complete (a member or the store died).
+
+    Returns:
+        ``True`` if any member rebuilds: a process group must be rebuilt by
+        all its members or by none. ``own`` when the vote failed.
+    """
+    if votes is None:
+        return own
+    return own or any(votes)
+
+
+class GroupSizeMismatch(ValueError):
+    """This replica group has another number of ranks than the quorum's primary: it must not heal or all-reduce."""
+
+
+def group_size_conflict(sizes: Sequence[int], replica_rank: int, quorum_id: int) -> Optional[str]:
+    """Why this member must leave the quorum, or ``None``: its group size differs from replica rank 0's.
+
+    Args:
+        sizes: every member's group size (ranks per replica group), by replica rank; 0 where unknown.
+        replica_rank: this member's rank in the quorum.
+        quorum_id: for the message.
+
+    Replica rank 0 (the quorum's primary) is the reference, so exactly the members that differ from it
+    leave and the others go on; a member of unknown size (0) is never judged.
+    """
+    if not sizes or replica_rank >= len(sizes):
+        return None
+    mine, primary = int(sizes[replica_rank]), int(sizes[0])
+    if not mine or not primary or mine == primary:
+        return None
+    return (f"quorum {quorum_id}: this replica group has {mine} ranks but the quorum's primary group has "
+            f"{primary}; every replica group must have the same number of ranks (ZeRO partitions and heal state "
+            f"are shaped by it). Restart this group with {primary} ranks in all (ftbridge-run --nproc-per-node "
+            f"x --nnodes), or restart every group with {mine}")
+
+
+def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
+    """The key namespace shared by all members of one quorum: 12 hex digits of its members and step."""
+    text = "|".join(sorted(members)) + f"|{max_step}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -1,0 +1,65 @@
+"""The import graph: which modules may import torchft and DeepSpeed internals (issue 13; docs/concepts.md).
+
+Reads the ``import`` statements of ``ftbridge/``, ``lighthouse/`` and ``scripts/`` with ``ast``. A module
+that is not listed here and imports torchft, or a DeepSpeed module below ``deepspeed.runtime``/``utils``,
+fails this test: go through the door (:mod:`ftbridge.manager`, :mod:`ftbridge.zero`) instead, or move the
+door and update the diagram in docs/concepts.md together with these sets.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, Set
+
+REPO = Path(__file__).resolve().parents[1]
+
+TORCHFT_DOORS = {"ftbridge/manager.py", "ftbridge/store_probe.py", "ftbridge/transport.py", "lighthouse/server.py"}
+"""Modules that import torchft (the last three: process-group and transport base classes, the Rust lighthouse)."""
+
+DEEPSPEED_INTERNAL_DOORS = {"ftbridge/zero/"}
+"""Where DeepSpeed names other than ``deepspeed`` itself and ``deepspeed.accelerator`` may be imported."""
+
+
+def _imports() -> Dict[str, Set[str]]:
+    found: Dict[str, Set[str]] = {}
+    for top in ("ftbridge", "lighthouse", "scripts"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            names: Set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names.add(node.module)
+            found[str(path.relative_to(REPO))] = names
+    return found
+
+
+def _allowed(path: str, doors: Set[str]) -> bool:
+    return any(path == d or (d.endswith("/") and path.startswith(d)) for d in doors)
+
+
+def test_torchft_is_imported_only_through_its_doors():
+    bad = {p: sorted(n for n in names if n.split(".")[0] == "torchft")
+           for p, names in _imports().items() if not _allowed(p, TORCHFT_DOORS)}
+    assert not {p: n for p, n in bad.items() if n}, "import torchft through ftbridge.manager"
+
+
+def test_deepspeed_internals_are_imported_only_through_zero():
+    public = {"deepspeed", "deepspeed.accelerator"}
+    bad = {p: sorted(n for n in names if n.split(".")[0] == "deepspeed" and n not in public)
+           for p, names in _imports().items() if not _allowed(p, DEEPSPEED_INTERNAL_DOORS)}
+    assert not {p: n for p, n in bad.items() if n}, "read DeepSpeed internals through ftbridge.zero"
+
+
+def test_no_module_reaches_the_torchft_manager_around_replica_manager():
+    reached = []
+    for top in ("ftbridge", "lighthouse", "scripts"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
+            if rel == "ftbridge/manager.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Attribute) and node.attr == "torchft":
+                    reached.append(f"{rel}:{node.lineno}")
+    assert not reached, f"use ReplicaManager's methods instead of its torchft Manager: {reached}"

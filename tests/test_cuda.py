@@ -1,0 +1,51 @@
+"""Checks that need a CUDA GPU (marker ``cuda``): skipped with the reason on CPU machines.
+
+They run in ``scripts/device_check.sh``'s environment (``python -m pytest -m cuda tests/test_cuda.py``);
+as of 2026-12-01 none has run on a GPU yet (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftbridge.staging import Staging, read_tensors, staged_body
+from ftbridge.zero.stream_order import StreamOrder
+
+pytestmark = pytest.mark.cuda
+
+
+def test_staged_heal_body_from_and_to_the_gpu():
+    import io
+
+    from ftbridge.wire import decode_parts
+
+    state = {"a": torch.randn(1000, device="cuda"), "b": {"c": torch.arange(77, device="cuda")}, "s": 3}
+    buf = Staging(4096)
+    assert buf.pin
+    body = staged_body(state, buf)
+    chunks = []
+    body.write_to(lambda v: chunks.append(bytes(v)))
+    data = b"".join(chunks)
+    n = int.from_bytes(data[:8], "little")
+    blob = data[8 + n:]
+    tensors = read_tensors(io.BytesIO(blob).readinto, len(blob), torch.device("cuda"), Staging(1024))
+    got = decode_parts(data[8:8 + n], tensors)
+    assert got["a"].is_cuda
+    torch.testing.assert_close(got["a"], state["a"], rtol=0, atol=0)
+    torch.testing.assert_close(got["b"]["c"], state["b"]["c"], rtol=0, atol=0)
+
+
+def test_stream_order_makes_the_sync_stream_wait_for_the_bucket():
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 22, device="cuda")
+    order = StreamOrder(True)
+    order.begin()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy, then write the bucket
+        x.fill_(1.0)
+        fences = order.fence(side)
+    with order.issuing(fences):
+        y = x.sum()  # would read zeros without the event wait
+    assert float(y) == x.numel()
+    order.release([side])
