@@ -7,6 +7,7 @@ imported lazily so that light tools (the launcher) do not import DeepSpeed.
 
 import os
 import sys
+import time
 from typing import Any
 
 # DeepSpeed JIT-builds a small op (deepspeed_shm_comm, ~30 s) into TORCH_EXTENSIONS_DIR. The shared
@@ -15,6 +16,9 @@ from typing import Any
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 from ftbridge.config import FTBridgeConfig
+
+IMPORTED_AT = time.time()
+"""When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""
 
 __all__ = ["FTBridgeConfig", "FaultTolerantEngine", "initialize"]
 __version__ = "0.1.0"

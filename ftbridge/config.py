@@ -84,6 +84,11 @@ class FTBridgeConfig:
     sharding and logs, the live count comes from the quorum
     (``FTBRIDGE_NUM_REPLICA_GROUPS`` / ``NUM_REPLICA_GROUPS``)."""
 
+    spare_index: int = -1
+    """-1: an active replica group. ``K >= 0``: a warm spare (``ftbridge-run --spare K``) that initialises
+    fully, then stands by outside the quorum until a replica group dies and takes over its id (see
+    :mod:`ftbridge.spare`); spare ``K`` acts ``K`` stagger periods after spare 0 (``FTBRIDGE_SPARE_INDEX``)."""
+
     group_rank: int = 0
     """Rank of this process inside its replica group (``RANK`` from torchrun)."""
 
@@ -281,6 +286,7 @@ class FTBridgeConfig:
     _ENV = {
         "replica_group_id": (int, ("FTBRIDGE_REPLICA_GROUP_ID", "REPLICA_GROUP_ID")),
         "num_replica_groups": (int, ("FTBRIDGE_NUM_REPLICA_GROUPS", "NUM_REPLICA_GROUPS")),
+        "spare_index": (int, ("FTBRIDGE_SPARE_INDEX",)),
         "group_rank": (int, ("RANK",)),
         "group_size": (int, ("WORLD_SIZE",)),
         "lighthouse": (str, ("FTBRIDGE_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")),
@@ -372,6 +378,11 @@ class FTBridgeConfig:
              f"replica_group_id={self.replica_group_id} is negative; use 0, 1, 2, ...")
         need(self.num_replica_groups >= 1,
              f"num_replica_groups={self.num_replica_groups} must be at least 1")
+        need(self.spare_index >= -1,
+             f"spare_index={self.spare_index} must be -1 (an active group) or a spare's index 0, 1, ...")
+        need(self.spare_index < 0 or self.num_replica_groups >= 2,
+             f"spare_index={self.spare_index} with num_replica_groups={self.num_replica_groups}: a spare replaces "
+             "one of several groups and heals from another; plan at least 2 groups")
         need(self.group_size >= 1, f"group_size={self.group_size} must be at least 1")
         need(0 <= self.group_rank < self.group_size,
              f"group_rank={self.group_rank} is outside the replica group of size {self.group_size}; "

@@ -485,7 +485,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             ``comm_state_option``, or any other :class:`FTBridgeConfig` field)
             is removed before DeepSpeed sees the config and overrides the
             environment (an explicit ``ft_config`` wins over both).
-        ft_config: ftbridge settings; resolved from the environment when ``None``.
+        ft_config: ftbridge settings; resolved from the environment when ``None``. With
+            ``spare_index >= 0`` this call returns only once the spare has taken over a dead
+            group's id (:func:`ftbridge.spare.stand_by`); read ``engine.cfg.replica_group_id``
+            (the data shard) after it, not before.
         checksum_every: see :class:`FaultTolerantEngine`.
         comm_hook: a user communication hook, see :class:`FaultTolerantEngine`.
         manager_factory: see :class:`FaultTolerantEngine` (default: torchft through
@@ -498,6 +501,7 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
         with ``engine`` a :class:`FaultTolerantEngine`.
 
     Raises:
+        SystemExit: (status 0) a spare (``spare_index >= 0``) whose job ended while it stood by.
         ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported
             optimizer path, a device setup that cannot work
             (:func:`ftbridge.device.check_placement`: the model on a GPU under
@@ -542,8 +546,19 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             "its own world (launch each group with its own ftbridge-run / torchrun)"
         )
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+    takeover = None
+    if cfg.num_replica_groups > 1:  # warm spares (ftbridge.spare): ready, they wait here, outside the quorum
+        from ftbridge import IMPORTED_AT, spare
+
+        cfg = spare.demote_if_taken(cfg, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                    imported_at=IMPORTED_AT)
+        if cfg.spare_index >= 0:
+            takeover = spare.stand_by(cfg)
+            cfg = takeover.cfg
     ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
                                     manager_factory=manager_factory)
+    if takeover is not None:
+        ft_engine.events.write(**takeover.event())
     return ft_engine, optimizer, loader, scheduler
 
 

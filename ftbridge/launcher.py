@@ -12,6 +12,11 @@ Usage, two groups of two ranks on one machine::
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
 
+A warm spare (ready, outside the quorum; it takes over the first group the
+lighthouse drops, see :mod:`ftbridge.spare`)::
+
+    ftbridge-run --spare 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
+
 A group on two nodes (run on both; the endpoint is one of them)::
 
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 8 \\
@@ -29,6 +34,8 @@ passed through; these win over inherited values):
 * ``REPLICA_GROUP_ID``/``FTBRIDGE_REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``/
   ``FTBRIDGE_NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``/``FTBRIDGE_LIGHTHOUSE``
   (both names, so a stale inherited ``FTBRIDGE_*`` cannot override the flags);
+  ``FTBRIDGE_SPARE_INDEX`` (``K`` for ``--spare K``, else -1); a spare's
+  ``REPLICA_GROUP_ID`` is ``N + K`` until it takes over a group;
 * ``FTBRIDGE_MIN_REPLICAS``, ``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S``,
   ``FTBRIDGE_QUORUM_TIMEOUT_S``, ``FTBRIDGE_HEARTBEAT_INTERVAL_MS``,
   ``FTBRIDGE_EVENT_LOG``, only for the flags given (see ftbridge/config.py);
@@ -113,12 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of the launcher's own flags (everything before ``--``)."""
     p = argparse.ArgumentParser(
         prog="ftbridge-run",
-        usage="ftbridge-run --replica-group-id I --num-replica-groups N --nproc-per-node M "
+        usage="ftbridge-run (--replica-group-id I | --spare K) --num-replica-groups N --nproc-per-node M "
               "[options] -- SCRIPT [ARGS...]",
         description="Run one ftbridge replica group under torchrun (c10d rendezvous, restarts).",
     )
     g = p.add_argument_group("replica group")
-    g.add_argument("--replica-group-id", type=int, required=True, help="id of this group, 0..N-1")
+    g.add_argument("--replica-group-id", type=int, default=None, help="id of this group, 0..N-1 (or --spare)")
+    g.add_argument("--spare", type=int, default=None, metavar="K",
+                   help="a warm spare with index K (0, 1, ...) instead of --replica-group-id: it initialises "
+                        "fully, stands by outside the quorum and takes over the id of the first replica group "
+                        "the lighthouse drops (spare K acts K s after spare 0); see docs/spares.md")
     g.add_argument("--num-replica-groups", type=int, required=True, help="groups the job is planned for")
     g.add_argument("--nproc-per-node", type=int, required=True, help="ranks of this group per node")
     g.add_argument("--lighthouse", default=None,
@@ -224,7 +235,12 @@ def _check_group_args(args: argparse.Namespace) -> None:
 
     need(args.num_replica_groups >= 1,
          f"--num-replica-groups={args.num_replica_groups} must be at least 1")
-    need(0 <= args.replica_group_id < args.num_replica_groups,
+    spare = getattr(args, "spare", None)
+    need((args.replica_group_id is None) != (spare is None),
+         "give exactly one of --replica-group-id I (an active group) and --spare K (a warm spare); "
+         f"got --replica-group-id={args.replica_group_id}, --spare={spare}")
+    need(spare is None or spare >= 0, f"--spare={spare} is negative; number the spares 0, 1, ...")
+    need(spare is not None or 0 <= args.replica_group_id < args.num_replica_groups,
          f"--replica-group-id={args.replica_group_id} is outside 0..{args.num_replica_groups - 1} "
          f"for --num-replica-groups={args.num_replica_groups}; number the groups 0, 1, ..., N-1")
     need(args.nproc_per_node >= 1,
@@ -254,7 +270,7 @@ def _rendezvous(args: argparse.Namespace, pick_port: Callable[[], int]) -> tuple
         if max_nodes > 1:
             raise ValueError(
                 f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node of "
-                f"replica group {args.replica_group_id} (e.g. its first node and a free port); the default "
+                f"{group_label(args)} (e.g. its first node and a free port); the default "
                 "endpoint (a free port on this machine) only works for one node")
         endpoint = f"{args.master_addr}:{pick_port()}"
     else:
@@ -265,7 +281,15 @@ def _rendezvous(args: argparse.Namespace, pick_port: Callable[[], int]) -> tuple
         log.warning("--rdzv-backend=%s: restarts of DeepSpeed groups failed 4/4 here with torchrun's default "
                     "rendezvous; c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 recovered 3/3",
                     args.rdzv_backend)
-    return endpoint, args.rdzv_id or f"ftbridge-group-{args.replica_group_id}"
+    default_id = (f"ftbridge-spare-{args.spare}" if getattr(args, "spare", None) is not None
+                  else f"ftbridge-group-{args.replica_group_id}")
+    return endpoint, args.rdzv_id or default_id
+
+
+def group_label(args: argparse.Namespace) -> str:
+    """``replica group I`` or ``spare K``, for messages."""
+    spare = getattr(args, "spare", None)
+    return f"spare {spare}" if spare is not None else f"replica group {args.replica_group_id}"
 
 
 TOKEN_ENV = "FTBRIDGE_JOB_TOKEN"
@@ -350,9 +374,15 @@ def build_torchrun_command(
     endpoint, rdzv_id = _rendezvous(args, pick_port)
 
     env = dict(environ)
+    spare = getattr(args, "spare", None)
+    # A spare's id until it takes over a group: N + K, outside 0..N-1, so a script that reads its data
+    # shard before ftbridge.initialize returns fails (ShardedTextData rejects the rank) instead of
+    # silently reading group 0's rows.
+    group_id = args.replica_group_id if spare is None else args.num_replica_groups + spare
     env.update({
-        "REPLICA_GROUP_ID": str(args.replica_group_id),
-        "FTBRIDGE_REPLICA_GROUP_ID": str(args.replica_group_id),
+        "REPLICA_GROUP_ID": str(group_id),
+        "FTBRIDGE_REPLICA_GROUP_ID": str(group_id),
+        "FTBRIDGE_SPARE_INDEX": str(-1 if spare is None else spare),
         "NUM_REPLICA_GROUPS": str(args.num_replica_groups),
         "FTBRIDGE_NUM_REPLICA_GROUPS": str(args.num_replica_groups),
         "TORCHFT_LIGHTHOUSE": lighthouse,
@@ -583,7 +613,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%Y-%m-%d %H:%M:%S",
-                            format=f"%(asctime)s %(levelname)s [replica {args.replica_group_id} launcher] "
+                            format=f"%(asctime)s %(levelname)s [{group_label(args)} launcher] "
                                    "%(message)s")
     shown = {k: (env[k] if k != TOKEN_ENV else "<hidden>") for k in sorted(env) if env.get(k) != os.environ.get(k)}
     log.info("running: env %s %s", " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()),

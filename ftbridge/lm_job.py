@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ftbridge.checkpoint.checkpointer import add_arguments as add_checkpoint_arguments
 
     add_checkpoint_arguments(p)
+    p.add_argument("--log-batches", action="store_true",
+                   help="testing only: write a 'batch' event per micro-step (step, dp_rank, dp_world_size, "
+                        "checksum of the input ids), so tests can check which data shard a group trained on")
     return p
 
 
@@ -202,6 +205,16 @@ class Topology:
     """Read the whole global batch of ``dp_world_size`` ranks (``--plain-global-of``), not this rank's rows."""
 
 
+def topology(cfg: Any) -> Topology:
+    """The data-parallel position of a replica group's rank (an :class:`ftbridge.FTBridgeConfig`).
+
+    ``dp_rank = replica_group_id * group_size + group_rank`` over ``num_replica_groups * group_size``:
+    fixed by the group id, so a warm spare that takes over group ``G`` reads what a restart of ``G`` would.
+    """
+    return Topology(cfg.replica_group_id * cfg.group_size + cfg.group_rank, cfg.num_replica_groups * cfg.group_size,
+                    cfg.replica_group_id, cfg.group_rank)
+
+
 def build_data_and_model(args: argparse.Namespace):
     """Text data and the model, identical on every rank for the same seed."""
     text = load_text(args.data)
@@ -215,8 +228,12 @@ def build_data_and_model(args: argparse.Namespace):
     return data, model
 
 
-def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int) -> float:
+def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
+               events: Any = None) -> float:
     """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
+
+    Args:
+        events: an event log to record each micro-batch in (``batch`` events; ``--log-batches``).
 
     Returns:
         Mean training loss of this rank over the micro-steps.
@@ -226,6 +243,9 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     for micro in range(grad_accum):
         x, y = (data.global_batch(step, micro, topo.dp_world_size) if topo.whole_batch
                 else data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size))
+        if events is not None:
+            events.write(event="batch", time=now(), step=step, micro_step=micro, dp_rank=topo.dp_rank,
+                         dp_world_size=topo.dp_world_size, input_checksum=tensor_checksum([x]))
         _, loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()

@@ -94,6 +94,8 @@ class LocalJob:
             self.env.setdefault("FTBRIDGE_CHECKSUM_EVERY", str(checksum_every))
         self.lighthouse: Any = None
         self.groups: Dict[int, List[GroupProcess]] = {}
+        self.spares: Dict[int, GroupProcess] = {}
+        """Warm spares by index (``ftbridge-run --spare K``); one that joined trains as a group's id."""
 
     # -- lifecycle --------------------------------------------------------
     def start(self, groups: Optional[Sequence[int]] = None) -> None:
@@ -142,6 +144,7 @@ class LocalJob:
     def group_size(self, group: int) -> int:
         """Ranks of replica group ``group``."""
         return self.group_sizes.get(group, self.nproc)
+
     @property
     def lighthouse_address(self) -> str:
         """The lighthouse's address, also while it is stopped (a group may start during an outage)."""
@@ -156,9 +159,30 @@ class LocalJob:
     def start_group(self, group: int) -> GroupProcess:
         """Launch replica group ``group`` with ``ftbridge-run``."""
         n = len(self.groups.get(group, []))
-        log_path = os.path.join(self.workdir, f"group_{group}.{n}.log")
-        cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", str(group),
-               "--num-replica-groups", str(self.num_groups), "--nproc-per-node", str(self.group_size(group)),
+        gp = self._launch(["--replica-group-id", str(group)], os.path.join(self.workdir, f"group_{group}.{n}.log"),
+                          group)
+        self.groups.setdefault(group, []).append(gp)
+        return gp
+
+    def start_spare(self, index: int = 0) -> GroupProcess:
+        """Launch warm spare ``index`` (``ftbridge-run --spare index``, :mod:`ftbridge.spare`).
+
+        It stands by until the lighthouse drops a group, then trains as that
+        group (its event log is that group's). Same ``max_restarts`` as the groups.
+
+        Raises:
+            RuntimeError: spare ``index`` was started already.
+        """
+        if index in self.spares:
+            raise RuntimeError(f"spare {index} already started (pid {self.spares[index].proc.pid})")
+        gp = self._launch(["--spare", str(index)], os.path.join(self.workdir, f"spare_{index}.log"), -1)
+        self.spares[index] = gp
+        return gp
+
+    def _launch(self, identity: List[str], log_path: str, group: int) -> GroupProcess:
+        cmd = [sys.executable, "-m", "ftbridge.launcher", *identity,
+               "--num-replica-groups", str(self.num_groups),
+               "--nproc-per-node", str(self.group_size(group) if group >= 0 else self.nproc),
                "--lighthouse", self.lighthouse_address, "--max-restarts", str(self.max_restarts),
                "--min-replicas", str(self.min_replicas),
                "--event-log", os.path.join(self.workdir, "events_{replica_group}_{group_rank}.jsonl"),
@@ -168,9 +192,7 @@ class LocalJob:
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        gp = GroupProcess(group, proc, log_path)
-        self.groups.setdefault(group, []).append(gp)
-        return gp
+        return GroupProcess(group, proc, log_path)
 
     def wait(self, timeout_s: float, groups: Optional[Sequence[int]] = None) -> Dict[int, int]:
         """Wait for the latest launch of each group to exit.
@@ -190,6 +212,23 @@ class LocalJob:
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"replica group {g} still running after {timeout_s} s\n{self.tails()}") from None
         return codes
+
+    def spare_ready(self, index: int) -> bool:
+        """Whether every rank of spare ``index`` stands by (``spare_ready`` events under id ``num_groups + index``)."""
+        g = self.num_groups + index
+        paths = [self.event_log(g, r) for r in range(self.nproc)]
+        return all(any(e.get("event") == "spare_ready" for e in read_events([p])) for p in paths)
+
+    def wait_spare(self, index: int, timeout_s: float) -> int:
+        """Wait for spare ``index``'s launcher to exit; returns its exit code.
+
+        Raises:
+            TimeoutError: it still runs after ``timeout_s`` (log tails included).
+        """
+        try:
+            return self.spares[index].proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"spare {index} still running after {timeout_s} s\n{self.tails()}") from None
 
     def stop_group(self, group: int, timeout_s: float = 30) -> int:
         """Make replica group ``group`` leave for good: SIGTERM its launcher (torchrun ends its ranks).
@@ -211,7 +250,7 @@ class LocalJob:
 
     def stop(self) -> None:
         """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
-        procs = [gp.proc for launches in self.groups.values() for gp in launches]
+        procs = [gp.proc for launches in self._launches() for gp in launches]
         for p in procs:
             if p.poll() is None:
                 _killpg(p.pid, signal.SIGTERM)
@@ -226,6 +265,9 @@ class LocalJob:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.stop_lighthouse()
+
+    def _launches(self) -> List[List[GroupProcess]]:
+        return [*self.groups.values(), *([gp] for gp in self.spares.values())]
 
     def __enter__(self) -> "LocalJob":
         return self
@@ -281,8 +323,10 @@ class LocalJob:
         return pids
 
     def all_worker_pids(self) -> List[int]:
-        """Every rank PID ever recorded by this job."""
-        return [e["pid"] for e in self.events() if e.get("event") == "start"]
+        """Every rank PID ever recorded by this job (spares' standing-by ranks included)."""
+        spare_logs = [self.event_log(self.num_groups + k, r) for k in self.spares for r in range(self.nproc)]
+        return [e["pid"] for e in [*self.events(), *read_events(spare_logs)]
+                if e.get("event") in ("start", "spare_ready")]
 
     def kill_workers(self, group: int, sig: int = signal.SIGKILL, timeout_s: float = 30) -> List[int]:
         """Send ``sig`` to every rank of ``group`` (its torchrun stays) and wait until they are gone.
@@ -330,7 +374,7 @@ class LocalJob:
     def tails(self, lines: int = 25) -> str:
         """Last ``lines`` of every group log, for failure messages."""
         out = []
-        for launches in self.groups.values():
+        for launches in self._launches():
             for gp in launches:
                 try:
                     with open(gp.log_path, encoding="utf-8", errors="replace") as f:

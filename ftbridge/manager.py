@@ -411,11 +411,27 @@ class ReplicaManager:
                        "cross-replica process group", self.cfg.replica_group_id, self.cfg.group_rank, new_id, old_id)
 
     def _on_quorum(self, result: Any) -> None:
-        """Tell the transport the host this quorum's donor may serve heal state from (see ``local_group_size``)."""
+        """Tell the transport the host this quorum's donor may serve heal state from (see ``local_group_size``).
+
+        Raises:
+            ftbridge.spare.DuplicateReplicaGroup: this group heals into a quorum in which another member
+                holds its id (:func:`ftbridge.spare.must_leave`); the training thread gets it at its next
+                cross-replica call.
+        """
         cfg = self.cfg
         spans_nodes = 0 < cfg.local_group_size < cfg.group_size
         donor = getattr(result, "recover_src_manager_address", None) or None
         self.transport.expect_donor(None if spans_nodes and cfg.group_rank > 0 else donor)
+        # -- warm spares (ftbridge.spare): a paused group whose id a spare took leaves instead of training twice
+        from ftbridge.spare import DuplicateReplicaGroup, must_leave
+
+        if must_leave(list(getattr(result, "replica_ids", []) or []), cfg.replica_group_id,
+                      bool(getattr(result, "heal", False))):
+            msg = (f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] quorum {int(result.quorum_id)}: another "
+                   f"member holds replica group {cfg.replica_group_id} (a spare took its place while this group was "
+                   "paused past the heartbeat timeout); leaving so that one group trains on its data shard")
+            logger.error("%s", msg)
+            raise DuplicateReplicaGroup(msg)
 
     def _load(self, state: Dict[str, Any]) -> None:
         self._load_state_dict(state)

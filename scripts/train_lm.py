@@ -50,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
                                      comm_wrapper=args.comm_wrapper, comm_state_option=args.comm_state_option)
-        topo = lm_job.Topology(cfg.replica_group_id * cfg.group_size + cfg.group_rank,
-                               cfg.num_replica_groups * cfg.group_size, cfg.replica_group_id, cfg.group_rank)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, model = lm_job.build_data_and_model(args)
     if DEVICE != "cpu":
@@ -67,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                                          ft_config=cfg)
         engine.cross_replica_sync = not args.no_cross_replica_sync
         engine.sync.order.timing = args.time_cross_replica_wait
+        topo = lm_job.topology(engine.cfg)  # after initialize: a warm spare has taken a dead group's id
     plain = lm_job.PlainRun(engine, args, topo) if args.plain else None
     lm_job.write_start_phases(plain.events if plain else engine.events, IMPORTS_DONE)
     if plain:
@@ -89,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if corrupt and cfg and corrupt == (topo.replica_group, before + 1):
             engine.sync_scale_once = 3.0
         t = lm_job.now()
-        loss = lm_job.train_step(engine, data, topo, args.grad_accum)
+        loss = lm_job.train_step(engine, data, topo, args.grad_accum,
+                                 engine.events if cfg and args.log_batches else None)
         step_times.append(lm_job.now() - t)
         if plain:
             plain.after_step(step_times[-1], loss)

@@ -71,7 +71,7 @@ def test_default_command_is_c10d_with_own_rendezvous_per_group(script):
     ]
     assert picked == [40123]
     assert env == {
-        "REPLICA_GROUP_ID": "1", "FTBRIDGE_REPLICA_GROUP_ID": "1",
+        "REPLICA_GROUP_ID": "1", "FTBRIDGE_REPLICA_GROUP_ID": "1", "FTBRIDGE_SPARE_INDEX": "-1",
         "NUM_REPLICA_GROUPS": "2", "FTBRIDGE_NUM_REPLICA_GROUPS": "2",
         "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "FTBRIDGE_LIGHTHOUSE": "http://127.0.0.1:29510",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -174,7 +174,18 @@ BAD = [
     ([*GROUP, "--rdzv-endpoint", ":29400"], "--rdzv-endpoint=':29400'"),
     ([*GROUP, "--rdzv-endpoint", "host:port"], "--rdzv-endpoint='host:port'"),
     ([*GROUP, "--event-log", "/tmp/{rank}.jsonl"], "--event-log='/tmp/{rank}.jsonl'"),
+    ([*GROUP, "--spare", "0"], "give exactly one of --replica-group-id I"),
+    (["--num-replica-groups", "2", "--nproc-per-node", "1"], "give exactly one of --replica-group-id I"),
+    (["--spare", "-1", "--num-replica-groups", "2", "--nproc-per-node", "1"], "--spare=-1 is negative"),
 ]
+
+
+def test_spare_gets_its_index_an_out_of_range_group_id_and_its_own_rendezvous(script):
+    argv, env, _ = build(["--spare", "1", "--num-replica-groups", "2", "--nproc-per-node", "2", "--", script])
+    assert env["FTBRIDGE_SPARE_INDEX"] == "1"
+    # N + K until it takes over a group: a data shard read before initialize returns would be out of range
+    assert env["REPLICA_GROUP_ID"] == env["FTBRIDGE_REPLICA_GROUP_ID"] == "3"
+    assert argv[argv.index("--rdzv-id") + 1] == "ftbridge-spare-1"
 
 
 @pytest.mark.parametrize("flags, named", BAD, ids=[b[1] for b in BAD])

@@ -134,6 +134,7 @@ MODULES: tuple = (
     "ftbridge.bench.memory",     # 7. peak RSS vs plain DeepSpeed
     "ftbridge.bench.scaling",    # 8. cross-replica cost vs groups and model size
     "ftbridge.bench.outage",     # 9. steps lost to a lighthouse outage, riding it out vs waiting
+    "ftbridge.bench.spare",      # 10. warm spare vs cold restart: drop -> full capacity
 )
 
 REGISTRY: Dict[str, BenchFn] = {}

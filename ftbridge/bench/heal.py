@@ -52,9 +52,6 @@ LARGE_MODEL = ["--n-layer", "8", "--d-model", "1024", "--n-head", "16", "--conte
                "--warmup-steps", "2"]
 """Model flags of :data:`NAME_LARGE`: 100,937,728 parameters, a 1.2 GB heal state (fp32 weights and Adam's two
 moments) per rank; short sequences keep a step near a second on 2 CPU cores."""
-LARGE_MODEL_QUICK = ["--n-layer", "2", "--d-model", "512", "--n-head", "8", "--context", "32", "--micro-batch", "1",
-                     "--warmup-steps", "2"]
-"""Model flags of :data:`NAME_LARGE` in ``--quick`` runs (6.3 M parameters)."""
 TRANSPORT_MB, TRANSPORT_MB_QUICK = 256, 16
 """State size of the transport-alone measurement (MB, fp32 tensors of 4 MB)."""
 PHASES = ("torchrun restart", "process start", "DeepSpeed init", "quorum", "state transfer", "first commit")
@@ -172,14 +169,17 @@ def run(settings: BenchSettings) -> List[Metric]:
 def run_large(settings: BenchSettings) -> List[Metric]:
     """The kill runs of :func:`run` with a model of :data:`LARGE_MODEL` (100.9 M parameters, 1.2 GB heal state).
 
-    ``--quick`` uses :data:`LARGE_MODEL_QUICK` (6.3 M parameters) to stay a smoke run.
+    Not run with ``--quick`` (one more job of a minute in the CI smoke run,
+    as for ``spare``); ``heal`` runs the same code path with the main model.
 
     Raises:
         TimeoutError: a run stage exceeded ``settings.timeout_s``.
         ValueError: a restarted rank's log lacks a phase boundary.
     """
-    model = LARGE_MODEL_QUICK if settings.quick else LARGE_MODEL
-    return kill_run_metrics(NAME_LARGE, failure_jobs.ftbridge_kill_runs(settings, model=model, name="ftbridge_kill_100m"))
+    if settings.quick:
+        return []
+    return kill_run_metrics(NAME_LARGE, failure_jobs.ftbridge_kill_runs(settings, model=LARGE_MODEL,
+                                                                        name="ftbridge_kill_100m"))
 
 
 def kill_run_metrics(name: str, runs: Sequence[failure_jobs.KillRun]) -> List[Metric]:

@@ -1,0 +1,122 @@
+"""A warm spare takes a killed group's place: 2 active groups x 1 rank + 1 spare, tiny model.
+
+The spare stands by while both groups commit together; group 1 is
+SIGKILLed. The spare must take over group 1's id, heal, and train; group 1's
+torchrun restart comes back after that and must stand by as a spare instead
+of joining as a second group 1. At the end the survivor and the spare hold
+the same parameters and optimizer state, the spare read exactly group 1's
+data shard (what a cold restart of group 1 reads), every launcher exited 0
+and no process of the job is left.
+
+Run with 1 and 2 ranks per group (the spare's other ranks take rank 0's
+decision from the group's TCPStore). Slow (about 35-110 s per case on 2
+shared cores, most of it three DeepSpeed start-ups); the default suite covers the same path end to end through the quick
+``spare`` benchmark (``tests/integration/test_bench_quick.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ftbridge.data import ShardedTextData, load_text
+from ftbridge.events import read_events, tensor_checksum
+from ftbridge.local_job import pid_alive
+from tests.conftest import TINY
+
+
+def _expected_input_checksum(data: ShardedTextData, step: int, micro: int, rank: int, nproc: int) -> str:
+    x, _ = data.get_batch(step, micro, dp_rank=nproc + rank, dp_world_size=2 * nproc)  # group 1's rows
+    return tensor_checksum([x])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1-rank", "2-ranks"])
+def test_spare_replaces_a_killed_group(local_job, nproc):
+    # restart_peer_wait: how long a standing-by spare waits, after the last live group, before it exits
+    job = local_job(2, nproc, [*TINY, "--steps", "100000", "--log-batches"], max_restarts=1,
+                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.start_spare(0)
+    job.wait_until(lambda: job.spare_ready(0), 120, "spare 0 to stand by")
+    job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)),
+                   120, "both groups to commit together")
+    assert not any(e.get("event") == "spare_join" for e in job.events()), "the spare joined a full job"
+
+    kill_time = time.time()
+    killed = job.kill_workers(1)
+    job.wait_until(lambda: any(e.get("event") == "spare_join" for e in job.events(1)), 60, "the spare to join")
+    job.wait_heal(1, kill_time, 60, "the spare to heal as group 1")
+    job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 and e["time"] > kill_time
+                               and not e["healed"] for e in job.steps(1)), 60, "the spare to train with group 0")
+    demoted = [job.event_log(2 + 3, r) for r in range(nproc)]  # id N + index of restarted group 1 (spare N + 1)
+    job.wait_until(lambda: all(any(e.get("event") == "spare_ready" for e in read_events([p])) for p in demoted),
+                   120, "group 1's torchrun restart to stand by as a spare")
+    target = job.max_step() + 3
+    job.write_file("stop", str(target))
+    assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()  # group 1's launcher: its stand-by exited 0
+    assert job.wait_spare(0, 120) == 0, job.tails()
+    starts_after_kill = [e for e in job.events(1, 0) if e.get("event") == "start" and e["time"] > kill_time]
+    assert len(starts_after_kill) == 1, f"a second group 1 joined: {starts_after_kill}"
+
+    data = ShardedTextData(load_text(), context=32, micro_batch=4, seed=1234)
+    for r in range(nproc):
+        join = next(e for e in job.events(1, r) if e.get("event") == "spare_join")
+        assert join["replaces"] == 1 and join["time"] > kill_time
+        finals = {g: [e for e in job.events(g, r) if e.get("event") == "final"][-1] for g in (0, 1)}
+        spare_pid = [e["pid"] for e in job.events(1, r) if e.get("event") == "start"][-1]
+        assert spare_pid not in killed
+        assert finals[0]["step"] == finals[1]["step"] == target
+        assert finals[0]["param_checksum"] == finals[1]["param_checksum"]
+        assert finals[0]["optimizer_checksum"] == finals[1]["optimizer_checksum"]
+        assert finals[1]["heals"] >= 1
+        spare_batches = [e for e in job.events(1, r) if e.get("event") == "batch" and e["time"] > join["time"]]
+        assert spare_batches, f"the spare's rank {r} logged no batch"
+        for e in spare_batches:
+            assert (e["dp_rank"], e["dp_world_size"]) == (nproc + r, 2 * nproc), e
+            assert e["input_checksum"] == _expected_input_checksum(data, e["step"], e["micro_step"], r, nproc), e
+
+    job.stop()
+    pids = job.all_worker_pids() + [e["pid"] for e in read_events(demoted) if "pid" in e]
+    assert not [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_group_paused_past_the_heartbeat_timeout_leaves_when_it_finds_the_spare_in_its_place(local_job):
+    """SIGSTOP group 1 until the spare has taken its place; on SIGCONT it must not train as a second group 1."""
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=1,
+                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.start_spare(0)
+    job.wait_until(lambda: job.spare_ready(0) and all(
+        any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)), 180,
+        "both groups to commit together and the spare to stand by")
+    pause = time.time()
+    paused = job.kill_workers(1, sig=signal.SIGSTOP)
+    try:
+        job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 and not e["healed"]
+                                   and e["time"] > pause for e in job.steps(1)), 120, "the spare to train as group 1")
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    demoted = job.event_log(2 + 3, 0)
+    job.wait_until(lambda: any(e.get("event") == "spare_ready" for e in read_events([demoted])), 120,
+                   "the resumed group 1 to leave and stand by as a spare after its restart")
+    job.write_file("stop", str(job.max_step() + 3))
+    assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()
+    assert job.wait_spare(0, 120) == 0, job.tails()
+    assert "another member holds replica group 1" in job.log_text(1)
+    trios = [e for g in (0, 1) for e in job.steps(g) if e["committed"] and e["participants"] > 2]
+    assert not trios, f"steps committed by three groups (two copies of group 1): {trios[:3]}"
+    finals = {g: [e for e in job.events(g) if e.get("event") == "final"][-1] for g in (0, 1)}
+    assert finals[0]["param_checksum"] == finals[1]["param_checksum"]
+    job.stop()
+    pids = job.all_worker_pids() + [e["pid"] for e in read_events([demoted]) if "pid" in e]
+    assert not [p for p in pids if pid_alive(p)]

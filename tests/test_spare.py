@@ -1,0 +1,188 @@
+"""Unit tests of the warm spare's decisions (ftbridge.spare): when to join, which group it replaces."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ftbridge import spare
+from ftbridge.config import FTBridgeConfig
+from lighthouse.status import Heartbeat
+
+
+def hb(group, stale=False, uid="u"):
+    return Heartbeat(f"replica_group_{group}:{uid}", 0.1, stale)
+
+
+def test_vacant_is_a_known_group_whose_every_heartbeat_is_stale():
+    fresh, known = spare.heartbeat_groups([hb(0), hb(1, stale=True), hb(2, uid="old", stale=True), hb(2, uid="new"),
+                                           Heartbeat("someone_else", 0.1, True)])
+    assert (fresh, known) == ({0, 2}, {0, 1, 2})
+    assert spare.vacancies(fresh, known, 3) == [1]
+
+
+def test_never_heard_of_is_not_vacant_so_a_spare_started_first_waits_for_the_job():
+    assert spare.vacancies({0}, {0}, 2) == []
+
+
+def test_nothing_is_vacant_without_a_live_group_to_heal_from():
+    assert spare.vacancies(set(), {0, 1}, 2) == []
+
+
+def test_groups_outside_the_plan_are_ignored():
+    assert spare.vacancies({0}, {0, 5}, 2) == []
+
+
+def test_spare_k_waits_k_stagger_periods_then_takes_the_smallest_vacancy():
+    first = {1: 10.0, 3: 10.5}
+    assert spare.choose_group([3, 1], first, 10.0, spare_index=0) == 1
+    assert spare.choose_group([3, 1], first, 10.9, spare_index=1, stagger_s=1.0) is None
+    assert spare.choose_group([3, 1], first, 11.0, spare_index=1, stagger_s=1.0) == 1
+    assert spare.choose_group([], {}, 99.0, spare_index=0) is None
+
+
+def test_watch_joins_when_the_lighthouse_drops_a_group_and_not_before():
+    w = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=30)
+    assert w.observe(0.0, None) == ("wait", None)                      # status read failed
+    assert w.observe(0.1, [hb(0)]) == ("wait", None)                    # group 1 not up yet
+    assert w.observe(1.0, [hb(0), hb(1)]) == ("wait", None)             # full strength
+    assert w.observe(2.0, [hb(0), hb(1, stale=True)]) == ("join", 1)    # dropped: join at once
+
+
+def test_second_spare_leaves_a_vacancy_to_the_first_one_that_fills_it():
+    w = spare.VacancyWatch(num_groups=2, spare_index=1, job_gone_s=30)
+    assert w.observe(2.0, [hb(0), hb(1, stale=True)]) == ("wait", None)
+    # spare 0 took group 1 within the stagger period: no vacancy left, the vacancy memory is dropped
+    assert w.observe(2.5, [hb(0), hb(1, stale=True), hb(1, uid="spare0")]) == ("wait", None)
+    assert w.first_seen == {}
+    assert w.observe(3.5, [hb(0), hb(1, stale=True), hb(1, uid="spare0")]) == ("wait", None)
+
+
+def test_watch_exits_once_no_group_has_been_live_for_job_gone_s():
+    w = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=5)
+    assert w.observe(0.0, [hb(0), hb(1)]) == ("wait", None)
+    assert w.observe(4.0, [hb(0, stale=True), hb(1, stale=True)]) == ("wait", None)
+    assert w.observe(5.0, [hb(0, stale=True), hb(1, stale=True)]) == ("exit", None)
+
+
+def test_watch_never_exits_before_it_saw_a_live_group():
+    w = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=0)
+    assert w.observe(100.0, []) == ("wait", None)
+
+
+class FakeStore:
+    def __init__(self):
+        self.data = {}
+        self.checks = 0
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys):
+        self.checks += 1
+        if self.checks == 3:  # rank 0 decides while the other rank polls
+            self.set(spare.STORE_KEY, "1")
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_other_ranks_take_rank_0s_decision_from_the_group_store():
+    store = FakeStore()
+    assert spare.share_decision(store, 1, sleep=lambda s: None) == 1
+    rank0 = FakeStore()
+    assert spare.share_decision(rank0, 0, None) is None
+    assert rank0.data[spare.STORE_KEY] == b"-1"
+    assert spare.share_decision(rank0, 2, sleep=lambda s: None) is None
+
+
+def _cfg(**kw):
+    return FTBridgeConfig.resolve(environ={}, num_replica_groups=2, **kw)
+
+
+def test_stand_by_takes_over_the_dead_groups_id_and_so_its_data_shard():
+    from ftbridge.lm_job import topology
+
+    reads = iter([[hb(0), hb(1)], [hb(0), hb(1)], [hb(0), hb(1, stale=True)]])
+    fetch = lambda address, timeout_s: SimpleNamespace(heartbeats=next(reads))  # noqa: E731
+    cfg = _cfg(spare_index=0, replica_group_id=2)
+    takeover = spare.stand_by(cfg, fetch=fetch)
+    assert takeover.cfg.replica_group_id == 1
+    assert takeover.event()["replaces"] == 1 and takeover.event()["event"] == "spare_join"
+    cold = _cfg(replica_group_id=1)  # what a cold restart of group 1 resolves
+    assert topology(takeover.cfg) == topology(cold)
+
+
+def test_stand_by_exits_0_when_the_job_is_over(monkeypatch):
+    monkeypatch.setattr(spare, "POLL_S", 0.0)
+    reads = iter([[hb(0), hb(1)]] + [[hb(0, stale=True), hb(1, stale=True)]] * 1000)
+    fetch = lambda address, timeout_s: SimpleNamespace(heartbeats=next(reads))  # noqa: E731
+    with pytest.raises(SystemExit) as exc:
+        spare.stand_by(_cfg(spare_index=0, restart_peer_wait=0.001), fetch=fetch)
+    assert exc.value.code == 0
+
+
+def test_stand_by_refuses_an_active_group():
+    with pytest.raises(ValueError, match="spare_index=-1"):
+        spare.stand_by(_cfg())
+
+
+def test_config_rejects_a_bad_spare_index():
+    with pytest.raises(ValueError, match="spare_index=-2"):
+        _cfg(spare_index=-2)
+
+
+def test_config_rejects_a_spare_of_a_one_group_job():
+    with pytest.raises(ValueError, match="plan at least 2 groups"):
+        FTBridgeConfig.resolve(environ={}, num_replica_groups=1, spare_index=0)
+
+
+def hb_age(group, age, stale=False, uid="u"):
+    return Heartbeat(f"replica_group_{group}:{uid}", age, stale)
+
+
+def test_a_restarted_group_is_held_by_another_only_if_a_heartbeat_is_younger_than_its_own_start():
+    # its dead predecessor's last heartbeat is older than this process (even while not yet stale)
+    assert not spare.held_by_another([hb_age(1, 3.0, uid="pred"), hb_age(0, 0.05)], 1, since_s=2.5)
+    # a spare heartbeating as group 1 right now
+    assert spare.held_by_another([hb_age(1, 3.0, stale=True, uid="pred"), hb_age(1, 0.05, uid="spare")], 1, 2.5)
+    assert not spare.held_by_another([hb_age(1, 0.05, stale=True)], 1, 2.5)
+
+
+def test_restarted_group_whose_id_a_spare_holds_stands_by_as_a_spare():
+    beats = [hb_age(0, 0.05), hb_age(1, 0.05, uid="spare")]
+    fetch = lambda address, timeout_s: SimpleNamespace(heartbeats=beats)  # noqa: E731
+    cfg = _cfg(replica_group_id=1)
+    demoted = spare.demote_if_taken(cfg, restart_count=1, imported_at=0.0, fetch=fetch)
+    assert demoted.spare_index == 3 and demoted.replica_group_id == 5  # index N + G; stand-by id N + index
+    # first launch, or nobody else holds the id: unchanged
+    assert spare.demote_if_taken(cfg, restart_count=0, imported_at=0.0, fetch=fetch) is cfg
+    alone = lambda address, timeout_s: SimpleNamespace(heartbeats=beats[:1])  # noqa: E731
+    assert spare.demote_if_taken(cfg, restart_count=1, imported_at=0.0, fetch=alone) is cfg
+
+
+def test_unreadable_lighthouse_never_demotes():
+    def down(address, timeout_s):
+        raise OSError("connection refused")
+
+    cfg = _cfg(replica_group_id=1)
+    assert spare.demote_if_taken(cfg, restart_count=2, imported_at=0.0, fetch=down) is cfg
+
+
+def test_only_the_healing_holder_of_a_duplicated_group_id_leaves():
+    ids = ["replica_group_0:a", "replica_group_1:spare", "replica_group_1:paused"]
+    assert spare.must_leave(ids, 1, healing=True)
+    assert not spare.must_leave(ids, 1, healing=False)          # the up-to-date holder stays
+    assert not spare.must_leave(ids, 0, healing=True)           # a plain heal of group 0
+    assert not spare.must_leave(["replica_group_0:a", "replica_group_1:b"], 1, healing=True)
+
+
+def test_manager_raises_on_a_duplicate_before_torchft_heals():
+    from ftbridge.manager import ReplicaManager
+
+    fake = SimpleNamespace(cfg=_cfg(replica_group_id=1), transport=SimpleNamespace(expect_donor=lambda d: None))
+    result = SimpleNamespace(recover_src_manager_address="http://x", replica_ids=["replica_group_1:a",
+                             "replica_group_1:b"], heal=True, quorum_id=7)
+    with pytest.raises(spare.DuplicateReplicaGroup, match="quorum 7: another member holds replica group 1"):
+        ReplicaManager._on_quorum(fake, result)
+    ReplicaManager._on_quorum(fake, SimpleNamespace(**{**vars(result), "heal": False}))
