@@ -130,7 +130,9 @@ class FaultTolerantEngine:
         self._t0 = 0.0
         self.last_committed: Optional[bool] = None
         self._first_step_checked = False
+        self._heal_first = False  # a restarted group before its first commit (_prepare_heal_receive)
         self._launched = time.time()
+        self._prepare_heal_receive()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
                           sync_fallback=getattr(self.sync, "fallback_reason", "") or None,
@@ -157,6 +159,9 @@ class FaultTolerantEngine:
         Args:
             key: unique name.
             state_dict: returns a nested dict of tensors and JSON scalars.
+                A heal sends its tensors from their memory until the
+                optimizer step (:mod:`ftbridge.heal_stream`): return a clone
+                of any tensor that forward or backward changes.
             load_state_dict: applies a peer's value.
 
         Raises:
@@ -189,6 +194,8 @@ class FaultTolerantEngine:
         self._boundary_backward = self._deferred_backward = False
         self.adapter.begin_window()
         self.manager.start_quorum()
+        if self._heal_first:
+            self.manager.wait_quorum()  # the heal fetch runs alone (_prepare_heal_receive)
         if not self._first_step_checked and faults.armed("first_quorum"):
             self.manager.wait_quorum()  # in the quorum, before training a single step
             faults.point("first_quorum")
@@ -404,6 +411,26 @@ class FaultTolerantEngine:
             self.manager.load_state_dict({k: int(v) for k, v in state["manager"].items()})
 
     # -- heal -------------------------------------------------------------
+    def _prepare_heal_receive(self) -> None:
+        """A restarted group heals first: map its receive buffer while it starts up, drop it at the first commit.
+
+        Until that commit, each step waits for its quorum (and so for the
+        heal fetch) before its forward: the forward of a step that heals is
+        discarded, and run beside the fetch it only takes CPU from it.
+        """
+        transport = getattr(self.manager, "transport", None)
+        if (self.cfg.num_replica_groups > 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                and hasattr(transport, "prepare_recv")):
+            transport.prepare_recv()
+            self._heal_first = True
+
+            def first_commit(committed: bool) -> None:
+                if committed and self._heal_first:
+                    transport.release_recv()
+                    self._heal_first = False
+
+            self._step_hooks.append(first_commit)
+
     def heal_state(self) -> Dict[str, Any]:
         """This rank's live state for a joining peer (nested dict of tensors and scalars).
 

@@ -22,6 +22,14 @@ whoever answers the joiner's request can run code on it. This transport
 * with a job token (``FTBRIDGE_JOB_TOKEN``), serves only requests that carry
   an HMAC of it (:func:`ftbridge.heal_http.request_mac`); without one, anyone
   who reaches the port can download the state (keep it on a private network).
+
+Speed (issue #15 item 4): the donor encodes nothing up front; it sends the
+tensors' bytes from the tensors themselves while torchft allows it, and keeps
+a copy only of what responses still in flight lack when
+``disallow_checkpoint`` comes (:mod:`ftbridge.heal_stream`). The joiner reads
+the body with one blocking read into memory a restarted rank touched while
+it started up (:meth:`SafeHTTPTransport.prepare_recv`): fresh pages cost
+about 1.7 ms per MB here, more than the loopback transfer itself.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import http.client
 import logging
 import re
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -41,8 +50,9 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from ftbridge import faults
 from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
+from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
 from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
-from ftbridge.wire import decode_parts, decode_state, encode_state, header_length
+from ftbridge.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
 
@@ -50,6 +60,10 @@ logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
 """Heal requests a donor serves at once (each joining group sends one per rank pair); more are closed unread."""
+SERVING_SWITCH_INTERVAL_S = 0.0005
+"""Python's GIL switch interval while a donor serves a heal (s; the default is 5 ms): each step of a
+response (accept, request, send) waits for the GIL held by the training thread, up to the interval
+each time. Restored by :meth:`SafeHTTPTransport.disallow_checkpoint`."""
 UNBOUNDED_CHUNK_BYTES = 64 << 20
 """Without a size bound, the body is read in chunks of this many bytes (allocation follows the bytes received)."""
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
@@ -61,6 +75,26 @@ def _read_into(resp: Any, view: memoryview) -> int:
     got = 0
     while got < len(view):
         k = resp.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
+
+
+def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` with the response body: what ``http.client`` already buffered, then straight from ``sock``.
+
+    The socket is switched to blocking mode and read with ``MSG_WAITALL``:
+    one system call, so this thread takes the GIL back once rather than after
+    every partial read (each time up to the 5 ms switch interval while the
+    training thread runs). The overall deadline still holds: the
+    :data:`~ftbridge.heal_http.REAPER` shuts the socket down, which ends the
+    read. Returns the bytes read (fewer if the body ended early).
+    """
+    got = resp.fp.readinto1(view) if len(view) else 0  # bytes buffered with the headers, at most one raw read
+    sock.settimeout(None)
+    while got < len(view):
+        k = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         if not k:
             break
         got += k
@@ -87,9 +121,12 @@ def _read_chunked(resp: Any, total: int) -> tuple:
 class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     """torchft checkpoint transport over HTTP with a pickle-free format and bounded ends.
 
-    The donor serialises its state in :meth:`send_checkpoint` (in torchft's
+    The donor snapshots its state in :meth:`send_checkpoint` (in torchft's
     quorum thread, overlapping the forward pass) and serves it until
-    :meth:`disallow_checkpoint`; the joiner fetches ``GET /heal/{step}``.
+    :meth:`disallow_checkpoint`; the joiner fetches ``GET /heal/{step}``. The
+    response starts before the snapshot is complete: the body is laid out
+    from shapes alone and its tensor bytes are sent as they are copied
+    (:mod:`ftbridge.heal_stream`).
 
     Args:
         bind: interface address to listen on, e.g. ``"127.0.0.1"``; port is
@@ -129,11 +166,14 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._max_recv_bytes = max_recv_bytes
         self._donor_host: Optional[str] = None
         self._cond = threading.Condition()
-        self._body: Optional[Union[bytes, StagedBody]] = None
+        self._body: Optional[Union[StreamBody, StagedBody]] = None
+        self._recv_buffer: Optional[ReceiveBuffer] = None
+        self._saved_switch_interval: Optional[float] = None
         self._step = -1
         self.last_recv: Optional[Dict[str, Any]] = None
         """Timing of the last successful fetch (the heal benchmark reads it): ``bytes``, and wall
-        times (seconds since the epoch) ``start``, ``fetched`` (body received) and ``end`` (decoded)."""
+        times (seconds since the epoch) ``start``, ``response`` (status and headers received), ``fetched``
+        (body received) and ``end`` (decoded)."""
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         send_s = (heal_timeout or 2 * timeout).total_seconds()
         self._server = BoundedHTTPServer((bind, 0), self._handler_class(), family=family,
@@ -162,37 +202,59 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                                                         self.headers.get("Authorization")):
                     self.send_error(403, "heal request without this job's token (FTBRIDGE_JOB_TOKEN)")
                     return
-                cast(BoundedHTTPServer, self.server).extend(self.connection)
+                server = cast(BoundedHTTPServer, self.server)
+                server.extend(self.connection)
                 body = transport._wait_for(step)
                 if body is None:
                     self.send_error(409, f"step {step} is not being served")
                     return
+                if isinstance(body, StagedBody):  # GPU state: chunk by chunk through the pinned buffer
+                    self._send_staged(body)
+                    return
+                # A short last send goes out at once, not after the previous one's delayed ACK (Nagle).
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # Headers, the body's prefix and its first chunk in one system call (sendmsg): each
+                # call ends with this thread taking the GIL back from the training thread.
+                self.log_request(200)
+                head = (f"{self.protocol_version} 200 OK\r\nServer: {self.version_string()}\r\n"
+                        f"Content-Type: application/octet-stream\r\nContent-Length: {body.size}\r\n\r\n").encode()
+                # Blocking sends: the whole chunk in one system call rather than one per partial send;
+                # the connection's deadline (REAPER) still ends a stuck send.
+                self.connection.settimeout(None)
+                try:  # no copies of the body: sent from the donor's tensors (heal_stream)
+                    body.serve(self.connection.sendmsg, cut=self._cut, head=head,
+                               halfway=(lambda: faults.point("heal_send")) if faults.armed("heal_send") else None)
+                except BodyAborted as e:  # the joiner sees a short body: ConnectionError
+                    logger.info("heal transport: response for step %d cut short: %s", step, e)
+                    self.close_connection = True
+
+            def _send_staged(self, body: StagedBody) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                if isinstance(body, StagedBody):  # GPU state: chunk by chunk through the pinned buffer
-                    def at_half() -> None:
-                        self.wfile.flush()
-                        faults.point("heal_send")
 
-                    try:
-                        body.write_to(self.wfile.write, at_half=at_half)
-                    finally:
-                        transport._sent_staged()
-                    return
-                view, half = memoryview(body), len(body) // 2  # no copies of the body
-                self.wfile.write(view[:half])
-                self.wfile.flush()
-                faults.point("heal_send")
-                self.wfile.write(view[half:])
+                def at_half() -> None:
+                    self.wfile.flush()
+                    faults.point("heal_send")
+
+                try:
+                    body.write_to(self.wfile.write, at_half=at_half)
+                finally:
+                    transport._sent_staged()
+
+            def _cut(self) -> None:
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already closed
+                    pass
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("heal transport: " + fmt, *args)
 
         return Handler
 
-    def _wait_for(self, step: int) -> Optional[Union[bytes, StagedBody]]:
+    def _wait_for(self, step: int) -> Optional[Union[StreamBody, StagedBody]]:
         deadline = time.monotonic() + self._timeout.total_seconds()
         with self._cond:
             while self._body is None or self._step != step:
@@ -220,32 +282,62 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
     def send_checkpoint(self, dst_ranks: List[int], step: int, state_dict: Dict[str, Any],
                         timeout: timedelta) -> None:
-        """Serialise ``state_dict`` and serve it for ``step`` until :meth:`disallow_checkpoint`.
+        """Serve ``state_dict`` for ``step`` until :meth:`disallow_checkpoint`; returns at once.
+
+        Lays the body out from keys, shapes and dtypes
+        (:func:`ftbridge.wire.plan_body`) and serves it, with Python's GIL
+        switch interval lowered to :data:`SERVING_SWITCH_INTERVAL_S` until
+        :meth:`disallow_checkpoint`: responses write the
+        tensors' bytes from the tensors themselves
+        (:class:`ftbridge.heal_stream.StreamBody`), so the tensors in
+        ``state_dict`` must not change before :meth:`disallow_checkpoint`
+        (torchft calls it right before the donor's optimizer step).
 
         Raises:
-            TypeError: the state holds a leaf that is neither tensor nor JSON scalar.
+            TypeError: the state holds a leaf that is neither tensor nor JSON
+                scalar (before anything is served).
         """
         t0 = time.perf_counter()
-        body = staged_body(state_dict, self._staging) or encode_state(state_dict)
+        body: Union[StreamBody, StagedBody, None] = staged_body(state_dict, self._staging)  # GPU: pinned buffer
+        if body is None:
+            plan = plan_body(state_dict)
+            body = StreamBody(plan if plan is not None else encode_state(state_dict))
         with self._cond:
             self._body, self._step = body, step
+            if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
+                self._saved_switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
             self._cond.notify_all()
-        logger.info("serving heal state for step %d to replica ranks %s: %.1f MB encoded in %.3f s",
-                    step, dst_ranks, len(body) / 1e6, time.perf_counter() - t0)
+        logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
+                    step, dst_ranks, (len(body) if isinstance(body, StagedBody) else body.size) / 1e6,
+                    time.perf_counter() - t0)
 
     def disallow_checkpoint(self) -> None:
         """Stop serving: the donor's state may change from here on.
 
-        A GPU state is written from the live tensors, so this waits until
-        every response in progress has finished (each is bounded by the
-        response deadline, after which its connection is closed).
+        Responses in flight keep going from a copy of what they have not
+        sent yet (:meth:`ftbridge.heal_stream.StreamBody.freeze`); a response
+        still blocked in a write after ``heal_stream.FREEZE_GRACE_S`` is cut
+        off. A GPU state (:mod:`ftbridge.staging`) is written from the live
+        tensors through the pinned buffer, so this waits until every such
+        response has finished (each bounded by the response deadline).
         """
         deadline = time.monotonic() + self._server.response_deadline_s
         with self._cond:
-            self._body = None
+            body, self._body = self._body, None
+            saved, self._saved_switch_interval = self._saved_switch_interval, None
+            if saved is not None and abs(sys.getswitchinterval() - SERVING_SWITCH_INTERVAL_S) < 1e-9:
+                sys.setswitchinterval(saved)
             self._cond.notify_all()
             while self._sending > 0 and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
+        if isinstance(body, StreamBody):
+            t0 = time.perf_counter()
+            if not body.freeze():
+                logger.warning("heal transport: a response still wrote from the live state after being cut off")
+            if body.staged_bytes:
+                logger.info("heal transport: kept %.1f MB not yet sent to joiners in %.3f s", body.staged_bytes / 1e6,
+                            time.perf_counter() - t0)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Dict[str, Any]:
         """Fetch and decode the donor's state for ``step``, within one overall deadline.
@@ -280,7 +372,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             sock = conn.sock
             REAPER.set(sock, deadline - time.monotonic())
             conn.request("GET", f"/heal/{int(step)}", headers=headers)
-            head, blob, size = self._read_body(conn.getresponse(), url, step, limit, self._device, self._staging)
+            resp = conn.getresponse()
+            response = time.time()
+            head, blob, size = self._read_body(resp, sock, url, step, limit, deadline)
         except Exception as e:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"heal state for step {step} from {url}: not received within the heal "
@@ -292,14 +386,14 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             conn.close()
         fetched = time.time()
         state = decode_parts(head, blob)
-        self.last_recv = {"bytes": size, "start": wall0, "fetched": fetched, "end": time.time()}
+        self.last_recv = {"bytes": size, "start": wall0, "response": response, "fetched": fetched,
+                          "end": time.time()}
         logger.info("received heal state for step %d from replica rank %d (%s): %.1f MB in %.3f s",
                     step, src_rank, url, size / 1e6, time.perf_counter() - t0)
         return state
 
-    @staticmethod
-    def _read_body(resp: Any, url: str, step: int, limit: Optional[int], device: Any = None,
-                   staging: Optional[Staging] = None) -> tuple:
+    def _read_body(self, resp: Any, sock: socket.socket, url: str, step: int, limit: Optional[int],
+                   deadline: float) -> tuple:
         """``(JSON header, tensor blob, size)`` of a response, its size checked against ``limit`` before allocating."""
         if resp.status != 200:
             raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, None)
@@ -317,12 +411,13 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         n = header_length(prefix, size)
         head = resp.read(n)
         faults.point("heal_recv")
-        if device is not None and getattr(device, "type", device) == "cuda" and staging is not None:
+        device = self._device
+        if device is not None and getattr(device, "type", device) == "cuda":
             # Straight into tensors on the GPU, through the pinned staging buffer: no host copy of the body.
-            return head, read_tensors(resp.readinto, size - 8 - n, device, staging), size
+            return head, read_tensors(resp.readinto, size - 8 - n, device, self._staging), size
         if limit is not None:
-            blob: Union[bytearray, bytes] = bytearray(size - 8 - n)
-            got = _read_into(resp, memoryview(blob))
+            blob: Union[bytearray, memoryview] = self._take_recv_buffer(size - 8 - n, deadline)
+            got = _recv_exact(resp, sock, blob)
         else:
             blob, got = _read_chunked(resp, size - 8 - n)
         got += len(prefix) + len(head)
@@ -330,6 +425,32 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             raise ConnectionError(f"heal state for step {step} from {url}: received {got} of {size} bytes "
                                   "(the donor died or the connection broke)")
         return head, blob, size
+
+    def prepare_recv(self, wait_s: float = 0.0) -> None:
+        """Map and touch memory for the next fetch now, in a background thread (a restarted rank, during start-up).
+
+        Sized by ``max_recv_bytes`` (nothing without it, nor for a CUDA
+        ``device``, whose fetch reads through the pinned staging buffer). The next fetch
+        receives into it if it is large enough (:class:`ftbridge.heal_stream.ReceiveBuffer`),
+        after waiting for the touch to finish; :meth:`release_recv` drops it
+        unused.
+
+        Args:
+            wait_s: wait up to this long for the touch to finish here (s).
+        """
+        if self._max_recv_bytes is not None and getattr(self._device, "type", self._device) != "cuda":
+            self._recv_buffer = ReceiveBuffer(self._max_recv_bytes())  # (a CUDA joiner reads through ftbridge.staging)
+            self._recv_buffer.wait(wait_s)
+
+    def release_recv(self) -> None:
+        """Drop a buffer from :meth:`prepare_recv` that no fetch used (its memory is returned)."""
+        self._recv_buffer = None
+
+    def _take_recv_buffer(self, nbytes: int, deadline: float) -> memoryview:
+        """The prepared buffer if it fits (used once), else fresh memory: ``nbytes`` writable bytes."""
+        prepared, self._recv_buffer = self._recv_buffer, None
+        view = prepared.take(nbytes, deadline) if prepared is not None else None
+        return view if view is not None else fresh_buffer(nbytes)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the HTTP server."""

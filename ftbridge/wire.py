@@ -28,6 +28,7 @@ import json
 import math
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -49,45 +50,43 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
-def encode_state(state: Dict[str, Any]) -> bytes:
-    """Serialise a nested dict of tensors and JSON scalars without pickle.
+_DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
-    Args:
-        state: nested ``dict`` with ``str`` keys (no ``"/"`` in keys); leaves
-            are ``torch.Tensor`` (any dtype safetensors supports, any device:
-            copied to contiguous CPU memory) or ``int``/``float``/``bool``/
-            ``str``/``None``.
 
-    Returns:
-        The wire format described in the module docstring.
+@dataclass(frozen=True)
+class BodyPlan:
+    """A body laid out but not yet copied: :func:`plan_body`'s result.
 
-    Raises:
-        TypeError: a leaf or key of another type (name and path in the message).
+    The body is ``prefix`` followed by the bytes of ``tensors`` in order,
+    ``size`` bytes in all.
     """
-    header: Dict[str, Any] = {}
-    tensors: Dict[str, torch.Tensor] = {}
-    storages: set = set()
 
-    def walk(node: Any, path: str) -> None:
+    prefix: bytes
+    """8-byte length, JSON header, and the safetensors blob's own length and header (bytes)."""
+    tensors: Tuple[torch.Tensor, ...]
+    """The state's tensors in blob order, as given (live: not copied, any device, maybe non-contiguous)."""
+    size: int
+    """Bytes of the whole body."""
+
+
+def _flatten(state: Dict[str, Any]) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
+    """The JSON header of ``state`` and its tensors in header order (not copied); TypeError on a bad key or leaf."""
+    header: Dict[str, Any] = {}
+    tensors: List[torch.Tensor] = []
+    stack: List[Tuple[str, Any]] = [("", state)]
+    while stack:
+        path, node = stack.pop()
         if isinstance(node, dict):
             if not node and path:
                 header[path] = {"d": True}
-            for key, value in node.items():
+            for key in reversed(list(node)):
                 if not isinstance(key, str) or _SEP in key or not key:
                     raise TypeError(f"heal state key {key!r} at {path or '<root>'!r} must be a non-empty str "
                                     "without '/'")
-                walk(value, f"{path}{_SEP}{key}" if path else key)
+                stack.append((f"{path}{_SEP}{key}" if path else key, node[key]))
         elif isinstance(node, torch.Tensor):
-            name = f"t{len(tensors)}"
-            t = node.detach().to("cpu").contiguous()
-            # safetensors refuses tensors sharing a storage (state dicts hold views of flat
-            # buffers): copy only those; the others are copied once, by st_save itself.
-            storage = t.untyped_storage().data_ptr()
-            if storage in storages:
-                t = t.clone()
-            storages.add(storage)
-            tensors[name] = t
-            header[path] = {"t": name}
+            header[path] = {"t": f"t{len(tensors)}"}
+            tensors.append(node)
         elif isinstance(node, _SCALARS):
             header[path] = {"v": node}
         else:
@@ -95,8 +94,95 @@ def encode_state(state: Dict[str, Any]) -> bytes:
                 f"heal state leaf {path!r} is a {type(node).__name__}; only tensors and JSON "
                 "scalars are sent (no pickle): convert it in the state function"
             )
+    return header, tensors
 
-    walk(state, "")
+
+def plan_body(state: Dict[str, Any]) -> Optional[BodyPlan]:
+    """Lay out the body of ``state`` from its keys, shapes and dtypes, copying no tensor data.
+
+    The body is the one :func:`encode_state` returns: a sender may write
+    ``prefix`` at once and each tensor's bytes as it copies them
+    (:mod:`ftbridge.heal_stream`).
+
+    Args:
+        state: as for :func:`encode_state`.
+
+    Returns:
+        The plan, or ``None`` if a tensor has a dtype outside
+        :data:`_ST_DTYPES` (:func:`encode_state` then lets ``safetensors``
+        write the blob).
+
+    Raises:
+        TypeError: a leaf or key of another type (name and path in the message).
+    """
+    header, tensors = _flatten(state)
+    if any(t.dtype not in _DTYPE_NAMES for t in tensors):
+        return None
+    head = json.dumps(header).encode()
+    blob_head, end = b"", 0
+    if tensors:
+        entries = {}
+        for i, t in enumerate(tensors):
+            n = t.numel() * t.element_size()
+            entries[f"t{i}"] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + n]}
+            end += n
+        raw = json.dumps(entries, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes so that the data is aligned
+        blob_head = struct.pack("<Q", len(raw)) + raw
+    prefix = struct.pack("<Q", len(head)) + head + blob_head
+    return BodyPlan(prefix, tuple(tensors), len(prefix) + end)
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data as a flat ``uint8`` CPU tensor: a view if ``t`` is contiguous on the CPU, else a copy."""
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def encode_state(state: Dict[str, Any]) -> bytes:
+    """Serialise a nested dict of tensors and JSON scalars without pickle.
+
+    Args:
+        state: nested ``dict`` with ``str`` keys (no ``"/"`` in keys); leaves
+            are ``torch.Tensor`` (any dtype safetensors supports, any device:
+            copied to CPU memory) or ``int``/``float``/``bool``/``str``/``None``.
+
+    Returns:
+        The wire format described in the module docstring (one copy of the
+        tensors' bytes).
+
+    Raises:
+        TypeError: a leaf or key of another type (name and path in the message).
+    """
+    plan = plan_body(state)
+    if plan is None:
+        return _encode_with_safetensors(state)
+    out = bytearray(plan.size)
+    out[: len(plan.prefix)] = plan.prefix
+    dst = torch.frombuffer(out, dtype=torch.uint8) if plan.size else torch.empty(0, dtype=torch.uint8)
+    pos = len(plan.prefix)
+    for t in plan.tensors:
+        src = tensor_bytes(t)
+        dst[pos : pos + len(src)].copy_(src)
+        pos += len(src)
+    return bytes(out)
+
+
+def _encode_with_safetensors(state: Dict[str, Any]) -> bytes:
+    """:func:`encode_state` for dtypes :func:`plan_body` does not lay out: ``safetensors`` writes the blob."""
+    header, flat = _flatten(state)
+    tensors: Dict[str, torch.Tensor] = {}
+    storages: set = set()
+    for i, node in enumerate(flat):
+        t = node.detach().to("cpu").contiguous()
+        # safetensors refuses tensors sharing a storage (state dicts hold views of flat buffers): copy those.
+        storage = t.untyped_storage().data_ptr()
+        if storage in storages:
+            t = t.clone()
+        storages.add(storage)
+        tensors[f"t{i}"] = t
     head = json.dumps(header).encode()
     blob = st_save(tensors) if tensors else b""
     return struct.pack("<Q", len(head)) + head + blob
@@ -265,20 +351,21 @@ def _checked_entries(header: Any, tensors: Dict[str, torch.Tensor]) -> List[Tupl
 def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
     """:func:`decode_state` of a body already split into its JSON header and safetensors blob.
 
-    The receiver reads the two apart, into a ``bytearray`` for the blob
-    (nearly all of the bytes), whose tensors are then views of it: no copy
-    between the socket and the tensors. A ``bytes`` blob is loaded by
-    ``safetensors.torch.load`` (one copy).
+    The receiver reads the two apart, into a ``bytearray`` or a writable
+    ``memoryview`` for the blob (nearly all of the bytes), whose tensors are
+    then views of it: no copy between the socket and the tensors. A
+    ``bytes`` blob is loaded by ``safetensors.torch.load`` (one copy).
 
     Raises:
         ValueError: a malformed header or blob (see the module docstring's contract).
     """
     header = _json(head, "header")
+    writable = isinstance(blob, bytearray) or (isinstance(blob, memoryview) and not blob.readonly)
     try:
         if isinstance(blob, dict):  # already read and checked: ftbridge.staging.read_tensors (GPU joiners)
             tensors = blob
         else:
-            tensors = (_view_blob(blob) if isinstance(blob, bytearray) else st_load(bytes(blob))) if blob else {}
+            tensors = (_view_blob(blob) if writable else st_load(bytes(blob))) if len(blob) else {}
     except ValueError as e:
         raise ValueError(f"heal state tensor blob is corrupt: {e}") from None
     except Exception as e:  # noqa: BLE001 - hostile bytes: whatever safetensors raises becomes ValueError

@@ -182,14 +182,15 @@ def test_parse_rejects_unknown_only_before_any_work(capsys):
         cli.parse(["--only", "overhead,nope"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "nope" in err and "overhead, overlap, failover, heal, restart, rescale, memory, scaling" in err
+    assert "nope" in err and "overhead, overlap, failover, heal, heal_100m, restart, rescale, memory, scaling, outage, spare" in err
 
 
 def test_parse_quick_defaults_and_overrides(tmp_path):
     _, s, names = cli.parse(["--quick", "--steps", "4", "--out", str(tmp_path)])
     assert (s.quick, s.reps, s.steps, s.warmup_steps, s.timeout_s) == (True, 1, 4, 3, 300.0)
     assert s.workdir == str(tmp_path / "work") and names == [
-        "overhead", "overlap", "failover", "heal", "restart", "rescale", "memory", "scaling", "outage", "spare"]
+        "overhead", "overlap", "failover", "heal", "heal_100m", "restart", "rescale", "memory", "scaling", "outage",
+        "spare"]
     _, full, _ = cli.parse(["--reps", "2"])
     assert (full.quick, full.reps, full.steps, full.warmup_steps) == (False, 2, 60, 10)
     with pytest.raises(SystemExit):

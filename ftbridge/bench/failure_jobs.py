@@ -78,29 +78,32 @@ class KillRun:
 _CACHE: Dict[Tuple, List[KillRun]] = {}
 
 
-def ftbridge_kill_runs(settings: BenchSettings, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> List[KillRun]:
+def ftbridge_kill_runs(settings: BenchSettings, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+                       model: Sequence[str] = (), name: str = "") -> List[KillRun]:
     """``settings.reps`` ftbridge kill runs (1 in quick mode), cached for this suite invocation.
 
     Args:
         heartbeat_timeout_ms: the lighthouse's heartbeat timeout (ms).
+        model: training-job flags that replace the model of this run (e.g.
+            the heal benchmark's 100 M-parameter variant); ``name``: its work folder.
 
     Raises:
         TimeoutError: a stage took longer than ``settings.timeout_s`` (group log tails included).
         RuntimeError: a run did not end identical across groups with exit 0 (:func:`check_recovered`).
     """
     key = (os.path.abspath(settings.workdir), settings.quick, settings.reps, settings.warmup_steps,
-           heartbeat_timeout_ms)
+           heartbeat_timeout_ms, tuple(model))
     if key not in _CACHE:
         reps = 1 if settings.quick else settings.reps
-        name = ("ftbridge_kill" if heartbeat_timeout_ms == HEARTBEAT_TIMEOUT_MS
-                else f"ftbridge_kill_hb{heartbeat_timeout_ms}")
+        name = name or ("ftbridge_kill" if heartbeat_timeout_ms == HEARTBEAT_TIMEOUT_MS
+                        else f"ftbridge_kill_hb{heartbeat_timeout_ms}")
         _CACHE[key] = [ftbridge_kill_run(os.path.join(settings.workdir, name, f"rep{i}"), settings,
-                                         heartbeat_timeout_ms) for i in range(reps)]
+                                         heartbeat_timeout_ms, model) for i in range(reps)]
     return _CACHE[key]
 
 
 def ftbridge_kill_run(workdir: str, settings: BenchSettings,
-                      heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> KillRun:
+                      heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS, model: Sequence[str] = ()) -> KillRun:
     """2 groups train; group 1 is SIGKILLed, restarts (torchrun), heals and commits twice; then all stop.
 
     Raises:
@@ -108,7 +111,7 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings,
         RuntimeError: the run did not end identical across groups with exit 0 (:func:`check_recovered`).
     """
     t_out = settings.timeout_s
-    args = [*model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
+    args = [*model_args(settings), *model, "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
     job = LocalJob(workdir, 2, RANKS_PER_GROUP, args, max_restarts=1, heartbeat_timeout_ms=heartbeat_timeout_ms,
                    env={"OMP_NUM_THREADS": "1"}, checksum_every=None)
     warm = warm_steps(settings)
