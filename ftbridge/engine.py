@@ -418,7 +418,7 @@ class FaultTolerantEngine:
         heal fetch) before its forward: the forward of a step that heals is
         discarded, and run beside the fetch it only takes CPU from it.
         """
-        transport = getattr(self.manager, "transport", None)
+        transport: Any = getattr(self.manager, "transport", None)
         if (self.cfg.num_replica_groups > 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
                 and hasattr(transport, "prepare_recv")):
             transport.prepare_recv()

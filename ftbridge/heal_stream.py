@@ -75,7 +75,7 @@ class BodyAborted(Exception):
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     flat = tensor_bytes(t)
-    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+    return flat.numpy().data if flat.numel() else memoryview(b"")
 
 
 class StreamBody:
@@ -117,7 +117,7 @@ class StreamBody:
         if self._frozen or self._segments is None:
             raise BodyAborted("the donor's state may change now, and the rest of this response was not kept")
         i = bisect.bisect_right(self._starts, off) - 1
-        views = []
+        views: List[memoryview] = []
         while i < len(self._segments) and room > 0 and len(views) < MAX_IOVECS:
             a = max(off - self._starts[i], 0)
             view = self._segments[i][a : a + room]
@@ -214,7 +214,7 @@ class StreamBody:
                 part = memoryview(seg)[a:]
                 out[pos : pos + len(part)] = part
                 pos += len(part)
-        return memoryview(out) if len(out) else memoryview(b"")
+        return out.data if len(out) else memoryview(b"")
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the kernel maps every page in one call
@@ -266,7 +266,10 @@ class ReceiveBuffer:
         return self._ready.wait(max(0.0, seconds))
 
     def take(self, nbytes: int, deadline: float) -> Optional[memoryview]:
-        """A writable view of the first ``nbytes`` bytes once mapped; ``None`` if too small, not ready by ``deadline`` (``time.monotonic()``) or the mapping failed."""
+        """A writable view of the first ``nbytes`` bytes once mapped.
+
+        ``None`` if too small, not ready by ``deadline`` (``time.monotonic()``) or the mapping failed.
+        """
         if nbytes > self.nbytes or not self._ready.wait(max(0.0, deadline - time.monotonic())) or self._mm is None:
             return None
         return memoryview(self._mm)[:nbytes]

@@ -417,7 +417,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             return head, read_tensors(resp.readinto, size - 8 - n, device, self._staging), size
         if limit is not None:
             blob: Union[bytearray, memoryview] = self._take_recv_buffer(size - 8 - n, deadline)
-            got = _recv_exact(resp, sock, blob)
+            got = _recv_exact(resp, sock, memoryview(blob))
         else:
             blob, got = _read_chunked(resp, size - 8 - n)
         got += len(prefix) + len(head)

@@ -182,7 +182,8 @@ def test_parse_rejects_unknown_only_before_any_work(capsys):
         cli.parse(["--only", "overhead,nope"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "nope" in err and "overhead, overlap, failover, heal, heal_100m, restart, rescale, memory, scaling, outage, spare" in err
+    assert "nope" in err
+    assert "overhead, overlap, failover, heal, heal_100m, restart, rescale, memory, scaling, outage, spare" in err
 
 
 def test_parse_quick_defaults_and_overrides(tmp_path):

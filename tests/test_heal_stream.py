@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from ftbridge import heal_stream, transport as transport_mod
+from ftbridge import heal_stream
+from ftbridge import transport as transport_mod
 from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody
 from ftbridge.transport import SafeHTTPTransport
 from ftbridge.wire import decode_state, encode_state, header_length, plan_body
@@ -307,7 +308,8 @@ def test_a_restarted_group_maps_its_receive_buffer_and_fetches_before_its_first_
     from tests.fakes import FakeManager, gpt_batch, tiny_engine
 
     calls = []
-    transport = SimpleNamespace(prepare_recv=lambda: calls.append("prepare"), release_recv=lambda: calls.append("release"))
+    transport = SimpleNamespace(prepare_recv=lambda: calls.append("prepare"),
+                                release_recv=lambda: calls.append("release"))
 
     class Manager(FakeManager):
         participants = 2  # a peer is there: the restarted group does not wait for one (heal.must_wait_for_peer)

@@ -193,7 +193,8 @@ def kill_run_metrics(name: str, runs: Sequence[failure_jobs.KillRun]) -> List[Me
     out = [Metric(name, "restart to first commit (kill .. first committed step)", median(totals), "s", totals,
                   extra={"phases": phases, "phase_medians_s": {p: median([x[p] for x in phases]) for p in PHASES}})]
     out += [Metric(name, f"phase: {p}", median([x[p] for x in phases]), "s", [x[p] for x in phases]) for p in PHASES]
-    out.append(ratio_metric(name, f"heal transfer throughput / loopback TCP ({median([s['bytes'] for s in stats]) / 1e6:.0f} MB)",
+    mbytes = median([s["bytes"] for s in stats]) / 1e6
+    out.append(ratio_metric(name, f"heal transfer throughput / loopback TCP ({mbytes:.0f} MB)",
                             heal_rate, loop_rate,
                             baseline_name="plain TCP socket on 127.0.0.1, same bytes (MB/s)", target_min=0.5,
                             extra={"bytes": [s["bytes"] for s in stats],
