@@ -66,6 +66,21 @@ class GlooReplicaManager:
     def start_quorum(self):
         pass
 
+    def wait_quorum(self):
+        pass
+
+    def agree_on_heal(self):
+        return True  # nothing heals here
+
+    def discard_if_dropped(self):
+        pass  # no peer watch: every group always participates
+
+    def state_dict(self):
+        return {"step": self.step, "batches_committed": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
     def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
         opts = dist.AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
