@@ -311,6 +311,11 @@ def test_a_failing_hook_discards_the_step():
     from ftbridge.zero.grad_sync import GradientSync
 
     class Adapter:
+        on_cuda = False
+
+        def side_streams(self):
+            return []
+
         def partition_grads(self):
             return [torch.ones(8)]
 

@@ -21,14 +21,19 @@ def _together(job, groups, step, since=0.0):
                    for e in job.steps(g)) for g in groups)
 
 
+RIDE = {"FTBRIDGE_QUORUM_RETRIES": "29", "FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": "1"}
+"""Riding out the outage is off by default (experimental): these tests turn it on."""
+
+
 def _rode(job, group, since):
     return [e for e in job.steps(group) if e["committed"] and e.get("rode_out_outage") and e["time"] >= since]
 
 
+@pytest.mark.slow  # riding is experimental and off by default: a per-group entry can crash gloo (issue 15)
 @pytest.mark.timeout(180)
 def test_a_group_failing_during_the_outage_stops_the_others_until_the_lighthouse_is_back(local_job):
     # 1 s between torchft's lighthouse retries (30 s / 30) instead of 5 s: the fallback resumes sooner.
-    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, env={"FTBRIDGE_QUORUM_RETRIES": "29"})
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, env=RIDE)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     job.start()
     job.wait_until(lambda: _together(job, (0, 1), 3), 150, "both groups to commit step 3 together")
@@ -63,7 +68,7 @@ def test_a_group_failing_during_the_outage_stops_the_others_until_the_lighthouse
 def test_a_group_starting_during_the_outage_joins_only_after_it(local_job):
     # torchft's manager dials the lighthouse when it is built and gives up after connect_timeout: the
     # late group fails to start while the lighthouse is down, and torchrun starts it again.
-    job = local_job(3, 1, [*TINY, "--steps", "100000"], max_restarts=5, env={"FTBRIDGE_QUORUM_RETRIES": "29"})
+    job = local_job(3, 1, [*TINY, "--steps", "100000"], max_restarts=5, env=RIDE)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     job.start(groups=[0, 1])
     job.wait_until(lambda: _together(job, (0, 1), 3), 150, "groups 0 and 1 to commit step 3 together")
