@@ -172,14 +172,10 @@ def failover_row(workdir: str, plan: Plan) -> Dict[str, Any]:
     job = LocalJob(workdir, 2, 1, args, max_restarts=1, env={"OMP_NUM_THREADS": "1"}, checksum_every=None)
     t_out = plan.timeout_s
     with job:
+        from ftbridge.bench import failure_jobs
+
         job.start()
-        job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["step"] >= 3
-                                       for e in job.steps(g)) for g in (0, 1)), t_out, "both groups to commit")
-        kill_time = time.time()
-        job.kill_workers(1)
-        job.wait_heal(1, kill_time, t_out, "restarted group 1 to heal")
-        job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
-        job.write_file("stop", str(job.max_step() + 1))
+        kill_time = failure_jobs.kill_group_1_and_heal(job, 3, t_out)
         codes = job.wait(t_out)
         phases = heal_phases(job.events(1, 0), kill_time)
         stall = survivor_stall(job.steps(0), kill_time)

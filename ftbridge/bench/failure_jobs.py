@@ -117,13 +117,7 @@ def ftbridge_kill_run(workdir: str, settings: BenchSettings,
     warm = warm_steps(settings)
     with job:
         job.start()
-        job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["step"] >= warm
-                                       for e in job.steps(g)) for g in (0, 1)), t_out, "both groups to commit together")
-        kill_time = time.time()
-        job.kill_workers(1)
-        job.wait_heal(1, kill_time, t_out, "restarted group 1 to heal")
-        job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
-        job.write_file("stop", str(job.max_step() + 1))
+        kill_time = kill_group_1_and_heal(job, warm, t_out)
         codes = job.wait(t_out)
         events = job.events()
         check_recovered(events, codes, groups=(0, 1), ranks=RANKS_PER_GROUP, what=f"kill run in {workdir}")
@@ -316,3 +310,20 @@ def _end(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             _killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def kill_group_1_and_heal(job: Any, warm: int, t_out: float) -> float:
+    """Once both groups committed step ``warm`` together, SIGKILL group 1, wait for it to heal and train on,
+    then ask the job to stop after one more step. Returns the kill time (s since the epoch).
+
+    Raises:
+        TimeoutError: a wait exceeded ``t_out`` seconds.
+    """
+    job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["step"] >= warm
+                                   for e in job.steps(g)) for g in (0, 1)), t_out, "both groups to commit together")
+    kill_time = time.time()
+    job.kill_workers(1)
+    job.wait_heal(1, kill_time, t_out, "restarted group 1 to heal")
+    job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
+    job.write_file("stop", str(job.max_step() + 1))
+    return kill_time
