@@ -68,7 +68,11 @@ def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job
     job.wait_until(lambda: _both_at(job, job.max_step() + 3, since=restarted), 120,
                    "both groups to commit 3 more steps together after the restart")
     resumed = min(min(e["time"] for e in _committed_between(job, g, restarted, time.time())) for g in (0, 1))
-    assert fetch_status(address).quorum_id < 10  # a fresh lighthouse: ids started again
+    # The fresh lighthouse knows both groups again. (Its quorum id is no measure of freshness: after a
+    # restart a group that reconnects first gets quorums alone, which the majority rule discards, and each
+    # discarded step's commit failure moves the id on: 16 under load in CI.)
+    after = fetch_status(address)
+    assert sorted(m.replica_group for m in after.members) == [0, 1], after
 
     target = job.max_step() + 3
     job.write_file("stop", str(target))
@@ -88,4 +92,5 @@ def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job
     assert {f["step"] for f in finals} == {target}
     text = job.log_text(0) + job.log_text(1)
     print(f"outage {restarted - stopped:.1f} s; first commit {resumed - restarted:.1f} s after the restart; "
-          f"lighthouse restarts detected: {text.count('lighthouse restarted')}")
+          f"lighthouse restarts detected: {text.count('lighthouse restarted')}; quorum id {after.quorum_id} after it, "
+          f"steps discarded (both groups): {text.count('DISCARDED')}")
