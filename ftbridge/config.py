@@ -144,7 +144,7 @@ class FTBridgeConfig:
     than :attr:`peer_watch_poll` reads the lighthouse's status every poll and
     discards the step once a member of the step's quorum has no heartbeat
     (``FTBRIDGE_PEER_WATCH``; CPU process groups only; see
-    :mod:`ftbridge.quorum_watch`). Costs a copy of each all-reduced message."""
+    :mod:`ftbridge.manager.quorum_watch`). Costs a copy of each all-reduced message."""
 
     peer_watch_poll: timedelta = timedelta(milliseconds=100)
     """How long a cross-replica wait lasts before the peer watch first reads
@@ -174,7 +174,7 @@ class FTBridgeConfig:
     group), each step only after every member agreed on quorum, membership and
     step; on any failure, wait for the lighthouse as before. Off (the default):
     every step waits for the lighthouse (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``;
-    see :mod:`ftbridge.outage`). **Experimental, off by default:** entry into
+    see :mod:`ftbridge.manager.outage`). **Experimental, off by default:** entry into
     riding is decided per group, so a group that rides while another takes a
     normal step issues its agreement all-reduce against the other's next
     gradient all-reduce; gloo then aborts the process on the size mismatch
@@ -501,7 +501,7 @@ class FTBridgeConfig:
 
         c10d's store client blocks without a timeout on a SIGSTOPped host,
         so such calls run in a helper thread bounded by this
-        (:func:`ftbridge.store_probe.call_bounded`).
+        (:func:`ftbridge.manager.store_probe.call_bounded`).
         """
         return 2 * self.vote_timeout
 

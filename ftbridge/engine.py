@@ -296,7 +296,7 @@ class FaultTolerantEngine:
         self.guard.check(self.manager.current_step)
         self._wait_for_peer_after_restart()
         self.manager.agree_on_heal()
-        self.manager.discard_if_dropped()  # peer watch (ftbridge.quorum_watch): frozen and left out meanwhile
+        self.manager.discard_if_dropped()  # peer watch (ftbridge.manager.quorum_watch): frozen and left out meanwhile
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
@@ -320,7 +320,7 @@ class FaultTolerantEngine:
         rec: Dict[str, Any] = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
                    replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
-                   rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.outage
+                   rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
         self.events.write(**rec)
         if rec["healed"] and self.manager.transport.last_recv:
             # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.bench.heal).

@@ -195,7 +195,7 @@ def check_heal_url(metadata: str, expected_host: Optional[str]) -> Tuple[str, in
     """``(host, port)`` of a donor's heal URL prefix, if it is one a joiner may fetch from.
 
     Args:
-        metadata: the donor's :meth:`ftbridge.transport.SafeHTTPTransport.metadata`,
+        metadata: the donor's :meth:`ftbridge.manager.transport.SafeHTTPTransport.metadata`,
             ``http://HOST:PORT/heal/``, as torchft passes it to the joiner.
         expected_host: the host the quorum names for the donor (its manager's
             host), or ``None`` to accept any host.

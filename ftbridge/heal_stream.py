@@ -3,7 +3,7 @@
 Before, the donor encoded its whole state into one ``bytes`` (three copies
 through ``safetensors``, into freshly allocated memory) and only then
 served it: at 10 MB the encode took 30 ms of a 44 ms heal, on the joiner's
-critical path. Now :meth:`ftbridge.transport.SafeHTTPTransport.send_checkpoint`
+critical path. Now :meth:`ftbridge.manager.transport.SafeHTTPTransport.send_checkpoint`
 only lays the body out from keys, shapes and dtypes
 (:func:`ftbridge.wire.plan_body`, well under a millisecond) and a
 :class:`StreamBody` sends each tensor's bytes from the tensor itself, in
@@ -235,7 +235,7 @@ class ReceiveBuffer:
     Writing to fresh pages costs their page faults: here about 1.7 ms per
     MB (600 MB/s, a quarter of a loopback socket), paid inside the transfer
     when the joiner receives into new memory. A restarted rank maps this
-    while it starts up (:meth:`ftbridge.transport.SafeHTTPTransport.prepare_recv`)
+    while it starts up (:meth:`ftbridge.manager.transport.SafeHTTPTransport.prepare_recv`)
     and the fetch receives into it.
 
     Args:

@@ -1,6 +1,6 @@
 """Pure rules of a quorum change: lighthouse restarts, the reconfigure vote, group sizes, key namespaces.
 
-No torchft, no clock, no network: :class:`ftbridge.manager._QuorumGuard`
+No torchft, no clock, no network: :class:`ftbridge.manager.quorum_guard._QuorumGuard`
 applies them on torchft's quorum thread.
 
 The lighthouse keeps its state in memory; restarted, it numbers quorums from
@@ -20,7 +20,7 @@ lighthouse first gets quorum 1 alone, the other joins at quorum 2, an id
 both had before. Measured here, that step failed after the 10 s
 cross-replica timeout and the job paused for 20 s instead of 10.
 
-:class:`ftbridge.manager._QuorumGuard` fixes both without touching torchft's code: it wraps the
+:class:`ftbridge.manager.quorum_guard._QuorumGuard` fixes both without touching torchft's code: it wraps the
 manager's client (``Manager._client``, checked against the installed torchft
 version) and, per quorum,
 

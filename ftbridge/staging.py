@@ -1,6 +1,6 @@
 """Moving GPU tensors to and from bytes through one bucket-sized pinned host buffer.
 
-Used at the tensor-to-bytes boundary of the heal (:mod:`ftbridge.transport`)
+Used at the tensor-to-bytes boundary of the heal (:mod:`ftbridge.manager.transport`)
 and of async checkpoint snapshots (:mod:`ftbridge.checkpoint.async_save`):
 
 * **donor**: :class:`StagedBody` serves a state whose tensors live on a GPU in

@@ -1,7 +1,8 @@
 """Run torchft's lighthouse in-process, with ftbridge's defaults and checks.
 
 The lighthouse is torchft's own Rust server
-(``torchft._torchft.LighthouseServer``); this module only validates the
+(``torchft.coordination.LighthouseServer``, imported through
+:mod:`ftbridge.manager._torchft`); this module only validates the
 arguments, chooses defaults suited to fast failover, fixes the address it
 reports, and warns when it is exposed beyond loopback. It keeps its state in
 memory only: after a restart quorum ids start again at 0.
@@ -280,7 +281,8 @@ def start_lighthouse(
     if not is_loopback(host):
         _warn_exposed(bind)
 
-    from torchft._torchft import LighthouseServer  # heavy import, only when starting
+    # torchft's native lighthouse through its one door (ftbridge.manager._torchft); heavy, only when starting
+    from ftbridge.manager._torchft import LighthouseServer
 
     try:
         server = LighthouseServer(

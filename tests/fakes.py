@@ -35,7 +35,7 @@ class Done:
 class FakeManager:
     """Stand-in for :class:`ftbridge.manager.ReplicaManager` (same constructor and per-step calls)."""
 
-    torchft = None  # no torchft Manager underneath: nothing heals
+    _torchft = None  # no torchft Manager underneath: nothing heals
     participants = 1
     replica_rank = 0
     quorum_id = 1

@@ -2,8 +2,8 @@
 
 Reads the ``import`` statements of ``ftbridge/``, ``lighthouse/`` and ``scripts/`` with ``ast``. A module
 that is not listed here and imports torchft, or a DeepSpeed module below ``deepspeed.runtime``/``utils``,
-fails this test: go through the door (:mod:`ftbridge.manager`, :mod:`ftbridge.zero`) instead, or move the
-door and update the diagram in docs/concepts.md together with these sets.
+fails this test: go through the door (:mod:`ftbridge.manager._torchft`, :mod:`ftbridge.zero`) instead, or move
+the door and update the diagram in docs/concepts.md together with these sets.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from typing import Dict, Set
 
 REPO = Path(__file__).resolve().parents[1]
 
-TORCHFT_DOORS = {"ftbridge/manager.py", "ftbridge/store_probe.py", "ftbridge/transport.py", "lighthouse/server.py"}
-"""Modules that import torchft (the last three: process-group and transport base classes, the Rust lighthouse)."""
+TORCHFT_DOORS = {"ftbridge/manager/_torchft.py"}
+"""The one module that imports torchft; everything else (the manager package's process groups and heal
+transport, the lighthouse service) takes torchft's names from it."""
+
+MANAGER_PACKAGE = "ftbridge/manager/"
+"""Where :class:`ftbridge.manager.ReplicaManager`'s torchft ``Manager`` (``_torchft``) may be touched."""
 
 DEEPSPEED_INTERNAL_DOORS = {"ftbridge/zero/"}
 """Where DeepSpeed names other than ``deepspeed`` itself and ``deepspeed.accelerator`` may be imported."""
@@ -42,7 +46,13 @@ def _allowed(path: str, doors: Set[str]) -> bool:
 def test_torchft_is_imported_only_through_its_doors():
     bad = {p: sorted(n for n in names if n.split(".")[0] == "torchft")
            for p, names in _imports().items() if not _allowed(p, TORCHFT_DOORS)}
-    assert not {p: n for p, n in bad.items() if n}, "import torchft through ftbridge.manager"
+    assert not {p: n for p, n in bad.items() if n}, "import torchft through ftbridge.manager._torchft"
+
+
+def test_the_torchft_door_is_the_one_module_that_imports_torchft():
+    # docs/concepts.md says "torchft is imported by one module": the door must really be it, not a stale name.
+    importers = {p for p, names in _imports().items() if any(n.split(".")[0] == "torchft" for n in names)}
+    assert importers == TORCHFT_DOORS
 
 
 def test_deepspeed_internals_are_imported_only_through_zero():
@@ -57,9 +67,9 @@ def test_no_module_reaches_the_torchft_manager_around_replica_manager():
     for top in ("ftbridge", "lighthouse", "scripts"):
         for path in sorted((REPO / top).rglob("*.py")):
             rel = str(path.relative_to(REPO))
-            if rel == "ftbridge/manager.py":
+            if _allowed(rel, {MANAGER_PACKAGE}):
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Attribute) and node.attr == "torchft":
+                if isinstance(node, ast.Attribute) and node.attr in ("torchft", "_torchft"):
                     reached.append(f"{rel}:{node.lineno}")
     assert not reached, f"use ReplicaManager's methods instead of its torchft Manager: {reached}"

@@ -249,7 +249,7 @@ def test_powersgd_commit_discard_and_heal(batched):
 
 
 def test_powersgd_state_dict_round_trips_through_the_heal_wire_format():
-    from ftbridge.transport import decode_state, encode_state
+    from ftbridge.manager.transport import decode_state, encode_state
     from ftbridge.zero.state import from_wire, to_wire
 
     world, hook, states = _psgd_world(1, {"start_powerSGD_iter": 0})

@@ -118,7 +118,7 @@ def test_discard_resets_what_offload_computed_in_backward(stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3, BF16_OPT, *OFFLOAD])
 def test_heal_state_round_trip_restores_everything(stage):
-    from ftbridge.transport import decode_state, encode_state
+    from ftbridge.manager.transport import decode_state, encode_state
 
     gas = _gas(stage)
     donor = _engine(stage)
@@ -147,7 +147,7 @@ def test_heal_in_should_commit_keeps_the_offloaded_gradient(stage):
     # already put the averaged gradient into the CPU fp32 partition and taken its norms. The joiner
     # computes its gradient on its own (stale) parameters; the average it received does not depend on
     # them, so it must step exactly like a replica that had the donor's state before backward.
-    from ftbridge.transport import decode_state, encode_state
+    from ftbridge.manager.transport import decode_state, encode_state
 
     gas = _gas(stage)
     donor = _engine(stage, manager_cls=ConstantManager)

@@ -24,7 +24,7 @@ from ftbridge import heal_http
 from ftbridge.config import FTBridgeConfig
 from ftbridge.heal import lazy_state_bytes
 from ftbridge.manager import ReplicaManager
-from ftbridge.transport import SafeHTTPTransport
+from ftbridge.manager.transport import SafeHTTPTransport
 from ftbridge.wire import encode_state, size_bound
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load as st_load
 
 from ftbridge import heal_stream
-from ftbridge import transport as transport_mod
 from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody
-from ftbridge.transport import SafeHTTPTransport
+from ftbridge.manager import transport as transport_mod
+from ftbridge.manager.transport import SafeHTTPTransport
 from ftbridge.wire import decode_state, encode_state, header_length, plan_body
 
 pytestmark = pytest.mark.timeout(30)

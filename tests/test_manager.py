@@ -1,5 +1,5 @@
-"""Tests of ftbridge/manager.py: the lighthouse-restart guard (pure decisions, the vote on a real TCPStore)
-and the timeouts the real torchft Manager ends up with."""
+"""Tests of ftbridge/manager/ (replica.py, quorum_guard.py): the lighthouse-restart guard (pure decisions,
+the vote on a real TCPStore) and the timeouts the real torchft Manager ends up with."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.manager import (
+from ftbridge.manager import ReplicaManager
+from ftbridge.manager.quorum_guard import (
     GroupSizeMismatch,
     QuorumSeen,
-    ReplicaManager,
     _QuorumGuard,
     decide_reconfigure,
     detect_lighthouse_restart,
@@ -149,7 +149,7 @@ def test_torchft_calls_get_twice_the_cross_replica_timeout_even_with_torchfts_en
     with caplog.at_level(logging.WARNING, logger="ftbridge.manager"):
         manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
     try:
-        assert manager.torchft._timeout == timedelta(seconds=10)
+        assert manager._torchft._timeout == timedelta(seconds=10)
         assert os.environ["TORCHFT_TIMEOUT_SEC"] == "10"
         assert "TORCHFT_TIMEOUT_SEC=3 in the environment is replaced by 10" in caplog.text
     finally:
@@ -187,10 +187,10 @@ def test_torchft_heals_through_ftbridges_pickle_free_transport(monkeypatch):
     # every heal test still passes: assert on the Manager that ReplicaManager really built.
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    from ftbridge.transport import SafeHTTPTransport
+    from ftbridge.manager.transport import SafeHTTPTransport
 
     with _rank0_manager(monkeypatch) as manager:
-        used = manager.torchft._checkpoint_transport
+        used = manager._torchft._checkpoint_transport
         assert type(used) is SafeHTTPTransport and used is manager.transport
         assert not isinstance(used, HTTPTransport)
         # What torchft advertises to a healing peer is this transport's address (GET /heal/STEP).
@@ -282,7 +282,7 @@ def test_a_group_rank_0_listens_where_docs_lighthouse_md_says(monkeypatch):
     with _rank0_manager(monkeypatch, heal_bind="127.0.0.1") as manager:
         new = {p: a for p, a in _listening().items() if p not in before and p not in manager.test_own_ports}
         heal_port = int(manager.transport.metadata().split(":")[2].split("/")[0])
-        manager_port = int(manager.torchft._manager.address().rsplit(":", 1)[1])
+        manager_port = int(manager._torchft._manager.address().rsplit(":", 1)[1])
         assert new.get(heal_port) == "127.0.0.1", new
         assert new.get(manager_port) in ("::", "0.0.0.0"), new
         assert set(new) == {heal_port, manager_port}, f"an undocumented listener: {new}"
@@ -327,8 +327,8 @@ def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it()
 
 
 def test_after_a_restart_the_guard_discards_until_a_majority_is_back_then_goes_on(monkeypatch):
-    import ftbridge.manager as manager_module
-    from ftbridge.manager import _QuorumGuard
+    import ftbridge.manager.quorum_guard as manager_module
+    from ftbridge.manager.quorum_guard import _QuorumGuard
 
     errors = []
     clock = [0.0]

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftbridge.outage import ROW, OutageRider, decide_ride, encode_row, judge_rows, probe_lighthouse
+from ftbridge.manager.outage import ROW, OutageRider, decide_ride, encode_row, judge_rows, probe_lighthouse
 
 D1, D2 = "0123456789abcdef", "fedcba9876543210"
 

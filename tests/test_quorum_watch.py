@@ -1,4 +1,4 @@
-"""Peer watch (ftbridge.quorum_watch): the decisions as pure functions, the wait with a scripted lighthouse."""
+"""Peer watch (ftbridge.manager.quorum_watch): the decisions as pure functions, the wait with a scripted lighthouse."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch.distributed import TCPStore
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.quorum_watch import (
+from ftbridge.manager.quorum_watch import (
     FreezeClock,
     PeerLost,
     QuorumWatch,
@@ -19,7 +19,7 @@ from ftbridge.quorum_watch import (
     lost_members,
     wait_for_keys,
 )
-from ftbridge.store_probe import ProbedProcessGroupGloo
+from ftbridge.manager.store_probe import ProbedProcessGroupGloo
 from lighthouse.status import Heartbeat, LighthouseStatus, Member
 
 pytestmark = pytest.mark.timeout(60)  # a watch that never ends a wait fails here, not at the suite's 300 s

@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ftbridge import staging, transport
+from ftbridge import staging
+from ftbridge.manager import transport
 from ftbridge.staging import Staging, read_tensors, staged_body, staging_size
 from ftbridge.wire import decode_parts, decode_state, encode_state
 

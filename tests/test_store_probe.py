@@ -1,4 +1,4 @@
-"""Tests of ftbridge/store_probe.py: calls to a hung TCPStore fail within their deadline instead of blocking."""
+"""Tests of ftbridge/manager/store_probe.py: calls to a hung TCPStore fail within their deadline instead of blocking."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from ftbridge.store_probe import ProbedProcessGroupGloo, call_bounded, probe_store
+from ftbridge.manager.store_probe import ProbedProcessGroupGloo, call_bounded, probe_store
 
 
 @pytest.fixture

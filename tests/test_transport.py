@@ -1,4 +1,4 @@
-"""Unit tests for ftbridge.transport: the pickle-free wire format and the HTTP heal transport.
+"""Unit tests for ftbridge.manager.transport: the pickle-free wire format and the HTTP heal transport.
 
 The HTTP tests run donor and receiver in one process (the server runs in its
 own threads); every test that opens a socket has a short timeout.
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load as st_load
 from torchft.checkpointing.transport import CheckpointTransport
 
-from ftbridge.transport import SafeHTTPTransport, decode_state, encode_state
+from ftbridge.manager.transport import SafeHTTPTransport, decode_state, encode_state
 
 NET_TIMEOUT = pytest.mark.timeout(30)
 
@@ -557,7 +557,7 @@ def test_encoded_body_is_a_snapshot_of_the_state():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
 def test_received_blob_decodes_as_writable_views_equal_to_safetensors_load(dtype):
-    from ftbridge.transport import decode_parts
+    from ftbridge.manager.transport import decode_parts
 
     state = {"a": (torch.arange(12) % 3).to(dtype).reshape(3, 4), "empty": torch.empty(0, 5, dtype=dtype),
              "s": 7, "nested": {"b": torch.ones(2, dtype=dtype)}}
@@ -575,7 +575,7 @@ def test_received_blob_decodes_as_writable_views_equal_to_safetensors_load(dtype
 
 @pytest.mark.parametrize("corrupt", ["offsets past the end", "size mismatch"])
 def test_view_decode_checks_offsets_against_the_blob(corrupt):
-    from ftbridge.transport import decode_parts
+    from ftbridge.manager.transport import decode_parts
 
     body = encode_state({"a": torch.arange(4.0)})
     (n,) = struct.unpack("<Q", body[:8])

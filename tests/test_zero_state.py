@@ -6,7 +6,7 @@ import enum
 import pytest
 import torch
 
-from ftbridge.transport import decode_state, encode_state
+from ftbridge.manager.transport import decode_state, encode_state
 from ftbridge.zero.state import from_wire, to_wire
 
 

@@ -208,7 +208,7 @@ def _serve_state(mb: int, queue: Any, done: Any) -> None:
 
     import torch
 
-    from ftbridge.transport import SafeHTTPTransport
+    from ftbridge.manager.transport import SafeHTTPTransport
 
     n = 1 << 20  # 4 MB tensors
     state = {"optimizer": {str(i): torch.randn(n) for i in range(max(1, mb // 4))}, "step": 0}
@@ -233,7 +233,7 @@ def transport_alone(mb: int, reps: int) -> List[Metric]:
     import queue as queue_mod
     from datetime import timedelta
 
-    from ftbridge.transport import SafeHTTPTransport
+    from ftbridge.manager.transport import SafeHTTPTransport
 
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()

@@ -53,7 +53,7 @@ def _step(manager: ReplicaManager, g: int, out: Dict[int, Any], fail: bool) -> N
                  bf16_compress_hook(state, tensors["bf16_compress_hook"])]
         for w in works:
             w.wait()
-        participating = manager.torchft.is_participating()
+        participating = manager.is_participating()
         if fail:
             manager.report_error(RuntimeError("test: this group's step failed"))
         out[g] = {"participants": state.participants, "participating": participating,

@@ -1,4 +1,4 @@
-"""Training through a lighthouse outage with a real lighthouse stopped and started again (ftbridge.outage).
+"""Training through a lighthouse outage with a real lighthouse stopped and started again (ftbridge.manager.outage).
 
 Two replica groups (1 rank each, the tiny model). While the lighthouse is down the groups keep
 committing on their last quorum; a group that fails during the outage stops the others' commits

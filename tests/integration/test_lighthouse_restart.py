@@ -3,7 +3,7 @@
 Two replica groups (1 rank each, the tiny model) train with ftbridge's
 default quorum settings. The lighthouse goes down after both have committed
 a few steps together; the groups keep committing on their last quorum
-(:mod:`ftbridge.outage`) and go back to the lighthouse once it is up again,
+(:mod:`ftbridge.manager.outage`) and go back to the lighthouse once it is up again,
 with quorum ids starting again at 1, and no rank restarts. With
 ``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE=0`` (slow variant) they pause in their
 quorum calls (torchft's manager retries) instead. Also: ``ftbridge-lighthouse

@@ -1,4 +1,4 @@
-"""A hung replica group is cut off when the lighthouse declares it dead (ftbridge.quorum_watch).
+"""A hung replica group is cut off when the lighthouse declares it dead (ftbridge.manager.quorum_watch).
 
 2 groups x 1 rank, tiny model, lighthouse heartbeat timeout 2 s, cross-replica
 timeout 10 s. Group 1's only rank is SIGSTOPped once both groups commit

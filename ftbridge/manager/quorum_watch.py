@@ -220,13 +220,17 @@ class QuorumWatch:
         freeze: the freeze detector for :meth:`dropped_while_frozen` (default: a started :class:`FreezeClock`).
         freeze_discard: a freeze at least this long discards the step without asking the lighthouse
             (``FTBridgeConfig.peer_watch_freeze_discard``).
+        bury: sets the cross-replica process group's current c10d group aside after a wait was cut
+            short (:meth:`ftbridge.manager.store_probe.ProbedProcessGroupGloo.bury` of the group
+            :class:`ftbridge.manager.ReplicaManager` built); ``None``: nothing is set aside.
     """
 
     def __init__(self, lighthouse: str, me: str, quorum: Callable[[], Optional[Tuple[int, Sequence[str]]]], *,
                  poll: timedelta = timedelta(milliseconds=100),
                  fetch: Optional[Callable[[], LighthouseStatus]] = None,
                  freeze: Optional[FreezeClock] = None,
-                 freeze_discard: timedelta = timedelta(seconds=1)) -> None:
+                 freeze_discard: timedelta = timedelta(seconds=1),
+                 bury: Optional[Callable[[], None]] = None) -> None:
         if poll <= timedelta(0):
             raise ValueError(f"poll={poll} must be positive (FTBRIDGE_PEER_WATCH_POLL_MS)")
         self.me = me
@@ -239,6 +243,7 @@ class QuorumWatch:
         self._freeze = freeze or FreezeClock()
         self._freeze.start()
         self._freeze_discard = freeze_discard.total_seconds()
+        self._bury = bury
         self._rebuild = False
         self._abandoned = False  # a wait of this step was cut short: cut the step's other waits at once
         self._doomed: Optional[Tuple[int, Tuple[str, ...]]] = None  # (quorum id, lost members) seen by the vote
@@ -313,7 +318,7 @@ class QuorumWatch:
         """torchft's ``manager.allreduce`` of a private copy of ``tensor``, waited on under this watch.
 
         Args:
-            manager: the rank's ``torchft.Manager``.
+            manager: the rank's torchft ``Manager`` (its public ``allreduce`` and ``report_error``).
             tensor: float tensor, any shape; holds the result after a successful ``wait()``.
             reduce_op: ``ReduceOp.AVG`` or ``SUM``.
 
@@ -329,9 +334,8 @@ class QuorumWatch:
         """A wait was cut short: discard the step, set the process group with the pending operation aside."""
         logger.warning("[%s] %s", self.me, error)
         manager.report_error(error)
-        bury = getattr(manager._pg, "bury", None)  # ftbridge.store_probe's process groups
-        if bury is not None:
-            bury()
+        if self._bury is not None:
+            self._bury()
 
     # -- the resumed side ---------------------------------------------------
     def dropped_while_frozen(self, step_start: float) -> bool:
@@ -377,7 +381,7 @@ class QuorumWatch:
         self._freeze.stop()
 
 
-def start_watch(cfg: Any, guard: Any, use_cuda: bool) -> Optional[QuorumWatch]:
+def start_watch(cfg: Any, guard: Any, use_cuda: bool, process_group: Any = None) -> Optional[QuorumWatch]:
     """The rank's peer watch, or ``None`` when off or impossible.
 
     Args:
@@ -385,6 +389,8 @@ def start_watch(cfg: Any, guard: Any, use_cuda: bool) -> Optional[QuorumWatch]:
         guard: the manager's quorum guard (``seen``: this step's quorum; ``force_rebuild``); ``None``
             when torchft is not a version it was written for.
         use_cuda: NCCL process group (the watch is for gloo only).
+        process_group: the cross-replica process group handed to torchft's ``Manager``; its ``bury``
+            (:mod:`ftbridge.manager.store_probe`), if it has one, sets a group with a pending operation aside.
     """
     if not cfg.peer_watch or use_cuda or guard is None:
         if cfg.peer_watch:
@@ -397,7 +403,7 @@ def start_watch(cfg: Any, guard: Any, use_cuda: bool) -> Optional[QuorumWatch]:
         return None if seen is None else (seen.quorum_id, seen.members)
 
     watch = QuorumWatch(cfg.lighthouse, f"replica_group_{cfg.replica_group_id}", quorum, poll=cfg.peer_watch_poll,
-                        freeze_discard=cfg.peer_watch_freeze_discard)
+                        freeze_discard=cfg.peer_watch_freeze_discard, bury=getattr(process_group, "bury", None))
     guard.watch = watch
     return watch
 
@@ -405,7 +411,7 @@ def start_watch(cfg: Any, guard: Any, use_cuda: bool) -> Optional[QuorumWatch]:
 def wait_for_keys(store: Any, keys: List[str], timeout: timedelta, watch: Optional[QuorumWatch]) -> None:
     """``store.wait(keys, timeout)``, in slices of the watch's poll, ended early once a quorum member is dead.
 
-    The quorum guard's reconfigure vote (:mod:`ftbridge.manager`) waits for every member's key; a member
+    The quorum guard's reconfigure vote (:mod:`ftbridge.manager.quorum_guard`) waits for every member's key; a member
     that hung between the lighthouse issuing the quorum and its vote would hold it for ``timeout``.
 
     Raises:
@@ -448,7 +454,9 @@ class WatchedWork:
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Wait (see the class); ``False`` when the step is to be discarded (``tensor`` then untouched)."""
-        raw = getattr(self._work, "_work", None)  # torchft 0.2 _ManagedWork: the process group's own work
+        # torchft 0.2 _ManagedWork: the process group's own work (an internal; the watch runs only where
+        # ftbridge.manager._torchft.internals_supported holds, see start_watch)
+        raw = getattr(self._work, "_work", None)
         if raw is not None and hasattr(raw, "get_future"):
             lost = self._watch.wait(raw)
             if lost:

@@ -217,7 +217,10 @@ class OutageRider:
 
     Args:
         manager: torchft's ``Manager`` of this rank (``_quorum_id``, ``_pg``, ``_store``, ``errored``,
-            ``report_error``, ``current_step``).
+            ``report_error``, ``current_step``). The first three are torchft internals: the rider is
+            built only inside :mod:`ftbridge.manager`, and only where
+            :func:`ftbridge.manager._torchft.internals_supported` holds (``_store``, the replica
+            group's TCPStore that torchft creates, has no public accessor).
         enabled: the feature is on; off, :meth:`reuse` always returns ``None`` (torchft's behaviour).
         lighthouse: the lighthouse's address, for the probe.
         group_rank: this rank's rank in its replica group (0 decides).

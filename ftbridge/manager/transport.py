@@ -1,8 +1,8 @@
 """Heal transport: serves a healthy rank's live state to a joining replica group.
 
-Implements torchft's :class:`torchft.checkpointing.CheckpointTransport`
-interface, so torchft's ``Manager`` drives it unchanged (``send_checkpoint``
-on the donor while the step's quorum is being computed, ``recv_checkpoint`` on
+Implements torchft's ``CheckpointTransport`` interface, so torchft's
+``Manager`` drives it unchanged (``send_checkpoint`` on the donor while the
+step's quorum is being computed, ``recv_checkpoint`` on
 the joiner, ``disallow_checkpoint`` once the donor's step may mutate state).
 
 Why not torchft's own ``HTTPTransport``: it binds every interface and loads
@@ -46,11 +46,10 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, List, Optional, Union, cast
 
-from torchft.checkpointing.transport import CheckpointTransport
-
 from ftbridge import faults
 from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
 from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
+from ftbridge.manager._torchft import CheckpointTransport
 from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
 from ftbridge.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 

@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, TypeVar
 
-from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+from ftbridge.manager._torchft import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 
 T = TypeVar("T")
 
@@ -83,7 +83,8 @@ class _Probed:
     abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
 
     def bury(self) -> None:
-        """Set the current c10d process group aside, with its operations still pending (:mod:`ftbridge.quorum_watch`).
+        """Set the current c10d process group aside, with its operations still pending
+        (:mod:`ftbridge.manager.quorum_watch`).
 
         Gloo cannot cancel an operation, and aborting or dropping the group
         waited for the pending one to time out; kept here, the group is

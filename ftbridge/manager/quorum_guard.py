@@ -1,0 +1,239 @@
+"""Survive lighthouse restarts: the quorum guard around torchft's manager client (torchft 0.2 internals).
+
+The lighthouse keeps its state in memory; restarted, it numbers quorums from
+1 again, which torchft 0.2 mistakes for old quorums. :class:`_QuorumGuard`
+wraps the manager's client (``Manager._client``, installed only where
+:func:`ftbridge.manager._torchft.internals_supported` holds) and, per quorum,
+detects a restart, runs a vote on the quorum's TCPStore so that every member
+rebuilds the cross-replica process group or none does, refuses a member of
+another group size, and namespaces the rendezvous keys. The rules, and why,
+are in :mod:`ftbridge.quorum_rules`.
+
+The guard is also where the peer watch (:mod:`ftbridge.manager.quorum_watch`)
+and the outage rider (:mod:`ftbridge.manager.outage`) hook into torchft's quorum call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ftbridge.manager._torchft import (
+    TORCHFT_GUARDED_VERSIONS,
+    Manager,
+    create_store_client,
+    installed_version,
+    internals_supported,
+)
+from ftbridge.manager.outage import OutageRider
+from ftbridge.manager.quorum_watch import wait_for_keys
+from ftbridge.manager.store_probe import call_bounded
+from ftbridge.quorum_rules import (
+    GroupSizeMismatch,
+    QuorumSeen,
+    decide_reconfigure,
+    detect_lighthouse_restart,
+    group_size_conflict,
+    lacks_majority,
+    rendezvous_namespace,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _QuorumView:
+    """A torchft ``QuorumResult`` with ``store_address`` replaced; every other attribute is the original's."""
+
+    def __init__(self, result: Any, store_address: str) -> None:
+        self._result = result
+        self.store_address = store_address
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
+
+
+class _QuorumGuard:
+    """Wraps torchft's ``ManagerClient`` of one rank to survive lighthouse restarts.
+
+    Installed as ``Manager._client``; torchft calls ``_quorum`` from its
+    quorum thread, then compares ``quorum_id`` with ``Manager._quorum_id`` and
+    reconfigures with ``store_address``. Everything else is delegated. See
+    the module docstring for what it does.
+    """
+
+    def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
+                 on_quorum: Optional[Callable[[Any], None]] = None, group_size: int = 0,
+                 store_timeout: Optional[timedelta] = None, majority_wait: timedelta = timedelta(seconds=30)) -> None:
+        # timeout bounds the vote (FTBridgeConfig.vote_timeout), store_timeout each store call
+        # (FTBridgeConfig.store_call_timeout; default 2 x timeout).
+        self._manager = manager
+        self._store_timeout = store_timeout
+        self._on_quorum = on_quorum
+        self._client = manager._client
+        self._timeout = timeout
+        self._on_restart = on_restart
+        self._stores: Dict[str, Any] = {}
+        self._last_vote: Optional[Tuple[Any, str, int]] = None
+        self._group_size = group_size
+        self.sizes: List[int] = []
+        """Every member's group size at the last vote, by replica rank (empty when the vote failed)."""
+        self.seen: Optional[QuorumSeen] = None
+        self.restarts = 0
+        self.forced = 0
+        self._majority_wait = majority_wait.total_seconds()
+        self._need_majority: Optional[Tuple[Tuple[str, ...], float]] = None  # (members before, since monotonic)
+        self.no_majority = 0
+        """Steps discarded because a quorum after a lighthouse restart lacked a majority of the groups before it."""
+        self.rider: Optional[OutageRider] = None
+        """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.manager.outage`); set by ReplicaManager."""
+        self.watch: Any = None
+        """The peer watch (:class:`ftbridge.manager.quorum_watch.QuorumWatch`) or ``None``: after it cut a wait short
+        this member votes to rebuild; it cuts the vote's wait short when a member is dead."""
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        call = lambda: self._client._quorum(**kwargs)  # noqa: E731
+        result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (outage.py)
+        if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
+            return result
+        if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
+            self._on_quorum(result)
+        quorum_id, members = int(result.quorum_id), list(result.replica_ids)
+        restarted = detect_lighthouse_restart(self.seen, quorum_id, members)
+        if restarted:
+            self.restarts += 1
+            self._on_restart(self.seen.quorum_id if self.seen else -1, quorum_id)
+            if self._need_majority is None and self.seen is not None:
+                self._need_majority = (self.seen.members, time.monotonic())
+        self._check_majority(quorum_id, members)
+        self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
+        namespace = rendezvous_namespace(members, int(result.max_step))
+        own = restarted or quorum_id != self._manager._quorum_id
+        if self.watch is not None and self.watch.take_rebuild():  # peer watch (ftbridge.manager.quorum_watch)
+            own = True
+        rebuild = self._vote(result, namespace, own)
+        conflict = group_size_conflict(self.sizes, int(result.replica_rank), quorum_id)
+        if conflict:  # before torchft reconfigures or fetches a heal with this quorum
+            logger.error("%s", conflict)
+            raise GroupSizeMismatch(conflict)
+        if rebuild:
+            if not own:
+                self.forced += 1
+                logger.warning("quorum %d: another member rebuilds the cross-replica process group "
+                               "(its lighthouse history differs); rebuilding too", quorum_id)
+            self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
+        view = _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        if self.rider is not None:  # lighthouse outage (ftbridge.manager.outage): the quorum a riding step reuses
+            self.rider.remember(view, members)
+        return view
+
+    def _check_majority(self, quorum_id: int, members: List[str]) -> None:
+        """After a lighthouse restart, discard steps until a quorum holds most groups of the last one before it.
+
+        See :func:`ftbridge.quorum_rules.lacks_majority`. The error recorded
+        here (on torchft's quorum thread, after ``start_quorum`` cleared the
+        last one) makes ``should_commit`` discard this step; the next step asks
+        again. Past ``majority_wait`` (``FTBridgeConfig.restart_peer_wait``)
+        the groups that did not come back are taken for dead and the job goes on.
+        """
+        if self._need_majority is None:
+            return
+        before, since = self._need_majority
+        if not lacks_majority(before, members):
+            self._need_majority = None
+            return
+        waited = time.monotonic() - since
+        if waited >= self._majority_wait:
+            logger.error("quorum %d after a lighthouse restart holds %d of the %d groups of the last quorum before "
+                         "it, %.0f s after the restart: taking the others for dead and going on",
+                         quorum_id, len(members), len(before), waited)
+            self._need_majority = None
+            return
+        self.no_majority += 1
+        self._manager.report_error(RuntimeError(
+            f"quorum {quorum_id} after a lighthouse restart holds {sorted(members)}, not more than half of the "
+            f"groups of the last quorum before it ({sorted(before)}): the others may still be reconnecting, and "
+            "two such quorums could commit the same step apart; step discarded, asking again"))
+
+    def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
+        """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
+
+        The store is the primary's: its group's rank 0. A SIGSTOPped (hung)
+        rank 0 accepts TCP connections but never answers, and c10d's TCPStore
+        client then blocks without a timeout (connecting, ``delete_key``), so
+        the store calls run in a helper thread bounded by
+        ``FTBridgeConfig.store_call_timeout`` (:func:`ftbridge.manager.store_probe.call_bounded`);
+        past it the vote counts as failed.
+        """
+        base = f"{int(result.quorum_id)}/{namespace}"
+        store, last = self._stores.get(result.store_address), self._last_vote
+        votes: Optional[List[bool]] = None
+        self.sizes = []
+        try:
+            store, votes, self.sizes = call_bounded(
+                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size, self.watch),
+                self._store_timeout or 2 * self._timeout, f"the primary's store {result.store_address}")
+            self._stores = {result.store_address: store}  # one cached client: the current primary's
+            self._last_vote = (store, base, int(result.replica_rank))
+        except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
+            logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
+                           int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
+                           "rebuilding" if mine else "keeping the process group")
+            self._stores = {}
+        return decide_reconfigure(mine, votes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
+                   timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
+    """One rank's vote on the primary's store: write ``mine`` and ``group_size``, wait for every member's, read them.
+
+    Args:
+        result: torchft's quorum result (``store_address``, ``replica_rank``, ``replica_world_size``).
+        base: the quorum's key prefix (quorum id and rendezvous namespace).
+        mine: this rank's vote (``True``: rebuild).
+        store: a cached client of that store, or ``None`` to connect.
+        last: ``(store, base, replica_rank)`` of this rank's previous vote.
+        timeout: bound on waiting for the other members' votes.
+
+        group_size: ranks of this replica group (0: not published).
+        watch: the peer watch, which ends the wait early once a member is dead (``None``: none).
+
+    Returns:
+        ``(store client, votes, sizes)``, one vote and one group size per replica rank.
+
+    Raises:
+        Whatever the store raises: ``DistStoreError`` when a member's vote does not come within ``timeout``.
+    """
+    if store is None:
+        store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
+    store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
+    keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
+    wait_for_keys(store, keys, timeout, watch)
+    values = [bytes(v).decode(errors="replace").partition(":") for v in store.multi_get(keys)]
+    votes = [v == "1" for v, _, _ in values]
+    sizes = [int(n) if n.isdigit() else 0 for _, _, n in values]
+    # Drop this rank's previous vote, only on the store that just answered: a previous primary's
+    # store may be hung (its group's rank 0 SIGSTOPped), and deleting there blocked (chaos soak).
+    if last is not None and last[0] is store and last[1] != base:
+        store.delete_key(f"{last[1]}/{last[2]}")
+    return store, votes, sizes
+
+
+def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
+                          on_quorum: Optional[Callable[[Any], None]] = None,
+                          group_size: int = 0, store_timeout: Optional[timedelta] = None,
+                          majority_wait: timedelta = timedelta(seconds=30)) -> Optional[_QuorumGuard]:
+    """Install :class:`_QuorumGuard` on ``manager`` if this torchft is one it was written for."""
+    if not internals_supported(manager):
+        logger.warning("torchft %s is not one of %s: lighthouse-restart guard NOT installed; after a "
+                       "lighthouse restart a repeated quorum id may cost a failed step, and heal URLs are not "
+                       "checked against the donor's host", installed_version(),
+                       TORCHFT_GUARDED_VERSIONS)
+        return None
+    guard = _QuorumGuard(manager, timeout, on_restart, on_quorum, group_size, store_timeout, majority_wait)
+    manager._client = guard
+    return guard

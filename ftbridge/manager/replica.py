@@ -1,0 +1,292 @@
+"""torchft quorum and the cross-replica process group for one rank.
+
+:class:`ReplicaManager` wraps torchft's ``Manager`` (composition, no
+copy): group rank 0 of each replica group runs torchft's manager server,
+which joins the quorum kept by the lighthouse; every rank gets a
+reconfigurable cross-replica process group (torchft's gloo or NCCL one,
+:mod:`ftbridge.device`) linking the ranks with the same group rank across
+the live replica groups; torchft rebuilds it on every quorum change.
+
+Heals go through :class:`ftbridge.manager.transport.SafeHTTPTransport` (no pickle,
+bound to one interface). Before the manager is created, torchft's
+``TORCHFT_*`` environment variables are set to the resolved config, because
+torchft lets them override its constructor arguments.
+
+Requires the replica group's own torch.distributed world to be initialised
+first (``MASTER_ADDR``/``MASTER_PORT`` name its TCPStore, which group rank 0
+hosts and the cross-replica process group's rendezvous may use).
+
+Lighthouse restarts are survived by the quorum guard (:mod:`ftbridge.manager.quorum_guard`).
+Riding out an outage needs torchft's own retries: its manager retries a
+failed lighthouse call ``quorum_retries`` times, sleeping
+``quorum_timeout / (quorum_retries + 1)`` between tries and reconnecting with
+backoff for up to ``connect_timeout``, all inside one quorum call that the
+training thread bounds by ``quorum_timeout``. See
+:class:`ftbridge.config.FTBridgeConfig` and ``docs/lighthouse.md`` for the
+defaults and what they survive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+from torch.distributed import ReduceOp
+
+from ftbridge.config import FTBridgeConfig
+from ftbridge.device import backend_for
+from ftbridge.manager._torchft import DummyWork, Manager
+from ftbridge.manager.heal_agreement import HealAgreement
+from ftbridge.manager.outage import OutageRider
+from ftbridge.manager.quorum_guard import _install_quorum_guard
+from ftbridge.manager.quorum_watch import start_watch
+from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
+from ftbridge.manager.transport import SafeHTTPTransport
+
+logger = logging.getLogger(__name__)
+
+
+def _export_torchft_environ(cfg: FTBridgeConfig) -> None:
+    """Set torchft's environment variables to ``cfg`` (they override the Manager's arguments).
+
+    A different value already in the environment (a user's ``TORCHFT_TIMEOUT_SEC``)
+    is replaced, with a warning naming the ftbridge setting to use instead.
+    """
+    for name, value in cfg.torchft_environ().items():
+        old = os.environ.get(name)
+        if old is not None and old != value:
+            logger.warning("%s=%s in the environment is replaced by %s, derived from ftbridge's settings "
+                           "(set the FTBRIDGE_* variable instead; see ftbridge.config)", name, old, value)
+        os.environ[name] = value
+
+class ReplicaManager:
+    """One rank's view of the quorum: participants, replica rank, step, commit.
+
+    Args:
+        cfg: resolved configuration.
+        state_dict: returns this rank's live state for a heal (nested dict of
+            tensors and JSON scalars); called in torchft's quorum thread when a
+            peer needs it.
+        load_state_dict: loads a peer's state; called on the training thread
+            inside :meth:`should_commit` of a healing step, on every rank of
+            the group at the same point.
+        use_cuda: the model is on a GPU: torchft's NCCL group, or gloo with CUDA tensors where groups
+            share a GPU (:func:`ftbridge.device.backend_for`); on the CPU always gloo.
+        max_heal_bytes: the largest heal body this rank accepts (bytes),
+            e.g. :func:`ftbridge.wire.size_bound` of its own state; called in
+            torchft's quorum thread before each fetch. ``None``: no bound
+            (the body is then allocated as it arrives).
+
+    Raises:
+        KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset (not launched by torchrun
+            and no process group initialised).
+        ValueError: ``cfg.cross_replica_backend`` cannot work here (NCCL on CPU or on a shared GPU).
+    """
+
+    def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
+                 load_state_dict: Callable[[Dict[str, Any]], None], use_cuda: bool = False,
+                 max_heal_bytes: Optional[Callable[[], int]] = None) -> None:
+        self.cfg = cfg
+        _export_torchft_environ(cfg)
+        # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
+        self.backend = backend_for(cfg, on_cuda=use_cuda)  # "nccl" or "gloo"
+        pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if self.backend == "nccl"
+              else ProbedProcessGroupGloo(timeout=cfg.cross_replica_timeout))
+        self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
+                                           token=cfg.job_token, max_recv_bytes=max_heal_bytes, device=(
+                                               torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
+        self.heals = 0
+        self._healed_this_step = False
+        self._step_start = 0.0
+        self._load_state_dict = load_state_dict
+
+        self._torchft = Manager(
+            pg=pg,
+            load_state_dict=self._load,
+            state_dict=state_dict,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=True,
+            # torchft's own calls (should_commit, heal fetches) wait for the group's slowest rank, which
+            # may itself be waiting out a cross-replica all-reduce on a hung peer (the process group's
+            # timeout): with the same timeout, should_commit expired first and crashed the survivor.
+            timeout=cfg.torchft_timeout,
+            quorum_timeout=cfg.quorum_timeout,
+            connect_timeout=cfg.connect_timeout,
+            rank=cfg.group_rank,
+            world_size=cfg.group_size,
+            replica_id=f"replica_group_{cfg.replica_group_id}",
+            lighthouse_addr=cfg.lighthouse,
+            port=cfg.manager_port,
+            hostname=cfg.heal_bind,
+            heartbeat_interval=cfg.heartbeat_interval,
+            checkpoint_transport=self.transport,
+            init_sync=cfg.init_sync,
+            quorum_retries=cfg.quorum_retries,
+        )
+        self.lighthouse_restarts = 0
+        self.quorum_guard = _install_quorum_guard(self._torchft, cfg.vote_timeout, self._on_lighthouse_restart,
+                                                  self._on_quorum, cfg.group_size, cfg.store_call_timeout,
+                                                  cfg.restart_peer_wait)
+        self._heal_agreement = HealAgreement(self._torchft) if self.quorum_guard is not None else None
+        # Lighthouse outage (ftbridge.manager.outage): needs the guard's hook into torchft's quorum call.
+        self.outage = OutageRider.for_config(self._torchft, cfg) if self.quorum_guard is not None else None
+        if self.quorum_guard is not None:
+            self.quorum_guard.rider = self.outage
+        self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda, pg)  # cuts a hung peer off (None: off)
+
+    def discard_if_dropped(self) -> None:
+        """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
+        and the lighthouse has since left its group out
+        (:meth:`ftbridge.manager.quorum_watch.QuorumWatch.check_commit`)."""
+        if self.quorum_watch is not None:
+            self.quorum_watch.check_commit(self._torchft, self._step_start)
+
+    def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
+        self.lighthouse_restarts += 1
+        logger.warning("[replica %d rank %d] lighthouse restarted (quorum id %d after %d): rebuilding the "
+                       "cross-replica process group", self.cfg.replica_group_id, self.cfg.group_rank, new_id, old_id)
+
+    def _on_quorum(self, result: Any) -> None:
+        """Tell the transport the host this quorum's donor may serve heal state from (see ``local_group_size``).
+
+        Raises:
+            ftbridge.spare.DuplicateReplicaGroup: this group heals into a quorum in which another member
+                holds its id (:func:`ftbridge.spare.must_leave`); the training thread gets it at its next
+                cross-replica call.
+        """
+        cfg = self.cfg
+        spans_nodes = 0 < cfg.local_group_size < cfg.group_size
+        donor = getattr(result, "recover_src_manager_address", None) or None
+        self.transport.expect_donor(None if spans_nodes and cfg.group_rank > 0 else donor)
+        # -- warm spares (ftbridge.spare): a paused group whose id a spare took leaves instead of training twice
+        from ftbridge.spare import DuplicateReplicaGroup, must_leave
+
+        if must_leave(list(getattr(result, "replica_ids", []) or []), cfg.replica_group_id,
+                      bool(getattr(result, "heal", False))):
+            msg = (f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] quorum {int(result.quorum_id)}: another "
+                   f"member holds replica group {cfg.replica_group_id} (a spare took its place while this group was "
+                   "paused past the heartbeat timeout); leaving so that one group trains on its data shard")
+            logger.error("%s", msg)
+            raise DuplicateReplicaGroup(msg)
+
+    def _load(self, state: Dict[str, Any]) -> None:
+        self._load_state_dict(state)
+        self.heals += 1
+        self._healed_this_step = True
+
+    # -- per step --------------------------------------------------------
+    def start_quorum(self) -> None:
+        """Ask for this step's quorum, asynchronously (overlaps the forward pass)."""
+        self._healed_this_step = False
+        self._step_start = time.monotonic()  # the peer watch's freeze check (discard_if_dropped)
+        self._torchft.start_quorum()
+
+    def wait_quorum(self) -> None:
+        """Block until this step's quorum (started by :meth:`start_quorum`) is decided and applied."""
+        self._torchft.wait_quorum()
+
+    def allreduce(self, tensor: torch.Tensor,
+                  reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
+        """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.
+
+        A healing replica contributes zeros and receives the average of the
+        others. Errors never raise: they are recorded, the returned work
+        completes, and :meth:`should_commit` then returns ``False`` everywhere.
+
+        Args:
+            tensor: floating point, any shape, on the process group's device.
+            reduce_op: ``AVG`` (sum, then divide by the participants) or ``SUM``
+                (communication hooks that divide before a low-precision cast).
+
+        Returns:
+            A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
+        """
+        if self.quorum_watch is None:
+            return self._torchft.allreduce(tensor, reduce_op=reduce_op)
+        return self.quorum_watch.allreduce(self._torchft, tensor, reduce_op)
+
+    def agree_on_heal(self) -> bool:
+        """Make the ranks of this replica group agree whether this step's heal may be applied (:class:`HealAgreement`).
+
+        Call on every rank of the group right before :meth:`should_commit`.
+        With a torchft version it was not written for, no agreement is made
+        and ``True`` is returned (a warning said so at start-up).
+        """
+        return self._heal_agreement.agree() if self._heal_agreement is not None else True
+
+    def state_dict(self) -> Dict[str, int]:
+        """torchft's counters: ``{"step": committed steps, "batches_committed": int}``."""
+        return dict(self._torchft.state_dict())
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Set torchft's counters from :meth:`state_dict` output (a checkpoint's)."""
+        self._torchft.load_state_dict(state)
+
+    def should_commit(self) -> bool:
+        """Whether every rank of every participating group may apply this step.
+
+        Applies a pending heal first (on every rank of a healing group). In a step that rides out a
+        lighthouse outage, every member of the last quorum must first agree on quorum, membership and
+        step (:meth:`ftbridge.manager.outage.OutageRider.before_commit`).
+        """
+        if self.outage is None:
+            return self._torchft.should_commit()
+        return self.outage.commit(self._torchft.should_commit)  # lighthouse outage (ftbridge.manager.outage)
+
+    def errored(self) -> Optional[Exception]:
+        """The error recorded during this step, if any."""
+        return self._torchft.errored()
+
+    def report_error(self, error: Exception) -> None:
+        """Record ``error``: this step will be discarded on every replica."""
+        self._torchft.report_error(error)
+
+    # -- views -----------------------------------------------------------
+    @property
+    def participants(self) -> int:
+        """Replica groups taking part in the current step (waits for the quorum)."""
+        return self._torchft.num_participants()
+
+    @property
+    def replica_rank(self) -> Optional[int]:
+        """Rank of this group in the current quorum; ``None`` while healing."""
+        return self._torchft.participating_rank()
+
+    @property
+    def current_step(self) -> int:
+        """Committed steps so far (torchft's step)."""
+        return self._torchft.current_step()
+
+    @property
+    def quorum_id(self) -> int:
+        """Id of the quorum of the current step (-1 before the first)."""
+        return int(self._torchft._quorum_id)
+
+    @property
+    def rode_out_outage(self) -> bool:
+        """Whether the current step reuses the last quorum because the lighthouse is unreachable."""
+        return self.outage is not None and self.outage.riding
+
+    @property
+    def healed_this_step(self) -> bool:
+        """Whether this rank loaded a peer's state in the current step."""
+        return self._healed_this_step
+
+    def is_participating(self) -> bool:
+        """False while this group heals (it then contributes zero gradients)."""
+        return self._torchft.is_participating()
+
+    def shutdown(self) -> None:
+        """Stop the manager server and the heal transport (no leave message exists)."""
+        self._torchft.shutdown(wait=False)
+        self.transport.shutdown(wait=False)
+        if self.quorum_watch is not None:
+            self.quorum_watch.close()
+
+
+def is_dummy_work(work: Any) -> bool:
+    """True for torchft's placeholder work returned after an error."""
+    return isinstance(work, DummyWork)
