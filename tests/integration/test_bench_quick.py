@@ -1,6 +1,6 @@
 """The CI smoke run of ``ftbridge-bench --quick``: every benchmark runs end to end and writes its report.
 
-Runs the CLI as a subprocess (``python -m ftbridge.bench.cli``, what the
+Runs the CLI as a subprocess (``python -m ftbridge.harness.bench.cli``, what the
 ``ftbridge-bench`` console script calls) with a timeout, then checks that
 ``bench.json`` holds every expected metric with a finite value, that nothing
 failed, and that the plots exist. No assertion on time: quick figures come
@@ -38,10 +38,10 @@ def _metric(saved, bench, name):
 
 
 def _quick_model_parameters() -> int:
-    """Parameters of the kill runs' quick model (ftbridge.bench.failure_jobs.QUICK_MODEL) on the corpus."""
-    from ftbridge.bench.failure_jobs import QUICK_MODEL
-    from ftbridge.data import CharTokenizer, load_text
-    from ftbridge.models.char_gpt import GPTConfig, build_model
+    """Parameters of the kill runs' quick model (ftbridge.harness.bench.failure_jobs.QUICK_MODEL) on the corpus."""
+    from ftbridge.harness.bench.failure_jobs import QUICK_MODEL
+    from ftbridge.harness.data import CharTokenizer, load_text
+    from ftbridge.harness.models.char_gpt import GPTConfig, build_model
 
     flags = dict(zip(QUICK_MODEL[::2], QUICK_MODEL[1::2]))
     cfg = GPTConfig(vocab_size=CharTokenizer(load_text()).vocab_size, context=int(flags["--context"]),
@@ -60,7 +60,7 @@ def test_quick_suite_writes_every_metric_and_plot(tmp_path):
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     log = tmp_path / "bench.log"
     with open(log, "wb") as f:  # its own session: on a timeout the CLI and every job it started go
-        proc = subprocess.Popen([sys.executable, "-m", "ftbridge.bench.cli", "--quick", "--out", str(out)],
+        proc = subprocess.Popen([sys.executable, "-m", "ftbridge.harness.bench.cli", "--quick", "--out", str(out)],
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=1140)

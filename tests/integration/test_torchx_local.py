@@ -18,8 +18,8 @@ import time
 
 import pytest
 
+from ftbridge.harness.local_job import GroupProcess
 from ftbridge.launcher import find_free_port, pid_alive
-from ftbridge.local_job import GroupProcess
 from tests.conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

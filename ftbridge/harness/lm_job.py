@@ -5,7 +5,7 @@ torchrun) and by its ``--plain`` mode (plain DeepSpeed data parallel over the
 whole torchrun world), which the equivalence tests and benchmarks use as the
 baseline. Both read the same global batch for a step: the batch is a pure
 function of ``(seed, step, micro_step)`` and of the data-parallel rank
-``replica_group * group_size + group_rank`` (see :mod:`ftbridge.data`).
+``replica_group * group_size + group_rank`` (see :mod:`ftbridge.harness.data`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from ftbridge.cli_types import at_least, finite
-from ftbridge.data import ShardedTextData, load_text
 from ftbridge.events import tensor_checksum
-from ftbridge.models import GPTConfig, build_model
+from ftbridge.harness.data import ShardedTextData, load_text
+from ftbridge.harness.models import GPTConfig, build_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,7 +372,7 @@ def process_start_time() -> Optional[float]:
 def write_start_phases(events: Any, imports_done: float) -> None:
     """Record where start-up time went: ``phase`` events ``process_start`` and ``imports_done``.
 
-    The heal and restart benchmarks (:mod:`ftbridge.bench.heal`) split a
+    The heal and restart benchmarks (:mod:`ftbridge.harness.bench.heal`) split a
     restart into phases with these and the first step record; ``time`` is the
     phase boundary, not when the line was written.
     """
@@ -385,7 +385,7 @@ def write_start_phases(events: Any, imports_done: float) -> None:
 class PlainRun:
     """Event log and DeepSpeed checkpoints of the ``--plain`` baseline (no ftbridge).
 
-    The restart benchmark (:mod:`ftbridge.bench.restart`) runs the plain job
+    The restart benchmark (:mod:`ftbridge.harness.bench.restart`) runs the plain job
     under torchrun ``--max-restarts``: it reads the same step records as an
     ftbridge job (``committed`` always true, ``participants`` the world size)
     and, with ``--checkpoint-dir``, the job saves with DeepSpeed's

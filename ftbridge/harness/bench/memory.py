@@ -1,9 +1,9 @@
 """Benchmark ``memory`` (issue #6 item 7): peak RSS per rank of ftbridge against plain DeepSpeed.
 
-The same pairs of runs as :mod:`ftbridge.bench.overhead` (ftbridge ``GROUPS``
+The same pairs of runs as :mod:`ftbridge.harness.bench.overhead` (ftbridge ``GROUPS``
 x ``RANKS`` against plain DeepSpeed on ``GROUPS * RANKS`` ranks, same model,
 data, steps and ZeRO stage); when both benchmarks run in one invocation the
-runs are made once (:mod:`ftbridge.bench.jobs` memoizes them). Every
+runs are made once (:mod:`ftbridge.harness.bench.jobs` memoizes them). Every
 rank records its peak resident set size (``getrusage`` ``ru_maxrss``) as
 ``peak_rss_bytes`` in its ``--result`` record; a run's sample is the largest
 over its ranks, in MiB. The figure is the per-repetition ratio, ftbridge /
@@ -21,14 +21,22 @@ import logging
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
-from ftbridge.bench.jobs import MAIN_MODEL, QUICK_MODEL, alternate, next_run_dir, run_ftbridge, run_plain, train_args
-from ftbridge.bench.overhead import GROUPS, RANKS
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
+from ftbridge.harness.bench.jobs import (
+    MAIN_MODEL,
+    QUICK_MODEL,
+    alternate,
+    next_run_dir,
+    run_ftbridge,
+    run_plain,
+    train_args,
+)
+from ftbridge.harness.bench.overhead import GROUPS, RANKS
 
 TARGET_MAX = 1.10
 MIB = 1 << 20
 
-log = logging.getLogger("ftbridge.bench")
+log = logging.getLogger("ftbridge.harness.bench")
 
 
 def plot(metrics: List[Metric], path: str) -> None:

@@ -13,7 +13,7 @@ and JSON):
   two plain ranks cannot share a GPU under NCCL.
 * ``failover``: group 1 is SIGKILLed, restarted by torchrun and heals from
   group 0 on the GPU (through the pinned staging buffer): the survivor's
-  stall, the heal time by phase (:func:`ftbridge.bench.heal.heal_phases`),
+  stall, the heal time by phase (:func:`ftbridge.harness.bench.heal.heal_phases`),
   and the heal's transfer rate against a plain device-to-host-to-device copy
   of the same bytes measured in this process.
 * ``overhead``: median step time of ftbridge (2 x 1) against the baseline at
@@ -26,7 +26,7 @@ and JSON):
 
 Usage::
 
-    python -m ftbridge.bench.device_check [--dry-run] [--only equivalence|failover|overhead]
+    python -m ftbridge.harness.bench.device_check [--dry-run] [--only equivalence|failover|overhead]
         [--out runs/device_check] [--stages 1,2,3]
 """
 
@@ -116,7 +116,7 @@ def _load(path: str) -> Dict[str, Any]:
 
 def equivalence_row(workdir: str, plan: Plan, stage: int, dtype: str, overlap: bool) -> Dict[str, Any]:
     """One equivalence configuration: ftbridge 2 x 1 and the plain baseline, run at the same time."""
-    from ftbridge.bench.jobs import run_ftbridge, run_plain
+    from ftbridge.harness.bench.jobs import run_ftbridge, run_plain
 
     name = f"z{stage}_{dtype}_{'overlap' if overlap else 'serial'}"
     # lr 1e-3 from the first step (no warm-up): a missing or wrong cross-replica sync moves the parameters
@@ -163,16 +163,16 @@ def d2h2d_seconds(nbytes: int, device: str) -> float:
 
 def failover_row(workdir: str, plan: Plan) -> Dict[str, Any]:
     """Kill group 1 after both committed, wait for its heal and two more steps; phases, stall and rates."""
-    from ftbridge.bench.failover import survivor_stall
-    from ftbridge.bench.heal import heal_phases
-    from ftbridge.local_job import LocalJob
+    from ftbridge.harness.bench.failover import survivor_stall
+    from ftbridge.harness.bench.heal import heal_phases
+    from ftbridge.harness.local_job import LocalJob
 
     args = ["--device", plan.device, "--zero-stage", "2", "--val-every", "0", "--val-batches", "1",
             *model_flags(plan.model), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
     job = LocalJob(workdir, 2, 1, args, max_restarts=1, env={"OMP_NUM_THREADS": "1"}, checksum_every=None)
     t_out = plan.timeout_s
     with job:
-        from ftbridge.bench import failure_jobs
+        from ftbridge.harness.bench import failure_jobs
 
         job.start()
         kill_time = failure_jobs.kill_group_1_and_heal(job, 3, t_out)
@@ -192,7 +192,7 @@ def failover_row(workdir: str, plan: Plan) -> Dict[str, Any]:
 
 def overhead_row(workdir: str, plan: Plan) -> Dict[str, Any]:
     """Median step time of ftbridge 2 x 1 against the plain baseline on the big model; exposed wait."""
-    from ftbridge.bench.jobs import run_ftbridge, run_plain, steady_median
+    from ftbridge.harness.bench.jobs import run_ftbridge, run_plain, steady_median
 
     # bf16 gradients accumulated in bf16: per-bucket sync overlaps backward (fp32 accumulation of bf16
     # parameters, DeepSpeed's compact path, would send everything after backward).

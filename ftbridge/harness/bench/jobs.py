@@ -4,9 +4,9 @@ Two kinds of run, both ending with every rank's ``--result`` record
 (``step_times_s``, ``peak_rss_bytes``, the state digest) read back:
 
 * :func:`run_plain` — plain DeepSpeed data parallel under one torchrun world
-  (:func:`ftbridge.local_job.run_plain_deepspeed`), the baseline;
+  (:func:`ftbridge.harness.local_job.run_plain_deepspeed`), the baseline;
 * :func:`run_ftbridge` — a whole ftbridge job on this machine
-  (:class:`ftbridge.local_job.LocalJob`: lighthouse plus ``groups`` replica
+  (:class:`ftbridge.harness.local_job.LocalJob`: lighthouse plus ``groups`` replica
   groups of ``nproc`` ranks), which also returns each rank's ``final`` event
   (cross-replica all-reduce calls and bytes).
 
@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ftbridge.bench.core import median
-from ftbridge.local_job import LocalJob, run_plain_deepspeed
+from ftbridge.harness.bench.core import median
+from ftbridge.harness.local_job import LocalJob, run_plain_deepspeed
 
-logger = logging.getLogger("ftbridge.bench")
+logger = logging.getLogger("ftbridge.harness.bench")
 
 QUICK_MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "context": 32, "micro_batch": 4}
 """Model of ``--quick`` runs (about 0.1 M parameters)."""
@@ -315,8 +315,8 @@ def next_run_dir(parent: str, name: str) -> str:
 
 def model_params(model: Optional[Dict[str, int]] = None) -> int:
     """Parameter count of the job's model with these ``n_layer``/``d_model``/``n_head``/``context``."""
-    from ftbridge.data import CharTokenizer, load_text
-    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.harness.data import CharTokenizer, load_text
+    from ftbridge.harness.models import GPTConfig, build_model
 
     m = {**MAIN_MODEL, **(model or {})}
     vocab = CharTokenizer(load_text(None)).vocab_size

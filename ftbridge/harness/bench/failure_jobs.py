@@ -1,7 +1,7 @@
 """Jobs with a failure in them, shared by the failover, heal, restart and rescale benchmarks.
 
-Private to :mod:`ftbridge.bench`; the lead may merge it with the general job
-helpers of :mod:`ftbridge.bench.jobs`.
+Private to :mod:`ftbridge.harness.bench`; the lead may merge it with the general job
+helpers of :mod:`ftbridge.harness.bench.jobs`.
 
 * :func:`ftbridge_kill_runs`: an ftbridge job of 2 replica groups; once both
   commit together, every rank of group 1 is SIGKILLed; the survivors go on,
@@ -36,10 +36,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
-from ftbridge.bench.core import BenchSettings
 from ftbridge.events import read_events
+from ftbridge.harness.bench.core import BenchSettings
+from ftbridge.harness.local_job import TRAIN_SCRIPT, LocalJob, _killpg
 from ftbridge.launcher import find_free_port, pid_alive
-from ftbridge.local_job import TRAIN_SCRIPT, LocalJob, _killpg
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """Lighthouse heartbeat timeout of the kill runs (LocalJob's default), the same in quick and full mode."""

@@ -1,9 +1,9 @@
 """``ftbridge-bench``: run the benchmark suite and write its report.
 
 Runs the benchmarks registered by the modules of
-:data:`ftbridge.bench.core.MODULES` in that order, each against a baseline
+:data:`ftbridge.harness.bench.core.MODULES` in that order, each against a baseline
 measured in the same invocation, and writes ``bench.json``, ``bench.md`` and
-PNG plots to ``--out`` (:mod:`ftbridge.bench.report`). Run logs, event logs
+PNG plots to ``--out`` (:mod:`ftbridge.harness.bench.report`). Run logs, event logs
 and result files of every training run go to ``OUT/work`` (emptied first).
 A benchmark that raises is recorded as failed, with its error, and the
 others still run. Exit code: 0 all ran, 1 a benchmark failed, 2 bad arguments,
@@ -31,13 +31,13 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ftbridge.bench import core
-from ftbridge.bench.report import failure, write_report
+from ftbridge.harness.bench import core
+from ftbridge.harness.bench.report import failure, write_report
 
 QUICK = {"reps": 1, "steps": 6, "warmup_steps": 3, "timeout_s": 300.0}
 """Settings of ``--quick`` unless given explicitly."""
 
-log = logging.getLogger("ftbridge.bench")
+log = logging.getLogger("ftbridge.harness.bench")
 
 
 def load_benchmarks() -> List[str]:

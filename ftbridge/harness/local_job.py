@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from ftbridge.events import read_events
 from ftbridge.launcher import find_free_port, pid_alive
 
-REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
 
 

@@ -32,8 +32,8 @@ import logging
 import os
 from typing import Any, Dict, List, Sequence, Tuple
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, save_figure
-from ftbridge.bench.jobs import (
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median, save_figure
+from ftbridge.harness.bench.jobs import (
     MAIN_MODEL,
     QUICK_MODEL,
     alternate,
@@ -47,7 +47,7 @@ from ftbridge.bench.jobs import (
 SIZES_GROUPS = 2
 """Replica groups of the model-size sweep."""
 
-log = logging.getLogger("ftbridge.bench")
+log = logging.getLogger("ftbridge.harness.bench")
 
 
 def sweeps(quick: bool) -> Tuple[Sequence[int], Dict[str, int], List[Dict[str, int]]]:

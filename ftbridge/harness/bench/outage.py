@@ -5,7 +5,7 @@ commit together; the lighthouse is stopped for :data:`OUTAGE_S` seconds and
 started again at the same address. Each repetition runs the job twice, in
 alternating order: with :mod:`ftbridge.outage` (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE=1``,
 the default) and without it (every step waits for the lighthouse). From each
-group's event log (:func:`ftbridge.chaos.invariants.outage_pause`):
+group's event log (:func:`ftbridge.harness.chaos.invariants.outage_pause`):
 
 * **pause**: the longest time between two consecutive commits from the last
   commit before the outage to the first commit after it;
@@ -25,10 +25,10 @@ import os
 import time
 from typing import Dict, List
 
-from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median
-from ftbridge.chaos.invariants import outage_pause
-from ftbridge.local_job import LocalJob
+from ftbridge.harness.bench import failure_jobs
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median
+from ftbridge.harness.chaos.invariants import outage_pause
+from ftbridge.harness.local_job import LocalJob
 
 NAME = "outage"
 OUTAGE_S = 10.0

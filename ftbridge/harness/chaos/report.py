@@ -1,4 +1,4 @@
-"""The chaos report: JSON summary, text table and PNG plot of a :class:`~ftbridge.chaos.runner.ChaosResult`."""
+"""The chaos report: JSON summary, text table and PNG plot of a :class:`~ftbridge.harness.chaos.runner.ChaosResult`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 import os
 from typing import Any, Dict, List
 
-from ftbridge.chaos import invariants
-from ftbridge.chaos.invariants import Stats
-from ftbridge.chaos.runner import ChaosResult
-from ftbridge.chaos.schedule import FailureKind
+from ftbridge.harness.chaos import invariants
+from ftbridge.harness.chaos.invariants import Stats
+from ftbridge.harness.chaos.runner import ChaosResult
+from ftbridge.harness.chaos.schedule import FailureKind
 
 _COLORS = {
     FailureKind.KILL_RANK: "tab:red", FailureKind.KILL_GROUP: "darkred", FailureKind.HANG: "tab:orange",

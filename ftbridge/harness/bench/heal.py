@@ -1,6 +1,6 @@
 """Heal: from a replica group's restart to its first committed step, by phase (issue #6 item 4).
 
-Uses the kill runs of :func:`~ftbridge.bench.failure_jobs.ftbridge_kill_runs`
+Uses the kill runs of :func:`~ftbridge.harness.bench.failure_jobs.ftbridge_kill_runs`
 (group 1 SIGKILLed, restarted by torchrun, healed from group 0). The
 restarted rank 0's event log gives the phase boundaries:
 
@@ -43,8 +43,8 @@ import threading
 import time
 from typing import Any, Dict, List, Sequence
 
-from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
+from ftbridge.harness.bench import failure_jobs
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
 
 NAME = "heal"
 NAME_LARGE = "heal_100m"

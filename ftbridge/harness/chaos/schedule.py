@@ -3,7 +3,7 @@
 A schedule is a pure function of its arguments (no clock, no processes), so
 the same seed always gives the same failures in the same order at the same
 offsets. Which replica group or rank a failure hits is decided when it is
-injected (:mod:`ftbridge.chaos.inject`), from the groups alive then, with a
+injected (:mod:`ftbridge.harness.chaos.inject`), from the groups alive then, with a
 random generator derived from the same seed.
 """
 

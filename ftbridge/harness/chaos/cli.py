@@ -26,7 +26,7 @@ TINY = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32",
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    from ftbridge.chaos.schedule import FailureKind
+    from ftbridge.harness.chaos.schedule import FailureKind
 
     p = argparse.ArgumentParser(prog="ftbridge-chaos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,9 +70,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("RUST_LOG", "warn")
     from tqdm import tqdm
 
-    from ftbridge.chaos import report
-    from ftbridge.chaos.runner import ChaosSettings, run_chaos
-    from ftbridge.chaos.schedule import make_schedule, parse_kinds
+    from ftbridge.harness.chaos import report
+    from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
+    from ftbridge.harness.chaos.schedule import make_schedule, parse_kinds
 
     try:
         kinds = parse_kinds(args.kinds)

@@ -1,9 +1,9 @@
-"""Injecting one failure into a running :class:`~ftbridge.local_job.LocalJob`.
+"""Injecting one failure into a running :class:`~ftbridge.harness.local_job.LocalJob`.
 
 Each ``inject_*`` function does the failure, waits until it has really
 happened (a killed process is gone, a fault point has fired), and returns an
 :class:`Injected` record: when, whom it hit, and what to wait for before the
-job counts as recovered. The chaos runner (:mod:`ftbridge.chaos.runner`)
+job counts as recovered. The chaos runner (:mod:`ftbridge.harness.chaos.runner`)
 does the waiting and the measuring.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 from ftbridge import faults
-from ftbridge.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.local_job import LocalJob
 from ftbridge.launcher import pid_alive
-from ftbridge.local_job import LocalJob
 
 _KILLS = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
           FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT}
@@ -73,7 +73,7 @@ class Injector:
 
     # -- dispatch ---------------------------------------------------------
     def inject(self, failure: Failure) -> Injected:
-        """Apply ``failure``; see :class:`~ftbridge.chaos.schedule.FailureKind` for each kind."""
+        """Apply ``failure``; see :class:`~ftbridge.harness.chaos.schedule.FailureKind` for each kind."""
         rng = random.Random(f"{self.seed}:{failure.index}")
         kind = failure.kind
         need = 3 if kind == FailureKind.KILL_DONOR_IN_HEAL else 2

@@ -6,13 +6,13 @@ The same failure (SIGKILL of a training process) handled two ways:
   rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), DeepSpeed
   ``save_checkpoint`` every N steps (10; 4 in quick mode) and
   ``load_checkpoint`` of the latest on start
-  (:func:`~ftbridge.bench.failure_jobs.plain_kill_run`). The kill lands N/2
+  (:func:`~ftbridge.harness.bench.failure_jobs.plain_kill_run`). The kill lands N/2
   steps after a checkpoint. torchrun ends the other rank and restarts both.
 * **ftbridge**, 2 replica groups x 1 rank: group 1 is SIGKILLed; group 0 goes
   on; torchrun restarts group 1, which heals (the kill runs shared with the
   failover and heal benchmarks, lighthouse heartbeat timeout 2 s). The
   survivors wait out the heartbeat timeout, so full runs repeat the kill with
-  a 0.5 s timeout (:data:`~ftbridge.bench.failure_jobs.FAST_HEARTBEAT_TIMEOUT_MS`)
+  a 0.5 s timeout (:data:`~ftbridge.harness.bench.failure_jobs.FAST_HEARTBEAT_TIMEOUT_MS`)
   and report both ratios.
 
 Measured: time until training resumes (plain: kill .. first step completed
@@ -26,7 +26,7 @@ comparison: the survivors never restart); the like-for-like one, plain restart
 / ftbridge's restarted group back (both a process restart), >= 1.0, reported
 beside it; ftbridge loses <= 1 step in every repetition (0 committed). The
 ftbridge runs count only if they ended identical across groups with exit 0,
-the plain runs only with exit 0 (:mod:`ftbridge.bench.failure_jobs`).
+the plain runs only with exit 0 (:mod:`ftbridge.harness.bench.failure_jobs`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Sequence
 
-from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
-from ftbridge.bench.failover import committed_steps_lost, count_metric, killed_group_steps_lost, survivor_stall
+from ftbridge.harness.bench import failure_jobs
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
+from ftbridge.harness.bench.failover import committed_steps_lost, count_metric, killed_group_steps_lost, survivor_stall
 
 NAME = "restart"
 
@@ -71,11 +71,11 @@ def ftbridge_resume(events: Sequence[Dict[str, Any]], kill_time: float, killed: 
     """Resume times and work lost of an ftbridge kill run (survivor group 0, rank 0; killed group ``killed``).
 
     Returns:
-        ``survivors_s`` (see :func:`~ftbridge.bench.failover.survivor_stall`),
+        ``survivors_s`` (see :func:`~ftbridge.harness.bench.failover.survivor_stall`),
         ``rejoined_s`` (kill .. the killed group's first commit after it),
         ``lost`` (survivor steps discarded + ``committed_lost``), ``committed_lost`` (the
         killed group's commits the job no longer held when it came back,
-        :func:`~ftbridge.bench.failover.killed_group_steps_lost`, plus the
+        :func:`~ftbridge.harness.bench.failover.killed_group_steps_lost`, plus the
         survivors' repeated commits).
 
     Raises:

@@ -5,6 +5,6 @@ invocation (plain DeepSpeed, a torchrun restart from a checkpoint, a
 loopback copy), the median of several repetitions with its spread. See
 ``docs/benchmarks.md``. Modules:
 
-* :mod:`ftbridge.bench.core`: :class:`Metric`, :class:`BenchSettings`, the registry;
+* :mod:`ftbridge.harness.bench.core`: :class:`Metric`, :class:`BenchSettings`, the registry;
 * one module per benchmark, each registering a function ``run(settings) -> list[Metric]``.
 """

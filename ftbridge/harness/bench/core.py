@@ -2,8 +2,8 @@
 
 A benchmark is a function ``run(settings: BenchSettings) -> List[Metric]``
 registered under a short name with :func:`benchmark`; the CLI
-(:mod:`ftbridge.bench.cli`) runs the registered ones in order and the report
-(:mod:`ftbridge.bench.report`) renders their metrics. A benchmark never
+(:mod:`ftbridge.harness.bench.cli`) runs the registered ones in order and the report
+(:mod:`ftbridge.harness.bench.report`) renders their metrics. A benchmark never
 asserts on time: it measures, compares with a baseline measured in the same
 invocation, and says whether the target is met.
 """
@@ -125,16 +125,16 @@ PlotFn = Callable[[List[Metric], str], None]
 
 # Benchmark modules, imported by the CLI in this order; each registers itself with @benchmark.
 MODULES: tuple = (
-    "ftbridge.bench.overhead",   # 1. steady-state step time vs plain DeepSpeed
-    "ftbridge.bench.overlap",    # 2. per-bucket vs post-backward sync
-    "ftbridge.bench.failover",   # 3. survivor stall after a group is killed
-    "ftbridge.bench.heal",       # 4. restart to first commit, by phase; transfer vs loopback
-    "ftbridge.bench.restart",    # 5. against plain DeepSpeed under torchrun restarts
-    "ftbridge.bench.rescale",    # 6. resume at another number of groups vs universal checkpoint
-    "ftbridge.bench.memory",     # 7. peak RSS vs plain DeepSpeed
-    "ftbridge.bench.scaling",    # 8. cross-replica cost vs groups and model size
-    "ftbridge.bench.outage",     # 9. steps lost to a lighthouse outage, riding it out vs waiting
-    "ftbridge.bench.spare",      # 10. warm spare vs cold restart: drop -> full capacity
+    "ftbridge.harness.bench.overhead",   # 1. steady-state step time vs plain DeepSpeed
+    "ftbridge.harness.bench.overlap",    # 2. per-bucket vs post-backward sync
+    "ftbridge.harness.bench.failover",   # 3. survivor stall after a group is killed
+    "ftbridge.harness.bench.heal",       # 4. restart to first commit, by phase; transfer vs loopback
+    "ftbridge.harness.bench.restart",    # 5. against plain DeepSpeed under torchrun restarts
+    "ftbridge.harness.bench.rescale",    # 6. resume at another number of groups vs universal checkpoint
+    "ftbridge.harness.bench.memory",     # 7. peak RSS vs plain DeepSpeed
+    "ftbridge.harness.bench.scaling",    # 8. cross-replica cost vs groups and model size
+    "ftbridge.harness.bench.outage",     # 9. steps lost to a lighthouse outage, riding it out vs waiting
+    "ftbridge.harness.bench.spare",      # 10. warm spare vs cold restart: drop -> full capacity
 )
 
 REGISTRY: Dict[str, BenchFn] = {}

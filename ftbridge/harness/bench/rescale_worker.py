@@ -3,7 +3,7 @@
 Run as a script under torchrun (one plain DeepSpeed world, main job's model
 or the flags after ``--``)::
 
-    torchrun --nproc-per-node 2 ftbridge/bench/rescale_worker.py --worker plain_save --out DIR [-- MODEL FLAGS]
+    torchrun --nproc-per-node 2 ftbridge/harness/bench/rescale_worker.py --worker plain_save --out DIR [-- MODEL FLAGS]
 
 Workers: ``plain_save`` (DeepSpeed ``save_checkpoint`` to ``DIR/ds_resume``),
 ``ft_save`` (an ftbridge replica-group checkpoint of this world to
@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 
 def _engine(model_flags: List[str], extra_config: Optional[Dict[str, Any]] = None) -> Tuple[Any, Any, Any, Any]:
@@ -31,7 +31,7 @@ def _engine(model_flags: List[str], extra_config: Optional[Dict[str, Any]] = Non
     import torch
     import torch.distributed as dist
 
-    from ftbridge import lm_job
+    from ftbridge.harness import lm_job
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -47,7 +47,7 @@ def _engine(model_flags: List[str], extra_config: Optional[Dict[str, Any]] = Non
 
 
 def _step(engine: Any, data: Any, topo: Any, args: Any) -> float:
-    from ftbridge import lm_job
+    from ftbridge.harness import lm_job
 
     t = time.perf_counter()
     lm_job.train_step(engine, data, topo, args.grad_accum)

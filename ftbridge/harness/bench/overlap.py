@@ -31,8 +31,8 @@ import math
 import os
 from typing import Any, Callable, List, Optional, Tuple
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
-from ftbridge.bench.jobs import (
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, ratio_metric, save_figure
+from ftbridge.harness.bench.jobs import (
     MAIN_MODEL,
     QUICK_MODEL,
     model_params,
@@ -47,7 +47,7 @@ GROUPS = 2
 MIN_BUCKETS = 8
 ASPIRATION = "aim: 1.2x faster (ratio <= 0.83)"
 
-log = logging.getLogger("ftbridge.bench")
+log = logging.getLogger("ftbridge.harness.bench")
 
 
 VARIANTS = (("finest", None), ("coalesced", None), ("default", ""))

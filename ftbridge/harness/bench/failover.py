@@ -1,8 +1,8 @@
 """Survivor stall: what a SIGKILL of a whole replica group costs the groups that live on (issue #6 item 3).
 
-Two replica groups (:data:`~ftbridge.bench.failure_jobs.RANKS_PER_GROUP`
+Two replica groups (:data:`~ftbridge.harness.bench.failure_jobs.RANKS_PER_GROUP`
 ranks each) train until they commit together; every rank of group 1 is then
-SIGKILLed (:func:`~ftbridge.bench.failure_jobs.ftbridge_kill_runs`). From the
+SIGKILLed (:func:`~ftbridge.harness.bench.failure_jobs.ftbridge_kill_runs`). From the
 survivors' event log:
 
 * **stall**: kill to the survivors' first committed step whose quorum no
@@ -18,7 +18,7 @@ survivors' event log:
   :func:`killed_group_steps_lost`; must be 0. The survivors' own step
   counter going back (:func:`committed_steps_lost`) is reported beside it.
   Either counts only for a run that ended identical across groups with exit
-  0 (:func:`~ftbridge.bench.failure_jobs.check_recovered`).
+  0 (:func:`~ftbridge.harness.bench.failure_jobs.check_recovered`).
 
 Target: stall <= heartbeat timeout + one median step (the lighthouse
 declares the group dead after one heartbeat timeout, then one step runs),
@@ -26,7 +26,7 @@ reported as the ratio stall / bound <= 1.0.
 
 **Hang variant** (issue #15 item 1; full mode only, the quick CI run skips
 it): group 1 is SIGSTOPped instead of killed
-(:func:`~ftbridge.bench.failure_jobs.ftbridge_hang_runs`), once with the
+(:func:`~ftbridge.harness.bench.failure_jobs.ftbridge_hang_runs`), once with the
 peer watch on (:mod:`ftbridge.quorum_watch`) and once off
 (``FTBRIDGE_PEER_WATCH=0``, the behaviour before it: the survivors wait out
 the cross-replica timeout), in the same invocation. Same figures, prefixed
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, save_figure
+from ftbridge.harness.bench import failure_jobs
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median, save_figure
 
 NAME = "failover"
 

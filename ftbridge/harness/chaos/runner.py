@@ -1,13 +1,13 @@
 """The chaos run: a whole job on this machine, failures from a schedule, invariants checked.
 
 :func:`run_chaos` starts the lighthouse and the replica groups
-(:class:`~ftbridge.local_job.LocalJob`, each group one ``ftbridge-run``),
-injects each scheduled failure (:mod:`ftbridge.chaos.inject`), waits for the
+(:class:`~ftbridge.harness.local_job.LocalJob`, each group one ``ftbridge-run``),
+injects each scheduled failure (:mod:`ftbridge.harness.chaos.inject`), waits for the
 job to recover from it before the next one (so a group with state always
 survives), checks the invariants on the event logs after every failure and at
-the end (:mod:`ftbridge.chaos.invariants`), optionally trains a failure-free
+the end (:mod:`ftbridge.harness.chaos.invariants`), optionally trains a failure-free
 run of the same length and seed to compare the final loss, and ends every
-process it started. The result feeds :mod:`ftbridge.chaos.report`.
+process it started. The result feeds :mod:`ftbridge.harness.chaos.report`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from ftbridge.chaos import invariants
-from ftbridge.chaos.inject import Injected, Injector, describe
-from ftbridge.chaos.schedule import Failure, FailureKind
 from ftbridge.faults import ENV_DIR
+from ftbridge.harness.chaos import invariants
+from ftbridge.harness.chaos.inject import Injected, Injector, describe
+from ftbridge.harness.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.local_job import LocalJob
 from ftbridge.launcher import pid_alive
-from ftbridge.local_job import LocalJob
 
-logger = logging.getLogger("ftbridge.chaos")
+logger = logging.getLogger("ftbridge.harness.chaos")
 
 
 @dataclass
@@ -177,7 +177,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
 
     Args:
         settings: the job and its timeouts.
-        schedule: from :func:`ftbridge.chaos.schedule.make_schedule`.
+        schedule: from :func:`ftbridge.harness.chaos.schedule.make_schedule`.
         progress: optional ``tqdm``-like object; ``update(1)`` per failure.
 
     Returns:

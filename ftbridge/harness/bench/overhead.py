@@ -34,8 +34,8 @@ import logging
 import os
 from typing import List
 
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
-from ftbridge.bench.jobs import (
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
+from ftbridge.harness.bench.jobs import (
     MAIN_MODEL,
     QUICK_MODEL,
     alternate,
@@ -53,7 +53,7 @@ TARGET_MAX = 1.03
 GUARD_TARGET_MAX = 0.005
 """The divergence guard at its default interval: at most 0.5 % of a step."""
 
-log = logging.getLogger("ftbridge.bench")
+log = logging.getLogger("ftbridge.harness.bench")
 
 
 def plot(metrics: List[Metric], path: str) -> None:

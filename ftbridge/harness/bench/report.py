@@ -27,7 +27,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ftbridge.bench.core import PLOTS, BenchSettings, Metric, save_figure
+from ftbridge.harness.bench.core import PLOTS, BenchSettings, Metric, save_figure
 
 
 def environment() -> Dict[str, Any]:

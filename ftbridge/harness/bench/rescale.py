@@ -8,7 +8,7 @@ A job of 2·M ranks resumes on M ranks (M = 2; 1 in quick mode), same model
   (``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``,
   a subprocess, timed) and a ``load_universal`` load on M ranks.
 * **ftbridge**: a real job of N = 2 replica groups x M ranks
-  (:class:`~ftbridge.local_job.LocalJob`, ``--checkpoint-every``) trains and
+  (:class:`~ftbridge.harness.local_job.LocalJob`, ``--checkpoint-every``) trains and
   writes its replica-group checkpoint; the run checks that the checkpoint's
   quorum held N groups, then resumes with 1 group of M ranks (M groups != N),
   loading it directly (manifest check, DeepSpeed ``load_checkpoint``), no
@@ -34,9 +34,9 @@ import sys
 import time
 from typing import Dict, List
 
-from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
-from ftbridge.local_job import LocalJob
+from ftbridge.harness.bench import failure_jobs
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric, save_figure
+from ftbridge.harness.local_job import LocalJob
 
 NAME = "rescale"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rescale_worker.py")

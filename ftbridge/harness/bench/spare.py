@@ -6,7 +6,7 @@ both in the same suite invocation, lighthouse heartbeat timeout 2 s:
 * **cold restart** (baseline): torchrun restarts group 1, which starts a new
   process, imports, builds its DeepSpeed engine, joins and heals (the kill
   runs shared with ``failover``, ``heal`` and ``restart``,
-  :func:`~ftbridge.bench.failure_jobs.ftbridge_kill_runs`);
+  :func:`~ftbridge.harness.bench.failure_jobs.ftbridge_kill_runs`);
 * **warm spare**: a third launch, ``ftbridge-run --spare 0``, has initialised
   fully and stands by outside the quorum (:mod:`ftbridge.spare`); group 1's
   launcher has no restarts; the spare takes over group 1's id, joins and
@@ -27,7 +27,7 @@ Not run with ``--quick`` (its job would add about a minute to the CI smoke run;
 
 A run counts only if it ended well: the survivor's and the spare's launchers
 exited 0 and both hold the same final parameters and optimizer state
-(:func:`~ftbridge.bench.failure_jobs.check_recovered`).
+(:func:`~ftbridge.harness.bench.failure_jobs.check_recovered`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import os
 import time
 from typing import Any, Dict, List, Sequence
 
-from ftbridge.bench import failure_jobs
-from ftbridge.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
-from ftbridge.local_job import LocalJob
+from ftbridge.harness.bench import failure_jobs
+from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median, ratio_metric
+from ftbridge.harness.local_job import LocalJob
 
 NAME = "spare"
 HEARTBEAT_INTERVAL_S = 0.1
