@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ftbridge.events import read_events
-from ftbridge.launcher import find_free_port, pid_alive
+from ftbridge.processes import find_free_port, pid_alive, stop_process_groups, torchrun_command
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
@@ -230,37 +230,21 @@ class LocalJob:
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"spare {index} still running after {timeout_s} s\n{self.tails()}") from None
 
-    def stop_group(self, group: int, timeout_s: float = 30) -> int:
+    def stop_group(self, group: int, timeout_s: float = 30) -> Optional[int]:
         """Make replica group ``group`` leave for good: SIGTERM its launcher (torchrun ends its ranks).
 
         Returns:
-            The launcher's exit code.
+            The launcher's exit code (``None``: still running 10 s after its SIGKILL).
         """
         gp = self.groups[group][-1]
         pids = list(self.worker_pids(group).values())
-        if gp.proc.poll() is None:
-            _killpg(gp.proc.pid, signal.SIGTERM)
-        try:
-            code = gp.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _killpg(gp.proc.pid, signal.SIGKILL)
-            code = gp.proc.wait(timeout=10)
+        code = stop_process_groups([gp.proc], grace_s=timeout_s)[0]
         self.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"ranks {pids} of group {group} to end")
         return code
 
     def stop(self) -> None:
         """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
-        procs = [gp.proc for launches in self._launches() for gp in launches]
-        for p in procs:
-            if p.poll() is None:
-                _killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        stop_process_groups([gp.proc for launches in self._launches() for gp in launches], grace_s=15)
         for pid in self.all_worker_pids():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
@@ -399,21 +383,16 @@ def run_plain_deepspeed(workdir: str, nproc: int, script_args: Sequence[str], ti
             SIGTERM, which stops its ranks, then SIGKILL), with the end of the log.
     """
     port = find_free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"plain{port}", script, "--plain", *script_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "warn"}
+    cmd, env = torchrun_command(script, ["--plain", *script_args], nproc_per_node=nproc,
+                                rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"plain{port}",
+                                environ={**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"})
     log_path = os.path.join(workdir, f"plain_{port}.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            code = proc.wait(timeout=timeout_s)
+            code: Optional[int] = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                _killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_process_groups([proc], grace_s=20, kill_wait_s=None)
             code = None
     with open(log_path, encoding="utf-8", errors="replace") as f:
         text = f.read()
@@ -421,10 +400,3 @@ def run_plain_deepspeed(workdir: str, nproc: int, script_args: Sequence[str], ti
         what = f"timed out after {timeout_s} s" if code is None else f"failed ({code})"
         raise RuntimeError(f"plain DeepSpeed run {what}:\n{text[-4000:]}")
     return text
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from ftbridge.processes import stop_process_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,13 +65,8 @@ def test_quick_suite_writes_every_metric_and_plot(tmp_path):
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=1140)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the CLI stops its jobs and writes the partial report
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        except subprocess.TimeoutExpired:  # on SIGTERM the CLI stops its jobs and writes the partial report
+            stop_process_groups([proc], grace_s=60, kill_wait_s=None)
             code = "timeout"
     assert code == 0, f"exit {code}\n{log.read_text(errors='replace')[-6000:]}"
     saved = json.loads((out / "bench.json").read_text())

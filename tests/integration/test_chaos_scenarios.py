@@ -17,7 +17,7 @@ import pytest
 
 from ftbridge import faults
 from ftbridge.harness.chaos import invariants
-from ftbridge.launcher import pid_alive
+from ftbridge.processes import pid_alive
 from tests.conftest import TINY
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from ftbridge.events import read_events, tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
-from ftbridge.harness.local_job import pid_alive
+from ftbridge.processes import pid_alive
 from tests.conftest import TINY
 
 

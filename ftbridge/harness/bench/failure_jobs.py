@@ -31,15 +31,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
 from ftbridge.events import read_events
 from ftbridge.harness.bench.core import BenchSettings
-from ftbridge.harness.local_job import TRAIN_SCRIPT, LocalJob, _killpg
-from ftbridge.launcher import find_free_port, pid_alive
+from ftbridge.harness.local_job import TRAIN_SCRIPT, LocalJob
+from ftbridge.processes import pid_alive, stop_process_groups, torchrun_command
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """Lighthouse heartbeat timeout of the kill runs (LocalJob's default), the same in quick and full mode."""
@@ -226,16 +225,12 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
         RuntimeError: torchrun exited before the scenario played out, or not with 0 at the end.
     """
     os.makedirs(workdir, exist_ok=True)
-    port = find_free_port()
     log_path = os.path.join(workdir, "plain.log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"restart{port}",
-           TRAIN_SCRIPT, "--plain", *model_args(settings), "--steps", "1000000",
-           "--stop-file", os.path.join(workdir, "stop"),
-           "--event-log", os.path.join(workdir, "events_0_{group_rank}.jsonl"),
-           "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(every), "--resume"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "warn",
-           "PYTHONUNBUFFERED": "1"}
+    job_args = ["--plain", *model_args(settings), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop"),
+                "--event-log", os.path.join(workdir, "events_0_{group_rank}.jsonl"),
+                "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--checkpoint-every", str(every), "--resume"]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
+    cmd, env = torchrun_command(TRAIN_SCRIPT, job_args, nproc_per_node=nproc, max_restarts=1, environ=environ)
     paths = [os.path.join(workdir, f"events_0_{r}.jsonl") for r in range(nproc)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -260,7 +255,7 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
             raise RuntimeError(f"the restarted plain run exited {proc.returncode} (log {log_path}):\n{tail}")
         return KillRun(kill_time, read_events(paths), extra={"exit_code": proc.returncode, "killed_pid": pids[0]})
     finally:
-        _end(proc)
+        stop_process_groups([proc], grace_s=15)
         for e in read_events(paths):
             if e.get("event") == "start" and pid_alive(e["pid"]):
                 os.kill(e["pid"], signal.SIGKILL)
@@ -273,17 +268,15 @@ def torchrun(nproc: int, script: str, argv: Sequence[str], timeout_s: float) -> 
         RuntimeError: a non-zero exit (output tail included).
         subprocess.TimeoutExpired: still running after ``timeout_s`` (the process group is killed).
     """
-    port = find_free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}", script, *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS_ACCELERATOR": "cpu"}
+    cmd, env = torchrun_command(script, argv, nproc_per_node=nproc,
+                                environ={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     finally:
-        _end(proc)
+        stop_process_groups([proc], grace_s=15)
     if proc.returncode != 0:
         raise RuntimeError(f"{os.path.basename(script)} {' '.join(argv)} failed ({proc.returncode}):\n{out[-3000:]}")
     return time.perf_counter() - t
@@ -299,17 +292,6 @@ def _wait(cond: Any, proc: subprocess.Popen, timeout_s: float, what: str, log_pa
                    else f"timed out after {timeout_s} s")
             raise (RuntimeError if proc.poll() is not None else TimeoutError)(f"{how} waiting for {what}\n{tail}")
         time.sleep(0.05)
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group of ``proc``, then SIGKILL after 15 s."""
-    if proc.poll() is None:
-        _killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            _killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 def kill_group_1_and_heal(job: Any, warm: int, t_out: float) -> float:

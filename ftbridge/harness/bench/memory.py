@@ -21,16 +21,8 @@ import logging
 import os
 from typing import List
 
+from ftbridge.harness.bench import jobs
 from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
-from ftbridge.harness.bench.jobs import (
-    MAIN_MODEL,
-    QUICK_MODEL,
-    alternate,
-    next_run_dir,
-    run_ftbridge,
-    run_plain,
-    train_args,
-)
 from ftbridge.harness.bench.overhead import GROUPS, RANKS
 
 TARGET_MAX = 1.10
@@ -60,27 +52,27 @@ def run(settings: BenchSettings) -> List[Metric]:
         RuntimeError, TimeoutError: a training run failed or ran past ``settings.timeout_s``.
         KeyError: a result record has no ``peak_rss_bytes`` (the training script is too old).
     """
-    model = QUICK_MODEL if settings.quick else MAIN_MODEL
+    model = jobs.QUICK_MODEL if settings.quick else jobs.MAIN_MODEL
     stages = (2,) if settings.quick else (1, 2, 3)
     steps = settings.warmup_steps + settings.steps
     root = os.path.join(settings.workdir, "memory")
     metrics = []
     for stage in stages:
-        args = train_args(steps=steps, zero_stage=stage, model=model)
+        args = jobs.train_args(steps=steps, zero_stage=stage, model=model)
 
         def plain(rep: int) -> float:
-            res = run_plain(next_run_dir(root, f"plain_z{stage}"), GROUPS * RANKS, args, settings.timeout_s,
-                            rep=rep)
+            res = jobs.run_plain(jobs.next_run_dir(root, f"plain_z{stage}"), GROUPS * RANKS, args, settings.timeout_s,
+                                 rep=rep)
             return max(res.peak_rss_bytes) / MIB
 
         def ftbridge(rep: int) -> float:
-            res = run_ftbridge(next_run_dir(root, f"ftbridge_z{stage}"), GROUPS, RANKS, args,
-                               timeout_s=settings.timeout_s, rep=rep)
+            res = jobs.run_ftbridge(jobs.next_run_dir(root, f"ftbridge_z{stage}"), GROUPS, RANKS, args,
+                                    timeout_s=settings.timeout_s, rep=rep)
             return max(res.peak_rss_bytes) / MIB
 
         log.info("memory: ZeRO-%d peak RSS, ftbridge %dx%d vs plain DeepSpeed %d ranks, %d rep(s)", stage, GROUPS,
                  RANKS, GROUPS * RANKS, settings.reps)
-        cand, base = alternate(settings.reps, ftbridge, plain, log.info)
+        cand, base = jobs.alternate(settings.reps, ftbridge, plain, log.info)
         metrics.append(ratio_metric(
             "memory", f"peak RSS per rank ZeRO-{stage}, ftbridge {GROUPS}x{RANKS} / plain DS {GROUPS * RANKS} ranks",
             cand, base, baseline_name=f"plain DeepSpeed {GROUPS * RANKS} ranks, peak RSS of the largest rank",

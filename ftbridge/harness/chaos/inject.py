@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Set
 from ftbridge import faults
 from ftbridge.harness.chaos.schedule import Failure, FailureKind
 from ftbridge.harness.local_job import LocalJob
-from ftbridge.launcher import pid_alive
+from ftbridge.processes import pid_alive
 
 _KILLS = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
           FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT}

@@ -24,7 +24,7 @@ from ftbridge.harness.chaos import invariants
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
 from ftbridge.harness.chaos.schedule import Failure, FailureKind
 from ftbridge.harness.local_job import LocalJob
-from ftbridge.launcher import pid_alive
+from ftbridge.processes import pid_alive
 
 logger = logging.getLogger("ftbridge.harness.chaos")
 
