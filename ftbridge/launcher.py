@@ -91,7 +91,14 @@ from typing import Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.processes import find_free_port, pid_alive, signal_group, stop_process_groups, torchrun_command
+from ftbridge.processes import (
+    find_free_port,
+    pid_alive,
+    signal_group,
+    signal_pids,
+    stop_process_groups,
+    torchrun_command,
+)
 
 log = logging.getLogger("ftbridge.launcher")
 
@@ -441,11 +448,7 @@ def kill_tagged(launch_id: str, grace_s: float = STRAGGLER_GRACE_S) -> list[int]
         return []
     log.warning("ending %d process(es) torchrun left behind: %s", len(pids), pids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        signal_pids(pids, sig)
         deadline = time.monotonic() + grace_s
         while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -10,7 +10,8 @@ line with :func:`torchrun_command` and stop it with :func:`stop_process_groups`:
   set: two processes on two cores stall otherwise; ``RUST_LOG=warn`` unless set: torchft's manager
   logs every quorum at INFO).
 * :func:`stop_process_groups`: SIGTERM each group, wait, SIGKILL what is left.
-* :func:`signal_group`, :func:`pid_alive`, :func:`find_free_port`: the pieces under them.
+* :func:`signal_group`, :func:`signal_pids`, :func:`pid_alive`, :func:`find_free_port`: the pieces under them
+  (ranks are ended by PID: torchrun starts them in its own process group).
 """
 
 from __future__ import annotations
@@ -109,6 +110,15 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def signal_pids(pids: Sequence[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ftbridge.events import read_events
-from ftbridge.processes import find_free_port, pid_alive, stop_process_groups, torchrun_command
+from ftbridge.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
@@ -245,9 +245,7 @@ class LocalJob:
     def stop(self) -> None:
         """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
         stop_process_groups([gp.proc for launches in self._launches() for gp in launches], grace_s=15)
-        for pid in self.all_worker_pids():
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        signal_pids([p for p in self.all_worker_pids() if pid_alive(p)], signal.SIGKILL)
         self.stop_lighthouse()
 
     def _launches(self) -> List[List[GroupProcess]]:
@@ -325,11 +323,7 @@ class LocalJob:
         pids = list(self.worker_pids(group).values())
         if not pids:
             raise RuntimeError(f"replica group {group} has no running ranks to kill")
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        signal_pids(pids, sig)
         if sig == signal.SIGKILL:
             self.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"ranks {pids} to die")
         return pids

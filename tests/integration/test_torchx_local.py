@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ftbridge.harness.local_job import GroupProcess
-from ftbridge.processes import find_free_port, pid_alive, signal_group, stop_process_groups
+from ftbridge.processes import find_free_port, pid_alive, signal_group, signal_pids, stop_process_groups
 from tests.conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,9 +65,7 @@ def _stop(proc: subprocess.Popen, job) -> None:
     for pid in roles:
         if pid_alive(pid):
             signal_group(pid, signal.SIGKILL)
-    for pid in job.all_worker_pids():
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    signal_pids([p for p in job.all_worker_pids() if pid_alive(p)], signal.SIGKILL)
     job.groups.clear()
 
 

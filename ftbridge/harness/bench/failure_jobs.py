@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from ftbridge.events import read_events
 from ftbridge.harness.bench.core import BenchSettings
 from ftbridge.harness.local_job import TRAIN_SCRIPT, LocalJob
-from ftbridge.processes import pid_alive, stop_process_groups, torchrun_command
+from ftbridge.processes import pid_alive, signal_pids, stop_process_groups, torchrun_command
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """Lighthouse heartbeat timeout of the kill runs (LocalJob's default), the same in quick and full mode."""
@@ -256,9 +256,8 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
         return KillRun(kill_time, read_events(paths), extra={"exit_code": proc.returncode, "killed_pid": pids[0]})
     finally:
         stop_process_groups([proc], grace_s=15)
-        for e in read_events(paths):
-            if e.get("event") == "start" and pid_alive(e["pid"]):
-                os.kill(e["pid"], signal.SIGKILL)
+        signal_pids([e["pid"] for e in read_events(paths) if e.get("event") == "start" and pid_alive(e["pid"])],
+                    signal.SIGKILL)
 
 
 def torchrun(nproc: int, script: str, argv: Sequence[str], timeout_s: float) -> float:
