@@ -3,7 +3,7 @@
 Each example (``python examples/fp16.py`` ...) calls :func:`run` with its
 ``"ftbridge"`` DeepSpeed-config section. Started without torchrun it
 launches itself as a whole local job (lighthouse + 2 replica groups x 1 rank,
-:class:`ftbridge.local_job.LocalJob`) and prints every group's last line;
+:class:`ftbridge.harness.local_job.LocalJob`) and prints every group's last line;
 under ``ftbridge-run`` (``RANK`` set) it trains::
 
     ftbridge-lighthouse serve --bind 127.0.0.1:29510 &
@@ -61,7 +61,7 @@ def _train(section: Dict[str, Any], comm_hook: Optional[Callable]) -> None:
 
 def _launch(script: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ftbridge.local_job import LocalJob
+    from ftbridge.harness.local_job import LocalJob
 
     with tempfile.TemporaryDirectory(prefix="ftbridge_example_") as wd, \
             LocalJob(wd, 2, 1, [], script=os.path.abspath(script), min_replicas=2, lighthouse_min_replicas=2,

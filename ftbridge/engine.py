@@ -323,7 +323,7 @@ class FaultTolerantEngine:
                    rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
         self.events.write(**rec)
         if rec["healed"] and self.manager.transport.last_recv:
-            # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.bench.heal).
+            # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.harness.bench.heal).
             self.events.write(event="heal_transfer", step=step, **{k if k != "end" else "time": v for k, v in
                                                                    self.manager.transport.last_recv.items()})
         level = logging.INFO if committed else logging.WARNING

@@ -91,6 +91,14 @@ from typing import Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.processes import (
+    find_free_port,
+    pid_alive,
+    signal_group,
+    signal_pids,
+    stop_process_groups,
+    torchrun_command,
+)
 
 log = logging.getLogger("ftbridge.launcher")
 
@@ -337,13 +345,6 @@ def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> None:
         raise ValueError(f"{exc}{where} (or inherited FTBRIDGE_*/TORCHFT_* environment)") from exc
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (another process may take it later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def build_torchrun_command(
     args: argparse.Namespace,
     environ: Optional[Mapping[str, str]] = None,
@@ -387,33 +388,20 @@ def build_torchrun_command(
         "FTBRIDGE_NUM_REPLICA_GROUPS": str(args.num_replica_groups),
         "TORCHFT_LIGHTHOUSE": lighthouse,
         "FTBRIDGE_LIGHTHOUSE": lighthouse,
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, math.ceil(args.shutdown_timeout_s))),
         LAUNCH_ID_ENV: launch_id or uuid.uuid4().hex,
     })
-    if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = "1"
-    # torchft's Rust manager logs every quorum and commit at INFO; ftbridge's event log has them.
-    env.setdefault("RUST_LOG", "warn")
     for flag, (var, _) in _OPTIONAL_SETTINGS.items():
         value = getattr(args, flag)
         if value is not None:
             env[var] = value if isinstance(value, str) else _fmt(value)
     if getattr(args, "job_token_file", None):
         env[TOKEN_ENV] = read_token_file(args.job_token_file)
+    argv, env = torchrun_command(args.script, args.script_args, nproc_per_node=args.nproc_per_node,
+                                 rdzv_endpoint=endpoint, rdzv_id=rdzv_id, rdzv_backend=args.rdzv_backend,
+                                 nnodes=args.nnodes, node_rank=args.node_rank, max_restarts=args.max_restarts,
+                                 environ=env)
     _check_config(args, env)
-
-    argv = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", args.nnodes,
-        "--nproc-per-node", str(args.nproc_per_node),
-        "--node-rank", str(args.node_rank),
-        "--rdzv-backend", args.rdzv_backend,
-        "--rdzv-endpoint", endpoint,
-        "--rdzv-id", rdzv_id,
-        "--max-restarts", str(args.max_restarts),
-        args.script, *args.script_args,
-    ]
     return argv, env
 
 
@@ -431,28 +419,6 @@ def _child_preexec(parent_pid: int) -> Callable[[], None]:
         if os.getppid() != parent_pid:  # the launcher died before prctl took effect
             os._exit(1)
     return preexec
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def tagged_processes(launch_id: str) -> list[int]:
@@ -482,11 +448,7 @@ def kill_tagged(launch_id: str, grace_s: float = STRAGGLER_GRACE_S) -> list[int]
         return []
     log.warning("ending %d process(es) torchrun left behind: %s", len(pids), pids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        signal_pids(pids, sig)
         deadline = time.monotonic() + grace_s
         while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -532,7 +494,7 @@ class _Supervisor:
                 self.kill_at = time.monotonic() + self.kill_after_s
                 log.warning("got %s; forwarding it to torchrun (pid %d), SIGKILL in %.0f s",
                             name, self.proc.pid, self.kill_after_s)
-                _signal_group(self.proc.pid, signum)
+                signal_group(self.proc.pid, signum)
             else:
                 self.kill_at = time.monotonic()
                 log.warning("got %s again; SIGKILL to torchrun now", name)
@@ -541,7 +503,7 @@ class _Supervisor:
         while True:
             self._handle_signals()
             if self.kill_at is not None and time.monotonic() >= self.kill_at:
-                _signal_group(self.proc.pid, signal.SIGKILL)
+                signal_group(self.proc.pid, signal.SIGKILL)
             try:
                 return self.proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
@@ -568,13 +530,7 @@ def run_torchrun(argv: Sequence[str], env: Mapping[str, str], *, shutdown_timeou
         with _Supervisor(proc, kill_after_s) as sup:
             rc = sup.wait()
     finally:
-        if proc.poll() is None:  # an exception in the launcher itself
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=kill_after_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_groups([proc], grace_s=kill_after_s, kill_wait_s=None)  # signals it only if the launcher raised
         kill_tagged(env[LAUNCH_ID_ENV])
     code = 128 - rc if rc < 0 else rc
     log.log(logging.INFO if code == 0 else logging.WARNING, "torchrun exited with code %d", code)

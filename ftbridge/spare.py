@@ -39,7 +39,7 @@ Which group, and which replica id
 ---------------------------------
 The spare takes the smallest vacant id and uses it everywhere a cold
 replacement of that group would: ``cfg.replica_group_id``, hence the data
-shard (``dp_rank = G * group_size + group_rank``, :mod:`ftbridge.data`), the
+shard (``dp_rank = G * group_size + group_rank``, :mod:`ftbridge.harness.data`), the
 event log path, and torchft's ``replica_id = replica_group_G`` (torchft
 appends a fresh UUID, as for any restart). torchft derives the group's
 global rank from that id's trailing digits, and the lighthouse orders

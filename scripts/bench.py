@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ftbridge.bench.cli import main
+from ftbridge.harness.bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

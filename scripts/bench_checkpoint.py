@@ -2,9 +2,9 @@
 
 1. Training stall per checkpoint (2 ranks, ZeRO-2): DeepSpeed's plain
    ``save_checkpoint``, ftbridge's sync save and its async save, plus the
-   step right after each (worker ``stall`` of :mod:`ftbridge.bench.rescale_worker`).
+   step right after each (worker ``stall`` of :mod:`ftbridge.harness.bench.rescale_worker`).
 2. Resume at a different number of ranks: the suite's ``rescale`` benchmark
-   (:mod:`ftbridge.bench.rescale`; also run by ``ftbridge-bench``).
+   (:mod:`ftbridge.harness.bench.rescale`; also run by ``ftbridge-bench``).
 
 Run::
 
@@ -22,8 +22,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from ftbridge.bench import failure_jobs, rescale  # noqa: E402
-from ftbridge.bench.core import BenchSettings  # noqa: E402
+from ftbridge.harness.bench import failure_jobs, rescale  # noqa: E402
+from ftbridge.harness.bench.core import BenchSettings  # noqa: E402
 
 
 def main() -> int:
@@ -46,7 +46,7 @@ def main() -> int:
         r = stall[name]
         print(f"{name:<16}{r['stall_s'] * 1e3:>10.1f}{r['stall_s'] / ds['stall_s']:>13.2f}x"
               f"{r['next_step_s'] * 1e3:>14.1f}")
-    print("\n2/2 resume a 4-rank job on 2 ranks (ftbridge.bench.rescale) ...", flush=True)
+    print("\n2/2 resume a 4-rank job on 2 ranks (ftbridge.harness.bench.rescale) ...", flush=True)
     metrics = rescale.run(BenchSettings(workdir=out, reps=args.reps, timeout_s=900))
     for m in metrics:
         print(f"  {m.name}: {m.value:.3f} {m.unit}" + (f" (target {m.target}: {'met' if m.met else 'NOT met'})"

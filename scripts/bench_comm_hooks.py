@@ -28,7 +28,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ftbridge.local_job import LocalJob
+from ftbridge.harness.local_job import LocalJob
 
 HOOKS = [("no", "no"), ("fp16", "no"), ("bf16", "no"), ("power_sgd", "no"), ("power_sgd", "fp16"),
          ("batched_power_sgd", "no")]

@@ -6,8 +6,8 @@ Usage (from the repository root, in the project's environment)::
     python scripts/build_api_docs.py -o /tmp/api     # somewhere else
 
 Every module under ``ftbridge/`` and ``lighthouse/`` whose dotted name has no
-part starting with ``_`` gets a page (``ftbridge/bench/heal.py`` ->
-``ftbridge/bench/heal.html``), docstrings read as Google style (``Args:``,
+part starting with ``_`` gets a page (``ftbridge/harness/bench/heal.py`` ->
+``ftbridge/harness/bench/heal.html``), docstrings read as Google style (``Args:``,
 ``Returns:``, ``Raises:``) with reST roles. Each module is imported first: one
 that does not import fails the build (exit 1) rather than silently losing its
 page, and so does any warning pdoc raises (a name in ``__all__`` that does not

@@ -5,7 +5,7 @@
 
 import sys
 
-from ftbridge.chaos.cli import main
+from ftbridge.harness.chaos.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

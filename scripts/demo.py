@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqdm import tqdm
 
-from ftbridge.local_job import LocalJob
-from ftbridge.report import plot_run, summarize
+from ftbridge.harness.local_job import LocalJob
+from ftbridge.harness.report import plot_run, summarize
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ftbridge's device check: on a machine with one GPU, no network and Python 3.12 with torch installed,
 # install ftbridge and its wheels from ./device_wheels (scripts/fetch_device_wheels.sh made them), then run
-# python -m ftbridge.bench.device_check: equivalence against plain DeepSpeed (ZeRO 1/2/3, fp32/bf16,
+# python -m ftbridge.harness.bench.device_check: equivalence against plain DeepSpeed (ZeRO 1/2/3, fp32/bf16,
 # overlap_comm off/on), failover and heal, step-time overhead. Prints a table and writes it to
 # runs/device_check/table.txt (and results.json). Under 8 minutes on one GPU.
 #
@@ -44,4 +44,4 @@ fi
 # A bound on the whole check: 10 minutes on a GPU (planned under 8); the CPU dry run is slower.
 limit=600
 [ "$dry" = 1 ] && limit=3600
-exec timeout --signal=TERM "$limit" "$PY" -m ftbridge.bench.device_check "$@"
+exec timeout --signal=TERM "$limit" "$PY" -m ftbridge.harness.bench.device_check "$@"

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from ftbridge import lm_job
+from ftbridge.harness import lm_job
 
 # Before DeepSpeed is imported: it picks its accelerator (DS_ACCELERATOR) once, at import.
 DEVICE = lm_job.choose_device(sys.argv[1:])

@@ -13,8 +13,8 @@ from typing import Iterator, List
 import pytest
 import torch.distributed as dist
 
-import ftbridge.local_job as local_job_module
-from ftbridge.local_job import LocalJob
+import ftbridge.harness.local_job as local_job_module
+from ftbridge.harness.local_job import LocalJob
 
 # The suite trains on the CPU even on a GPU machine (train_lm.py --device auto keeps a preset CPU
 # accelerator): its multi-rank groups need a GPU per rank otherwise. GPU checks are marked cuda.
@@ -55,7 +55,7 @@ def local_job(tmp_path) -> Iterator:
 
 
 def run_plain_deepspeed(tmp_path, nproc: int, script_args: List[str], timeout_s: float = 240) -> str:
-    """``ftbridge.local_job.run_plain_deepspeed`` with a test failure (and the log) on error."""
+    """``ftbridge.harness.local_job.run_plain_deepspeed`` with a test failure (and the log) on error."""
     try:
         return local_job_module.run_plain_deepspeed(str(tmp_path), nproc, script_args, timeout_s)
     except RuntimeError as e:

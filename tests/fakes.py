@@ -211,7 +211,7 @@ def tiny_engine(stage: int = 2, *, manager: Callable[..., Any] = None, ds: Optio
 
     from ftbridge.config import FTBridgeConfig
     from ftbridge.engine import FaultTolerantEngine, split_ds_config
-    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.harness.models import GPTConfig, build_model
 
     if model is None:
         model = build_model(GPTConfig(**TINY_GPT), seed=3)

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftbridge.bench import cli, core, jobs, report
-from ftbridge.bench.core import BenchSettings, Metric, ratio_metric
+from ftbridge.harness.bench import cli, core, jobs, report
+from ftbridge.harness.bench.core import BenchSettings, Metric, ratio_metric
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,7 +140,7 @@ def test_write_report_writes_json_markdown_and_every_plot(tmp_path):
     fail = report.failure("scaling", ValueError("boom"), 1.0)
     one_group = ratio_metric("overhead", "step time ZeRO-2, ftbridge 1x2", [0.105], [0.10], baseline_name="plain",
                              extra={"zero_stage": 2, "ranks_per_group": 2, "decomposition": True, "baseline_unit": "s"})
-    from ftbridge.bench import scaling
+    from ftbridge.harness.bench import scaling
 
     metrics = [*synthetic_metrics(), one_group]
     metrics += [scaling.exposed_metric(m) for m in metrics if m.benchmark == "scaling"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ftbridge.bench.core import BenchSettings
-from ftbridge.bench.failover import committed_steps_lost, count_metric, killed_group_steps_lost, survivor_stall
-from ftbridge.bench.failure_jobs import check_recovered
-from ftbridge.bench.heal import PHASES, heal_phases, loopback_seconds
-from ftbridge.bench.restart import ftbridge_resume, plain_resume
+from ftbridge.harness.bench.core import BenchSettings
+from ftbridge.harness.bench.failover import committed_steps_lost, count_metric, killed_group_steps_lost, survivor_stall
+from ftbridge.harness.bench.failure_jobs import check_recovered
+from ftbridge.harness.bench.heal import PHASES, heal_phases, loopback_seconds
+from ftbridge.harness.bench.restart import ftbridge_resume, plain_resume
 
 
 def rec(t, step, committed=True, participants=2, group=0, rank=0, step_time_s=0.1, **kw):
@@ -149,8 +149,8 @@ def test_ftbridge_resume_survivors_and_rejoined_group():
 
 
 def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
-    from ftbridge.bench import failover, failure_jobs, heal, rescale, restart
-    from ftbridge.bench.core import Metric
+    from ftbridge.harness.bench import failover, failure_jobs, heal, rescale, restart
+    from ftbridge.harness.bench.core import Metric
 
     events = [rec(1.0, 1), rec(1.1, 2), rec(1.2, 3), rec(1.0, 1, group=1), rec(1.1, 2, group=1),
               rec(3.3, 4, participants=1), rec(6.0, 5, group=1)]
@@ -185,7 +185,7 @@ def test_metrics_and_plots_from_synthetic_runs(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(180)
 def test_transport_alone_fetches_the_served_state_from_another_process():
-    from ftbridge.bench import heal
+    from ftbridge.harness.bench import heal
 
     ratio, encode = heal.transport_alone(4, 2)
     assert ratio.unit == "ratio" and len(ratio.samples) == 2 and ratio.value > 0

@@ -1,8 +1,8 @@
-"""The spare benchmark's pure parts: full capacity back and the spare's phases (ftbridge.bench.spare)."""
+"""The spare benchmark's pure parts: full capacity back and the spare's phases (ftbridge.harness.bench.spare)."""
 
 import pytest
 
-from ftbridge.bench.spare import SPARE_PHASES, capacity_back, spare_phases
+from ftbridge.harness.bench.spare import SPARE_PHASES, capacity_back, spare_phases
 
 
 def step(t, committed=True, participants=2, healed=False):

@@ -3,12 +3,14 @@
 Reads the ``import`` statements of ``ftbridge/``, ``lighthouse/`` and ``scripts/`` with ``ast``. A module
 that is not listed here and imports torchft, or a DeepSpeed module below ``deepspeed.runtime``/``utils``,
 fails this test: go through the door (:mod:`ftbridge.manager._torchft`, :mod:`ftbridge.zero`) instead, or move
-the door and update the diagram in docs/concepts.md together with these sets.
+the door and update the diagram in docs/concepts.md together with these sets. The job and test harness
+(``ftbridge/harness/``) sits on top: the runtime and ``lighthouse/`` never import it.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, Set
 
@@ -73,3 +75,30 @@ def test_no_module_reaches_the_torchft_manager_around_replica_manager():
                 if isinstance(node, ast.Attribute) and node.attr in ("torchft", "_torchft"):
                     reached.append(f"{rel}:{node.lineno}")
     assert not reached, f"use ReplicaManager's methods instead of its torchft Manager: {reached}"
+
+
+HARNESS = "ftbridge.harness"
+"""The job and test harness (issue 13 item 5): it imports the runtime and the lighthouse, never the reverse."""
+
+
+def _harness_references(tree: ast.AST) -> Set[str]:
+    """Every way ``tree`` can reach the harness: ``import``/``from`` (``from ftbridge import harness`` too) and
+    a string that is exactly a harness module's name (``importlib.import_module``, ``python -m``)."""
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"[\w.]+", node.value):
+            names.add(node.value)
+    return {n for n in names if n == HARNESS or n.startswith(HARNESS + ".")}
+
+
+def test_the_runtime_and_the_lighthouse_never_import_the_harness():
+    paths = [p for top in ("ftbridge", "lighthouse") for p in sorted((REPO / top).rglob("*.py"))
+             if not p.relative_to(REPO).as_posix().startswith("ftbridge/harness/")]
+    assert len(paths) > 40 and REPO / "ftbridge" / "engine.py" in paths and REPO / "lighthouse" / "cli.py" in paths
+    bad = {str(p.relative_to(REPO)): sorted(_harness_references(ast.parse(p.read_text(encoding="utf-8"))))
+           for p in paths}
+    assert not {p: n for p, n in bad.items() if n}, "the runtime and lighthouse/ must not import ftbridge.harness"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftbridge.chaos import invariants as inv
-from ftbridge.chaos.schedule import FailureKind, make_schedule, parse_kinds
+from ftbridge.harness.chaos import invariants as inv
+from ftbridge.harness.chaos.schedule import FailureKind, make_schedule, parse_kinds
 
 
 def test_schedule_is_seeded_has_every_kind_and_brings_the_group_back():
@@ -157,7 +157,7 @@ def test_final_loss_tolerance():
 
 
 def _result(events, checks, violations=None, baseline_loss=None):
-    from ftbridge.chaos.runner import ChaosResult, ChaosSettings
+    from ftbridge.harness.chaos.runner import ChaosResult, ChaosSettings
 
     violations = [str(v) for c in checks for v in c.violations] if violations is None else violations
     return ChaosResult(ChaosSettings(workdir="unused", baseline=baseline_loss is not None), [], [], events,
@@ -165,7 +165,7 @@ def _result(events, checks, violations=None, baseline_loss=None):
 
 
 def test_the_report_lists_only_the_checks_that_ran_with_their_outcome():
-    from ftbridge.chaos import report
+    from ftbridge.harness.chaos import report
 
     ev = [_rec(g, s + g / 100, s, checksum=f"c{s}") for s in range(1, 6) for g in (0, 1)]
     text = report.table(_result(ev, inv.log_checks(ev)))
@@ -190,10 +190,10 @@ def test_the_report_lists_only_the_checks_that_ran_with_their_outcome():
 
 
 def test_outage_pause_counts_the_longest_gap_in_steps_and_the_report_shows_it():
-    from ftbridge.chaos import report
-    from ftbridge.chaos.inject import Injected
-    from ftbridge.chaos.runner import Outcome
-    from ftbridge.chaos.schedule import Failure
+    from ftbridge.harness.chaos import report
+    from ftbridge.harness.chaos.inject import Injected
+    from ftbridge.harness.chaos.runner import Outcome
+    from ftbridge.harness.chaos.schedule import Failure
 
     def recs(times):
         return [dict(time=t, committed=True, step_time_s=0.1) for t in times]

@@ -1,11 +1,11 @@
-"""Unit tests for ftbridge.models.char_gpt."""
+"""Unit tests for ftbridge.harness.models.char_gpt."""
 
 import math
 
 import pytest
 import torch
 
-from ftbridge.models import GPTConfig, build_model, param_count
+from ftbridge.harness.models import GPTConfig, build_model, param_count
 
 VOCAB = 89  # size of the Shakespeare character vocabulary
 

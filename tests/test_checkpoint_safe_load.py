@@ -42,7 +42,7 @@ CONFIGS = {"zero1": (1, {}), "zero2": (2, {}), "zero3": (3, {}), "zero1_bf16": (
 def _ds_engine(stage, extra):
     import deepspeed
 
-    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.harness.models import GPTConfig, build_model
 
     extra = dict(extra)
     model = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
@@ -178,7 +178,7 @@ def test_deepspeed_own_loads_go_through_the_safe_loader(tmp_path, monkeypatch):
 
 def test_plain_baseline_resume_refuses_a_crafted_checkpoint(tmp_path):
     from ftbridge.checkpoint.safe_load import UnsafeCheckpointError
-    from ftbridge.lm_job import PlainRun
+    from ftbridge.harness.lm_job import PlainRun
 
     engine = _ds_engine(2, {})
     _train(engine, 1)

@@ -28,7 +28,7 @@ def test_at_least_and_finite_refuse_with_the_value():
 @pytest.mark.parametrize("flag,value", [("--steps", "-1"), ("--lr", "nan"), ("--grad-accum", "0"),
                                         ("--lr", "inf"), ("--micro-batch", "0"), ("--grad-clip", "-1")])
 def test_the_main_job_refuses_bad_numbers_before_it_starts(capsys, flag, value):
-    from ftbridge.lm_job import build_parser
+    from ftbridge.harness.lm_job import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([flag, value])

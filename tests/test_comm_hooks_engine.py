@@ -22,7 +22,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _engine(stage, hook="no", options=None, mode="per_bucket", bf16=False):
-    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.harness.models import GPTConfig, build_model
 
     model = build_model(GPTConfig(**TINY_GPT), seed=3)
     ds = {"ftbridge": {"comm_hook": hook, "sync_mode": mode, "cross_replica_bucket_bytes": 0,
@@ -42,7 +42,7 @@ def _train(engine, batches):
 
 @pytest.mark.parametrize("stage,bf16", [(1, False), (2, False), (3, False), (2, True)])
 def test_layout_matches_where_deepspeed_puts_each_gradient(stage, bf16):
-    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.harness.models import GPTConfig, build_model
 
     eng, _ = _engine(stage, "power_sgd", {"start_powerSGD_iter": 0}, bf16=bf16)
     eng.cross_replica_sync = False

@@ -1,4 +1,4 @@
-"""Unit tests for ftbridge.data: determinism, sharding equivalence, state, corpus."""
+"""Unit tests for ftbridge.harness.data: determinism, sharding equivalence, state, corpus."""
 
 import json
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from ftbridge.data import CharTokenizer, ShardedTextData, load_text
+from ftbridge.harness.data import CharTokenizer, ShardedTextData, load_text
 
 CONTEXT, MICRO_BATCH = 16, 3
 

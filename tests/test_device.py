@@ -90,7 +90,7 @@ def test_is_loopback():
 
 
 def test_train_lm_device_cuda_without_gpu_stops_before_work(monkeypatch, capsys):
-    from ftbridge import lm_job
+    from ftbridge.harness import lm_job
 
     monkeypatch.setattr(device, "probe", lambda: NO_GPU)
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)

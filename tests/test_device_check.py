@@ -1,4 +1,4 @@
-"""The device check (ftbridge.bench.device_check): its pure parts by default, its CPU dry run as a slow test."""
+"""The device check (ftbridge.harness.bench.device_check): its pure parts by default, its CPU dry run as a slow test."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ftbridge.bench import device_check as dc
+from ftbridge.harness.bench import device_check as dc
 
 
 def test_plans_and_sizes():

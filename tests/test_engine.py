@@ -67,7 +67,7 @@ def _train(engine, batches, gas=1):
 
 
 def _state(engine):
-    from ftbridge.lm_job import final_digest
+    from ftbridge.harness.lm_job import final_digest
 
     return final_digest(engine.engine, engine.adapter), int(engine.global_steps), int(engine.micro_steps)
 
@@ -273,7 +273,7 @@ def test_optimizer_offload_sends_the_layout_fixed_partition_once_per_step(stage,
 
 
 def _offload_engine(ds_extra, model_dtype=None, **ft):
-    from ftbridge.models import GPTConfig, build_model
+    from ftbridge.harness.models import GPTConfig, build_model
     from tests.fakes import TINY_GPT
 
     model = build_model(GPTConfig(**TINY_GPT), seed=3)

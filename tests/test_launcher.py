@@ -273,7 +273,7 @@ def test_unreachable_lighthouse_is_refused_before_launch(script, capsys):
 def test_second_signal_arriving_inside_the_first_handler_still_escalates(monkeypatch):
     """A second SIGTERM can run its handler inside the first one's (CI saw it); it must still mean SIGKILL now."""
     sent: list[tuple[int, int]] = []
-    monkeypatch.setattr(launcher, "_signal_group", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(launcher, "signal_group", lambda pid, sig: sent.append((pid, sig)))
 
     class Proc:
         pid = 4242

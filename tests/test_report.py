@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftbridge.report import plot_run, summarize
+from ftbridge.harness.report import plot_run, summarize
 
 
 def _events(checksums, lonely=False):

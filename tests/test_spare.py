@@ -101,7 +101,7 @@ def _cfg(**kw):
 
 
 def test_stand_by_takes_over_the_dead_groups_id_and_so_its_data_shard():
-    from ftbridge.lm_job import topology
+    from ftbridge.harness.lm_job import topology
 
     reads = iter([[hb(0), hb(1)], [hb(0), hb(1)], [hb(0), hb(1, stale=True)]])
     fetch = lambda address, timeout_s: SimpleNamespace(heartbeats=next(reads))  # noqa: E731

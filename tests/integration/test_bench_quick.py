@@ -1,6 +1,6 @@
 """The CI smoke run of ``ftbridge-bench --quick``: every benchmark runs end to end and writes its report.
 
-Runs the CLI as a subprocess (``python -m ftbridge.bench.cli``, what the
+Runs the CLI as a subprocess (``python -m ftbridge.harness.bench.cli``, what the
 ``ftbridge-bench`` console script calls) with a timeout, then checks that
 ``bench.json`` holds every expected metric with a finite value, that nothing
 failed, and that the plots exist. No assertion on time: quick figures come
@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from ftbridge.processes import stop_process_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,10 +39,10 @@ def _metric(saved, bench, name):
 
 
 def _quick_model_parameters() -> int:
-    """Parameters of the kill runs' quick model (ftbridge.bench.failure_jobs.QUICK_MODEL) on the corpus."""
-    from ftbridge.bench.failure_jobs import QUICK_MODEL
-    from ftbridge.data import CharTokenizer, load_text
-    from ftbridge.models.char_gpt import GPTConfig, build_model
+    """Parameters of the kill runs' quick model (ftbridge.harness.bench.failure_jobs.QUICK_MODEL) on the corpus."""
+    from ftbridge.harness.bench.failure_jobs import QUICK_MODEL
+    from ftbridge.harness.data import CharTokenizer, load_text
+    from ftbridge.harness.models.char_gpt import GPTConfig, build_model
 
     flags = dict(zip(QUICK_MODEL[::2], QUICK_MODEL[1::2]))
     cfg = GPTConfig(vocab_size=CharTokenizer(load_text()).vocab_size, context=int(flags["--context"]),
@@ -60,17 +61,12 @@ def test_quick_suite_writes_every_metric_and_plot(tmp_path):
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     log = tmp_path / "bench.log"
     with open(log, "wb") as f:  # its own session: on a timeout the CLI and every job it started go
-        proc = subprocess.Popen([sys.executable, "-m", "ftbridge.bench.cli", "--quick", "--out", str(out)],
+        proc = subprocess.Popen([sys.executable, "-m", "ftbridge.harness.bench.cli", "--quick", "--out", str(out)],
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=1140)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the CLI stops its jobs and writes the partial report
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        except subprocess.TimeoutExpired:  # on SIGTERM the CLI stops its jobs and writes the partial report
+            stop_process_groups([proc], grace_s=60, kill_wait_s=None)
             code = "timeout"
     assert code == 0, f"exit {code}\n{log.read_text(errors='replace')[-6000:]}"
     saved = json.loads((out / "bench.json").read_text())

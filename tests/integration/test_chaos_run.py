@@ -15,10 +15,10 @@ import os
 
 import pytest
 
-from ftbridge.chaos import report
-from ftbridge.chaos.cli import TINY
-from ftbridge.chaos.runner import ChaosSettings, run_chaos
-from ftbridge.chaos.schedule import FailureKind, make_schedule
+from ftbridge.harness.chaos import report
+from ftbridge.harness.chaos.cli import TINY
+from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
+from ftbridge.harness.chaos.schedule import FailureKind, make_schedule
 
 
 @pytest.mark.timeout(600)

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from ftbridge import faults
-from ftbridge.chaos import invariants
-from ftbridge.launcher import pid_alive
+from ftbridge.harness.chaos import invariants
+from ftbridge.processes import pid_alive
 from tests.conftest import TINY
 
 

@@ -4,7 +4,7 @@ Every job here is a real LocalJob (lighthouse + one ftbridge-run per replica
 group, TINY model); state equality is checked through the per-rank event
 logs: ``final`` (the saving job's last state) against ``resumed`` (the state
 right after loading), both with the same parameter and per-rank optimizer
-checksums (:func:`ftbridge.lm_job.final_digest`).
+checksums (:func:`ftbridge.harness.lm_job.final_digest`).
 """
 
 from __future__ import annotations

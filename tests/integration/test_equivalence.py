@@ -83,8 +83,8 @@ def _run_ftbridge(local_job, args, mode, extra=()):
 
 def _initial_params(bf16: bool) -> dict:
     """The parameters every run starts from (TINY model, the job's default seed), as saved (fp32)."""
-    from ftbridge.data import CharTokenizer, load_text
-    from ftbridge.models.char_gpt import GPTConfig, build_model
+    from ftbridge.harness.data import CharTokenizer, load_text
+    from ftbridge.harness.models.char_gpt import GPTConfig, build_model
 
     flags = dict(zip(TINY[::2], TINY[1::2]))
     cfg = GPTConfig(vocab_size=CharTokenizer(load_text()).vocab_size, context=int(flags["--context"]),

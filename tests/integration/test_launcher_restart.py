@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ftbridge.launcher import pid_alive
+from ftbridge.processes import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "integration" / "workers" / "restart_worker.py"

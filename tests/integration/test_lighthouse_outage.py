@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ftbridge.local_job import pid_alive
+from ftbridge.processes import pid_alive
 from tests.conftest import TINY
 
 

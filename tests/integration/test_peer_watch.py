@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from ftbridge.bench.failure_jobs import check_recovered
-from ftbridge.chaos import invariants
+from ftbridge.harness.bench.failure_jobs import check_recovered
+from ftbridge.harness.chaos import invariants
 from tests.conftest import TINY
 
 HEARTBEAT_TIMEOUT_S = 2.0

@@ -22,9 +22,9 @@ import time
 
 import pytest
 
-from ftbridge.data import ShardedTextData, load_text
 from ftbridge.events import read_events, tensor_checksum
-from ftbridge.local_job import pid_alive
+from ftbridge.harness.data import ShardedTextData, load_text
+from ftbridge.processes import pid_alive
 from tests.conftest import TINY
 
 

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from ftbridge.launcher import find_free_port, pid_alive
-from ftbridge.local_job import GroupProcess
+from ftbridge.harness.local_job import GroupProcess
+from ftbridge.processes import find_free_port, pid_alive, signal_group, signal_pids, stop_process_groups
 from tests.conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,19 +61,11 @@ def _torchx_run(job, port: int) -> subprocess.Popen:
 def _stop(proc: subprocess.Popen, job) -> None:
     """End torchx run, the roles it started (each in its own session) and every rank, by PID."""
     roles = _children(proc.pid)
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)  # TorchX's handler terminates its roles
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    stop_process_groups([proc], grace_s=30)  # on SIGTERM TorchX's handler terminates its roles
     for pid in roles:
         if pid_alive(pid):
-            os.killpg(pid, signal.SIGKILL)
-    for pid in job.all_worker_pids():
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)
+    signal_pids([p for p in job.all_worker_pids() if pid_alive(p)], signal.SIGKILL)
     job.groups.clear()
 
 

@@ -17,7 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ftbridge.models import GPTConfig, build_model
+from ftbridge.harness.models import GPTConfig, build_model
 from tests.fakes import TINY_GPT, gpt_batch, tiny_engine
 
 deepspeed.init_distributed(dist_backend="gloo")

@@ -1,0 +1,110 @@
+"""``ftbridge-chaos``: run the main training job under injected failures and check it survived.
+
+Examples::
+
+    # CI-sized: each failure kind once, 3 groups x 2 ranks, tiny model (about 3-4 minutes)
+    ftbridge-chaos --quick --out chaos-report
+
+    # soak: 30 minutes, a failure every 15 s on average
+    ftbridge-chaos --soak-minutes 30 --mtbf 15 --out soak-report
+
+Exit status: 0 when every invariant held, 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+from typing import List, Optional
+
+TINY = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32", "--micro-batch", "4",
+        "--val-every", "0", "--val-batches", "8", "--warmup-steps", "2"]
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    from ftbridge.harness.chaos.schedule import FailureKind
+
+    p = argparse.ArgumentParser(prog="ftbridge-chaos", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=3, help="planned replica groups (default 3)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per replica group (default 2)")
+    p.add_argument("--kinds", default="all",
+                   help=f"comma-separated failure kinds or 'all': {', '.join(k.value for k in FailureKind)}")
+    p.add_argument("--seed", type=int, default=0, help="seeds the schedule and the targets")
+    p.add_argument("--count", type=int, default=None, help="number of failures (default: each kind once)")
+    p.add_argument("--soak-minutes", type=float, default=None, help="inject failures for this long (soak run)")
+    p.add_argument("--mtbf", type=float, default=10.0, help="mean time between failures, seconds (default 10)")
+    p.add_argument("--hang-s", type=float, default=None,
+                   help="how long a hang lasts (default: cross-replica timeout + 3 s)")
+    p.add_argument("--outage-s", type=float, default=10.0, help="how long a lighthouse outage lasts (default 10)")
+    p.add_argument("--cross-replica-timeout", type=float, default=5.0, help="seconds (default 5)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
+    p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the failure-free run (and the final-loss check)")
+    p.add_argument("--loss-tolerance", type=float, default=0.15, help="nats (default 0.15)")
+    p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
+    p.add_argument("--workdir", default=None, help="logs and event logs (default: a temporary folder)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="after '--': more scripts/train_lm.py arguments")
+    args = p.parse_args(argv)
+    if args.groups < 2:
+        p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
+    if args.nproc < 1:
+        p.error(f"--nproc {args.nproc}: must be at least 1")
+    if args.mtbf <= 0 or args.cross_replica_timeout <= 0:
+        p.error("--mtbf and --cross-replica-timeout must be positive")
+    return args
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    os.environ.setdefault("RUST_LOG", "warn")
+    from tqdm import tqdm
+
+    from ftbridge.harness.chaos import report
+    from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
+    from ftbridge.harness.chaos.schedule import make_schedule, parse_kinds
+
+    try:
+        kinds = parse_kinds(args.kinds)
+        hang_s = args.hang_s if args.hang_s is not None else args.cross_replica_timeout + 3.0
+        schedule = make_schedule(seed=args.seed, kinds=kinds, num_groups=args.groups, count=args.count,
+                                 duration_s=None if args.soak_minutes is None else args.soak_minutes * 60,
+                                 mtbf_s=args.mtbf, hang_s=hang_s, outage_s=args.outage_s)
+    except ValueError as e:
+        print(f"ftbridge-chaos: {e}", file=sys.stderr)
+        return 2
+    extra = [a for a in args.train_args if a != "--"]
+    script_args = [*(TINY if args.quick else []), "--zero-stage", str(args.zero_stage), *extra]
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ftbridge-chaos-")
+    settings = ChaosSettings(workdir=workdir, groups=args.groups, nproc=args.nproc, script_args=script_args,
+                             seed=args.seed, cross_replica_timeout_s=args.cross_replica_timeout,
+                             baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance)
+    print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
+          f"{args.groups} replica groups x {args.nproc} ranks, logs in {workdir}", flush=True)
+    # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: run_chaos's clean-up stops every
+    # process it started (without this, the groups outlived the runner and torchrun restarted them).
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tqdm(total=len(schedule), unit="failure", desc="chaos") as bar:
+            result = run_chaos(settings, schedule, progress=bar)
+    except KeyboardInterrupt:
+        print("ftbridge-chaos: interrupted; every process it started has been stopped", file=sys.stderr)
+        return 130
+    paths = report.write(result, args.out)
+    print(report.table(result))
+    print(f"report: {', '.join(paths)}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Injecting one failure into a running :class:`~ftbridge.harness.local_job.LocalJob`.
+
+Each ``inject_*`` function does the failure, waits until it has really
+happened (a killed process is gone, a fault point has fired), and returns an
+:class:`Injected` record: when, whom it hit, and what to wait for before the
+job counts as recovered. The chaos runner (:mod:`ftbridge.harness.chaos.runner`)
+does the waiting and the measuring.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+from ftbridge import faults
+from ftbridge.harness.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.local_job import LocalJob
+from ftbridge.processes import pid_alive
+
+_KILLS = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
+          FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT}
+
+
+@dataclass
+class Injected:
+    """What one injected failure did.
+
+    Attributes:
+        failure: the scheduled failure.
+        time: when it took effect (seconds since the epoch).
+        hit: replica groups it took out (they must heal to rejoin).
+        rejoin: groups expected to heal back into the job afterwards.
+        target: human-readable target, e.g. ``"group 1 rank 0 (pid 123)"``.
+        skipped: why it was not injected ("" if it was).
+        ended: when a failure with a duration ended (the lighthouse back up),
+            seconds since the epoch; recovery is measured from here. None otherwise.
+        heal_optional: the ``rejoin`` groups kept their state (a hang): they
+            must heal only if the others committed steps without them, and
+            otherwise rejoin by committing with them again.
+    """
+
+    failure: Failure
+    time: float
+    hit: List[int] = field(default_factory=list)
+    rejoin: List[int] = field(default_factory=list)
+    target: str = ""
+    skipped: str = ""
+    ended: Optional[float] = None
+    heal_optional: bool = False
+
+
+class Injector:
+    """Applies failures to ``job`` and tracks which replica groups are in it.
+
+    Args:
+        job: the running job (its groups started by the caller).
+        alive: replica groups running now.
+        fault_dir: the ``FTBRIDGE_FAULT_DIR`` the job's groups were started with.
+        seed: seeds the choice of target (with the failure's index).
+        timeout_s: longest wait for a fault to fire or a process to die.
+    """
+
+    def __init__(self, job: LocalJob, alive: Set[int], fault_dir: str, seed: int, timeout_s: float = 180) -> None:
+        self.job = job
+        self.alive = set(alive)
+        self.fault_dir = fault_dir
+        self.seed = seed
+        self.timeout_s = timeout_s
+
+    # -- dispatch ---------------------------------------------------------
+    def inject(self, failure: Failure) -> Injected:
+        """Apply ``failure``; see :class:`~ftbridge.harness.chaos.schedule.FailureKind` for each kind."""
+        rng = random.Random(f"{self.seed}:{failure.index}")
+        kind = failure.kind
+        need = 3 if kind == FailureKind.KILL_DONOR_IN_HEAL else 2
+        if kind in _KILLS and len(self.alive) < need:
+            return Injected(failure, time.time(), skipped=f"only {len(self.alive)} replica groups running, "
+                                                          f"{kind.value} needs {need}")
+        handler = {
+            FailureKind.KILL_RANK: self._kill_rank,
+            FailureKind.KILL_GROUP: self._kill_group,
+            FailureKind.HANG: self._hang,
+            FailureKind.KILL_JOINER_IN_HEAL: self._kill_in_heal,
+            FailureKind.KILL_DONOR_IN_HEAL: self._kill_in_heal,
+            FailureKind.KILL_IN_CHECKPOINT: self._kill_in_checkpoint,
+            FailureKind.LIGHTHOUSE_OUTAGE: self._lighthouse_outage,
+            FailureKind.SCALE_DOWN: self._scale_down,
+            FailureKind.SCALE_UP: self._scale_up,
+        }[kind]
+        return handler(failure, rng)
+
+    # -- kinds ------------------------------------------------------------
+    def _pick(self, rng: random.Random) -> int:
+        return rng.choice(sorted(self.alive))
+
+    def _kill_rank(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        pids = self.job.worker_pids(g)
+        r = rng.choice(sorted(pids))
+        t = time.time()
+        _kill_and_wait(self.job, [pids[r]], self.timeout_s)
+        return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]})")
+
+    def _kill_group(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        t = time.time()
+        pids = self.job.kill_workers(g, timeout_s=self.timeout_s)
+        return Injected(failure, t, [g], [g], f"group {g} (pids {', '.join(map(str, pids))})")
+
+    def _hang(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        pids = self.job.worker_pids(g)
+        r = rng.choice(sorted(pids))
+        t = time.time()
+        os.kill(pids[r], signal.SIGSTOP)
+        try:
+            time.sleep(failure.duration_s)  # the failure itself: a rank frozen for this long
+        finally:
+            os.kill(pids[r], signal.SIGCONT)
+        # No heal is needed when the others never committed without it (they too waited the hang out).
+        return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]}) stopped "
+                                              f"{failure.duration_s:.0f} s", heal_optional=True)
+
+    def _kill_in_heal(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        joiner = failure.kind == FailureKind.KILL_JOINER_IN_HEAL
+        name = "heal_recv" if joiner else "heal_send"
+        # Armed before the kill, so the group's first heal after its restart meets it. The joiner's
+        # trigger names the group; the donor's fires in whichever group torchft picks to send.
+        faults.arm(self.fault_dir, name, group=g if joiner else None)
+        t = time.time()
+        self.job.kill_workers(g, timeout_s=self.timeout_s)
+        victim = self._fire(name, g if joiner else None, failure.index, arm=False)
+        hit = sorted({g, victim})
+        who = "joiner" if joiner else "donor"
+        return Injected(failure, t, hit, hit, f"group {g} killed; its heal {who} group {victim} killed mid-transfer")
+
+    def _kill_in_checkpoint(self, failure: Failure, rng: random.Random) -> Injected:
+        # Whichever group is the writer (replica rank 0 of the quorum) at the next scheduled save.
+        t = time.time()
+        victim = self._fire("checkpoint_publish", None, failure.index)
+        return Injected(failure, t, [victim], [victim], f"checkpoint writer group {victim} killed before publishing")
+
+    def _fire(self, name: str, group: Optional[int], index: int, arm: bool = True) -> int:
+        """Arm fault point ``name`` (unless already armed), wait until it fires, return the group that died."""
+        if arm:
+            faults.arm(self.fault_dir, name, group=group)
+        self.job.wait_until(lambda: faults.fired(self.fault_dir, name), self.timeout_s,
+                            f"fault point {name} to fire")
+        fired = os.path.join(self.fault_dir, f"{name}.fired")
+        with open(fired, encoding="utf-8") as f:
+            victim = int(f.read().split("replica_group=")[1].split()[0])
+        os.replace(fired, f"{fired}.{index}")
+        return victim
+
+    def _lighthouse_outage(self, failure: Failure, rng: random.Random) -> Injected:
+        t = time.time()
+        self.job.stop_lighthouse()
+        try:
+            time.sleep(failure.duration_s)  # the failure itself: no lighthouse for this long
+        finally:
+            self.job.start_lighthouse()
+        return Injected(failure, t, [], [], f"lighthouse down {failure.duration_s:.0f} s", ended=time.time())
+
+    def _scale_down(self, failure: Failure, rng: random.Random) -> Injected:
+        if len(self.alive) < 3:
+            return Injected(failure, time.time(), skipped=f"only {len(self.alive)} replica groups running: "
+                                                          "scaling down would leave one group with no spare")
+        g = self._pick(rng)
+        t = time.time()
+        self.job.stop_group(g)
+        self.alive.discard(g)
+        return Injected(failure, t, [g], [], f"group {g} left the job")
+
+    def _scale_up(self, failure: Failure, rng: random.Random) -> Injected:
+        outside = sorted(set(range(self.job.num_groups)) - self.alive)
+        if not outside:
+            return Injected(failure, time.time(), skipped="every planned replica group is already running")
+        g = rng.choice(outside)
+        t = time.time()
+        self.job.start_group(g)
+        self.alive.add(g)
+        return Injected(failure, t, [], [g], f"group {g} joined the job")
+
+
+def _kill_and_wait(job: LocalJob, pids: List[int], timeout_s: float) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"pids {pids} to die")
+
+
+def describe(inj: Injected) -> Dict[str, object]:
+    """A JSON-ready dict of an :class:`Injected`."""
+    return {**inj.failure.to_json(), "time": inj.time, "ended": inj.ended, "hit": inj.hit, "rejoin": inj.rejoin,
+            "target": inj.target, "skipped": inj.skipped}
+
+
+def survivors(alive: Set[int], inj: Injected) -> Optional[List[int]]:
+    """Groups that the failure did not take out (None when it hit nothing)."""
+    return sorted(alive - set(inj.hit)) if inj.hit else None

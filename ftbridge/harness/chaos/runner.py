@@ -1,0 +1,333 @@
+"""The chaos run: a whole job on this machine, failures from a schedule, invariants checked.
+
+:func:`run_chaos` starts the lighthouse and the replica groups
+(:class:`~ftbridge.harness.local_job.LocalJob`, each group one ``ftbridge-run``),
+injects each scheduled failure (:mod:`ftbridge.harness.chaos.inject`), waits for the
+job to recover from it before the next one (so a group with state always
+survives), checks the invariants on the event logs after every failure and at
+the end (:mod:`ftbridge.harness.chaos.invariants`), optionally trains a failure-free
+run of the same length and seed to compare the final loss, and ends every
+process it started. The result feeds :mod:`ftbridge.harness.chaos.report`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ftbridge.faults import ENV_DIR
+from ftbridge.harness.chaos import invariants
+from ftbridge.harness.chaos.inject import Injected, Injector, describe
+from ftbridge.harness.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.local_job import LocalJob
+from ftbridge.processes import pid_alive
+
+logger = logging.getLogger("ftbridge.harness.chaos")
+
+
+@dataclass
+class ChaosSettings:
+    """How to run the job under chaos.
+
+    Attributes:
+        workdir: folder for logs, event logs, the report.
+        groups: planned replica groups (one is held back at the start when the
+            schedule has a scale-up).
+        nproc: ranks per replica group.
+        script_args: arguments of ``scripts/train_lm.py`` (model size, ZeRO stage ...).
+        seed: seeds the schedule and the choice of targets.
+        cross_replica_timeout_s: the job's cross-replica timeout (a hang lasts longer).
+        heartbeat_timeout_ms: the lighthouse's heartbeat timeout.
+        join_timeout_ms: the lighthouse's join timeout.
+        recovery_timeout_s: longest wait for the job to recover from one failure.
+        tail_steps: steps trained after the last failure.
+        checkpoint_every: save a checkpoint every N steps (0: none; a
+            ``kill_in_checkpoint`` failure turns it on at 20).
+        baseline: also train a failure-free run of the same length to compare the final loss.
+        loss_tolerance: largest accepted |final val loss - failure-free val loss| (nats).
+    """
+
+    workdir: str
+    groups: int = 3
+    nproc: int = 2
+    script_args: Sequence[str] = ()
+    seed: int = 0
+    cross_replica_timeout_s: float = 5.0
+    heartbeat_timeout_ms: int = 2000
+    join_timeout_ms: int = 1000
+    recovery_timeout_s: float = 240.0
+    tail_steps: int = 20
+    checkpoint_every: int = 0
+    baseline: bool = True
+    loss_tolerance: float = 0.15
+
+    @property
+    def recovery_bound_s(self) -> float:
+        """Longest survivor stall the configured timeouts allow, plus slack for this machine.
+
+        A failure is noticed by the lighthouse after its heartbeat timeout, or
+        by a survivor's all-reduce after the cross-replica timeout (a hang);
+        the next quorum waits at most the join timeout; 10 s cover a few steps
+        and process scheduling on 2 shared CPU cores.
+        """
+        return (self.heartbeat_timeout_ms + self.join_timeout_ms) / 1000 + self.cross_replica_timeout_s + 10.0
+
+
+@dataclass
+class Outcome:
+    """One injected failure and how the job got over it."""
+
+    injected: Injected
+    recovered: bool
+    recovery: Optional[invariants.Recovery] = None
+    violations: List[str] = field(default_factory=list)
+    outage: Optional[invariants.OutagePause] = None
+    """For a lighthouse outage: the survivor that lost the most steps (:func:`invariants.outage_pause`)."""
+
+    def to_json(self) -> Dict[str, Any]:
+        rec = self.recovery
+        return {**describe(self.injected), "recovered": self.recovered,
+                "survivors_recovery_s": rec.survivors_s if rec else None,
+                "rejoin_s": rec.rejoin_s if rec else None, "discarded": rec.discarded if rec else None,
+                "outage_steps_lost": self.outage.steps_lost if self.outage else None,
+                "outage_pause_s": self.outage.pause_s if self.outage else None,
+                "violations": self.violations}
+
+
+@dataclass
+class ChaosResult:
+    """Everything a chaos run measured."""
+
+    settings: ChaosSettings
+    schedule: List[Failure]
+    outcomes: List[Outcome]
+    events: List[Dict[str, Any]]
+    violations: List[str]
+    final_step: int
+    final_loss: Optional[float]
+    baseline_loss: Optional[float]
+    leftover_pids: List[int]
+    wall_s: float
+    checks: List[invariants.Check] = field(default_factory=list)
+    """The checks that ran at the end, each with what it judged and found (``violations`` flattens them)."""
+
+    @property
+    def ok(self) -> bool:
+        """Every failure recovered from and every invariant held."""
+        return not self.violations and all(o.recovered for o in self.outcomes if not o.injected.skipped)
+
+
+def _final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
+    finals = [e["val_loss"] for e in events if e.get("event") == "final" and e.get("val_loss") is not None]
+    return statistics.fmean(finals) if finals else None
+
+
+def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int]
+                  ) -> Optional[invariants.OutagePause]:
+    """For a lighthouse outage, the worst survivor's pause around it (``None`` for other failures)."""
+    if inj.failure.kind != FailureKind.LIGHTHOUSE_OUTAGE or inj.ended is None:
+        return None
+    pauses = [invariants.outage_pause([e for e in events if "event" not in e and e["replica_group"] == g
+                                       and e["group_rank"] == 0], inj.time, inj.ended) for g in alive]
+    return max((p for p in pauses if p is not None), key=lambda p: p.steps_lost, default=None)
+
+
+def _all_together(job: LocalJob, alive: Sequence[int], since: float) -> bool:
+    """Every running group committed a step with all of them participating, after ``since``."""
+    for g in alive:
+        if not any(e["committed"] and e["time"] > since and e["participants"] == len(alive) for e in job.steps(g)):
+            return False
+    return True
+
+
+def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for g in inj.rejoin:
+            if inj.heal_optional:  # a hang: heal if the others went on, else commit with them again
+                job.wait_until(lambda: job.healed_since(g, inj.time) or _all_together(job, alive, inj.time),
+                               max(1.0, deadline - time.monotonic()), f"replica group {g} to rejoin")
+            else:
+                job.wait_heal(g, inj.time, max(1.0, deadline - time.monotonic()), f"replica group {g} to heal back")
+        job.wait_until(lambda: _all_together(job, alive, inj.time), max(1.0, deadline - time.monotonic()),
+                       f"replica groups {list(alive)} to commit together")
+        return True
+    except TimeoutError as e:
+        logger.error("not recovered from failure %d (%s): %s", inj.failure.index, inj.failure.kind.value,
+                     str(e).splitlines()[0])
+        return False
+
+
+def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool = False) -> LocalJob:
+    job = LocalJob(os.path.join(settings.workdir, name), settings.groups, settings.nproc,
+                   [*settings.script_args, "--steps", str(10**9)], max_restarts=1000,
+                   lighthouse_min_replicas=settings.groups if together else None,
+                   heartbeat_timeout_ms=settings.heartbeat_timeout_ms, join_timeout_ms=settings.join_timeout_ms,
+                   env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s), **env})
+    job.script_args += ["--stop-file", os.path.join(job.workdir, "stop")]
+    return job
+
+
+def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = None) -> ChaosResult:
+    """Run the job under ``schedule`` and check it.
+
+    Args:
+        settings: the job and its timeouts.
+        schedule: from :func:`ftbridge.harness.chaos.schedule.make_schedule`.
+        progress: optional ``tqdm``-like object; ``update(1)`` per failure.
+
+    Returns:
+        The :class:`ChaosResult` (the run's processes have all ended).
+
+    Raises:
+        TimeoutError: the job did not start (no first commit) within the recovery timeout.
+    """
+    t_start = time.time()
+    fault_dir = os.path.join(settings.workdir, "faults")
+    job = _job(settings, "chaos", {ENV_DIR: fault_dir})
+    ckpt_dir = os.path.join(job.workdir, "checkpoints")
+    every = settings.checkpoint_every or (20 if any(f.kind == FailureKind.KILL_IN_CHECKPOINT for f in schedule) else 0)
+    if every:
+        job.script_args += ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", str(every)]
+    kinds = {f.kind for f in schedule}
+    # A scale-up needs a group outside the job: hold one back unless a scale-down makes room first.
+    first = {k: min(f.index for f in schedule if f.kind == k) for k in kinds}
+    needs_room = (FailureKind.SCALE_UP in kinds
+                  and first.get(FailureKind.SCALE_DOWN, 10**9) > first[FailureKind.SCALE_UP])
+    held_back = {settings.groups - 1} if needs_room else set()
+    alive = set(range(settings.groups)) - held_back
+    outcomes: List[Outcome] = []
+    try:
+        job.start(groups=sorted(alive))
+        job.wait_until(lambda: _all_together(job, sorted(alive), 0.0), settings.recovery_timeout_s,
+                       "every replica group to commit together")
+        t0 = time.time()
+        injector = Injector(job, alive, fault_dir, settings.seed)
+        for failure in schedule:
+            time.sleep(max(0.0, t0 + failure.at_s - time.time()))  # the schedule is in wall time
+            inj = injector.inject(failure)
+            alive = injector.alive
+            if inj.skipped:
+                logger.warning("failure %d (%s) skipped: %s", failure.index, failure.kind.value, inj.skipped)
+                outcomes.append(Outcome(inj, recovered=True))
+            else:
+                logger.info("failure %d: %s: %s", failure.index, failure.kind.value, inj.target)
+                ok = _wait_recovered(job, inj, sorted(alive), settings.recovery_timeout_s)
+                events = job.events()
+                rec = invariants.recovery(events, inj.ended or inj.time, inj.hit, rejoin=inj.rejoin,
+                                          heal_optional=inj.heal_optional)
+                found = [str(v) for v in invariants.check_all(events)]
+                new = [v for v in found if all(v not in o.violations for o in outcomes)]
+                outcomes.append(Outcome(inj, ok, rec, new, _outage_pause(events, inj, sorted(alive))))
+                for v in new:
+                    logger.error("invariant broken after failure %d: %s", failure.index, v)
+                if not ok:
+                    break
+            if progress is not None:
+                progress.update(1)
+        final_step = job.max_step() + settings.tail_steps
+        job.write_file("stop", str(final_step))
+        job.wait(timeout_s=settings.recovery_timeout_s, groups=sorted(alive))
+    finally:
+        job.stop()
+    events = job.events()
+    pids = job.all_worker_pids() + [gp.proc.pid for launches in job.groups.values() for gp in launches]
+    leftover = [p for p in pids if pid_alive(p)]
+    checks = _end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
+                         ckpt_dir if every else None)
+    final_loss = _final_loss(events)
+    baseline_loss = None
+    if settings.baseline:
+        baseline_loss = _baseline(settings, final_step)
+        checks.append(invariants.Check(
+            "final loss within tolerance", f"{final_loss} against failure-free {baseline_loss}, tolerance "
+            f"{settings.loss_tolerance}", invariants.final_loss_close(final_loss, baseline_loss,
+                                                                       settings.loss_tolerance)))
+    violations = [str(v) for c in checks for v in c.violations]
+    return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
+                       leftover, time.time() - t_start, checks)
+
+
+def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outcomes: Sequence[Outcome],
+                alive: Sequence[int], final_step: int, started: int, leftover: Sequence[int],
+                ckpt_dir: Optional[str]
+                ) -> List[invariants.Check]:
+    """The checks run once the job has stopped (the final loss is added by the caller when it runs)."""
+    V = invariants.Violation
+    checks = invariants.log_checks(events)
+    checks.append(invariants.Check(
+        "identical end", f"final records of groups {list(alive)} x {settings.nproc} ranks at step {final_step}",
+        [V("identical end", m) for m in _final_state_violations(events, alive, settings.nproc, final_step)]))
+    checks.append(invariants.Check("no process left", f"{started} PIDs started",
+                                   [V("no process left", f"processes left behind: pids {leftover}")] if leftover
+                                   else []))
+    if ckpt_dir is not None:
+        checks.append(invariants.Check("checkpoints valid", ckpt_dir,
+                                       [V("checkpoints valid", m) for m in checkpoints_valid(ckpt_dir)]))
+    injected = [o for o in outcomes if not o.injected.skipped]
+    checks.append(invariants.Check(
+        "recovered from every failure", f"{len(injected)} failures injected",
+        [V("recovery", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}) not recovered from")
+         for o in injected if not o.recovered]))
+    timed = [(o, o.recovery.survivors_s) for o in injected
+             if o.recovery is not None and o.recovery.survivors_s is not None]
+    checks.append(invariants.Check(
+        "recovery within the bound", f"{len(timed)} survivor recoveries against {settings.recovery_bound_s:.1f} s",
+        [V("recovery bound", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): survivors "
+                             f"took {s:.1f} s to commit again, above the bound "
+                             f"{settings.recovery_bound_s:.1f} s")
+         for o, s in timed if s > settings.recovery_bound_s]))
+    return checks
+
+
+def _final_state_violations(events: Sequence[Dict[str, Any]], alive: Sequence[int], nproc: int,
+                            final_step: int) -> List[str]:
+    # A group that left (scale-down: SIGTERM, a graceful stop) wrote a final record then; if it joined
+    # again, only its last launch's record counts.
+    last: Dict[Any, Dict[str, Any]] = {}
+    for e in sorted((e for e in events if e.get("event") == "final" and e["replica_group"] in alive),
+                    key=lambda e: e["time"]):
+        last[(e["replica_group"], e["group_rank"])] = e
+    finals = list(last.values())
+    out = []
+    if len(finals) != len(alive) * nproc:
+        out.append(f"{len(finals)} of {len(alive) * nproc} ranks of groups {list(alive)} wrote a final record")
+    if {f["step"] for f in finals} - {final_step}:
+        out.append(f"final steps {sorted({f['step'] for f in finals})}, expected {final_step}")
+    if len({f["param_checksum"] for f in finals}) > 1:
+        out.append("replicas end with different parameters")
+    for r in range(nproc):
+        if len({f.get("optimizer_checksum") for f in finals if f["group_rank"] == r}) > 1:
+            out.append(f"group rank {r} ends with different optimizer state across replica groups")
+    return out
+
+
+def checkpoints_valid(ckpt_dir: str) -> List[str]:
+    """Every published checkpoint matches its manifest, and ``latest`` names a valid one."""
+    from ftbridge.checkpoint import manifest as mf
+    from ftbridge.checkpoint.store import CheckpointStore
+
+    published = CheckpointStore(ckpt_dir).list()
+    if not published:
+        return [f"no checkpoint was published in {ckpt_dir}"]
+    out = [f"checkpoint {c.tag}: {'; '.join(bad)}" for c in published if (bad := c.problems())]
+    latest = mf.read_latest(ckpt_dir)
+    if latest is None or latest not in {c.tag for c in published}:
+        out.append(f"'latest' in {ckpt_dir} names {latest!r}, which is not a published checkpoint")
+    return out
+
+
+def _baseline(settings: ChaosSettings, steps: int) -> Optional[float]:
+    """Final validation loss of a failure-free run of ``steps`` steps, all groups from the start."""
+    job = _job(settings, "baseline", {}, together=True)
+    job.script_args += ["--steps", str(steps)]  # the last --steps wins
+    try:
+        job.start()
+        job.wait(timeout_s=max(600.0, steps * 1.0))
+    finally:
+        job.stop()
+    return _final_loss(job.events())

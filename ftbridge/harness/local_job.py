@@ -1,0 +1,396 @@
+"""A whole ftbridge job on one machine: lighthouse plus K replica groups.
+
+Used by the main demo (``scripts/demo.py``), the multi-process tests and,
+later, the chaos and benchmark tools. Each replica group is one
+``ftbridge-run`` (so one torchrun, its own world) started as a subprocess;
+the lighthouse is torchft's real server, in this process. Every process is
+tracked by PID and ended by :meth:`LocalJob.stop`; conditions are awaited by
+reading the per-rank event logs (:mod:`ftbridge.events`), with a deadline.
+
+Example::
+
+    with LocalJob(workdir, num_groups=2, nproc_per_node=2, script_args=["--steps", "50"]) as job:
+        job.start()
+        job.wait_step(group=1, step=10, timeout_s=120)
+        job.kill_workers(1)                 # torchrun restarts the group, which heals
+        job.stop_lighthouse(); job.start_lighthouse()   # a lighthouse restart at the same address
+        codes = job.wait(timeout_s=300)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ftbridge.events import read_events
+from ftbridge.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
+
+REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
+
+
+@dataclass
+class GroupProcess:
+    """One launch of one replica group."""
+
+    group: int
+    proc: subprocess.Popen
+    log_path: str
+    started: float = field(default_factory=time.time)
+
+
+class LocalJob:
+    """Lighthouse and replica groups on this machine, for demos and tests.
+
+    Args:
+        workdir: folder for event logs (``events_G_R.jsonl``) and group logs.
+        num_groups: replica groups to run.
+        nproc_per_node: ranks per replica group.
+        script_args: arguments of the training script.
+        script: training script (default ``scripts/train_lm.py``).
+        min_replicas: fewest groups that may commit a step.
+        lighthouse_min_replicas: the lighthouse's ``min_replicas`` (default
+            ``min_replicas``); it applies to every quorum, so ``num_groups``
+            makes all groups start together but stalls the job once one dies:
+            use it only for runs without failures.
+        max_restarts: torchrun restarts per group.
+        heartbeat_timeout_ms, join_timeout_ms: lighthouse settings.
+        env: extra environment for every group.
+        group_sizes: ranks of particular groups, ``{group: nproc}``, where they
+            differ from ``nproc_per_node`` (to try a job whose groups do not
+            match, which ftbridge must refuse).
+        checksum_every: parameter checksum in the event log every N steps
+            (``FTBRIDGE_CHECKSUM_EVERY``); default 1, so tests and chaos runs can
+            compare replicas at every step. ``None``: the library default.
+    """
+
+    def __init__(self, workdir: str, num_groups: int, nproc_per_node: int, script_args: Sequence[str], *,
+                 script: str = TRAIN_SCRIPT, min_replicas: int = 1, lighthouse_min_replicas: Optional[int] = None,
+                 max_restarts: int = 3, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000,
+                 env: Optional[Dict[str, str]] = None, checksum_every: Optional[int] = 1,
+                 group_sizes: Optional[Dict[int, int]] = None) -> None:
+        if num_groups < 1 or nproc_per_node < 1 or any(n < 1 for n in (group_sizes or {}).values()):
+            raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}, group_sizes={group_sizes}: "
+                             "all must be >= 1")
+        self.workdir = os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.num_groups = num_groups
+        self.nproc = nproc_per_node
+        self.group_sizes = {g: int(n) for g, n in (group_sizes or {}).items()}
+        self.script = script
+        self.script_args = list(script_args)
+        self.min_replicas = min_replicas
+        self.lighthouse_min_replicas = lighthouse_min_replicas or min_replicas
+        self.max_restarts = max_restarts
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
+        self.join_timeout_ms = join_timeout_ms
+        self.env = dict(env or {})
+        if checksum_every is not None:
+            self.env.setdefault("FTBRIDGE_CHECKSUM_EVERY", str(checksum_every))
+        self.lighthouse: Any = None
+        self.groups: Dict[int, List[GroupProcess]] = {}
+        self.spares: Dict[int, GroupProcess] = {}
+        """Warm spares by index (``ftbridge-run --spare K``); one that joined trains as a group's id."""
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self, groups: Optional[Sequence[int]] = None) -> None:
+        """Start the lighthouse (once) and the given groups (default: all)."""
+        if self.lighthouse is None:
+            self.start_lighthouse()
+        for g in range(self.num_groups) if groups is None else groups:
+            self.start_group(g)
+
+    def start_lighthouse(self, timeout_s: float = 10.0) -> None:
+        """Start the in-process lighthouse: on a free port the first time, then on the same one.
+
+        After :meth:`stop_lighthouse` this restarts it at the same address (as an
+        operator restarting the service would), with a fresh in-memory state:
+        quorum ids start again at 0.
+
+        Raises:
+            RuntimeError: it is already running.
+            OSError: the port stays taken for ``timeout_s`` (another process grabbed it).
+        """
+        if self.lighthouse is not None:
+            raise RuntimeError(f"the lighthouse already runs at {self.lighthouse.address}")
+        os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust logger starts
+        from lighthouse.server import start_lighthouse
+
+        port = getattr(self, "_lighthouse_port", 0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.lighthouse = start_lighthouse(f"127.0.0.1:{port}", self.lighthouse_min_replicas,
+                                                   join_timeout_ms=self.join_timeout_ms,
+                                                   heartbeat_timeout_ms=self.heartbeat_timeout_ms)
+                break
+            except OSError:
+                if port == 0 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # the old socket may linger a moment; retry until the deadline
+        self._lighthouse_port = self.lighthouse.port
+
+    def stop_lighthouse(self) -> None:
+        """Stop the lighthouse (the groups keep running and retry their quorums); idempotent."""
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
+
+    def group_size(self, group: int) -> int:
+        """Ranks of replica group ``group``."""
+        return self.group_sizes.get(group, self.nproc)
+
+    @property
+    def lighthouse_address(self) -> str:
+        """The lighthouse's address, also while it is stopped (a group may start during an outage)."""
+        if self.lighthouse is not None:
+            return self.lighthouse.address
+        return f"http://127.0.0.1:{self._lighthouse_port}"
+
+    def event_log(self, group: int, rank: int) -> str:
+        """Event log path of ``group``/``rank``."""
+        return os.path.join(self.workdir, f"events_{group}_{rank}.jsonl")
+
+    def start_group(self, group: int) -> GroupProcess:
+        """Launch replica group ``group`` with ``ftbridge-run``."""
+        n = len(self.groups.get(group, []))
+        gp = self._launch(["--replica-group-id", str(group)], os.path.join(self.workdir, f"group_{group}.{n}.log"),
+                          group)
+        self.groups.setdefault(group, []).append(gp)
+        return gp
+
+    def start_spare(self, index: int = 0) -> GroupProcess:
+        """Launch warm spare ``index`` (``ftbridge-run --spare index``, :mod:`ftbridge.spare`).
+
+        It stands by until the lighthouse drops a group, then trains as that
+        group (its event log is that group's). Same ``max_restarts`` as the groups.
+
+        Raises:
+            RuntimeError: spare ``index`` was started already.
+        """
+        if index in self.spares:
+            raise RuntimeError(f"spare {index} already started (pid {self.spares[index].proc.pid})")
+        gp = self._launch(["--spare", str(index)], os.path.join(self.workdir, f"spare_{index}.log"), -1)
+        self.spares[index] = gp
+        return gp
+
+    def _launch(self, identity: List[str], log_path: str, group: int) -> GroupProcess:
+        cmd = [sys.executable, "-m", "ftbridge.launcher", *identity,
+               "--num-replica-groups", str(self.num_groups),
+               "--nproc-per-node", str(self.group_size(group) if group >= 0 else self.nproc),
+               "--lighthouse", self.lighthouse_address, "--max-restarts", str(self.max_restarts),
+               "--min-replicas", str(self.min_replicas),
+               "--event-log", os.path.join(self.workdir, "events_{replica_group}_{group_rank}.jsonl"),
+               *([] if self.lighthouse is not None else ["--no-lighthouse-check"]),  # started during an outage
+               "--", self.script, *self.script_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        return GroupProcess(group, proc, log_path)
+
+    def wait(self, timeout_s: float, groups: Optional[Sequence[int]] = None) -> Dict[int, int]:
+        """Wait for the latest launch of each group to exit.
+
+        Returns:
+            ``{group: exit code}``.
+
+        Raises:
+            TimeoutError: a group still runs after ``timeout_s`` (log tails included).
+        """
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for g in (sorted(self.groups) if groups is None else groups):
+            gp = self.groups[g][-1]
+            try:
+                codes[g] = gp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"replica group {g} still running after {timeout_s} s\n{self.tails()}") from None
+        return codes
+
+    def spare_ready(self, index: int) -> bool:
+        """Whether every rank of spare ``index`` stands by (``spare_ready`` events under id ``num_groups + index``)."""
+        g = self.num_groups + index
+        paths = [self.event_log(g, r) for r in range(self.nproc)]
+        return all(any(e.get("event") == "spare_ready" for e in read_events([p])) for p in paths)
+
+    def wait_spare(self, index: int, timeout_s: float) -> int:
+        """Wait for spare ``index``'s launcher to exit; returns its exit code.
+
+        Raises:
+            TimeoutError: it still runs after ``timeout_s`` (log tails included).
+        """
+        try:
+            return self.spares[index].proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"spare {index} still running after {timeout_s} s\n{self.tails()}") from None
+
+    def stop_group(self, group: int, timeout_s: float = 30) -> Optional[int]:
+        """Make replica group ``group`` leave for good: SIGTERM its launcher (torchrun ends its ranks).
+
+        Returns:
+            The launcher's exit code (``None``: still running 10 s after its SIGKILL).
+        """
+        gp = self.groups[group][-1]
+        pids = list(self.worker_pids(group).values())
+        code = stop_process_groups([gp.proc], grace_s=timeout_s)[0]
+        self.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"ranks {pids} of group {group} to end")
+        return code
+
+    def stop(self) -> None:
+        """End every process this job started (SIGTERM, then SIGKILL) and the lighthouse."""
+        stop_process_groups([gp.proc for launches in self._launches() for gp in launches], grace_s=15)
+        signal_pids([p for p in self.all_worker_pids() if pid_alive(p)], signal.SIGKILL)
+        self.stop_lighthouse()
+
+    def _launches(self) -> List[List[GroupProcess]]:
+        return [*self.groups.values(), *([gp] for gp in self.spares.values())]
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- observation ------------------------------------------------------
+    def events(self, group: Optional[int] = None, rank: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Event records (sorted by time), optionally for one group/rank."""
+        groups = range(self.num_groups) if group is None else [group]
+        return read_events([self.event_log(g, r) for g in groups
+                            for r in (range(self.group_size(g)) if rank is None else [rank])])
+
+    def steps(self, group: int, rank: int = 0) -> List[Dict[str, Any]]:
+        """Step records (no ``event`` key) of one rank."""
+        return [e for e in self.events(group, rank) if "event" not in e]
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+        """Poll ``condition`` (reads files) until true.
+
+        Raises:
+            TimeoutError: after ``timeout_s``, naming ``what`` and the group log tails.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}\n{self.tails()}")
+            time.sleep(poll_s)
+
+    def healed_since(self, group: int, since: float) -> bool:
+        """Whether replica group ``group`` (rank 0) healed after time ``since`` (seconds since the epoch)."""
+        return any(e["healed"] and e["time"] > since for e in self.steps(group))
+
+    def wait_heal(self, group: int, since: float, timeout_s: float, what: str = "") -> None:
+        """Wait until replica group ``group`` heals after ``since`` (see :meth:`wait_until`)."""
+        self.wait_until(lambda: self.healed_since(group, since), timeout_s,
+                        what or f"replica group {group} to heal")
+
+    def wait_step(self, group: int, step: int, timeout_s: float, since: float = 0.0) -> None:
+        """Wait until ``group`` rank 0 has committed ``step`` (after wall time ``since``)."""
+        self.wait_until(lambda: any(e["committed"] and e["step"] >= step and e["time"] >= since
+                                    for e in self.steps(group)), timeout_s,
+                        f"replica group {group} to commit step {step}")
+
+    def worker_pids(self, group: int) -> Dict[int, int]:
+        """PIDs of the current ranks of ``group`` (from their latest start events)."""
+        pids = {}
+        for r in range(self.group_size(group)):
+            starts = [e for e in self.events(group, r) if e.get("event") == "start"]
+            if starts:
+                pids[r] = starts[-1]["pid"]
+        return pids
+
+    def all_worker_pids(self) -> List[int]:
+        """Every rank PID ever recorded by this job (spares' standing-by ranks included)."""
+        spare_logs = [self.event_log(self.num_groups + k, r) for k in self.spares for r in range(self.nproc)]
+        return [e["pid"] for e in [*self.events(), *read_events(spare_logs)]
+                if e.get("event") in ("start", "spare_ready")]
+
+    def kill_workers(self, group: int, sig: int = signal.SIGKILL, timeout_s: float = 30) -> List[int]:
+        """Send ``sig`` to every rank of ``group`` (its torchrun stays) and wait until they are gone.
+
+        Returns:
+            The PIDs killed.
+
+        Raises:
+            RuntimeError: the group has no recorded ranks.
+            TimeoutError: a rank is still alive after ``timeout_s``.
+        """
+        pids = list(self.worker_pids(group).values())
+        if not pids:
+            raise RuntimeError(f"replica group {group} has no running ranks to kill")
+        signal_pids(pids, sig)
+        if sig == signal.SIGKILL:
+            self.wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, f"ranks {pids} to die")
+        return pids
+
+    def write_file(self, name: str, text: str) -> str:
+        """Atomically create ``workdir/name`` holding ``text`` (stop and fault trigger files)."""
+        path = os.path.join(self.workdir, name)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return path
+
+    def max_step(self) -> int:
+        """Highest committed step of any rank so far."""
+        return max((e["step"] for e in self.events() if "event" not in e and e["committed"]), default=0)
+
+    def log_text(self, group: int) -> str:
+        """Everything the launches of ``group`` printed so far."""
+        out = []
+        for gp in self.groups.get(group, []):
+            with open(gp.log_path, encoding="utf-8", errors="replace") as f:
+                out.append(f.read())
+        return "".join(out)
+
+    def tails(self, lines: int = 25) -> str:
+        """Last ``lines`` of every group log, for failure messages."""
+        out = []
+        for launches in self._launches():
+            for gp in launches:
+                try:
+                    with open(gp.log_path, encoding="utf-8", errors="replace") as f:
+                        tail = f.readlines()[-lines:]
+                except OSError:
+                    tail = []
+                out.append(f"--- {gp.log_path} ---\n{''.join(tail)}")
+        return "\n".join(out)
+
+
+def run_plain_deepspeed(workdir: str, nproc: int, script_args: Sequence[str], timeout_s: float,
+                        script: str = TRAIN_SCRIPT) -> str:
+    """Run ``script --plain`` (plain DeepSpeed data parallel) under torchrun with ``nproc`` ranks.
+
+    The baseline of the equivalence tests and benchmarks: one torch.distributed world, no ftbridge.
+
+    Returns:
+        Everything the run printed.
+
+    Raises:
+        RuntimeError: a non-zero exit or a run still going after ``timeout_s`` (torchrun is sent
+            SIGTERM, which stops its ranks, then SIGKILL), with the end of the log.
+    """
+    port = find_free_port()
+    cmd, env = torchrun_command(script, ["--plain", *script_args], nproc_per_node=nproc,
+                                rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"plain{port}",
+                                environ={**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"})
+    log_path = os.path.join(workdir, f"plain_{port}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code: Optional[int] = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_process_groups([proc], grace_s=20, kill_wait_s=None)
+            code = None
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if code != 0:
+        what = f"timed out after {timeout_s} s" if code is None else f"failed ({code})"
+        raise RuntimeError(f"plain DeepSpeed run {what}:\n{text[-4000:]}")
+    return text

@@ -1,0 +1,155 @@
+"""torchrun command lines and process groups: the one place that builds the first and stops the second.
+
+``ftbridge-run`` (:mod:`ftbridge.launcher`), the local job runner, the benchmarks and the tests all
+start torchrun in a session of its own and end it by its process group. They build its command
+line with :func:`torchrun_command` and stop it with :func:`stop_process_groups`:
+
+* :func:`torchrun_command`: ``python -m torch.distributed.run`` with the rendezvous flags, and the
+  environment every ftbridge torchrun needs (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted
+  ranks otherwise read stale gloo addresses, pytorch/pytorch#135712; ``OMP_NUM_THREADS=1`` unless
+  set: two processes on two cores stall otherwise; ``RUST_LOG=warn`` unless set: torchft's manager
+  logs every quorum at INFO).
+* :func:`stop_process_groups`: SIGTERM each group, wait, SIGKILL what is left.
+* :func:`signal_group`, :func:`signal_pids`, :func:`pid_alive`, :func:`find_free_port`: the pieces under them
+  (ranks are ended by PID: torchrun starts them in its own process group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+"""How torchrun is run: the module of this interpreter, so a virtual environment needs no ``torchrun`` on PATH."""
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (another process may take it later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def torchrun_command(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    nproc_per_node: int,
+    rdzv_endpoint: Optional[str] = None,
+    rdzv_id: Optional[str] = None,
+    rdzv_backend: str = "c10d",
+    nnodes: Optional[str] = None,
+    node_rank: Optional[int] = None,
+    max_restarts: Optional[int] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Tuple[List[str], dict[str, str]]:
+    """torchrun's argv and environment for ``script script_args``; starts nothing.
+
+    Args:
+        script: the training script torchrun runs on every rank.
+        script_args: its arguments.
+        nproc_per_node: ranks on this node.
+        rdzv_endpoint: ``HOST:PORT`` of the rendezvous; ``None``: a free port on
+            127.0.0.1 (a one-node job), picked now.
+        rdzv_id: the rendezvous id; ``None``: ``local<port>``.
+        rdzv_backend: torchrun's ``--rdzv-backend`` (``c10d``: restarts of DeepSpeed groups
+            failed with the default one, see the launcher's docstring).
+        nnodes, node_rank, max_restarts: torchrun's flags of those names, left out when ``None``
+            (torchrun's defaults: one node, rank 0, no restarts).
+        environ: the environment to pass on; ``os.environ`` when ``None``. A variable set in it
+            wins over the defaults named in the module docstring, except
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, which is always ``1``.
+
+    Returns:
+        ``(argv, env)``: ``argv`` starts with :data:`TORCHRUN`; ``env`` is a new dict.
+
+    Raises:
+        ValueError: ``nproc_per_node`` below 1 (nothing was started).
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node={nproc_per_node}: torchrun needs at least one rank per node")
+    if rdzv_endpoint is None:
+        port = find_free_port()
+        rdzv_endpoint, rdzv_id = f"127.0.0.1:{port}", rdzv_id or f"local{port}"
+    flags = [("--nnodes", nnodes), ("--nproc-per-node", nproc_per_node), ("--node-rank", node_rank),
+             ("--rdzv-backend", rdzv_backend), ("--rdzv-endpoint", rdzv_endpoint), ("--rdzv-id", rdzv_id),
+             ("--max-restarts", max_restarts)]
+    argv = [*TORCHRUN, *(s for flag, value in flags if value is not None for s in (flag, str(value))),
+            script, *script_args]
+    env = dict(os.environ if environ is None else environ)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("RUST_LOG", "warn")
+    return argv, env
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; a group that is gone (or not ours) is no error."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_pids(pids: Sequence[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float,
+                        kill_wait_s: Optional[float] = 10.0) -> List[Optional[int]]:
+    """Stop processes that lead their own process group (``start_new_session=True``): SIGTERM, then SIGKILL.
+
+    Every live one gets SIGTERM at once (torchrun forwards it to its ranks); those still running
+    ``grace_s`` seconds later get SIGKILL, sent to their whole group, and are waited for
+    ``kill_wait_s`` seconds more (``None``: until they exit). A process that already exited is
+    only reaped.
+
+    Args:
+        procs: the group leaders.
+        grace_s: time between SIGTERM and SIGKILL (s), shared by all of ``procs``.
+        kill_wait_s: time to wait for each after SIGKILL (s).
+
+    Returns:
+        Each process's exit code (negative: the signal that ended it), ``None`` for one still
+        running after ``kill_wait_s`` (nothing can end a process stuck in the kernel).
+    """
+    for p in procs:
+        if p.poll() is None:
+            signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(p.pid, signal.SIGKILL)
+            try:
+                p.wait(timeout=kill_wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+    return [p.returncode for p in procs]
