@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -349,18 +350,28 @@ class LocalJob:
                 out.append(f.read())
         return "".join(out)
 
-    def tails(self, lines: int = 25) -> str:
-        """Last ``lines`` of every group log, for failure messages."""
+    def tails(self, lines: int = 25, notable: int = 40) -> str:
+        """For failure messages: per group log, its last ``notable`` lines that tell of a failure anywhere in
+        the run (:data:`NOTABLE`: restarts, exit codes, signals, faults, errors, tracebacks' last lines), then
+        its last ``lines`` lines. A CI log keeps only what the test printed, so a rank that died early in a
+        long run must show up here."""
         out = []
         for launches in self._launches():
             for gp in launches:
                 try:
                     with open(gp.log_path, encoding="utf-8", errors="replace") as f:
-                        tail = f.readlines()[-lines:]
+                        text = f.readlines()
                 except OSError:
-                    tail = []
-                out.append(f"--- {gp.log_path} ---\n{''.join(tail)}")
+                    text = []
+                marks = [line for line in text[:-lines] if NOTABLE.search(line)][-notable:]
+                out.append(f"--- {gp.log_path}: failures noted earlier ({len(marks)} lines) ---\n{''.join(marks)}"
+                           f"--- {gp.log_path}: last {lines} lines ---\n{''.join(text[-lines:])}")
         return "\n".join(out)
+
+
+NOTABLE = re.compile(r"launcher\]|exitcode|[Ss]ignal|FAULT|ERROR|Error:|Exception|restarted|"
+                     r"terminate called|Abort|Fatal|core dumped|Timed out|timed out")
+"""Lines of a group log that :meth:`LocalJob.tails` keeps from the whole run."""
 
 
 def run_plain_deepspeed(workdir: str, nproc: int, script_args: Sequence[str], timeout_s: float,
