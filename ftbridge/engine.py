@@ -310,7 +310,7 @@ class FaultTolerantEngine:
     def _record(self, committed: bool) -> None:
         m = self.manager
         step = m.current_step
-        if not self._first_step_checked:
+        if committed and not self._first_step_checked:  # a discarded step (a heal that failed) proves nothing
             self._first_step_checked = True
             self._check_restart_had_peer(step)
         checksum = None

@@ -336,3 +336,22 @@ def test_the_guard_fingerprints_every_master_weight_and_its_optimizer_state(stag
     tensors[0].view(-1)[0] += 1e-3                 # one master element of this replica drifts
     assert tensor_checksum(eng.adapter.fingerprint_tensors()) != before
 
+
+
+@pytest.mark.parametrize("heal_retried", [True, False])
+def test_a_restart_without_peer_is_judged_on_the_first_committed_step(monkeypatch, tmp_path, heal_retried):
+    # A restarted group whose first heal failed (one rank's donor died) discards that step at step 0; the
+    # retry heals it. Only a first *committed* step with no heal means it trained from the initial model.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    log = tmp_path / "events.jsonl"
+    eng = _engine(2, ft=dict(event_log=str(log)))
+    eng.manager.discard_calls = {1}
+    _train(eng, [0])
+    if heal_retried:
+        eng.manager.heals, eng.manager.step = 1, 693
+    _train(eng, [1])
+    eng.events.close()
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    lonely = [e for e in events if e.get("event") == "restart_without_peer"]
+    assert [e["committed"] for e in events if "committed" in e] == [False, True]
+    assert len(lonely) == (0 if heal_retried else 1), lonely
