@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from tests.fakes import FakeManager
+
 
 class Finished:
     """A work whose result is ready after ``then`` runs."""
@@ -44,42 +46,18 @@ class Finished:
         return True
 
 
-class GlooReplicaManager:
-    """ReplicaManager stand-in over a real gloo cross-replica group; every group participates."""
-
-    torchft = None
-    quorum_id = 1
-    healed_this_step = False
-    heals = 0
+class GlooReplicaManager(FakeManager):
+    """:class:`tests.fakes.FakeManager` over a real gloo cross-replica group; every group participates,
+    nothing heals, and a step commits unless an error was reported."""
 
     pg = None  # set by main(): the cross-replica ProcessGroupGloo
     groups = 1
     group_id = 0
 
     def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False, max_heal_bytes=None):
-        self.step, self.errors = 0, []
+        super().__init__(cfg, state_dict=state_dict, load_state_dict=load_state_dict)
         self.participants = type(self).groups
         self.replica_rank = type(self).group_id
-
-    current_step = property(lambda self: self.step)
-
-    def start_quorum(self):
-        pass
-
-    def wait_quorum(self):
-        pass
-
-    def agree_on_heal(self):
-        return True  # nothing heals here
-
-    def discard_if_dropped(self):
-        pass  # no peer watch: every group always participates
-
-    def state_dict(self):
-        return {"step": self.step, "batches_committed": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
 
     def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
         opts = dist.AllreduceOptions()
@@ -88,18 +66,6 @@ class GlooReplicaManager:
         if reduce_op == ReduceOp.AVG:
             return Finished(work, lambda: tensor.div_(self.participants))
         return Finished(work)
-
-    def report_error(self, e):
-        self.errors.append(e)
-
-    def should_commit(self):
-        ok = not self.errors
-        self.errors = []
-        self.step += ok
-        return ok
-
-    def shutdown(self):
-        pass
 
 
 def run_job(spec, out):
