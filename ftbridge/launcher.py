@@ -448,9 +448,12 @@ def kill_tagged(launch_id: str, grace_s: float = STRAGGLER_GRACE_S) -> list[int]
         return []
     log.warning("ending %d process(es) torchrun left behind: %s", len(pids), pids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        signal_pids(pids, sig)
+        # Tagged again before each signal: a PID that ended after SIGTERM can belong to another process
+        # by now (pid_max is 32768 here, and every thread takes a number), which must not get SIGKILL.
+        signal_pids([p for p in tagged_processes(launch_id) if p in pids], sig)
         deadline = time.monotonic() + grace_s
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        while (any(pid_alive(p) for p in pids) and set(tagged_processes(launch_id)) & set(pids)
+               and time.monotonic() < deadline):
             time.sleep(0.05)
     return pids
 

@@ -252,6 +252,24 @@ def test_kill_tagged_ends_processes_carrying_the_launch_id():
             child.wait()
 
 
+@pytest.mark.timeout(30)
+def test_kill_tagged_never_sigkills_a_pid_that_lost_its_tag(monkeypatch):
+    # The tagged process ended after SIGTERM and its PID now belongs to another (untagged) process that
+    # ignores SIGTERM: SIGKILL must not reach it.
+    other = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        scans = iter([[other.pid], [other.pid]])
+        monkeypatch.setattr(launcher, "tagged_processes", lambda launch_id: next(scans, []))
+        assert launcher.kill_tagged("unit-test-tag", grace_s=0.5) == [other.pid]
+        assert other.poll() is None, "a PID that no longer carried the launch id got SIGKILL"
+    finally:
+        os.kill(other.pid, signal.SIGKILL)
+        other.wait()
+
+
 @pytest.mark.timeout(60)
 def test_wrapper_script_and_module_show_usage():
     for cmd in ([sys.executable, "scripts/ftbridge_run.py", "--help"],

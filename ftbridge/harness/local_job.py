@@ -297,11 +297,16 @@ class LocalJob:
                         f"replica group {group} to commit step {step}")
 
     def worker_pids(self, group: int) -> Dict[int, int]:
-        """PIDs of the current ranks of ``group`` (from their latest start events)."""
+        """PIDs of the current ranks of ``group`` (from their latest start events).
+
+        A PID whose process started after its start event was written is left out: that rank ended
+        and the number went to another process (pid_max is 32768 on these machines and every thread
+        takes a number), which a kill must not reach.
+        """
         pids = {}
         for r in range(self.group_size(group)):
             starts = [e for e in self.events(group, r) if e.get("event") == "start"]
-            if starts:
+            if starts and started_by(starts[-1]["pid"], starts[-1]["time"]):
                 pids[r] = starts[-1]["pid"]
         return pids
 
@@ -367,6 +372,22 @@ class LocalJob:
                 out.append(f"--- {gp.log_path}: failures noted earlier ({len(marks)} lines) ---\n{''.join(marks)}"
                            f"--- {gp.log_path}: last {lines} lines ---\n{''.join(text[-lines:])}")
         return "\n".join(out)
+
+
+def started_by(pid: int, when: float) -> bool:
+    """Whether process ``pid`` exists and started no later than ``when`` (seconds since the epoch, Linux).
+
+    ``/proc/<pid>/stat`` gives the start in clock ticks since boot; ``/proc/stat``'s ``btime`` the boot.
+    One tick plus a second of slack covers the rounding of both.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
+    return boot + ticks / os.sysconf("SC_CLK_TCK") <= when + 1.0
 
 
 NOTABLE = re.compile(r"launcher\]|exitcode|[Ss]ignal|FAULT|ERROR|Error:|Exception|restarted|"
