@@ -262,8 +262,9 @@ class ReplicaManager:
 
     @property
     def quorum_id(self) -> int:
-        """Id of the quorum of the current step (-1 before the first)."""
-        return int(self._torchft._quorum_id)
+        """Id of the quorum of the current step (-1 before the first, or where torchft has no such field:
+        a version :func:`ftbridge.manager._torchft.internals_supported` does not cover)."""
+        return int(getattr(self._torchft, "_quorum_id", -1))
 
     @property
     def rode_out_outage(self) -> bool:
