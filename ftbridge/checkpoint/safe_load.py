@@ -131,9 +131,9 @@ class SafeLoader:
     """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, handing out preloaded files first.
 
     Args:
-        preloaded: ``{absolute path: object}`` from :func:`check_files`; each
-            is handed out once, for a load to the CPU, copied into memory, instead of
-            parsing the file again.
+        preloaded: ``{absolute path: object}`` from :func:`check_files`; a load of
+            one of these files to the CPU gets a copy in memory instead of parsing the
+            file again, every time (DeepSpeed reads the model states file twice).
     """
 
     def __init__(self, preloaded: Optional[Dict[str, Any]] = None) -> None:
@@ -141,7 +141,7 @@ class SafeLoader:
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """DeepSpeed's load of one file, with ``weights_only=True`` and the allowlist."""
-        obj = self.preloaded.pop(os.path.abspath(path), None)
+        obj = self.preloaded.get(os.path.abspath(path))
         if obj is not None and _to_cpu(map_location):
             # Copy the memory-mapped tensors into memory (views and sharing kept): DeepSpeed and torch's
             # optimizer keep some loaded tensors as state, which must not depend on the file staying intact.
