@@ -6,6 +6,7 @@ imported lazily so that light tools (the launcher) do not import DeepSpeed.
 """
 
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -14,6 +15,13 @@ from typing import Any
 # default (~/.cache/torch_extensions) is rebuilt whenever another venv built it last (its build files
 # hold absolute site-packages paths), so each environment gets its own cache; scripts/setup.sh fills it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+# torch runs the build with the `ninja` first on PATH. A virtual environment has its own (pip's ninja, a
+# DeepSpeed dependency) besides any system one, and two ninja versions read each other's build log as a
+# changed command: each process whose PATH found the other one rebuilt the op (seen alternating between
+# ninja 1.11 and 1.13 here, ~35 s behind a lock each time). Every ftbridge process uses this environment's.
+_ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
+if os.path.exists(_ninja) and shutil.which("ninja") != _ninja:
+    os.environ["PATH"] = os.path.dirname(_ninja) + os.pathsep + os.environ.get("PATH", "")
 
 from ftbridge.config import FTBridgeConfig
 
