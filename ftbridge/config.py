@@ -168,18 +168,18 @@ class FTBridgeConfig:
     restart does not kill the job; torchft's default 0 does
     (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
 
-    ride_out_lighthouse_outage: bool = False
+    ride_out_lighthouse_outage: bool = True
     """While the lighthouse is unreachable and no replica group has failed, keep
     committing on the last quorum (same quorum id and cross-replica process
     group), each step only after every member agreed on quorum, membership and
-    step; on any failure, wait for the lighthouse as before. Off (the default):
-    every step waits for the lighthouse (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``;
-    see :mod:`ftbridge.manager.outage`). **Experimental, off by default:** entry into
-    riding is decided per group, so a group that rides while another takes a
-    normal step issues its agreement all-reduce against the other's next
-    gradient all-reduce; gloo then aborts the process on the size mismatch
-    (seen once in CI: SIGABRT, ``op.preamble.length <= op.nbytes``). Entry must
-    become collective before this can be on by default (issue 15)."""
+    step; on any failure, wait for the lighthouse as before. On by default;
+    off, every step waits for the lighthouse (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``;
+    see :mod:`ftbridge.manager.outage`). While on, every step (riding or not)
+    ends with the agreement, one all-reduce of ``9 x replica groups`` float64
+    (72 bytes per group) on the cross-replica process group, so every member
+    issues the same collectives whichever way its group got the quorum; every
+    replica group must use the same setting (a group that differs from the
+    quorum's primary is refused with ``SettingMismatch``)."""
 
     manager_port: int = 0
     """Port of the torchft manager server on group rank 0; 0 picks a free one

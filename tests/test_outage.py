@@ -8,7 +8,7 @@ when a peer is missing, without its timeout).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 import pytest
@@ -110,11 +110,14 @@ class SimPG:
     def __init__(self) -> None:
         self.phase: Optional[Phase] = None
         self.rank = 0
+        self.sizes: List[int] = []
+        """Sizes of the all-reduces issued, in order: gloo pairs the n-th of every member, and aborts on a mismatch."""
 
     def errored(self):
         return None
 
     def allreduce(self, tensors, opts):
+        self.sizes.append(tensors[0].numel())
         self.phase.allreduce(self.rank, tensors[0])
         return Work()
 
@@ -154,6 +157,8 @@ class StepPlan:
     dies: Set[int]
     error_before_sync: Set[int]
     error_after_sync: Set[int]
+    asks: Set[int] = field(default_factory=set)
+    """Groups that do not ride this step and get the same quorum from the lighthouse (it answers them only)."""
 
 
 def _riders(n: int, steps: List[int]):
@@ -172,14 +177,19 @@ def _riders(n: int, steps: List[int]):
 
 
 def _run_step(plan: StepPlan, riders, tfs, probes, alive: Set[int]) -> Dict[int, bool]:
-    """One step of every live group; returns {group: committed} for the groups that rode it."""
+    """One step of every live group; returns {group: committed} for the groups that rode it or asked the lighthouse
+    (:attr:`StepPlan.asks`)."""
     n = len(riders)
     alive -= plan.dies
     riding = []
     for i in sorted(alive):
         probes[f"lh{i}"] = plan.lighthouse_up != (i in plan.probe_lies)
         tfs[i].error = None
+        tfs[i]._pg.sizes = []
         if riders[i].reuse() is not None:
+            riding.append(i)
+        elif i in plan.asks:
+            riders[i].remember(Quorum(1, i, n), [f"replica_group_{k}:uuid{k}" for k in range(n)])
             riding.append(i)
     grad, agree = Phase(len(riding), n), Phase(len(riding), n)
     out: Dict[int, bool] = {}
@@ -229,6 +239,20 @@ def test_all_groups_ride_a_clean_outage_and_leave_it_together():
                                                                                                    2: True}
     assert _run_step(down, riders, tfs, probes, alive) == {}
     assert [r.rides for r in riders] == [6, 6, 6] and [r.ride_commits for r in riders] == [6, 6, 6]
+
+
+def test_a_group_that_asked_the_lighthouse_runs_the_riders_collectives_and_commits_with_them():
+    """Entry into riding is per group (each probes the lighthouse itself). A group that reached the
+    lighthouse and got the same quorum must issue the very collectives the riders issue in that step:
+    gloo pairs the n-th all-reduce of every member and aborts the process on a size mismatch (seen in
+    CI when only riders ran the agreement)."""
+    riders, tfs, probes = _riders(3, [10, 10, 10])
+    # The lighthouse dies between group 1's probe and the others': 0 and 2 ride, 1 asks and gets quorum 1 again.
+    plan = StepPlan(False, {1}, set(), set(), set(), asks={1})
+    assert _run_step(plan, riders, tfs, probes, {0, 1, 2}) == {0: True, 1: True, 2: True}
+    assert [r.riding for r in riders] == [True, False, True]
+    assert tfs[0]._pg.sizes == tfs[1]._pg.sizes == tfs[2]._pg.sizes == [3 * ROW]  # the gradients: Phase, not SimPG
+    assert [tf.step for tf in tfs] == [11, 11, 11]
 
 
 def test_a_group_behind_by_one_step_stops_every_rider():
@@ -281,7 +305,7 @@ def test_a_rank_follows_its_group_rank_0_through_the_store():
 
 plans = st.builds(StepPlan, st.booleans(), st.sets(st.integers(0, 2), max_size=1),
                   st.sets(st.integers(0, 2), max_size=1), st.sets(st.integers(0, 2), max_size=1),
-                  st.sets(st.integers(0, 2), max_size=1))
+                  st.sets(st.integers(0, 2), max_size=1), st.sets(st.integers(0, 2), max_size=2))
 
 
 @given(st.lists(plans, min_size=1, max_size=8), st.lists(st.sampled_from([10, 10, 10, 9]), min_size=3, max_size=3))

@@ -26,14 +26,27 @@ Per step (:class:`OutageRider`, one per rank, called by
    The other ranks of the group read rank 0's decision from the group's
    TCPStore (they must all ask torchft's manager server, or none).
 2. **Agree** (every rank, on the training thread, right before torchft's
-   ``should_commit``; :func:`judge_rows`). In a riding step every member of
-   the last quorum writes ``(quorum id, digest of the members, step, ok,
-   lighthouse seen)`` into its slot of a zero tensor and one SUM all-reduce
-   over the cross-replica process group gathers them. The step may commit
-   only if every slot is filled and all agree on quorum id, membership and
-   step, and every member is ok (no recorded error). Otherwise this rank
-   reports an error: the step is discarded and the next one goes back to the
-   lighthouse (torchft's normal path, which waits for it as before).
+   ``should_commit``; :func:`judge_rows`). In *every* step while the feature
+   is on, riding or not, every member of the step's quorum writes ``(quorum
+   id, digest of the members, step, ok, lighthouse seen)`` into its slot of a
+   zero tensor and one SUM all-reduce over the cross-replica process group
+   gathers them. The step may commit only if every slot is filled and all
+   agree on quorum id, membership and step, and every member is ok (no
+   recorded error). Otherwise this rank reports an error: the step is
+   discarded and the next one goes back to the lighthouse (torchft's normal
+   path, which waits for it as before).
+
+   Entry into riding is per group (step 1 follows that group's own probe),
+   so in one step a group may ride while another got the same quorum from
+   the lighthouse. Both then issue the same collectives (the gradient
+   all-reduces, then the agreement): the agreement in every step is what
+   makes entry collective. Made only in riding steps, it met the other
+   group's next gradient all-reduce and gloo aborted on the size mismatch.
+   A member that recorded an error leaves the agreement out (torchft's
+   ``allreduce`` is a no-op after an error, so it may have left out gradient
+   all-reduces too); the others fail the agreement and discard, and the next
+   quorum rebuilds the process group. Every group must use the same setting:
+   the quorum guard's vote carries it (:func:`ftbridge.quorum_rules.ride_setting_conflict`).
 
 Why this never splits the job (the argument is in ``docs/concepts.md``,
 "Training through a lighthouse outage"): a riding commit happens only after
@@ -249,6 +262,11 @@ class OutageRider:
         """Steps that reused a quorum."""
         self.ride_commits = 0
         """Of those, steps committed."""
+        self.disagreements = 0
+        """Agreements that did not pass (each discarded a step)."""
+        self.watch: Any = None
+        """The peer watch (:class:`ftbridge.manager.quorum_watch.QuorumWatch`) or ``None``: cuts the agreement's
+        wait short when the lighthouse holds a member dead, as it does for the gradient all-reduces."""
 
     @classmethod
     def for_config(cls, manager: Any, cfg: Any) -> "OutageRider":
@@ -383,33 +401,55 @@ class OutageRider:
 
     # -- training thread ----------------------------------------------------------
     def before_commit(self) -> Optional[Agreement]:
-        """In a riding step, agree with every member before torchft's ``should_commit``; ``None`` otherwise.
+        """Agree with every member of this step's quorum before torchft's ``should_commit``.
 
-        On disagreement or a failed all-reduce, records an error with torchft (the step is discarded
-        on this group; the others disagree too, or fail on this one). Never raises.
+        Made in *every* step while the feature is on, riding or not, so that every member issues the
+        same collectives in every step whichever way its group decided to get the quorum (a group
+        that rides and one that asked the lighthouse run the same sequence: the gradient all-reduces,
+        then this one). Skipped (``None``) when the feature is off, before the first quorum, when
+        this step's process group is not the last quorum's, or when this rank recorded an error:
+        torchft's ``allreduce`` is a no-op after an error, so such a member may have left out
+        gradient all-reduces already, and adding this one could pair it with a peer's gradient
+        all-reduce of another size (gloo aborts the process on that). The peers then fail this
+        agreement (within the cross-replica timeout, or at once when the peer watch sees the member
+        dead) and discard; the next quorum rebuilds the process group.
+
+        A riding step commits only on an agreement that passes (:func:`judge_rows`); a step on a
+        lighthouse quorum does too (the check costs nothing more there). On disagreement or a
+        failed all-reduce, records an error with torchft (the step is discarded on this group; the
+        others disagree too, or fail on this one). Never raises.
         """
-        if not self.riding or self.last is None:
+        if not self.enabled or self.last is None:
             return None
         m, last = self._manager, self.last
-        if m.errored() is not None or m._pg.errored() is not None:
-            # Discarded here anyway. Not taking part keeps a member whose gradient all-reduce failed from
-            # waiting out the timeout twice; the others fail their agreement on it and discard too.
-            self._last_all_unreachable = False
-            return Agreement(False, False, "this rank recorded an error in this step")
-        own = encode_row(last.quorum_id, last.digest, int(m.current_step()), True, bool(self._reachable))
+        if int(m._quorum_id) != last.quorum_id or m.errored() is not None or m._pg.errored() is not None:
+            if self.riding:
+                self._last_all_unreachable = False
+                return Agreement(False, False, "this rank recorded an error in this step")
+            return None
+        seen = bool(self._reachable) if self.riding else True
+        own = encode_row(last.quorum_id, last.digest, int(m.current_step()), True, seen)
         try:
             rows = torch.zeros(last.world_size, ROW, dtype=torch.float64)
             rows[last.replica_rank] = torch.tensor(own, dtype=torch.float64)
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp(ReduceOp.SUM)
-            m._pg.allreduce([rows], opts).wait()
+            work = m._pg.allreduce([rows], opts)
+            lost = self.watch.wait(work) if self.watch is not None and hasattr(work, "get_future") else ()
+            if lost:  # the peer watch: the lighthouse holds a member dead, no point waiting out the timeout
+                self.watch.cut_short(m, f"the lighthouse holds {', '.join(lost)} dead: outage agreement abandoned")
+                raise RuntimeError(f"members {', '.join(lost)} lost")
+            work.wait()
             verdict = judge_rows(rows.tolist(), own)
         except Exception as exc:  # noqa: BLE001 - a member died or hung: discard, back to the lighthouse
             verdict = Agreement(False, False, f"agreement all-reduce failed: {type(exc).__name__}: {exc}")
         if not verdict.commit:
-            m.report_error(OutageDisagreement(f"step {int(m.current_step())} on quorum {last.quorum_id} without "
-                                              f"the lighthouse: {verdict.reason}"))
-        self._last_all_unreachable = verdict.all_unreachable
+            self.disagreements += 1
+            m.report_error(OutageDisagreement(
+                f"step {int(m.current_step())} on quorum {last.quorum_id} "
+                f"{'without the lighthouse' if self.riding else 'from the lighthouse'}: {verdict.reason}"))
+        if self.riding:
+            self._last_all_unreachable = verdict.all_unreachable
         return verdict
 
     def commit(self, should_commit: Callable[[], bool]) -> bool:

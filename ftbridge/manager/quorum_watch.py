@@ -330,6 +330,16 @@ class QuorumWatch:
         return WatchedWork(manager.allreduce(buf, reduce_op=reduce_op), buf, tensor, self,
                            lambda error: self._on_lost(manager, error))
 
+    def cut_short(self, manager: Any, reason: str) -> None:
+        """After :meth:`wait` returned lost members for a collective issued outside :meth:`allreduce` (the
+        outage agreement): discard the step and set the process group aside, as for a gradient all-reduce.
+
+        Args:
+            manager: the rank's torchft ``Manager`` (``report_error``).
+            reason: for the error, :class:`PeerLost`.
+        """
+        self._on_lost(manager, PeerLost(reason))
+
     def _on_lost(self, manager: Any, error: Exception) -> None:
         """A wait was cut short: discard the step, set the process group with the pending operation aside."""
         logger.warning("[%s] %s", self.me, error)

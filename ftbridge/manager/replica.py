@@ -136,6 +136,8 @@ class ReplicaManager:
         if self.quorum_guard is not None:
             self.quorum_guard.rider = self.outage
         self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda, pg)  # cuts a hung peer off (None: off)
+        if self.outage is not None:
+            self.outage.watch = self.quorum_watch  # the outage agreement's wait is cut short like the all-reduces'
 
     def discard_if_dropped(self) -> None:
         """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
@@ -228,9 +230,9 @@ class ReplicaManager:
     def should_commit(self) -> bool:
         """Whether every rank of every participating group may apply this step.
 
-        Applies a pending heal first (on every rank of a healing group). In a step that rides out a
-        lighthouse outage, every member of the last quorum must first agree on quorum, membership and
-        step (:meth:`ftbridge.manager.outage.OutageRider.before_commit`).
+        Applies a pending heal first (on every rank of a healing group). While riding out lighthouse
+        outages is on, every member of the quorum must first agree on quorum, membership and step
+        (:meth:`ftbridge.manager.outage.OutageRider.before_commit`, in every step).
         """
         if self.outage is None:
             return self._torchft.should_commit()

@@ -22,14 +22,14 @@ def _together(job, groups, step, since=0.0):
 
 
 RIDE = {"FTBRIDGE_QUORUM_RETRIES": "29", "FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": "1"}
-"""Riding out the outage is off by default (experimental): these tests turn it on."""
+"""Riding out the outage (on by default, said again here) and more lighthouse retries, so the fallback resumes sooner."""
 
 
 def _rode(job, group, since):
     return [e for e in job.steps(group) if e["committed"] and e.get("rode_out_outage") and e["time"] >= since]
 
 
-@pytest.mark.slow  # riding is experimental and off by default: a per-group entry can crash gloo (issue 15)
+@pytest.mark.slow  # the default suite rides a plain outage (test_lighthouse_restart.py); this one costs ~40 s
 @pytest.mark.timeout(180)
 def test_a_group_failing_during_the_outage_stops_the_others_until_the_lighthouse_is_back(local_job):
     # 1 s between torchft's lighthouse retries (30 s / 30) instead of 5 s: the fallback resumes sooner.
