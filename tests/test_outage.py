@@ -255,6 +255,23 @@ def test_a_group_that_asked_the_lighthouse_runs_the_riders_collectives_and_commi
     assert [tf.step for tf in tfs] == [11, 11, 11]
 
 
+def test_an_error_after_the_sync_discards_only_that_group_on_a_lighthouse_quorum_and_every_rider_otherwise():
+    """The divergence guard's differing group records its error after every collective of the step. On a
+    quorum from the lighthouse it takes part in the agreement (not ok) and only it discards, as with torchft
+    alone: the primary commits, and the differing group heals from it next (before, both discarded that
+    step again and again, for as long as the job ran). In a riding step, every member must be ok."""
+    riders, tfs, probes = _riders(2, [10, 10])
+    riders[1].skipped_collective = lambda: False  # its error comes after its all-reduces
+    asked = StepPlan(True, set(), set(), set(), {1}, asks={0, 1})
+    assert _run_step(asked, riders, tfs, probes, {0, 1}) == {0: True, 1: False}
+    assert tfs[0]._pg.sizes == tfs[1]._pg.sizes == [2 * ROW]
+
+    riders, tfs, probes = _riders(2, [10, 10])
+    riders[1].skipped_collective = lambda: False
+    down = StepPlan(False, set(), set(), set(), {1})
+    assert _run_step(down, riders, tfs, probes, {0, 1}) == {0: False, 1: False}
+
+
 def test_a_group_behind_by_one_step_stops_every_rider():
     riders, tfs, probes = _riders(2, [10, 9])
     down = StepPlan(False, set(), set(), set(), set())

@@ -42,10 +42,15 @@ Per step (:class:`OutageRider`, one per rank, called by
    all-reduces, then the agreement): the agreement in every step is what
    makes entry collective. Made only in riding steps, it met the other
    group's next gradient all-reduce and gloo aborted on the size mismatch.
-   A member that recorded an error leaves the agreement out (torchft's
-   ``allreduce`` is a no-op after an error, so it may have left out gradient
-   all-reduces too); the others fail the agreement and discard, and the next
-   quorum rebuilds the process group. Every group must use the same setting:
+   A member whose all-reduce torchft made a no-op after an error leaves the
+   agreement out (its collectives no longer pair with its peers'); the others
+   fail the agreement and discard, and the next quorum rebuilds the process
+   group. A member that recorded an error only after its collectives (the
+   divergence guard's differing group) takes part and reports it is not ok.
+   Only a riding step needs every member ok; on a quorum from the lighthouse
+   each group commits or discards on its own, as with torchft alone (the
+   guard relies on it: the primary commits while the differing group
+   discards and heals). Every group must use the same setting:
    the quorum guard's vote carries it (:func:`ftbridge.quorum_rules.ride_setting_conflict`).
 
 Why this never splits the job (the argument is in ``docs/concepts.md``,
@@ -145,16 +150,20 @@ def encode_row(quorum_id: int, digest: str, step: int, ok: bool, lighthouse_seen
     return [1.0, float(quorum_id), *chunks, float(step), float(bool(ok)), float(bool(lighthouse_seen))]
 
 
-def judge_rows(rows: Sequence[Sequence[float]], own: Sequence[float]) -> Agreement:
-    """The verdict of one riding step's agreement (pure).
+def judge_rows(rows: Sequence[Sequence[float]], own: Sequence[float], require_ok: bool = True) -> Agreement:
+    """The verdict of one step's agreement (pure).
 
     Args:
         rows: the summed agreement tensor as rows, one per member (replica rank), :data:`ROW` values each.
         own: this rank's own row (:func:`encode_row`).
+        require_ok: every member must be ok (a riding step). Off for a step on a quorum from the
+            lighthouse, where each group commits or discards on its own, as with torchft alone (the
+            divergence guard relies on it: the differing group discards while the primary commits).
 
     Returns:
         :class:`Agreement`. Commit needs every row present (exactly 1 in the first value: a member
-        that wrote twice, or never, shows), equal to ``own`` on quorum id, membership and step, and ok.
+        that wrote twice, or never, shows), equal to ``own`` on quorum id, membership and step, and,
+        with ``require_ok``, ok.
     """
     if not rows:
         return Agreement(False, False, "no members")
@@ -165,7 +174,7 @@ def judge_rows(rows: Sequence[Sequence[float]], own: Sequence[float]) -> Agreeme
         if [float(v) for v in row[1:7]] != key:
             return Agreement(False, False, f"member {rank} is on quorum {row[1]:.0f} step {row[6]:.0f}, this rank "
                                            f"on quorum {key[0]:.0f} step {key[5]:.0f} (or another membership)")
-        if row[7] != 1.0:
+        if row[7] != 1.0 and require_ok:
             return Agreement(False, False, f"member {rank} recorded an error in this step")
     return Agreement(True, not any(row[8] for row in rows), "")
 
@@ -264,6 +273,10 @@ class OutageRider:
         """Of those, steps committed."""
         self.disagreements = 0
         """Agreements that did not pass (each discarded a step)."""
+        self.skipped_collective: Callable[[], bool] = lambda: manager.errored() is not None
+        """Whether this rank's collectives of this step may no longer pair with its peers' (set by
+        :class:`ftbridge.manager.ReplicaManager`: an all-reduce torchft made a no-op after an error). The
+        default, any recorded error, is the safe approximation."""
         self.watch: Any = None
         """The peer watch (:class:`ftbridge.manager.quorum_watch.QuorumWatch`) or ``None``: cuts the agreement's
         wait short when the lighthouse holds a member dead, as it does for the gradient all-reduces."""
@@ -407,28 +420,31 @@ class OutageRider:
         same collectives in every step whichever way its group decided to get the quorum (a group
         that rides and one that asked the lighthouse run the same sequence: the gradient all-reduces,
         then this one). Skipped (``None``) when the feature is off, before the first quorum, when
-        this step's process group is not the last quorum's, or when this rank recorded an error:
-        torchft's ``allreduce`` is a no-op after an error, so such a member may have left out
-        gradient all-reduces already, and adding this one could pair it with a peer's gradient
-        all-reduce of another size (gloo aborts the process on that). The peers then fail this
-        agreement (within the cross-replica timeout, or at once when the peer watch sees the member
-        dead) and discard; the next quorum rebuilds the process group.
+        this step's process group is not the last quorum's or has failed, or when torchft made one of
+        this step's all-reduces a no-op after an error (:attr:`skipped_collective`): adding this one
+        could then pair it with a peer's gradient all-reduce of another size (gloo aborts the process
+        on that). The peers then fail this agreement (within the cross-replica timeout, or at once when
+        the peer watch sees the member dead) and discard; the next quorum rebuilds the process group.
+        A rank that recorded an error after its collectives (the divergence guard's differing group)
+        takes part, reporting it is not ok.
 
-        A riding step commits only on an agreement that passes (:func:`judge_rows`); a step on a
-        lighthouse quorum does too (the check costs nothing more there). On disagreement or a
-        failed all-reduce, records an error with torchft (the step is discarded on this group; the
-        others disagree too, or fail on this one). Never raises.
+        A riding step commits only if every member is present, consistent and ok
+        (:func:`judge_rows`). A step on a quorum from the lighthouse needs every member present and
+        consistent; whether each group commits stays its own decision (torchft's ``should_commit``),
+        so one member's local error does not discard the others' step. On disagreement or a failed
+        all-reduce, records an error with torchft (the step is discarded on this group; the others
+        disagree too, or fail on this one). Never raises.
         """
         if not self.enabled or self.last is None:
             return None
         m, last = self._manager, self.last
-        if int(m._quorum_id) != last.quorum_id or m.errored() is not None or m._pg.errored() is not None:
+        if int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None or self.skipped_collective():
             if self.riding:
                 self._last_all_unreachable = False
                 return Agreement(False, False, "this rank recorded an error in this step")
             return None
         seen = bool(self._reachable) if self.riding else True
-        own = encode_row(last.quorum_id, last.digest, int(m.current_step()), True, seen)
+        own = encode_row(last.quorum_id, last.digest, int(m.current_step()), m.errored() is None, seen)
         try:
             rows = torch.zeros(last.world_size, ROW, dtype=torch.float64)
             rows[last.replica_rank] = torch.tensor(own, dtype=torch.float64)
@@ -440,10 +456,10 @@ class OutageRider:
                 self.watch.cut_short(m, f"the lighthouse holds {', '.join(lost)} dead: outage agreement abandoned")
                 raise RuntimeError(f"members {', '.join(lost)} lost")
             work.wait()
-            verdict = judge_rows(rows.tolist(), own)
+            verdict = judge_rows(rows.tolist(), own, require_ok=self.riding)
         except Exception as exc:  # noqa: BLE001 - a member died or hung: discard, back to the lighthouse
             verdict = Agreement(False, False, f"agreement all-reduce failed: {type(exc).__name__}: {exc}")
-        if not verdict.commit:
+        if not verdict.commit and m.errored() is None:
             self.disagreements += 1
             m.report_error(OutageDisagreement(
                 f"step {int(m.current_step())} on quorum {last.quorum_id} "

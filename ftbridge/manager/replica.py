@@ -100,6 +100,7 @@ class ReplicaManager:
                                                torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
         self.heals = 0
         self._healed_this_step = False
+        self._skipped_collective = False  # torchft made an all-reduce of this step a no-op (after an error)
         self._step_start = 0.0
         self._load_state_dict = load_state_dict
 
@@ -138,6 +139,7 @@ class ReplicaManager:
         self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda, pg)  # cuts a hung peer off (None: off)
         if self.outage is not None:
             self.outage.watch = self.quorum_watch  # the outage agreement's wait is cut short like the all-reduces'
+            self.outage.skipped_collective = self.skipped_collective
 
     def discard_if_dropped(self) -> None:
         """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
@@ -183,6 +185,7 @@ class ReplicaManager:
     def start_quorum(self) -> None:
         """Ask for this step's quorum, asynchronously (overlaps the forward pass)."""
         self._healed_this_step = False
+        self._skipped_collective = False
         self._step_start = time.monotonic()  # the peer watch's freeze check (discard_if_dropped)
         self._torchft.start_quorum()
 
@@ -206,9 +209,21 @@ class ReplicaManager:
         Returns:
             A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
         """
+        clean = self._torchft.errored() is None
         if self.quorum_watch is None:
-            return self._torchft.allreduce(tensor, reduce_op=reduce_op)
-        return self.quorum_watch.allreduce(self._torchft, tensor, reduce_op)
+            work = self._torchft.allreduce(tensor, reduce_op=reduce_op)
+        else:
+            work = self.quorum_watch.allreduce(self._torchft, tensor, reduce_op)
+        if not clean or self._torchft.errored() is not None:
+            # torchft issues nothing after an error (nor when the process group refused the call): this
+            # rank's collectives no longer pair with its peers' in this step (the outage agreement reads it)
+            self._skipped_collective = True
+        return work
+
+    def skipped_collective(self) -> bool:
+        """Whether an all-reduce of this step may not have reached the process group (torchft made it a no-op
+        after a recorded error); then this rank's cross-replica collectives no longer pair with its peers'."""
+        return self._skipped_collective
 
     def agree_on_heal(self) -> bool:
         """Make the ranks of this replica group agree whether this step's heal may be applied (:class:`HealAgreement`).
