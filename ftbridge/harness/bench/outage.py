@@ -15,6 +15,12 @@ group's event log (:func:`ftbridge.harness.chaos.invariants.outage_pause`):
 A run counts only if it ended identical across groups with exit 0.
 Target: riding loses <= 1 step (median over repetitions).
 
+The same runs give the ride-through's cost when nothing fails: with it on, every
+step ends with the outage agreement (one more cross-replica all-reduce of
+``9 x groups`` float64). The **step time** figure is the ratio, per repetition,
+of the median step time before the outage with it on to that with it off
+(the two runs of one repetition), informative.
+
 Not run with ``--quick``: its two jobs would add about a minute to the CI smoke run, and the same path
 runs in ``tests/integration/test_lighthouse_outage.py`` and ``test_lighthouse_restart.py``.
 """
@@ -97,6 +103,7 @@ def run(settings: BenchSettings) -> List[Metric]:
     extra = {k: {"ride": [r[k] for r in on], "wait": [r[k] for r in off]}
              for k in ("pause_s", "step_s", "committed", "reference_s")}
     extra["steps_lost"] = {"ride": lost_on, "wait": lost_off}
+    cost = [a["step_s"] / b["step_s"] for a, b in zip(on, off) if b["step_s"] > 0]
     return [
         Metric(NAME, "steps lost to the outage, riding it out", median(lost_on), "steps", lost_on, median(lost_off),
                "steps lost waiting for the lighthouse (FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE=0)", "<= 1",
@@ -105,4 +112,6 @@ def run(settings: BenchSettings) -> List[Metric]:
                extra["pause_s"]["ride"], median(extra["pause_s"]["wait"]), "waiting for the lighthouse"),
         Metric(NAME, "commits during the outage, riding it out", median(extra["committed"]["ride"]), "steps",
                extra["committed"]["ride"], median(extra["committed"]["wait"]), "waiting for the lighthouse"),
+        Metric(NAME, "step time before the outage, ride-through on / off (the agreement in every step)",
+               median(cost), "ratio", cost, None, "ride-through off, same repetition"),
     ]
