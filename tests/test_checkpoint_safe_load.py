@@ -261,3 +261,20 @@ def test_a_preloaded_file_is_parsed_once_however_often_deepspeed_reads_it(tmp_pa
     assert torch.equal(first["module"]["w"], second["module"]["w"]) and second["step"] == 3
     first["module"]["w"].add_(1.0)
     assert torch.equal(second["module"]["w"], torch.arange(4.0)), "two reads share one tensor"
+
+
+def test_a_resume_parses_every_checkpoint_file_at_most_once(tmp_path, monkeypatch):
+    # The rank's ftbridge_rank_<k>.pt used to be parsed 3 times (its own check, the folder scan, the final
+    # load) and DeepSpeed's model states twice: each parse is torch's Python weights_only unpickler.
+    from ftbridge.checkpoint.group_io import load_group_checkpoint
+
+    engine = _ds_engine(2, {})
+    _train(engine, 1)
+    ckpt = _save(engine, tmp_path, 1, 2).find_valid()
+    parsed = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: parsed.append(os.path.basename(f)) or real_load(f, *a, **k))
+    rank_state = load_group_checkpoint(engine, ckpt)
+    assert sorted(parsed) == sorted(set(parsed)), f"parsed more than once: {parsed}"
+    assert {"ftbridge_rank_0.pt", "mp_rank_00_model_states.pt"} <= set(parsed)
+    assert rank_state["micro_steps"] == 1 and int(engine.global_steps) == 1

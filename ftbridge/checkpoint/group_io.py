@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from ftbridge import faults
 from ftbridge.checkpoint import manifest as mf
-from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
-from ftbridge.checkpoint.safe_load import check_files, load_deepspeed_checkpoint, safe_load
+from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine, snapshot
+from ftbridge.checkpoint.safe_load import check_files, checkpoint_files, load_deepspeed_checkpoint, safe_load
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
 from ftbridge.zero.checkpoint_engines import (
     DelegatingCheckpointEngine,
@@ -209,12 +209,17 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
             raised before any state changes.
         RuntimeError: DeepSpeed found nothing to load.
     """
-    rank_file = os.path.join(ckpt.path, _rank_file(dist.get_rank()))
-    check_files([rank_file])  # with load_deepspeed_checkpoint's scan: every file checked before any state changes
-    path, _ = load_deepspeed_checkpoint(ds_engine, os.path.dirname(ckpt.path), ckpt.tag, load_optimizer_states=True,
-                                        load_lr_scheduler_states=True)
+    rank_file = os.path.abspath(os.path.join(ckpt.path, _rank_file(dist.get_rank())))
+    # One scan parses every .pt of the folder once, this rank's file included, before any state changes;
+    # DeepSpeed's reads and the rank state below are served from it (the rank file used to be parsed 3 times).
+    preloaded = check_files(checkpoint_files(ckpt.path))
+    rank_state = preloaded.get(rank_file)
+    if rank_state is None:  # not a regular file directly in the folder: refused (or parsed) here, still first
+        rank_state = safe_load(rank_file)
+    path, _ = load_deepspeed_checkpoint(ds_engine, os.path.dirname(ckpt.path), ckpt.tag, preloaded=preloaded,
+                                        load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
-    return safe_load(rank_file)
+    return snapshot(rank_state)  # memory-mapped tensors copied: the state must not depend on the file
 
 

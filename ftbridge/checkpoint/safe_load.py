@@ -172,13 +172,16 @@ def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = N
         yield
 
 
-def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, **kwargs: Any) -> Any:
+def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, *,
+                              preloaded: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:
     """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, scanned first and loaded safely.
 
     Args:
         ds_engine: the DeepSpeed engine.
         load_dir: checkpoint root (holding ``latest`` and tag folders).
         tag: the tag to load; ``None``: the one ``load_dir/latest`` names.
+        preloaded: :func:`check_files` of every ``.pt`` file of the tag's folder, when the caller
+            scanned it already (it is then not parsed again); ``None``: scanned here.
 
     Returns:
         What DeepSpeed returns: ``(path or None, client_state)``.
@@ -195,6 +198,7 @@ def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] 
             return None, None
     if os.sep in tag or tag in ("", ".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} is not a folder name inside {load_dir}")
-    preloaded = check_files(checkpoint_files(os.path.join(load_dir, tag)))
+    if preloaded is None:
+        preloaded = check_files(checkpoint_files(os.path.join(load_dir, tag)))
     with safe_deepspeed_loads(ds_engine, preloaded):
         return ds_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
