@@ -121,6 +121,33 @@ def checkpoint_files(ckpt_dir: str) -> List[str]:
         return sorted(e.path for e in it if e.name.endswith(".pt") and e.is_file(follow_symlinks=False))
 
 
+_RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:optim|model)_states\.pt$"
+                           r"|^ftbridge_rank_(\d+)\.pt$")
+
+
+def files_of_rank(paths: List[str], rank: int, size: int) -> List[str]:
+    """The files of ``paths`` that group rank ``rank`` of ``size`` checks before a load.
+
+    All of them except the files named for another rank ``j < size`` of the
+    group (DeepSpeed's ``[bf16_]zero_pp_rank_<j>_mp_rank_<m>_{optim,model}_states.pt``
+    and ``ftbridge_rank_<j>.pt``): rank ``j`` checks those itself, and DeepSpeed
+    0.19 reads only its own rank's shard unless the checkpoint is elastic.
+    A file named for a rank outside the group is kept: every rank checks it.
+
+    Raises:
+        ValueError: ``rank`` not in ``[0, size)``.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"group rank {rank} is not in [0, {size}): pass dist.get_rank() and dist.get_world_size()")
+    keep = []
+    for p in paths:
+        m = _RANK_FILE_RE.match(os.path.basename(p))
+        owner = None if m is None else int(m.group(1) or m.group(2))
+        if owner is None or owner == rank or owner >= size:
+            keep.append(p)
+    return keep
+
+
 def _to_cpu(map_location: Any) -> bool:
     # DeepSpeed 0.19 loads with map_location 'cpu', torch.device('cpu') or `lambda storage, loc: storage`
     # (which keeps the deserialised CPU storage): a CPU object from check_files is then what it would get.
