@@ -261,3 +261,112 @@ def test_a_preloaded_file_is_parsed_once_however_often_deepspeed_reads_it(tmp_pa
     assert torch.equal(first["module"]["w"], second["module"]["w"]) and second["step"] == 3
     first["module"]["w"].add_(1.0)
     assert torch.equal(second["module"]["w"], torch.arange(4.0)), "two reads share one tensor"
+
+
+def test_a_resume_parses_every_checkpoint_file_at_most_once(tmp_path, monkeypatch):
+    # The rank's ftbridge_rank_<k>.pt used to be parsed 3 times (its own check, the folder scan, the final
+    # load) and DeepSpeed's model states twice: each parse is torch's Python weights_only unpickler.
+    from ftbridge.checkpoint.group_io import load_group_checkpoint
+
+    engine = _ds_engine(2, {})
+    _train(engine, 1)
+    ckpt = _save(engine, tmp_path, 1, 2).find_valid()
+    parsed = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: parsed.append(os.path.basename(f)) or real_load(f, *a, **k))
+    rank_state = load_group_checkpoint(engine, ckpt)
+    assert sorted(parsed) == sorted(set(parsed)), f"parsed more than once: {parsed}"
+    assert {"ftbridge_rank_0.pt", "mp_rank_00_model_states.pt"} <= set(parsed)
+    assert rank_state["micro_steps"] == 1 and int(engine.global_steps) == 1
+
+
+def test_each_rank_checks_the_shared_files_and_its_own(tmp_path):
+    from ftbridge.checkpoint.safe_load import files_of_rank
+
+    names = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+             "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00optim_states.pt",
+             "zero_pp_rank_1_mp_rank_00_model_states.pt", "ftbridge_rank_0.pt", "ftbridge_rank_1.pt",
+             "zero_pp_rank_2_mp_rank_00_optim_states.pt", "ftbridge_rank_9.pt", "extra.pt"]
+    paths = [str(tmp_path / n) for n in names]
+    shared = {"mp_rank_00_model_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt", "ftbridge_rank_9.pt",
+              "extra.pt"}  # ranks 2 and 9 are outside a group of 2: every rank checks their files
+    mine = {r: {os.path.basename(p) for p in files_of_rank(paths, r, 2)} for r in (0, 1)}
+    assert mine[0] == shared | {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "ftbridge_rank_0.pt"}
+    assert mine[1] == shared | {n for n in names if "rank_1" in n}
+    assert mine[0] | mine[1] == set(names)
+    with pytest.raises(ValueError, match="group rank 2 is not in"):
+        files_of_rank(paths, 2, 2)
+
+
+def test_a_peer_refusing_its_file_stops_this_rank_before_deepspeed(tmp_path, monkeypatch):
+    # In-process half of the test below: this rank's files are fine, the group's all-reduce reports rank 1.
+    import torch.distributed as dist
+
+    from ftbridge.checkpoint.group_io import load_group_checkpoint
+    from ftbridge.checkpoint.safe_load import UnsafeCheckpointError
+    from ftbridge.checkpoint.store import CheckpointInfo
+
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "ftbridge_rank_0.pt"):
+        torch.save({"w": torch.ones(2)}, str(tmp_path / name))
+    (tmp_path / "ftbridge_rank_1.pt").write_bytes(b"not parsed by rank 0")
+    reduced = []
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op, **k: reduced.append(t.tolist()) or t.fill_(1))
+
+    class NoEngine:
+        def __getattr__(self, name):
+            raise AssertionError("DeepSpeed reached")
+    with pytest.raises(UnsafeCheckpointError, match="group rank 1 refused"):
+        load_group_checkpoint(NoEngine(), CheckpointInfo("global_step1", 1, str(tmp_path)))
+    assert reduced == [[2]]  # this rank reported success (the group size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_file_refused_on_one_rank_stops_every_rank_before_deepspeed(tmp_path):
+    # Rank 0 does not parse rank 1's shard; the group's all-reduce must still stop it before DeepSpeed runs.
+    # Two folders, loaded in turn by the same two gloo ranks: all files safe, then rank 1's shard planted.
+    planted = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    for tag in ("global_step1", "global_step2"):
+        (tmp_path / tag).mkdir()
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", planted,
+                     "ftbridge_rank_0.pt", "ftbridge_rank_1.pt"):
+            bad = tag == "global_step2" and name == planted
+            torch.save({"w": torch.ones(2), "payload": Payload(str(tmp_path / "pwned")) if bad else 0},
+                       str(tmp_path / tag / name))
+    script = textwrap.dedent(f"""
+        import sys, torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / 'store')!r}, 2), rank=rank,
+                                world_size=2)
+        from ftbridge.checkpoint.group_io import load_group_checkpoint
+        from ftbridge.checkpoint.store import CheckpointInfo
+
+        class NoEngine:
+            def __getattr__(self, name):
+                raise LookupError("DeepSpeed reached")
+        for step in (1, 2):
+            try:
+                load_group_checkpoint(NoEngine(), CheckpointInfo(f"global_step{{step}}", step,
+                                                                 f"{str(tmp_path)}/global_step{{step}}"))
+            except Exception as e:
+                print("STEP", step, "RAISED", type(e).__name__, str(e)[:300], flush=True)
+        dist.destroy_process_group()
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.count("RAISED") == 2, err[-2000:]
+    (out0, _), (out1, _) = outs
+    # every rank's check passed, so both went on to DeepSpeed
+    assert "STEP 1 RAISED LookupError DeepSpeed reached" in out0 and "STEP 1 RAISED LookupError" in out1
+    assert "STEP 2 RAISED UnsafeCheckpointError group rank 1 refused" in out0, out0
+    assert "STEP 2 RAISED UnsafeCheckpointError" in out1 and PAYLOAD_TYPE in out1 and planted in out1, out1
+    assert not (tmp_path / "pwned").exists()

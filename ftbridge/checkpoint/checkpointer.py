@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
-from ftbridge.checkpoint.group_io import load_group_checkpoint, save_group_checkpoint
+from ftbridge.checkpoint.group_io import group_device, load_group_checkpoint, save_group_checkpoint
 from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible, load_key
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
@@ -233,9 +233,10 @@ class Checkpointer:
 
         Group rank 0 picks the checkpoint (files hashed against the manifest,
         metadata checked) and broadcasts its choice as a tensor
-        (:func:`broadcast_choice`); every rank then loads every ``.pt`` of it
-        with the safe loader before DeepSpeed changes any state
-        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
+        (:func:`broadcast_choice`); every rank then parses the ``.pt`` files it
+        reads (the shared ones and its own; together the ranks cover every file)
+        with the safe loader, and the group agrees, before DeepSpeed changes any
+        state (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
 
         Returns:
             The step loaded, or ``None`` when the folder holds no checkpoint.
@@ -290,13 +291,6 @@ class Checkpointer:
 
 CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
 """Resume choices broadcast by group rank 0: no checkpoint, load step N, none valid."""
-
-
-def group_device() -> torch.device:
-    """Where tensors for an in-group collective live: the current CUDA device under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def broadcast_choice(code: int, step: int) -> Tuple[int, int]:

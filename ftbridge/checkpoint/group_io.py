@@ -31,12 +31,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
+import torch
 import torch.distributed as dist
 
 from ftbridge import faults
 from ftbridge.checkpoint import manifest as mf
-from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
-from ftbridge.checkpoint.safe_load import check_files, load_deepspeed_checkpoint, safe_load
+from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine, snapshot
+from ftbridge.checkpoint.safe_load import (
+    UnsafeCheckpointError,
+    check_files,
+    checkpoint_files,
+    files_of_rank,
+    load_deepspeed_checkpoint,
+    safe_load,
+)
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
 from ftbridge.zero.checkpoint_engines import (
     DelegatingCheckpointEngine,
@@ -200,21 +208,55 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
     scaler), lr scheduler and DeepSpeed's counters, through DeepSpeed's
     ``load_checkpoint``, with every file read by
     :func:`ftbridge.checkpoint.safe_load.safe_load` (no pickle code runs).
+    Before that, each rank parses the files it reads
+    (:func:`ftbridge.checkpoint.safe_load.files_of_rank`: the shared files and
+    its own), each once, and one all-reduce tells every rank whether all ranks'
+    files passed, so every file of the folder is checked by some rank and a
+    refused file stops the whole group before any state changes.
 
     Returns:
         This rank's ``ftbridge_rank_<k>.pt`` content.
 
     Raises:
-        UnsafeCheckpointError: a file needs a type outside the allowlist;
-            raised before any state changes.
+        UnsafeCheckpointError: a file needs a type outside the allowlist (on
+            the rank that read it: naming it; on the others: naming that
+            rank), or another rank could not read its files; raised on every
+            rank before any state changes.
         RuntimeError: DeepSpeed found nothing to load.
     """
-    rank_file = os.path.join(ckpt.path, _rank_file(dist.get_rank()))
-    check_files([rank_file])  # with load_deepspeed_checkpoint's scan: every file checked before any state changes
-    path, _ = load_deepspeed_checkpoint(ds_engine, os.path.dirname(ckpt.path), ckpt.tag, load_optimizer_states=True,
-                                        load_lr_scheduler_states=True)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    rank_file = os.path.abspath(os.path.join(ckpt.path, _rank_file(rank)))
+    error: Optional[BaseException] = None
+    try:
+        preloaded = check_files(files_of_rank(checkpoint_files(ckpt.path), rank, size))
+        if rank_file not in preloaded:  # not a regular file directly in the folder: refused here
+            preloaded[rank_file] = safe_load(rank_file)
+    except (OSError, ValueError) as e:  # agreed on first: a rank raising alone would leave the others waiting
+        error = e
+    failed = _first_failed_rank(error is not None, rank, size)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise UnsafeCheckpointError(f"group rank {failed} refused or could not read its files of {ckpt.path} "
+                                    "(its log names the file); nothing was loaded")
+    path, _ = load_deepspeed_checkpoint(ds_engine, os.path.dirname(ckpt.path), ckpt.tag, preloaded=preloaded,
+                                        load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
-    return safe_load(rank_file)
+    return snapshot(preloaded[rank_file])  # memory-mapped tensors copied: the state must not depend on the file
 
 
+def group_device() -> torch.device:
+    """Where tensors for an in-group collective live: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _first_failed_rank(failed: bool, rank: int, size: int) -> Optional[int]:
+    """The lowest group rank that passed ``failed=True``, or ``None``; one int64 all-reduce (MIN) when ``size > 1``."""
+    flag = torch.tensor([rank if failed else size], dtype=torch.int64, device=group_device())
+    if size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    first = int(flag[0])
+    return None if first >= size else first

@@ -121,6 +121,33 @@ def checkpoint_files(ckpt_dir: str) -> List[str]:
         return sorted(e.path for e in it if e.name.endswith(".pt") and e.is_file(follow_symlinks=False))
 
 
+_RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:optim|model)_states\.pt$"
+                           r"|^ftbridge_rank_(\d+)\.pt$")
+
+
+def files_of_rank(paths: List[str], rank: int, size: int) -> List[str]:
+    """The files of ``paths`` that group rank ``rank`` of ``size`` checks before a load.
+
+    All of them except the files named for another rank ``j < size`` of the
+    group (DeepSpeed's ``[bf16_]zero_pp_rank_<j>_mp_rank_<m>_{optim,model}_states.pt``
+    and ``ftbridge_rank_<j>.pt``): rank ``j`` checks those itself, and DeepSpeed
+    0.19 reads only its own rank's shard unless the checkpoint is elastic.
+    A file named for a rank outside the group is kept: every rank checks it.
+
+    Raises:
+        ValueError: ``rank`` not in ``[0, size)``.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"group rank {rank} is not in [0, {size}): pass dist.get_rank() and dist.get_world_size()")
+    keep = []
+    for p in paths:
+        m = _RANK_FILE_RE.match(os.path.basename(p))
+        owner = None if m is None else int(m.group(1) or m.group(2))
+        if owner is None or owner == rank or owner >= size:
+            keep.append(p)
+    return keep
+
+
 def _to_cpu(map_location: Any) -> bool:
     # DeepSpeed 0.19 loads with map_location 'cpu', torch.device('cpu') or `lambda storage, loc: storage`
     # (which keeps the deserialised CPU storage): a CPU object from check_files is then what it would get.
@@ -172,13 +199,16 @@ def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = N
         yield
 
 
-def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, **kwargs: Any) -> Any:
+def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, *,
+                              preloaded: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:
     """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, scanned first and loaded safely.
 
     Args:
         ds_engine: the DeepSpeed engine.
         load_dir: checkpoint root (holding ``latest`` and tag folders).
         tag: the tag to load; ``None``: the one ``load_dir/latest`` names.
+        preloaded: :func:`check_files` of every ``.pt`` file of the tag's folder, when the caller
+            scanned it already (it is then not parsed again); ``None``: scanned here.
 
     Returns:
         What DeepSpeed returns: ``(path or None, client_state)``.
@@ -195,6 +225,7 @@ def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] 
             return None, None
     if os.sep in tag or tag in ("", ".", ".."):
         raise ValueError(f"checkpoint tag {tag!r} is not a folder name inside {load_dir}")
-    preloaded = check_files(checkpoint_files(os.path.join(load_dir, tag)))
+    if preloaded is None:
+        preloaded = check_files(checkpoint_files(os.path.join(load_dir, tag)))
     with safe_deepspeed_loads(ds_engine, preloaded):
         return ds_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
