@@ -23,7 +23,7 @@ _ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
 if os.path.exists(_ninja) and shutil.which("ninja") != _ninja:
     os.environ["PATH"] = os.path.dirname(_ninja) + os.pathsep + os.environ.get("PATH", "")
 
-from ftbridge.config import FTBridgeConfig
+from ftbridge.config import FTBridgeConfig  # noqa: E402 - after the environment set up above
 
 IMPORTED_AT = time.time()
 """When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""

@@ -134,7 +134,7 @@ class SettingMismatch(ValueError):
 
 
 def ride_setting_conflict(rides: Sequence[int], replica_rank: int, quorum_id: int) -> Optional[str]:
-    """Why this member must leave the quorum, or ``None``: its outage ride-through setting differs from replica rank 0's.
+    """Why this member must leave the quorum, or ``None``: its outage ride-through setting is not replica rank 0's.
 
     With the ride-through on (:mod:`ftbridge.manager.outage`), every step ends with one more
     cross-replica all-reduce (the outage agreement); a member without it would pair its next

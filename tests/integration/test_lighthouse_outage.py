@@ -22,7 +22,7 @@ def _together(job, groups, step, since=0.0):
 
 
 RIDE = {"FTBRIDGE_QUORUM_RETRIES": "29", "FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": "1"}
-"""Riding out the outage (on by default, said again here) and more lighthouse retries, so the fallback resumes sooner."""
+"""Riding out the outage (on by default, said again here) and more lighthouse retries: the fallback resumes sooner."""
 
 
 def _rode(job, group, since):
