@@ -1,12 +1,16 @@
-"""The main job, end to end on one machine: train, kill a replica group, heal, finish.
+"""The main job, end to end on one machine: train, kill a replica group, replace it, heal, finish.
 
 Starts torchft's lighthouse, launches 2 replica groups of 2 ranks (each its
 own ``ftbridge-run`` / torchrun, DeepSpeed ZeRO inside the group) training a
-character-level GPT on Shakespeare, SIGKILLs every rank of group 1 partway,
-lets torchrun restart that group, which heals from group 0 and trains on, and
-at the end prints the validation loss and every rank's parameter checksum::
+character-level GPT on Shakespeare, plus one warm spare group
+(``ftbridge-run --spare 0``: initialised, outside the quorum). It SIGKILLs
+every rank of group 1 partway; the spare takes group 1's place as soon as
+the lighthouse drops it, heals from group 0 and trains on. With
+``--no-spare``, torchrun restarts group 1 instead (a cold start). At the end
+it prints the validation loss and every rank's parameter checksum::
 
-    python scripts/demo.py                      # 2 x 2 ranks, ZeRO-2, 150 steps
+    python scripts/demo.py                      # 2 x 2 ranks + a warm spare, ZeRO-2, 150 steps
+    python scripts/demo.py --no-spare           # the killed group restarts cold (torchrun)
     python scripts/demo.py --zero-stage 3 --steps 300 --kill-at 100
     python scripts/demo.py --groups 3 --no-kill
 
@@ -24,8 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqdm import tqdm
 
+from ftbridge.harness.bench.spare import capacity_back
 from ftbridge.harness.local_job import LocalJob
 from ftbridge.harness.report import plot_run, summarize
+
+HEARTBEAT_TIMEOUT_S = 2.0
+"""The demo lighthouse's heartbeat timeout: it drops a dead group this long after its last heartbeat."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--kill-at", type=int, default=None, help="kill group 1 after this step (default steps/3)")
     p.add_argument("--no-kill", action="store_true", help="run without a failure")
+    p.add_argument("--no-spare", action="store_true",
+                   help="no warm spare group: torchrun restarts the killed group (a cold start)")
     p.add_argument("--workdir", default="runs/demo", help="event logs, group logs and plot")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("train_args", nargs="*", help="extra arguments for scripts/train_lm.py (after --)")
@@ -48,16 +58,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _replaced(job: LocalJob, kill_time: float, spare: bool, t0: float) -> str:
+    """The line that reports group 1's replacement (its heal), or "" while it has not healed."""
+    mine = sorted((e for e in job.events(rank=0) if e["replica_group"] == 1), key=lambda e: e["time"])
+    healed = [e for e in mine if "event" not in e and e["healed"] and e["committed"] and e["time"] > kill_time]
+    if not healed:
+        return ""
+    if not spare:
+        return (f"[{healed[0]['time'] - t0:6.1f}s] replica group 1 restarted and healed from a live peer "
+                f"at step {healed[0]['step']}, {healed[0]['time'] - kill_time:.1f} s after the kill")
+    try:
+        back = capacity_back(mine, kill_time)
+    except ValueError:
+        return ""  # healed, not yet at full capacity
+    drop = kill_time + HEARTBEAT_TIMEOUT_S
+    return (f"[{back['time'] - t0:6.1f}s] warm spare 0 took replica group 1's place, healed from a live peer and "
+            f"committed at full capacity at step {back['step']}: {back['time'] - kill_time:.1f} s after the kill, "
+            f"{back['time'] - drop:.1f} s after the lighthouse dropped group 1 ({HEARTBEAT_TIMEOUT_S:.0f} s "
+            "heartbeat timeout)")
+
+
 def watch(job: LocalJob, args: argparse.Namespace, t0: float):
-    """Show progress from the event logs, kill group 1 at --kill-at, report its heal.
+    """Show progress from the event logs, kill group 1 at --kill-at, report its replacement.
 
     Returns:
-        ``({group: exit code}, kill time or None)``.
+        ``({group: exit code}, kill time or None)``; with a spare, group 1's code is the spare's.
     """
     kill_time = None
-    heal_reported = False
+    reported = False
+    spare = not args.no_spare and not args.no_kill
     bar = tqdm(total=args.steps, unit="step", desc="job", dynamic_ncols=True)
-    while any(launches[-1].proc.poll() is None for launches in job.groups.values()):
+
+    def running() -> bool:
+        procs = [launches[-1].proc for g, launches in job.groups.items() if not (spare and g == 1)]
+        return any(p.poll() is None for p in procs + ([job.spares[0].proc] if spare else []))
+
+    while running():
         if time.time() - t0 > args.timeout_s:
             raise TimeoutError(f"demo did not finish in {args.timeout_s} s\n{job.tails()}")
         steps = [e for e in job.events(rank=0) if "event" not in e]
@@ -67,29 +103,34 @@ def watch(job: LocalJob, args: argparse.Namespace, t0: float):
             bar.update(max(0, last["step"] - bar.n))
             bar.set_postfix(loss=f"{last['loss']:.3f}", participants=last["participants"], quorum=last["quorum_id"])
         mine = [e for e in steps if e["replica_group"] == 1]
-        if not args.no_kill and kill_time is None and any(e["step"] >= args.kill_at for e in mine):
+        if not args.no_kill and kill_time is None and any(e["step"] >= args.kill_at for e in mine) \
+                and (not spare or job.spare_ready(0)):
             pids = job.kill_workers(1)
             kill_time = time.time()
+            then = "a warm spare takes its place" if spare else "torchrun restarts group 1"
             bar.write(f"[{kill_time - t0:6.1f}s] SIGKILLed every rank of replica group 1 (pids {pids}) after "
-                      f"step {args.kill_at}; the survivors go on, torchrun restarts group 1")
-        healed = [e for e in mine if kill_time and e["healed"] and e["time"] > kill_time]
-        if healed and not heal_reported:
-            heal_reported = True
+                      f"step {args.kill_at}; the survivors go on, {then}")
+        line = _replaced(job, kill_time, spare, t0) if kill_time and not reported else ""
+        if line:
+            reported = True
             target = max(args.steps, job.max_step() + 20)
             job.write_file("stop", str(target))
             bar.total = target
-            bar.write(f"[{healed[0]['time'] - t0:6.1f}s] replica group 1 restarted and healed from a live peer "
-                      f"at step {healed[0]['step']}, {healed[0]['time'] - kill_time:.1f} s after the kill")
+            bar.write(line)
         time.sleep(0.5)  # polling the event logs for display, not synchronisation
     bar.close()
-    return job.wait(30), kill_time
+    if not spare:
+        return job.wait(30), kill_time
+    codes = job.wait(30, groups=[g for g in job.groups if g != 1])
+    codes[1] = job.wait_spare(0, 30)
+    return codes, kill_time
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     for f in os.listdir(args.workdir):
-        if f.startswith(("events_", "group_")):
+        if f.startswith(("events_", "group_", "spare_")):
             os.remove(os.path.join(args.workdir, f))
     # The end is set through a stop file: with a kill, only once group 1 has healed, so the survivors
     # cannot finish (leaving no peer to heal from) while group 1 is still restarting.
@@ -99,12 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     train = ["--steps", str(10**9), "--stop-file", stop_file, "--zero-stage", str(args.zero_stage),
              "--val-every", "50", *args.train_args]
     t0 = time.time()
-    with LocalJob(args.workdir, args.groups, args.nproc_per_node, train) as job:
+    spare = not args.no_spare and not args.no_kill
+    # With a spare, the killed group's torchrun does not restart it: the spare replaces it (ftbridge.spare).
+    with LocalJob(args.workdir, args.groups, args.nproc_per_node, train, max_restarts=0 if spare else 3,
+                  heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000)) as job:
         if args.no_kill:
             job.write_file("stop", str(args.steps))
         job.start()
-        print(f"lighthouse {job.lighthouse.address}; {args.groups} replica groups x {args.nproc_per_node} ranks, "
-              f"ZeRO-{args.zero_stage}, {args.steps} steps; logs in {args.workdir}", flush=True)
+        if spare:
+            job.start_spare(0)
+        print(f"lighthouse {job.lighthouse.address}; {args.groups} replica groups x {args.nproc_per_node} ranks"
+              f"{' + 1 warm spare' if spare else ''}, ZeRO-{args.zero_stage}, {args.steps} steps; logs in "
+              f"{args.workdir}", flush=True)
         codes, kill_time = watch(job, args, t0)
     summary = summarize(job.events(), args.groups, args.nproc_per_node)
     print(summary.table(), flush=True)
