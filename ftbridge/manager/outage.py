@@ -31,10 +31,10 @@ Per step (:class:`OutageRider`, one per rank, called by
    id, digest of the members, step, ok, lighthouse seen)`` into its slot of a
    zero tensor and one SUM all-reduce over the cross-replica process group
    gathers them. The step may commit only if every slot is filled and all
-   agree on quorum id, membership and step, and every member is ok (no
-   recorded error). Otherwise this rank reports an error: the step is
-   discarded and the next one goes back to the lighthouse (torchft's normal
-   path, which waits for it as before).
+   agree on quorum id, membership and step, and, in a riding step, every
+   member is ok (no recorded error). Otherwise this rank reports an error:
+   the step is discarded and the next one goes back to the lighthouse
+   (torchft's normal path, which waits for it as before).
 
    Entry into riding is per group (step 1 follows that group's own probe),
    so in one step a group may ride while another got the same quorum from
@@ -114,7 +114,7 @@ class LastQuorum:
 
 @dataclass(frozen=True)
 class Agreement:
-    """What the members said in one riding step's agreement.
+    """What the members said in one step's agreement.
 
     Attributes:
         commit: every member is present, ok, and on the same quorum id, membership and step.
