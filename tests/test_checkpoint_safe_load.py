@@ -217,6 +217,23 @@ def test_resume_broadcasts_its_choice_as_an_int64_tensor(tmp_path, monkeypatch):
     assert sent == [(torch.int64, [0, 0], 0)]
 
 
+def _run_two_ranks(script):
+    """Run ``script`` as group ranks 0 and 1 (argv[1]), each its own process; returns them and their (out, err).
+
+    Every process is killed by PID if it outlives the 90 s bound.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return procs, outs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_choice_is_broadcast_as_a_tensor_not_a_pickle(tmp_path):
@@ -233,15 +250,7 @@ def test_resume_choice_is_broadcast_as_a_tensor_not_a_pickle(tmp_path):
         print("CHOICE", broadcast_choice(*((3, 7) if rank == 0 else (0, 0))), flush=True)
         dist.destroy_process_group()
     """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outs = _run_two_ranks(script)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "CHOICE (3, 7)" in out, err[-2000:]
 
@@ -353,15 +362,7 @@ def test_a_file_refused_on_one_rank_stops_every_rank_before_deepspeed(tmp_path):
                 print("STEP", step, "RAISED", type(e).__name__, str(e)[:300], flush=True)
         dist.destroy_process_group()
     """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, outs = _run_two_ranks(script)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and out.count("RAISED") == 2, err[-2000:]
     (out0, _), (out1, _) = outs
