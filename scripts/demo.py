@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqdm import tqdm
 
-from ftbridge.harness.bench.spare import capacity_back
+from ftbridge.harness.bench.spare import capacity_back, drop_time
 from ftbridge.harness.local_job import LocalJob
 from ftbridge.harness.report import plot_run, summarize
 
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.kill_at is None:
         args.kill_at = max(1, args.steps // 3)
+    args.spare = not args.no_spare and not args.no_kill  # a warm spare replaces the killed group
     if not args.no_kill and (args.groups < 2 or not 0 < args.kill_at < args.steps):
         p.error(f"--kill-at {args.kill_at} with --groups {args.groups}: need 2+ groups and 0 < kill-at < steps")
     return args
@@ -71,11 +72,11 @@ def _replaced(job: LocalJob, kill_time: float, spare: bool, t0: float) -> str:
         back = capacity_back(mine, kill_time)
     except ValueError:
         return ""  # healed, not yet at full capacity
-    drop = kill_time + HEARTBEAT_TIMEOUT_S
+    drop = drop_time(kill_time, HEARTBEAT_TIMEOUT_S)
     return (f"[{back['time'] - t0:6.1f}s] warm spare 0 took replica group 1's place, healed from a live peer and "
             f"committed at full capacity at step {back['step']}: {back['time'] - kill_time:.1f} s after the kill, "
-            f"{back['time'] - drop:.1f} s after the lighthouse dropped group 1 ({HEARTBEAT_TIMEOUT_S:.0f} s "
-            "heartbeat timeout)")
+            f"{back['time'] - drop:.1f} s after the lighthouse dropped group 1 (at the earliest: "
+            f"{HEARTBEAT_TIMEOUT_S:.0f} s heartbeat timeout)")
 
 
 def watch(job: LocalJob, args: argparse.Namespace, t0: float):
@@ -86,7 +87,7 @@ def watch(job: LocalJob, args: argparse.Namespace, t0: float):
     """
     kill_time = None
     reported = False
-    spare = not args.no_spare and not args.no_kill
+    spare = args.spare
     bar = tqdm(total=args.steps, unit="step", desc="job", dynamic_ncols=True)
 
     def running() -> bool:
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     train = ["--steps", str(10**9), "--stop-file", stop_file, "--zero-stage", str(args.zero_stage),
              "--val-every", "50", *args.train_args]
     t0 = time.time()
-    spare = not args.no_spare and not args.no_kill
+    spare = args.spare
     # With a spare, the killed group's torchrun does not restart it: the spare replaces it (ftbridge.spare).
     with LocalJob(args.workdir, args.groups, args.nproc_per_node, train, max_restarts=0 if spare else 3,
                   heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000)) as job:

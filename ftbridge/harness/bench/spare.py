@@ -151,7 +151,17 @@ def _from_drop(run: failure_jobs.KillRun, healed: bool = False) -> float:
 
 def _drop_time(run: failure_jobs.KillRun) -> float:
     """The earliest moment the lighthouse may have dropped the killed group (s since the epoch)."""
-    return run.kill_time + run.heartbeat_timeout_s - HEARTBEAT_INTERVAL_S
+    return drop_time(run.kill_time, run.heartbeat_timeout_s)
+
+
+def drop_time(kill_time: float, heartbeat_timeout_s: float) -> float:
+    """The earliest moment the lighthouse may have dropped a group SIGKILLed at ``kill_time`` (s since the epoch).
+
+    Its last heartbeat came up to one interval (:data:`HEARTBEAT_INTERVAL_S`) before the kill, so the drop
+    lies in ``[kill + T - interval, kill + T]`` for heartbeat timeout ``T`` (seconds); the earliest point
+    never flatters a time measured from it.
+    """
+    return kill_time + heartbeat_timeout_s - HEARTBEAT_INTERVAL_S
 
 
 @benchmark(NAME)
