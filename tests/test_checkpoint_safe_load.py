@@ -10,6 +10,8 @@ on the ``--plain`` baseline's resume, and inside DeepSpeed's own load.
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -158,6 +160,36 @@ def test_resume_refuses_a_crafted_checkpoint_before_any_state_changes(tmp_path, 
     assert int(engine.engine.global_steps) == 2
 
 
+def test_resume_checks_the_bytes_it_loads_and_falls_back_to_an_older_checkpoint(tmp_path, monkeypatch, caplog):
+    # Group rank 0's choice no longer hashes the .pt files: each rank hashes the bytes it parses. A shard
+    # altered in place (same size, manifest untouched) must be caught there, and the group must load the
+    # older checkpoint, as when the choice itself finds a damaged file.
+    from ftbridge.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+
+    engine = _ft_engine(monkeypatch, 2)
+    ck = Checkpointer(engine, CheckpointConfig(dir=str(tmp_path / "ckpt"), handle_sigterm=False))
+    _train(engine.engine, 1)
+    ck.save(1)
+    step1 = _state(engine.engine)
+    _train(engine.engine, 2)
+    ck.save(2)
+    store = ck.store
+    shard = os.path.join(store.list()[-1].path, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with open(shard, "r+b") as f:  # one byte in the middle: tensor data, so the file still parses
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert store.list()[-1].problems(hash_torch_files=False) == []  # the choice cannot see it
+    _train(engine.engine, 3)
+    with caplog.at_level(logging.WARNING):
+        assert ck.resume() == 1
+    assert "SHA-256 differs" in caplog.text and shard in caplog.text and "trying an older one" in caplog.text
+    assert int(engine.engine.global_steps) == 1
+    for got, want in zip(_state(engine.engine), step1):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_deepspeed_own_loads_go_through_the_safe_loader(tmp_path, monkeypatch):
     """Even a file swapped in after the scan cannot run code: DeepSpeed's reads use weights_only too."""
     import ftbridge.checkpoint.group_io as group_io
@@ -168,8 +200,7 @@ def test_deepspeed_own_loads_go_through_the_safe_loader(tmp_path, monkeypatch):
     store = _save(engine, tmp_path / "ckpt", 1, 2)
     marker = tmp_path / "pwned"
     _plant_payload(store.list()[0].path, "mp_rank_00_model_states.pt", marker)
-    monkeypatch.setattr(safe_load, "check_files", lambda paths: {})  # as if the file changed after the scan
-    monkeypatch.setattr(group_io, "check_files", lambda paths: {})
+    monkeypatch.setattr(group_io, "load_checked", lambda paths, files: {})  # as if nothing had been preloaded
     with pytest.raises(safe_load.UnsafeCheckpointError, match=PAYLOAD_TYPE):
         group_io.load_group_checkpoint(engine, store.list()[0])
     assert not marker.exists()
@@ -275,17 +306,20 @@ def test_a_preloaded_file_is_parsed_once_however_often_deepspeed_reads_it(tmp_pa
 def test_a_resume_parses_every_checkpoint_file_at_most_once(tmp_path, monkeypatch):
     # The rank's ftbridge_rank_<k>.pt used to be parsed 3 times (its own check, the folder scan, the final
     # load) and DeepSpeed's model states twice: each parse is torch's Python weights_only unpickler.
+    # Every parse is of the bytes just checked against the manifest (an in-memory buffer), never a second
+    # read of the file: what is loaded is what was hashed.
     from ftbridge.checkpoint.group_io import load_group_checkpoint
+    from ftbridge.checkpoint.safe_load import checkpoint_files
 
     engine = _ds_engine(2, {})
     _train(engine, 1)
-    ckpt = _save(engine, tmp_path, 1, 2).find_valid()
+    ckpt = _save(engine, tmp_path, 1, 2).find_valid(hash_torch_files=False)
     parsed = []
     real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda f, *a, **k: parsed.append(os.path.basename(f)) or real_load(f, *a, **k))
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: parsed.append(f) or real_load(f, *a, **k))
     rank_state = load_group_checkpoint(engine, ckpt)
-    assert sorted(parsed) == sorted(set(parsed)), f"parsed more than once: {parsed}"
-    assert {"ftbridge_rank_0.pt", "mp_rank_00_model_states.pt"} <= set(parsed)
+    assert len(parsed) == len(checkpoint_files(ckpt.path)), f"parsed more than once: {parsed}"
+    assert all(isinstance(f, io.BytesIO) for f in parsed), f"read from disk again: {parsed}"
     assert rank_state["micro_steps"] == 1 and int(engine.global_steps) == 1
 
 
@@ -318,6 +352,7 @@ def test_a_peer_refusing_its_file_stops_this_rank_before_deepspeed(tmp_path, mon
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "ftbridge_rank_0.pt"):
         torch.save({"w": torch.ones(2)}, str(tmp_path / name))
     (tmp_path / "ftbridge_rank_1.pt").write_bytes(b"not parsed by rank 0")
+    mf.write_manifest(str(tmp_path))
     reduced = []
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
     monkeypatch.setattr(dist, "all_reduce", lambda t, op, **k: reduced.append(t.tolist()) or t.fill_(1))
@@ -327,7 +362,7 @@ def test_a_peer_refusing_its_file_stops_this_rank_before_deepspeed(tmp_path, mon
             raise AssertionError("DeepSpeed reached")
     with pytest.raises(UnsafeCheckpointError, match="group rank 1 refused"):
         load_group_checkpoint(NoEngine(), CheckpointInfo("global_step1", 1, str(tmp_path)))
-    assert reduced == [[2]]  # this rank reported success (the group size)
+    assert reduced == [[2, 2]]  # this rank reported neither a damaged nor a refused file (the group size twice)
 
 
 @pytest.mark.slow
@@ -343,6 +378,7 @@ def test_a_file_refused_on_one_rank_stops_every_rank_before_deepspeed(tmp_path):
             bad = tag == "global_step2" and name == planted
             torch.save({"w": torch.ones(2), "payload": Payload(str(tmp_path / "pwned")) if bad else 0},
                        str(tmp_path / tag / name))
+        mf.write_manifest(str(tmp_path / tag))
     script = textwrap.dedent(f"""
         import sys, torch.distributed as dist
         rank = int(sys.argv[1])

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import deepspeed
 import torch
@@ -45,7 +45,14 @@ import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
 from ftbridge.checkpoint.group_io import group_device, load_group_checkpoint, save_group_checkpoint
-from ftbridge.checkpoint.store import CheckpointStore, NoValidCheckpointError, check_compatible, load_key
+from ftbridge.checkpoint.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    NoValidCheckpointError,
+    check_compatible,
+    load_key,
+)
+from ftbridge.checkpoint.verified_read import CorruptFileError
 from ftbridge.checkpoint.writer import is_writer, save_due
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
@@ -231,12 +238,17 @@ class Checkpointer:
     def resume(self) -> Optional[int]:
         """Load the newest valid checkpoint into this group; all group ranks call it before training.
 
-        Group rank 0 picks the checkpoint (files hashed against the manifest,
-        metadata checked) and broadcasts its choice as a tensor
-        (:func:`broadcast_choice`); every rank then parses the ``.pt`` files it
-        reads (the shared ones and its own; together the ranks cover every file)
-        with the safe loader, and the group agrees, before DeepSpeed changes any
-        state (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
+        Group rank 0 picks the checkpoint (the manifest, file set, sizes and
+        metadata checked, the files other than the ``.pt`` ones hashed) and
+        broadcasts its choice as a tensor (:func:`broadcast_choice`); every
+        rank then reads the ``.pt`` files it loads (the shared ones and its
+        own; together the ranks cover every file) once, checks those bytes
+        against the manifest and parses them with the safe loader, and the
+        group agrees before DeepSpeed changes any state
+        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`). A
+        checkpoint in which some rank found a damaged file is skipped, as one
+        group rank 0 finds damaged while choosing: the group tries the next
+        older one.
 
         Returns:
             The step loaded, or ``None`` when the folder holds no checkpoint.
@@ -248,35 +260,43 @@ class Checkpointer:
             GroupSizeMismatchError: saved by groups of another size; raised
                 on every rank before any state is touched.
         """
-        error = None
-        if dist.get_rank() == 0:
-            code, step, error = self._choose()
-        else:
-            code, step = CHOICE_NONE, 0
-        code, step = broadcast_choice(code, step)
-        if code == CHOICE_NONE:
-            self.log.info("no checkpoint in %s: starting from step 0", self.cfg.dir)
-            return None
-        if code != CHOICE_OK:
-            raise NoValidCheckpointError(error or f"group rank 0 found no valid checkpoint in {self.cfg.dir}; "
-                                         "its log lists the problems")
-        ckpt = next(c for c in self.store.list() if c.step == step)
+        damaged: List[int] = []
+        while True:
+            error = None
+            if dist.get_rank() == 0:
+                code, step, error = self._choose(damaged)
+            else:
+                code, step = CHOICE_NONE, 0
+            code, step = broadcast_choice(code, step)
+            if code == CHOICE_NONE:
+                self.log.info("no checkpoint in %s: starting from step 0", self.cfg.dir)
+                return None
+            if code != CHOICE_OK:
+                raise NoValidCheckpointError(error or f"group rank 0 found no valid checkpoint in {self.cfg.dir}; "
+                                             "its log lists the problems")
+            try:
+                return self._load(next(c for c in self.store.list() if c.step == step))
+            except CorruptFileError as e:
+                self.log.warning("checkpoint at step %d cannot be trusted, trying an older one: %s", step, e)
+                damaged.append(step)
+
+    def _load(self, ckpt: CheckpointInfo) -> int:
         meta = ckpt.metadata()  # hashed against the manifest, then parsed
         check_compatible(meta, ckpt.path, group_size=self.engine.cfg.group_size, zero_stage=self.engine.adapter.stage)
         t = time.perf_counter()
         rank_state = load_group_checkpoint(self.engine.engine, ckpt)
         self._apply(meta, rank_state)
         load_s = time.perf_counter() - t
-        self._last_saved = step
-        self.engine.events.write(event="checkpoint_loaded", time=time.time(), step=step, path=ckpt.path,
+        self._last_saved = ckpt.step
+        self.engine.events.write(event="checkpoint_loaded", time=time.time(), step=ckpt.step, path=ckpt.path,
                                  load_s=load_s, saved_by=meta.get("quorum", {}).get("replica_group_id"),
                                  param_checksum=tensor_checksum(self.engine.adapter.full_parameters()))
-        self.log.info("resumed from %s (step %d) in %.2f s", ckpt.path, step, load_s)
-        return step
+        self.log.info("resumed from %s (step %d) in %.2f s", ckpt.path, ckpt.step, load_s)
+        return ckpt.step
 
-    def _choose(self) -> Tuple[int, int, Optional[str]]:
+    def _choose(self, damaged: List[int]) -> Tuple[int, int, Optional[str]]:
         try:
-            ckpt = self.store.find_valid(self.log)
+            ckpt = self.store.find_valid(self.log, hash_torch_files=False, skip=damaged)
         except NoValidCheckpointError as e:
             return CHOICE_INVALID, 0, str(e)
         if ckpt is None:

@@ -29,23 +29,22 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ftbridge import faults
 from ftbridge.checkpoint import manifest as mf
-from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine, snapshot
+from ftbridge.checkpoint.async_save import BackgroundWriter, SnapshotCheckpointEngine
 from ftbridge.checkpoint.safe_load import (
     UnsafeCheckpointError,
-    check_files,
     checkpoint_files,
     files_of_rank,
     load_deepspeed_checkpoint,
-    safe_load,
 )
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
+from ftbridge.checkpoint.verified_read import CorruptFileError, load_checked
 from ftbridge.zero.checkpoint_engines import (
     DelegatingCheckpointEngine,
     swapped_checkpoint_engine,
@@ -208,42 +207,52 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
     scaler), lr scheduler and DeepSpeed's counters, through DeepSpeed's
     ``load_checkpoint``, with every file read by
     :func:`ftbridge.checkpoint.safe_load.safe_load` (no pickle code runs).
-    Before that, each rank parses the files it reads
+    Before that, each rank reads the files it loads
     (:func:`ftbridge.checkpoint.safe_load.files_of_rank`: the shared files and
-    its own), each once, and one all-reduce tells every rank whether all ranks'
-    files passed, so every file of the folder is checked by some rank and a
-    refused file stops the whole group before any state changes.
+    its own; together the ranks cover every ``.pt`` file of the folder) into
+    memory once, checks those bytes against the manifest and parses the same
+    bytes (:func:`ftbridge.checkpoint.verified_read.load_checked`); one
+    all-reduce then tells every rank whether all ranks' files passed, so a
+    damaged or refused file stops the whole group before any state changes.
 
     Returns:
         This rank's ``ftbridge_rank_<k>.pt`` content.
 
     Raises:
-        UnsafeCheckpointError: a file needs a type outside the allowlist (on
-            the rank that read it: naming it; on the others: naming that
-            rank), or another rank could not read its files; raised on every
-            rank before any state changes.
+        CorruptFileError: a file does not match the manifest, or the manifest
+            is unreadable (on the rank that found it: naming the file; on the
+            others: naming that rank); raised on every rank before any state
+            changes. The checkpoint is damaged: a resume may try an older one.
+        UnsafeCheckpointError: a file matches the manifest but needs a type
+            outside the allowlist (named on the rank that read it); raised on
+            every rank before any state changes, and takes precedence.
         RuntimeError: DeepSpeed found nothing to load.
     """
     rank, size = dist.get_rank(), dist.get_world_size()
     rank_file = os.path.abspath(os.path.join(ckpt.path, _rank_file(rank)))
     error: Optional[BaseException] = None
     try:
-        preloaded = check_files(files_of_rank(checkpoint_files(ckpt.path), rank, size))
-        if rank_file not in preloaded:  # not a regular file directly in the folder: refused here
-            preloaded[rank_file] = safe_load(rank_file)
-    except (OSError, ValueError) as e:  # agreed on first: a rank raising alone would leave the others waiting
+        files = mf.read_manifest(ckpt.path, ckpt.key)["files"]
+        paths = files_of_rank(checkpoint_files(ckpt.path), rank, size)
+        preloaded = load_checked(paths if rank_file in paths else [*paths, rank_file], files)
+    except UnsafeCheckpointError as e:  # agreed on first: a rank raising alone would leave the others waiting
         error = e
-    failed = _first_failed_rank(error is not None, rank, size)
+    except (OSError, ValueError) as e:  # CorruptFileError, or the manifest itself unreadable
+        error = e if isinstance(e, CorruptFileError) else CorruptFileError(f"{ckpt.path}: {e}")
+    corrupt, unsafe = _first_failed_ranks(error, rank, size)
     if error is not None:
         raise error
-    if failed is not None:
-        raise UnsafeCheckpointError(f"group rank {failed} refused or could not read its files of {ckpt.path} "
-                                    "(its log names the file); nothing was loaded")
+    if unsafe is not None:
+        raise UnsafeCheckpointError(f"group rank {unsafe} refused a file of {ckpt.path} (its log names the file "
+                                    "and the type); nothing was loaded")
+    if corrupt is not None:
+        raise CorruptFileError(f"group rank {corrupt} found a file of {ckpt.path} that does not match the "
+                               "manifest (its log names the file); nothing was loaded")
     path, _ = load_deepspeed_checkpoint(ds_engine, os.path.dirname(ckpt.path), ckpt.tag, preloaded=preloaded,
                                         load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed loaded nothing from {ckpt.path}")
-    return snapshot(preloaded[rank_file])  # memory-mapped tensors copied: the state must not depend on the file
+    return preloaded[rank_file]  # parsed from memory of its own: nothing depends on the file
 
 
 def group_device() -> torch.device:
@@ -253,10 +262,16 @@ def group_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _first_failed_rank(failed: bool, rank: int, size: int) -> Optional[int]:
-    """The lowest group rank that passed ``failed=True``, or ``None``; one int64 all-reduce (MIN) when ``size > 1``."""
-    flag = torch.tensor([rank if failed else size], dtype=torch.int64, device=group_device())
+def _first_failed_ranks(error: Optional[BaseException], rank: int, size: int) -> Tuple[Optional[int], Optional[int]]:
+    """The lowest group ranks that found a damaged file and a refused file (``None``: no rank).
+
+    One int64 all-reduce (MIN) of two entries when ``size > 1``: each rank
+    puts its rank in the entry of its error's kind and ``size`` elsewhere.
+    """
+    unsafe = isinstance(error, UnsafeCheckpointError)
+    flag = torch.tensor([rank if error is not None and not unsafe else size, rank if unsafe else size],
+                        dtype=torch.int64, device=group_device())
     if size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    first = int(flag[0])
-    return None if first >= size else first
+    corrupt, refused = (int(x) for x in flag.tolist())
+    return (None if corrupt >= size else corrupt), (None if refused >= size else refused)

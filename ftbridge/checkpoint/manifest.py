@@ -25,7 +25,7 @@ import math
 import os
 import re
 import stat
-from typing import Any, Dict, List, Optional, Set, Tuple, cast
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple, cast
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.hmac"
@@ -259,13 +259,17 @@ def scan_folder(ckpt_dir: str) -> Tuple[Set[str], List[str]]:
     return files, problems
 
 
-def verify(ckpt_dir: str, required: Optional[List[str]] = None, key: Optional[bytes] = None) -> List[str]:
+def verify(ckpt_dir: str, required: Optional[List[str]] = None, key: Optional[bytes] = None,
+           hashed_later: Collection[str] = ()) -> List[str]:
     """Problems found in ``ckpt_dir`` against its manifest; empty when it can be trusted.
 
     Args:
         ckpt_dir: one published checkpoint (``ROOT/<tag>``), a real folder.
         required: relative paths that must be listed in the manifest.
         key: the checkpoint key, if one is configured (see :func:`read_manifest`).
+        hashed_later: relative paths whose content the caller checks itself
+            when it reads them (a resume: :mod:`ftbridge.checkpoint.verified_read`);
+            everything else about them (listed, present, regular, size) is checked here.
 
     Returns:
         One message per problem, each naming the file: unreadable or
@@ -295,7 +299,7 @@ def verify(ckpt_dir: str, required: Optional[List[str]] = None, key: Optional[by
             size = os.lstat(path).st_size
             if size != want["bytes"]:
                 problems.append(f"{path}: {size} bytes, manifest says {want['bytes']} (truncated or altered)")
-            elif sha256_file(path, want["bytes"]) != want["sha256"]:
+            elif rel not in hashed_later and sha256_file(path, want["bytes"]) != want["sha256"]:
                 problems.append(f"{path}: SHA-256 differs from the manifest (altered)")
         except (OSError, ValueError) as e:
             problems.append(f"{path}: unreadable ({e})")

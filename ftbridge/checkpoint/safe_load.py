@@ -43,7 +43,7 @@ import os
 import pickle
 import re
 import zipfile
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch.torch_version import TorchVersion
@@ -70,13 +70,15 @@ class UnsafeCheckpointError(ValueError):
     """A checkpoint file needs a type outside the allowlist (or is no torch file); nothing was loaded."""
 
 
-def safe_load(path: str, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bool = False,
+              name: Optional[str] = None) -> Any:
     """``torch.load(path, weights_only=True)`` with :data:`ALLOWED_GLOBALS` allowed.
 
     Args:
-        path: a file written by ``torch.save``.
+        path: a file written by ``torch.save``, or a binary file object holding one.
         map_location: as for ``torch.load`` (default: tensors on the CPU).
         mmap: memory-map tensor storages instead of reading them (zip format only).
+        name: the file's name in messages (default: ``path``).
 
     Returns:
         The loaded object.
@@ -93,9 +95,9 @@ def safe_load(path: str, map_location: Any = "cpu", *, mmap: bool = False) -> An
         m = _GLOBAL_RE.search(str(e))
         need = f"type {m.group(1)}, which is not in ftbridge's allowlist" if m else f"no safe torch file ({e!r:.300})"
         raise UnsafeCheckpointError(
-            f"refusing to load {path}: it needs {need}; nothing was loaded. A checkpoint holds tensors, numbers, "
-            "strings, containers and DeepSpeed's own types only; a file naming other functions can run code when "
-            "loaded. If you wrote this type yourself and trust the file, allow it with "
+            f"refusing to load {name or path}: it needs {need}; nothing was loaded. A checkpoint holds tensors, "
+            "numbers, strings, containers and DeepSpeed's own types only; a file naming other functions can run code "
+            "when loaded. If you wrote this type yourself and trust the file, allow it with "
             "torch.serialization.add_safe_globals([...]) before resuming.") from None
 
 

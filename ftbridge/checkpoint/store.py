@@ -27,9 +27,10 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from ftbridge.checkpoint import manifest as mf
+from ftbridge.checkpoint.safe_load import checkpoint_files
 
 METADATA = "ftbridge.json"
 TAG_RE = re.compile(r"^global_step(\d+)$")
@@ -133,15 +134,23 @@ class CheckpointInfo:
             raise ValueError(f"{path}: SHA-256 differs from the manifest (altered)")
         return check_metadata(mf.parse_json(data, path), path, max(1, len(files) // 2))
 
-    def problems(self) -> List[str]:
+    def problems(self, hash_torch_files: bool = True) -> List[str]:
         """What is wrong with it (empty: trusted).
 
         Every file is checked against the manifest first
         (:func:`ftbridge.checkpoint.manifest.verify`); only then is the
         metadata parsed (bounded), and the tag, step and DeepSpeed's file set
         for the saved group size and stage checked.
+
+        Args:
+            hash_torch_files: also hash the ``.pt`` files directly in the
+                folder. A resume passes ``False``: each rank hashes the files
+                it loads from the very bytes it parses
+                (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`),
+                and their listing, type and size are still checked here.
         """
-        problems = mf.verify(self.path, key=self.key)
+        later = [] if hash_torch_files else [os.path.basename(p) for p in checkpoint_files(self.path)]
+        problems = mf.verify(self.path, key=self.key, hashed_later=later)
         if problems:
             return problems
         try:
@@ -191,11 +200,14 @@ class CheckpointStore:
                 found.append(CheckpointInfo(name, int(m.group(1)), path, self.key))
         return sorted(found, key=lambda c: c.step)
 
-    def find_valid(self, log: Any = logger) -> Optional[CheckpointInfo]:
+    def find_valid(self, log: Any = logger, *, hash_torch_files: bool = True,
+                   skip: Collection[int] = ()) -> Optional[CheckpointInfo]:
         """The newest checkpoint whose files all match its manifest.
 
         Args:
             log: where warnings about skipped checkpoints go.
+            hash_torch_files: see :meth:`CheckpointInfo.problems` (``False``: the caller hashes them at load).
+            skip: steps already found damaged by the caller (not checked again).
 
         Returns:
             The checkpoint, or ``None`` when the folder holds none at all.
@@ -205,9 +217,9 @@ class CheckpointStore:
                 missing, truncated or altered file (all problems listed).
         """
         found = self.list()
-        bad: List[str] = []
-        for ckpt in reversed(found):
-            problems = ckpt.problems()
+        bad: List[str] = [f"{c.path}: a file did not match the manifest when loaded" for c in found if c.step in skip]
+        for ckpt in reversed([c for c in found if c.step not in skip]):
+            problems = ckpt.problems(hash_torch_files)
             if not problems:
                 if bad:
                     log.warning("loading the older checkpoint %s instead", ckpt.path)

@@ -108,7 +108,7 @@ def worker_load(out: str, kind: str, model_flags: List[str]) -> None:
         engine, _, _, args = _engine(model_flags)
         dist.barrier()
         t = time.perf_counter()
-        ckpt = CheckpointStore(os.path.join(out, "ft_resume")).find_valid()
+        ckpt = CheckpointStore(os.path.join(out, "ft_resume")).find_valid(hash_torch_files=False)
         if ckpt is None:
             raise RuntimeError(f"no valid ftbridge checkpoint in {os.path.join(out, 'ft_resume')}")
         check_compatible(ckpt.metadata(), ckpt.path, group_size=dist.get_world_size(), zero_stage=args.zero_stage)
