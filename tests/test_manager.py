@@ -14,6 +14,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
@@ -374,3 +375,38 @@ def test_after_a_restart_the_guard_discards_until_a_majority_is_back_then_goes_o
     clock[0] = 31.0                                             # the other never came back within the wait
     _QuorumGuard._check_majority(guard, 4, ["replica_group_1:b"])
     assert len(errors) == 1 and guard._need_majority is None
+
+
+def test_a_donor_serves_its_heal_state_as_soon_as_the_quorum_names_it():
+    # Before torchft rebuilds the cross-replica process group (10-30 ms for gloo), which a joiner with
+    # no old group to tear down often skips ahead of: its request used to wait for the donor.
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.manager.replica import ReplicaManager
+
+    served = []
+    state = {"user": {"default": {"x": torch.ones(2)}}, "torchft": {"step": 7, "batches_committed": 14}}
+    fake = SimpleNamespace(cfg=FTBridgeConfig(group_rank=0, group_size=1),
+                           transport=SimpleNamespace(expect_donor=lambda a: None,
+                                                     send_checkpoint=lambda *a: served.append(a)),
+                           _torchft=SimpleNamespace(_manager_state_dict=lambda: state))
+    fake._serve_early = lambda joiners, step: ReplicaManager._serve_early(fake, joiners, step)
+    quorum = dict(recover_src_manager_address="", replica_ids=["replica_group_0:a", "replica_group_1:b"],
+                  heal=False, max_step=7)
+    ReplicaManager._on_quorum(fake, SimpleNamespace(**quorum, recover_dst_replica_ranks=[]))
+    assert served == []  # not a donor
+    ReplicaManager._on_quorum(fake, SimpleNamespace(**quorum, recover_dst_replica_ranks=[1]))
+    assert served == [([1], 7, state, fake.cfg.cross_replica_timeout)]
+
+
+def test_a_failed_early_serve_is_left_to_torchft(caplog):
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.manager.replica import ReplicaManager
+
+    def refuse(*a):
+        raise TypeError("a leaf that is no tensor")
+    fake = SimpleNamespace(cfg=FTBridgeConfig(group_rank=0, group_size=1),
+                           transport=SimpleNamespace(send_checkpoint=refuse),
+                           _torchft=SimpleNamespace(_manager_state_dict=dict))
+    with caplog.at_level(logging.WARNING):
+        ReplicaManager._serve_early(fake, [1], 3)
+    assert "not served early (TypeError: a leaf that is no tensor)" in caplog.text

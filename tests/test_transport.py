@@ -432,6 +432,16 @@ def test_disallow_then_new_send_serves_only_the_new_state(transport):
 
 
 @NET_TIMEOUT
+def test_a_second_send_of_the_step_being_served_keeps_the_first(transport):
+    # ReplicaManager serves a donor's state as soon as the quorum names it (before torchft reconfigures);
+    # torchft's own send_checkpoint for that step must then neither replace nor re-lay out the body.
+    transport.send_checkpoint([1], 3, {"x": torch.ones(2)}, timedelta(seconds=5))
+    transport.send_checkpoint([1], 3, {"x": torch.zeros(3)}, timedelta(seconds=5))
+    got = transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=5))
+    assert torch.equal(got["x"], torch.ones(2))
+
+
+@NET_TIMEOUT
 def test_send_of_a_pickle_only_leaf_raises_type_error(transport):
     with pytest.raises(TypeError, match="'scaler'"):
         transport.send_checkpoint([1], 1, {"scaler": object()}, timedelta(seconds=1))

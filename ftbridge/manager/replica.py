@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -175,6 +175,30 @@ class ReplicaManager:
                    "paused past the heartbeat timeout); leaving so that one group trains on its data shard")
             logger.error("%s", msg)
             raise DuplicateReplicaGroup(msg)
+        joiners = list(getattr(result, "recover_dst_replica_ranks", None) or [])
+        if joiners:
+            self._serve_early(joiners, int(result.max_step))
+
+    def _serve_early(self, joiners: List[int], step: int) -> None:
+        """Serve this donor's heal state as soon as the quorum names it a donor (issue #15 item 4).
+
+        torchft 0.2 serves only after it has rebuilt the cross-replica
+        process group (10-30 ms for gloo here, longer than the 10 MB
+        transfer), while the joiner, which has no old group to tear down, is
+        often ready first and its request waited for the donor. The state may
+        be served this early: it does not change before the optimizer step,
+        which comes after :meth:`SafeHTTPTransport.disallow_checkpoint`.
+        torchft's own ``send_checkpoint`` for the same step then finds it
+        served. Best effort: on any error torchft's call serves as before.
+        """
+        state_dict = getattr(self._torchft, "_manager_state_dict", None)  # behind the quorum guard's version check
+        if state_dict is None:
+            return
+        try:
+            self.transport.send_checkpoint(joiners, step, state_dict(), self.cfg.cross_replica_timeout)
+        except Exception as e:  # noqa: BLE001 - torchft's send_checkpoint will raise it where it handles errors
+            logger.warning("heal state for step %d not served early (%s: %s); torchft serves it after "
+                           "reconfiguring", step, type(e).__name__, e)
 
     def _load(self, state: Dict[str, Any]) -> None:
         self._load_state_dict(state)

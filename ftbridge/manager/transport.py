@@ -203,7 +203,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                     return
                 server = cast(BoundedHTTPServer, self.server)
                 server.extend(self.connection)
+                t_request = time.time()
                 body = transport._wait_for(step)
+                t_ready = time.time()
                 if body is None:
                     self.send_error(409, f"step {step} is not being served")
                     return
@@ -226,6 +228,10 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 except BodyAborted as e:  # the joiner sees a short body: ConnectionError
                     logger.info("heal transport: response for step %d cut short: %s", step, e)
                     self.close_connection = True
+                    return
+                logger.info("heal transport: served step %d, %.1f MB: the request waited %.1f ms for the state, "
+                            "sent in %.1f ms", step, body.size / 1e6, (t_ready - t_request) * 1e3,
+                            (time.time() - t_ready) * 1e3)
 
             def _send_staged(self, body: StagedBody) -> None:
                 self.send_response(200)
@@ -283,6 +289,10 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                         timeout: timedelta) -> None:
         """Serve ``state_dict`` for ``step`` until :meth:`disallow_checkpoint`; returns at once.
 
+        If ``step`` is served already (``ReplicaManager`` serves a donor's
+        state as soon as the quorum names it, before torchft reconfigures and
+        calls this), the body being served is kept and nothing is laid out again.
+
         Lays the body out from keys, shapes and dtypes
         (:func:`ftbridge.wire.plan_body`) and serves it, with Python's GIL
         switch interval lowered to :data:`SERVING_SWITCH_INTERVAL_S` until
@@ -296,6 +306,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             TypeError: the state holds a leaf that is neither tensor nor JSON
                 scalar (before anything is served).
         """
+        with self._cond:
+            if self._body is not None and self._step == step:  # served early (ReplicaManager._serve_early)
+                return
         t0 = time.perf_counter()
         body: Union[StreamBody, StagedBody, None] = staged_body(state_dict, self._staging)  # GPU: pinned buffer
         if body is None:
@@ -303,13 +316,16 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             body = StreamBody(plan if plan is not None else encode_state(state_dict))
         with self._cond:
             self._body, self._step = body, step
-            if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
-                self._saved_switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
+            self._lower_switch_interval()
             self._cond.notify_all()
         logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
                     step, dst_ranks, (len(body) if isinstance(body, StagedBody) else body.size) / 1e6,
                     time.perf_counter() - t0)
+
+    def _lower_switch_interval(self) -> None:
+        if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
 
     def disallow_checkpoint(self) -> None:
         """Stop serving: the donor's state may change from here on.
