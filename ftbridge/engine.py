@@ -107,8 +107,11 @@ class FaultTolerantEngine:
         wrap_model_step(engine, self._model_step)
         if hook_state.state_dict() is not None:  # shared hook state (PowerSGD's Q, iteration) travels in a heal
             self.register_state("comm_hook", hook_state.state_dict, hook_state.load_state_dict)
+        # pid: a group's log may hold records of two processes at once (a paused group that resumes after a
+        # warm spare took its id writes its late records there until it leaves); readers tell them apart by it.
         self.events = EventLog(cfg.event_log_path(),
-                               {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
+                               {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank,
+                                "pid": os.getpid()})
 
         self.metrics = metrics.attach(self)  # Prometheus /metrics on group rank 0 when FTBRIDGE_METRICS_PORT is set
         self.guard = DivergenceGuard(self.manager, self.adapter, replica_group_id=cfg.replica_group_id,

@@ -282,3 +282,14 @@ def test_with_spares_scale_down_is_skipped_with_its_reason_and_the_report_counts
     assert "skipped: failure 0 (scale_down): warm spares run" in text
     summary = report.summary(result)
     assert (summary["spares_started"], summary["takeovers"], summary["standing_by_stopped"]) == (1, 1, [300, 301])
+
+
+def test_a_paused_groups_late_commit_after_the_spares_start_is_its_own_launch():
+    # Group 1 froze in step 3 (pid 100); a spare (pid 200) took its id, healed and committed 4 and 5;
+    # the resumed pid 100 commits step 3 late, in the same log, then leaves.
+    ev = [dict(_start(1, 0.0), pid=100), dict(_rec(1, 1, 2, checksum="c2"), pid=100),
+          dict(_start(1, 2.0), pid=200), dict(_rec(1, 3, 4, checksum="c4"), pid=200),
+          dict(_rec(1, 4, 5, checksum="c5"), pid=200), dict(_rec(1, 4.5, 3, checksum="c3"), pid=100)]
+    assert inv.commits_never_repeat_or_go_back(ev) == []
+    ev.append(dict(_rec(1, 5, 4, checksum="c4"), pid=200))  # the spare itself going back is still caught
+    assert [v.invariant for v in inv.commits_never_repeat_or_go_back(ev)] == ["monotonic commits"]

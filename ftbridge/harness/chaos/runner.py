@@ -247,7 +247,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                     break
             if progress is not None:
                 progress.update(1)
-        active, stopped = _stop_standing_by(job, sorted(alive))
+        active, stopped = _stop_standing_by(job, sorted(alive), settings.recovery_timeout_s)
         final_step = job.max_step() + settings.tail_steps
         job.write_file("stop", str(final_step))
         _wait_launches(job, active, settings.recovery_timeout_s)
@@ -280,14 +280,17 @@ def _start_spares(job: LocalJob, count: int, timeout_s: float) -> None:
                    f"{count} warm spares to stand by")
 
 
-def _stop_standing_by(job: LocalJob, alive: Sequence[int]) -> Tuple[Dict[int, GroupProcess], List[int]]:
+def _stop_standing_by(job: LocalJob, alive: Sequence[int], timeout_s: float
+                      ) -> Tuple[Dict[int, GroupProcess], List[int]]:
     """Stop every live launch that holds no group id now; return (the holders' launches, the standing-by PIDs).
 
     The holders of ``alive`` are found from the groups' latest ``start`` records
     (:func:`spares.holders`); any other live launch is a standing-by spare, a demoted
-    restart or a restart still starting. Each is stopped with SIGTERM then SIGKILL (its
-    torchrun ends its ranks), before the stop file, so none takes over a group that
-    finished first.
+    restart or a restart still starting. The latter are first given up to ``timeout_s`` to
+    stand by: a rank ended inside DeepSpeed's start-up can leave its JIT-build lock file
+    behind (``torch_extensions/.../lock``), and every later DeepSpeed start on the machine
+    then waits for it forever. Each is then stopped with SIGTERM, then SIGKILL (its torchrun
+    ends its ranks), before the stop file, so none takes over a group that finished first.
 
     Raises:
         RuntimeError: an active group has no live holder process, or its holder's launch is unknown.
@@ -301,12 +304,26 @@ def _stop_standing_by(job: LocalJob, alive: Sequence[int]) -> Tuple[Dict[int, Gr
             raise RuntimeError(f"replica group {g}: no live process holds it (start records: {held[g]})")
         active[g] = launch
     held_pids = {p for ranks in held.values() for p in ranks.values()}
-    ready = job.spare_events()
-    standby = [p for p in spares.standing_by(ready, held_pids)
-               if pid_alive(p) and started_by(p, max(e["time"] for e in ready if e.get("pid") == p))]
     keep = {id(gp) for gp in active.values()}
     launches = [*(gp for ls in job.groups.values() for gp in ls), *job.spares.values()]
     others = [gp for gp in launches if id(gp) not in keep and gp.proc.poll() is None]
+    standby: List[int] = []
+
+    def all_standing_by() -> bool:
+        ready = job.spare_events()
+        standby[:] = [p for p in spares.standing_by(ready, held_pids)
+                      if pid_alive(p) and started_by(p, max(e["time"] for e in ready if e.get("pid") == p))]
+        by_launch: Dict[int, int] = {}
+        for p in standby:
+            gp = job.launch_of(p)
+            if gp is not None:
+                by_launch[id(gp)] = by_launch.get(id(gp), 0) + 1
+        return all(gp.proc.poll() is not None or by_launch.get(id(gp), 0) >= job.nproc for gp in others)
+
+    try:
+        job.wait_until(all_standing_by, timeout_s, "every launch that holds no replica group to stand by", poll_s=0.5)
+    except TimeoutError as e:  # stop them anyway; the run's checks still judge what happened
+        logger.warning("%s", str(e).splitlines()[0])
     if others:
         logger.info("stopping %d launches that hold no replica group (standing-by ranks %s)", len(others), standby)
         stop_process_groups([gp.proc for gp in others], grace_s=15)
