@@ -238,6 +238,10 @@ def test_targets_are_the_processes_holding_a_group_id_not_the_standing_by_spares
     ev += [dict(_start(1, 9.0, rank=r), pid=200 + r) for r in (0, 1)]          # spare 0 took id 1 at t=9
     held = spares.holders(ev, [0, 1, 2])
     assert held == {0: {0: 10, 1: 11}, 1: {0: 200, 1: 201}, 2: {}}
+    # Group 1's restart (pids 500, 501) joined while the spare was paused, met it in a quorum and left:
+    # the spare, whose start is older, still holds id 1.
+    left = ev + [dict(_start(1, 20.0, rank=r), pid=500 + r) for r in (0, 1)]
+    assert spares.holders(left, [1], running=lambda pid, t: pid < 500) == {1: {0: 200, 1: 201}}
     ready = [dict(event="spare_ready", time=1.0, pid=200 + r, replica_group=3, group_rank=r) for r in (0, 1)]
     ready += [dict(event="spare_ready", time=12.0, pid=300 + r, replica_group=7, group_rank=r) for r in (0, 1)]
     held_pids = {p for ranks in held.values() for p in ranks.values()}

@@ -297,8 +297,10 @@ class LocalJob:
                         f"replica group {group} to commit step {step}")
 
     def worker_pids(self, group: int) -> Dict[int, int]:
-        """PIDs of the current ranks of ``group`` (from their latest start events).
+        """PIDs of the current ranks of ``group``: per rank, the latest start event whose process still runs.
 
+        Not simply the latest start: with warm spares, a restart of a group can join while the spare
+        that holds its id is paused, find that spare in its quorum and leave, after its start event.
         A PID whose process started after its start event was written is left out: that rank ended
         and the number went to another process (pid_max is 32768 on these machines and every thread
         takes a number), which a kill must not reach.
@@ -306,8 +308,9 @@ class LocalJob:
         pids = {}
         for r in range(self.group_size(group)):
             starts = [e for e in self.events(group, r) if e.get("event") == "start"]
-            if starts and started_by(starts[-1]["pid"], starts[-1]["time"]):
-                pids[r] = starts[-1]["pid"]
+            live = [e for e in starts if started_by(e["pid"], e["time"]) and pid_alive(e["pid"])]
+            if live:
+                pids[r] = live[-1]["pid"]
         return pids
 
     def spare_events(self) -> List[Dict[str, Any]]:

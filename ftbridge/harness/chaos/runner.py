@@ -295,7 +295,7 @@ def _stop_standing_by(job: LocalJob, alive: Sequence[int], timeout_s: float
     Raises:
         RuntimeError: an active group has no live holder process, or its holder's launch is unknown.
     """
-    held = spares.holders(job.events(), alive)
+    held = spares.holders(job.events(), alive, lambda p, t: pid_alive(p) and started_by(p, t))
     active: Dict[int, GroupProcess] = {}
     for g in alive:
         pids = [p for p in held[g].values() if pid_alive(p)]

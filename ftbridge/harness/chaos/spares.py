@@ -20,7 +20,7 @@ is stopped by PID (:func:`standing_by`); the report counts takeovers
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Set
 
 Record = Dict[str, Any]
 
@@ -54,17 +54,25 @@ def spare_ids(num_groups: int, spares: int) -> List[int]:
     return sorted({num_groups + k for k in range(spares)} | {2 * num_groups + g for g in range(num_groups)})
 
 
-def holders(events: Iterable[Record], groups: Iterable[int]) -> Dict[int, Dict[int, int]]:
-    """The PIDs that hold each group id now: ``{group: {group rank: pid}}`` from the latest ``start`` records.
+def holders(events: Iterable[Record], groups: Iterable[int],
+            running: Callable[[int, float], bool] = lambda pid, t: True) -> Dict[int, Dict[int, int]]:
+    """The PIDs that hold each group id now: ``{group: {group rank: pid}}``.
+
+    Per rank, the latest ``start`` record whose process still runs. Not simply the latest: a restart
+    of a group may join while the spare holding its id is paused (or while the lighthouse is down, so it
+    cannot see the id is taken), meet the spare in a quorum and leave (:func:`ftbridge.spare.must_leave`)
+    after writing its ``start``; the spare keeps the id.
 
     Args:
         events: event records of the groups' logs (any order).
-        groups: the group ids to report (groups with no ``start`` get ``{}``).
+        groups: the group ids to report (groups with no running ``start`` get ``{}``).
+        running: ``running(pid, start_time)``: whether that process still runs (and is the one that
+            wrote the record, not a reused PID); default: every one does.
     """
     latest: Dict[int, Dict[int, Record]] = {g: {} for g in groups}
     for e in events:
         g = e.get("replica_group")
-        if e.get("event") != "start" or g not in latest:
+        if e.get("event") != "start" or g not in latest or not running(e["pid"], e["time"]):
             continue
         cur = latest[g].get(e["group_rank"])
         if cur is None or e["time"] >= cur["time"]:
