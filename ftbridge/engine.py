@@ -558,6 +558,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
         if cfg.spare_index >= 0:
             takeover = spare.stand_by(cfg)
             cfg = takeover.cfg
+            # The launcher set this process's id (N + K for a spare, G for a demoted restart); from now on it
+            # holds another, and code that identifies the process from the environment (ftbridge.faults'
+            # fault points, a script's own logs) must see the id it trains as, like a cold restart of it would.
+            os.environ["FTBRIDGE_REPLICA_GROUP_ID"] = os.environ["REPLICA_GROUP_ID"] = str(cfg.replica_group_id)
     ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
                                     manager_factory=manager_factory)
     if takeover is not None:
