@@ -85,6 +85,8 @@ def test_chaos_with_a_warm_spare_and_an_outage_holds_every_invariant(tmp_path):
 
 
 def _spare_events(settings):
-    from ftbridge.harness.local_job import LocalJob
+    from ftbridge.events import read_events
 
-    return LocalJob(os.path.join(settings.workdir, "chaos"), settings.groups, settings.nproc, []).spare_events()
+    logs = [os.path.join(settings.workdir, "chaos", f"events_{i}_{r}.jsonl")
+            for i in spares.spare_ids(settings.groups, settings.spares) for r in range(settings.nproc)]
+    return read_events(logs)
