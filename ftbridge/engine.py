@@ -107,8 +107,11 @@ class FaultTolerantEngine:
         wrap_model_step(engine, self._model_step)
         if hook_state.state_dict() is not None:  # shared hook state (PowerSGD's Q, iteration) travels in a heal
             self.register_state("comm_hook", hook_state.state_dict, hook_state.load_state_dict)
+        # pid: a group's log may hold records of two processes at once (a paused group that resumes after a
+        # warm spare took its id writes its late records there until it leaves); readers tell them apart by it.
         self.events = EventLog(cfg.event_log_path(),
-                               {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank})
+                               {"replica_group": cfg.replica_group_id, "group_rank": cfg.group_rank,
+                                "pid": os.getpid()})
 
         self.metrics = metrics.attach(self)  # Prometheus /metrics on group rank 0 when FTBRIDGE_METRICS_PORT is set
         self.guard = DivergenceGuard(self.manager, self.adapter, replica_group_id=cfg.replica_group_id,
@@ -555,6 +558,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
         if cfg.spare_index >= 0:
             takeover = spare.stand_by(cfg)
             cfg = takeover.cfg
+            # The launcher set this process's id (N + K for a spare, G for a demoted restart); from now on it
+            # holds another, and code that identifies the process from the environment (ftbridge.faults'
+            # fault points, a script's own logs) must see the id it trains as, like a cold restart of it would.
+            os.environ["FTBRIDGE_REPLICA_GROUP_ID"] = os.environ["REPLICA_GROUP_ID"] = str(cfg.replica_group_id)
     ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
                                     manager_factory=manager_factory)
     if takeover is not None:

@@ -6,6 +6,8 @@ plots and the chaos report read it back with :func:`read_events`. Fields::
     time            float  seconds since the epoch, after the step
     replica_group   int    replica group id
     group_rank      int    rank inside the replica group
+    pid             int    the writing process (a warm spare that took the group's id, and the paused
+                           group it replaced, may write one log at the same time)
     step            int    manager step after the step (committed steps so far)
     quorum_id       int    torchft quorum id of the step
     participants    int    replica groups that took part in the step

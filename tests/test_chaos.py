@@ -210,3 +210,90 @@ def test_outage_pause_counts_the_longest_gap_in_steps_and_the_report_shows_it():
     result.outcomes.append(Outcome(Injected(failure, 10.0, [], [], "down", ended=20.0), True, None, [], waited))
     assert "steps lost 102.0 / 102.0 / 102.0, longest pause between commits 10.3 / 10.3 / 10.3 s" in \
         report.table(result)
+
+
+# -- warm spares in the mix (ftbridge.harness.chaos.spares) ---------------------------------------
+
+def test_spare_count_is_validated_before_anything_starts():
+    from ftbridge.harness.chaos.cli import parse_args
+    from ftbridge.harness.chaos.spares import validate_spares
+
+    validate_spares(0, 3)
+    validate_spares(3, 3)
+    with pytest.raises(ValueError, match="--spares -1: must be 0"):
+        validate_spares(-1, 3)
+    with pytest.raises(ValueError, match="--spares 4 with --groups 3.*use --spares 3 or fewer"):
+        validate_spares(4, 3)
+    assert parse_args(["--spares", "2"]).spares == 2
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--spares", "-2"])
+    assert exc.value.code == 2
+
+
+def test_targets_are_the_processes_holding_a_group_id_not_the_standing_by_spares():
+    from ftbridge.harness.chaos import spares
+
+    ev = [dict(_start(1, 0.0, rank=r), pid=100 + r) for r in (0, 1)]           # group 1's own launch
+    ev += [dict(_start(0, 0.0, rank=r), pid=10 + r) for r in (0, 1)]
+    ev += [dict(_start(1, 9.0, rank=r), pid=200 + r) for r in (0, 1)]          # spare 0 took id 1 at t=9
+    held = spares.holders(ev, [0, 1, 2])
+    assert held == {0: {0: 10, 1: 11}, 1: {0: 200, 1: 201}, 2: {}}
+    # Group 1's restart (pids 500, 501) joined while the spare was paused, met it in a quorum and left:
+    # the spare, whose start is older, still holds id 1.
+    left = ev + [dict(_start(1, 20.0, rank=r), pid=500 + r) for r in (0, 1)]
+    assert spares.holders(left, [1], running=lambda pid, t: pid < 500) == {1: {0: 200, 1: 201}}
+    ready = [dict(event="spare_ready", time=1.0, pid=200 + r, replica_group=3, group_rank=r) for r in (0, 1)]
+    ready += [dict(event="spare_ready", time=12.0, pid=300 + r, replica_group=7, group_rank=r) for r in (0, 1)]
+    held_pids = {p for ranks in held.values() for p in ranks.values()}
+    assert spares.standing_by(ready, held_pids) == [300, 301]  # the demoted restart of group 1 stands by
+    assert spares.spare_ids(3, 1) == [3, 6, 7, 8]  # spare 0 -> id 3; demoted group G -> index 3 + G -> id 6 + G
+
+
+def test_local_job_reads_the_current_holder_and_every_stand_by_log(tmp_path):
+    import json
+    import os
+
+    from ftbridge.harness.local_job import LocalJob
+
+    job = LocalJob(str(tmp_path), num_groups=2, nproc_per_node=1, script_args=[])
+    me = os.getpid()
+    with open(job.event_log(1, 0), "w") as f:  # group 1: its own launch, then a spare (this process) took over
+        f.write(json.dumps(dict(_start(1, 1.0), pid=999_999)) + "\n")
+        f.write(json.dumps(dict(_start(1, 2e9), pid=me)) + "\n")
+    with open(job.event_log(2 * 2 + 1, 0), "w") as f:  # group 1's restart, demoted to spare 2 + 1 -> id 5
+        f.write(json.dumps(dict(event="spare_ready", time=3.0, pid=4242, replica_group=5, group_rank=0)) + "\n")
+    assert job.worker_pids(1) == {0: me}
+    assert set(job.all_worker_pids()) == {999_999, me, 4242}
+    assert job.launch_of(me) is None  # no launch of this job runs it
+
+
+def test_with_spares_scale_down_is_skipped_with_its_reason_and_the_report_counts_takeovers():
+    from ftbridge.harness.chaos import report
+    from ftbridge.harness.chaos.inject import Injector
+    from ftbridge.harness.chaos.runner import ChaosResult, ChaosSettings, Outcome
+    from ftbridge.harness.chaos.schedule import Failure
+    from ftbridge.harness.chaos.spares import SCALE_DOWN_WITH_SPARES
+
+    inj = Injector(job=None, alive={0, 1, 2}, fault_dir="unused", seed=0, spares=1).inject(
+        Failure(0, FailureKind.SCALE_DOWN, 1.0))
+    assert inj.skipped == SCALE_DOWN_WITH_SPARES
+    ev = [_rec(g, s + g / 100, s, checksum=f"c{s}") for s in range(1, 6) for g in (0, 1)]
+    ev += [dict(event="spare_join", time=3.5, replica_group=1, group_rank=r, replaces=1) for r in (0, 1)]
+    result = ChaosResult(ChaosSettings(workdir="unused", spares=1, baseline=False), [], [Outcome(inj, True)], ev,
+                         [], 5, 1.9, None, [], 12.0, inv.log_checks(ev), spare_pids=[300, 301])
+    text = report.table(result)
+    assert "warm spares: 1 started, 1 takeovers (spare_join), 2 standing-by ranks stopped at the end" in text
+    assert "skipped: failure 0 (scale_down): warm spares run" in text
+    summary = report.summary(result)
+    assert (summary["spares_started"], summary["takeovers"], summary["standing_by_stopped"]) == (1, 1, [300, 301])
+
+
+def test_a_paused_groups_late_commit_after_the_spares_start_is_its_own_launch():
+    # Group 1 froze in step 3 (pid 100); a spare (pid 200) took its id, healed and committed 4 and 5;
+    # the resumed pid 100 commits step 3 late, in the same log, then leaves.
+    ev = [dict(_start(1, 0.0), pid=100), dict(_rec(1, 1, 2, checksum="c2"), pid=100),
+          dict(_start(1, 2.0), pid=200), dict(_rec(1, 3, 4, checksum="c4"), pid=200),
+          dict(_rec(1, 4, 5, checksum="c5"), pid=200), dict(_rec(1, 4.5, 3, checksum="c3"), pid=100)]
+    assert inv.commits_never_repeat_or_go_back(ev) == []
+    ev.append(dict(_rec(1, 5, 4, checksum="c4"), pid=200))  # the spare itself going back is still caught
+    assert [v.invariant for v in inv.commits_never_repeat_or_go_back(ev)] == ["monotonic commits"]

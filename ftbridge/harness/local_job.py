@@ -297,8 +297,10 @@ class LocalJob:
                         f"replica group {group} to commit step {step}")
 
     def worker_pids(self, group: int) -> Dict[int, int]:
-        """PIDs of the current ranks of ``group`` (from their latest start events).
+        """PIDs of the current ranks of ``group``: per rank, the latest start event whose process still runs.
 
+        Not simply the latest start: with warm spares, a restart of a group can join while the spare
+        that holds its id is paused, find that spare in its quorum and leave, after its start event.
         A PID whose process started after its start event was written is left out: that rank ended
         and the number went to another process (pid_max is 32768 on these machines and every thread
         takes a number), which a kill must not reach.
@@ -306,15 +308,42 @@ class LocalJob:
         pids = {}
         for r in range(self.group_size(group)):
             starts = [e for e in self.events(group, r) if e.get("event") == "start"]
-            if starts and started_by(starts[-1]["pid"], starts[-1]["time"]):
-                pids[r] = starts[-1]["pid"]
+            live = [e for e in starts if started_by(e["pid"], e["time"]) and pid_alive(e["pid"])]
+            if live:
+                pids[r] = live[-1]["pid"]
         return pids
 
+    def spare_events(self) -> List[Dict[str, Any]]:
+        """Records of every stand-by event log: launched spares (id ``N + index``) and demoted restarts.
+
+        A torchrun restart of group ``G`` that finds its id held by a spare stands by as spare
+        ``N + G`` (:func:`ftbridge.spare.demote_if_taken`), so its ``spare_ready`` records are
+        under id ``2N + G``.
+        """
+        n = self.num_groups
+        ids = sorted({n + k for k in self.spares} | {2 * n + g for g in range(n)})
+        return read_events([self.event_log(i, r) for i in ids for r in range(self.nproc)])
+
     def all_worker_pids(self) -> List[int]:
-        """Every rank PID ever recorded by this job (spares' standing-by ranks included)."""
-        spare_logs = [self.event_log(self.num_groups + k, r) for k in self.spares for r in range(self.nproc)]
-        return [e["pid"] for e in [*self.events(), *read_events(spare_logs)]
+        """Every rank PID ever recorded by this job (standing-by ranks of spares and demoted restarts included)."""
+        return [e["pid"] for e in [*self.events(), *self.spare_events()]
                 if e.get("event") in ("start", "spare_ready")]
+
+    def launch_of(self, pid: int) -> Optional[GroupProcess]:
+        """The launch (``ftbridge-run`` of a group or a spare) whose torchrun runs rank ``pid``, if any.
+
+        Follows parent PIDs (rank -> torchrun -> launcher, Linux ``/proc``); ``None`` when
+        ``pid`` is gone or belongs to no launch of this job.
+        """
+        launchers = {gp.proc.pid: gp for launches in self._launches() for gp in launches}
+        for _ in range(4):
+            if pid in launchers:
+                return launchers[pid]
+            parent = parent_pid(pid)
+            if parent is None or parent <= 1:
+                return None
+            pid = parent
+        return launchers.get(pid)
 
     def kill_workers(self, group: int, sig: int = signal.SIGKILL, timeout_s: float = 30) -> List[int]:
         """Send ``sig`` to every rank of ``group`` (its torchrun stays) and wait until they are gone.
@@ -388,6 +417,15 @@ def started_by(pid: int, when: float) -> bool:
     except (OSError, ValueError, IndexError, StopIteration):
         return False
     return boot + ticks / os.sysconf("SC_CLK_TCK") <= when + 1.0
+
+
+def parent_pid(pid: int) -> Optional[int]:
+    """Parent PID of ``pid`` from ``/proc/<pid>/stat`` (Linux), ``None`` when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 NOTABLE = re.compile(r"launcher\]|exitcode|[Ss]ignal|FAULT|ERROR|Error:|Exception|restarted|"

@@ -10,15 +10,17 @@ and to tests/integration/test_chaos_scenarios.py (it doubles this test's time).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import pytest
 
-from ftbridge.harness.chaos import report
+from ftbridge.harness.chaos import report, spares
 from ftbridge.harness.chaos.cli import TINY
 from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
 from ftbridge.harness.chaos.schedule import FailureKind, make_schedule
+from ftbridge.processes import pid_alive
 
 
 @pytest.mark.timeout(600)
@@ -41,3 +43,50 @@ def test_every_failure_kind_once_all_invariants_hold(tmp_path):
     summary = json.loads(open(paths[0], encoding="utf-8").read())
     assert summary["ok"] and summary["heals"] >= 6
     assert os.path.getsize(paths[2]) > 10_000  # the plot
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_chaos_with_a_warm_spare_and_an_outage_holds_every_invariant(tmp_path):
+    """--spares 1: kills, a hang and a lighthouse outage with a spare in the mix (issue 15).
+
+    Whichever process takes a killed group's id (the spare, a torchrun restart, or a restart demoted to a
+    spare earlier) must heal back as that group; later failures hit the processes holding ids then, never
+    a standing-by one. Seed 4 opens with a hang of group 1's rank 0 (8 s, past the 2 s heartbeat
+    timeout): the spare takes id 1, and the resumed group must leave and stand by after its restart.
+    About 2-3 minutes on 2 shared cores.
+    """
+    kinds = [FailureKind.KILL_GROUP, FailureKind.KILL_RANK, FailureKind.HANG, FailureKind.LIGHTHOUSE_OUTAGE]
+    schedule = make_schedule(seed=4, kinds=kinds, num_groups=3, count=5, mtbf_s=2.0, hang_s=8.0, outage_s=6.0)
+    settings = ChaosSettings(workdir=str(tmp_path / "run"), groups=3, nproc=2, script_args=TINY, seed=4,
+                             cross_replica_timeout_s=5.0, baseline=False, spares=1)
+    result = run_chaos(settings, schedule)
+    summary = report.summary(result)
+    text = report.table(result)
+
+    assert {o.injected.failure.kind for o in result.outcomes} == set(kinds)
+    assert not [o.injected.skipped for o in result.outcomes if o.injected.skipped], text
+    assert all(o.recovered for o in result.outcomes), text
+    assert result.violations == [], text
+    assert summary["spares_started"] == 1 and summary["takeovers"] >= 1, text
+    ready = [e["pid"] for e in _spare_events(settings) if e.get("event") == "spare_ready"]
+    assert ready, "no spare ever stood by"
+    assert result.leftover_pids == [], text
+    assert not [p for p in ready if pid_alive(p)], "a standing-by spare or demoted restart outlived the run"
+    assert "warm spares: 1 started" in text
+    hang = next(o.injected for o in result.outcomes if o.injected.failure.kind == FailureKind.HANG)
+    assert hang.target.startswith("group 1 rank 0"), hang.target  # the seed's first failure, as planned
+    took = [j for j in spares.takeovers(result.events)
+            if j["replica_group"] == 1 and hang.time < j["time"] < hang.time + hang.failure.duration_s]
+    assert took, f"no spare took group 1's id while its rank 0 was stopped:\n{text}"
+    logs = "".join(open(p, encoding="utf-8", errors="replace").read()
+                   for p in glob.glob(os.path.join(settings.workdir, "chaos", "group_1.*.log")))
+    assert "another member holds replica group 1" in logs, "the resumed group 1 did not leave"
+
+
+def _spare_events(settings):
+    from ftbridge.events import read_events
+
+    logs = [os.path.join(settings.workdir, "chaos", f"events_{i}_{r}.jsonl")
+            for i in spares.spare_ids(settings.groups, settings.spares) for r in range(settings.nproc)]
+    return read_events(logs)

@@ -8,6 +8,9 @@ Examples::
     # soak: 30 minutes, a failure every 15 s on average
     ftbridge-chaos --soak-minutes 30 --mtbf 15 --out soak-report
 
+    # with a warm spare standing by (it takes over the first group the lighthouse drops)
+    ftbridge-chaos --quick --spares 1 --count 12 --out spare-report
+
 Exit status: 0 when every invariant held, 1 otherwise, 2 on bad arguments.
 """
 
@@ -43,6 +46,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outage-s", type=float, default=10.0, help="how long a lighthouse outage lasts (default 10)")
     p.add_argument("--cross-replica-timeout", type=float, default=5.0, help="seconds (default 5)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="warm spares (ftbridge-run --spare k, k < K) started once the job runs, 0..--groups "
+                        "(default 0); scale_down is then skipped (a spare would take the leaving group's id)")
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the failure-free run (and the final-loss check)")
@@ -55,6 +61,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
     if args.nproc < 1:
         p.error(f"--nproc {args.nproc}: must be at least 1")
+    from ftbridge.harness.chaos.spares import validate_spares
+
+    try:
+        validate_spares(args.spares, args.groups)
+    except ValueError as e:
+        p.error(str(e))
     if args.mtbf <= 0 or args.cross_replica_timeout <= 0:
         p.error("--mtbf and --cross-replica-timeout must be positive")
     return args
@@ -88,9 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="ftbridge-chaos-")
     settings = ChaosSettings(workdir=workdir, groups=args.groups, nproc=args.nproc, script_args=script_args,
                              seed=args.seed, cross_replica_timeout_s=args.cross_replica_timeout,
-                             baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance)
+                             baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance, spares=args.spares)
     print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
-          f"{args.groups} replica groups x {args.nproc} ranks, logs in {workdir}", flush=True)
+          f"{args.groups} replica groups x {args.nproc} ranks, {args.spares} warm spares, logs in {workdir}",
+          flush=True)
     # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: run_chaos's clean-up stops every
     # process it started (without this, the groups outlived the runner and torchrun restarted them).
     signal.signal(signal.SIGTERM, _interrupt)

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Set
 
 from ftbridge import faults
 from ftbridge.harness.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.chaos.spares import SCALE_DOWN_WITH_SPARES
 from ftbridge.harness.local_job import LocalJob
 from ftbridge.processes import pid_alive
 
@@ -62,10 +63,17 @@ class Injector:
         fault_dir: the ``FTBRIDGE_FAULT_DIR`` the job's groups were started with.
         seed: seeds the choice of target (with the failure's index).
         timeout_s: longest wait for a fault to fire or a process to die.
+        spares: warm spares the runner started (:mod:`ftbridge.harness.chaos.spares`). Targets are
+            always the processes that hold a group id now (:meth:`LocalJob.worker_pids
+            <ftbridge.harness.local_job.LocalJob.worker_pids>` reads the group's latest ``start``
+            records, which a spare writes when it takes the id over), never a standing-by spare;
+            with spares, ``scale_down`` is skipped (:data:`~ftbridge.harness.chaos.spares.SCALE_DOWN_WITH_SPARES`).
     """
 
-    def __init__(self, job: LocalJob, alive: Set[int], fault_dir: str, seed: int, timeout_s: float = 180) -> None:
+    def __init__(self, job: LocalJob, alive: Set[int], fault_dir: str, seed: int, timeout_s: float = 180,
+                 spares: int = 0) -> None:
         self.job = job
+        self.spares = spares
         self.alive = set(alive)
         self.fault_dir = fault_dir
         self.seed = seed
@@ -167,6 +175,8 @@ class Injector:
         return Injected(failure, t, [], [], f"lighthouse down {failure.duration_s:.0f} s", ended=time.time())
 
     def _scale_down(self, failure: Failure, rng: random.Random) -> Injected:
+        if self.spares:
+            return Injected(failure, time.time(), skipped=SCALE_DOWN_WITH_SPARES)
         if len(self.alive) < 3:
             return Injected(failure, time.time(), skipped=f"only {len(self.alive)} replica groups running: "
                                                           "scaling down would leave one group with no spare")

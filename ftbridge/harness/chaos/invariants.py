@@ -43,15 +43,21 @@ def _launch_starts(events: Iterable[Record]) -> Dict[Tuple[int, int], List[float
 
 
 def commits_never_repeat_or_go_back(events: Sequence[Record]) -> List[Violation]:
-    """Within one launch of one rank, committed steps strictly increase."""
+    """Within one launch of one rank, committed steps strictly increase.
+
+    A launch is the writing process (``pid``, in every record of current logs); records without one
+    are assigned to the latest ``start`` before them. By pid, because with warm spares two processes
+    may write one group's log at once: a group paused past the heartbeat timeout resumes, commits the
+    step it was frozen in (late, behind the spare that took its id), and only then leaves.
+    """
     out = []
     starts = _launch_starts(events)
-    last: Dict[Tuple[int, int, int], int] = {}
+    last: Dict[Tuple[int, int, Any], int] = {}
     for e in _step_records(events):
         if not e["committed"]:
             continue
         key = (e["replica_group"], e["group_rank"])
-        launch = sum(1 for t in starts.get(key, []) if t <= e["time"])
+        launch = e["pid"] if "pid" in e else sum(1 for t in starts.get(key, []) if t <= e["time"])
         k = (*key, launch)
         if k in last and e["step"] <= last[k]:
             out.append(Violation("monotonic commits", f"replica group {key[0]} rank {key[1]} committed step "

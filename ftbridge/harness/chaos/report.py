@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Dict, List
 
-from ftbridge.harness.chaos import invariants
+from ftbridge.harness.chaos import invariants, spares
 from ftbridge.harness.chaos.invariants import Stats
 from ftbridge.harness.chaos.runner import ChaosResult
 from ftbridge.harness.chaos.schedule import FailureKind
@@ -53,12 +53,16 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
         "settings": {"groups": s.groups, "nproc": s.nproc, "seed": s.seed, "script_args": list(s.script_args),
                      "cross_replica_timeout_s": s.cross_replica_timeout_s,
                      "heartbeat_timeout_ms": s.heartbeat_timeout_ms, "join_timeout_ms": s.join_timeout_ms,
-                     "recovery_bound_s": s.recovery_bound_s, "loss_tolerance": s.loss_tolerance},
+                     "recovery_bound_s": s.recovery_bound_s, "loss_tolerance": s.loss_tolerance,
+                     "spares": s.spares},
         "wall_s": result.wall_s,
         "final_step": result.final_step,
         "final_val_loss": result.final_loss,
         "failure_free_val_loss": result.baseline_loss,
         "heals": heals,
+        "spares_started": s.spares,
+        "takeovers": len(spares.takeovers(result.events)),
+        "standing_by_stopped": result.spare_pids,
         "steps_discarded": discarded,
         "orphan_commits": sorted({(e["replica_group"], e["step"]) for e in invariants.orphan_commits(result.events)}),
         "by_kind": by_kind(result),
@@ -87,6 +91,11 @@ def table(result: ChaosResult) -> str:
     lines.append(f"{len(result.outcomes)} failures in {result.wall_s:.0f} s; {s['heals']} heals, "
                  f"{s['steps_discarded']} steps discarded, final step {result.final_step}; {loss}")
     lines.append(f"recovery bound from the timeouts: {result.settings.recovery_bound_s:.1f} s")
+    if result.settings.spares:
+        lines.append(f"warm spares: {result.settings.spares} started, {s['takeovers']} takeovers (spare_join), "
+                     f"{len(result.spare_pids)} standing-by ranks stopped at the end")
+    lines += [f"skipped: failure {o.injected.failure.index} ({o.injected.failure.kind.value}): {o.injected.skipped}"
+              for o in result.outcomes if o.injected.skipped]
     outage = by_kind(result).get(FailureKind.LIGHTHOUSE_OUTAGE.value)
     if outage and outage["outage_steps_lost"]:
         lines.append(f"lighthouse outages, worst survivor (min / median / max): steps lost "
@@ -156,7 +165,11 @@ def plot(result: ChaosResult, path: str) -> str:
                            label=label if ax is ax_t else None)
             else:
                 ax.axvline(o.injected.time - t0, color=_COLORS[kind], lw=1.6, label=label if ax is ax_t else None)
+    for e in spares.takeovers(result.events):
+        ax_p.axvline(e["time"] - t0, color="tab:cyan", ls=":", lw=1.2)
     ax_t.plot([], [], color="green", ls="--", label="heal")
+    if spares.takeovers(result.events):
+        ax_t.plot([], [], color="tab:cyan", ls=":", label="spare takeover (participants panel)")
     ax_t.set_ylabel("training loss")
     ax_t.set_xlabel("wall time (s)")
     verdict = (f"all {len(result.checks)} checks held" if result.ok

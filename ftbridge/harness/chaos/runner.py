@@ -8,6 +8,13 @@ survives), checks the invariants on the event logs after every failure and at
 the end (:mod:`ftbridge.harness.chaos.invariants`), optionally trains a failure-free
 run of the same length and seed to compare the final loss, and ends every
 process it started. The result feeds :mod:`ftbridge.harness.chaos.report`.
+
+With ``spares = K`` it also starts warm spares ``0..K-1`` once the job
+commits together and waits until they stand by; a failed group then comes
+back as whichever process takes its id (a spare or its torchrun restart),
+and at the end every launch that holds no group id (standing-by spares,
+demoted restarts) is stopped by PID before the active groups are told to
+stop (:mod:`ftbridge.harness.chaos.spares`).
 """
 
 from __future__ import annotations
@@ -17,14 +24,14 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.faults import ENV_DIR
-from ftbridge.harness.chaos import invariants
+from ftbridge.harness.chaos import invariants, spares
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
 from ftbridge.harness.chaos.schedule import Failure, FailureKind
-from ftbridge.harness.local_job import LocalJob
-from ftbridge.processes import pid_alive
+from ftbridge.harness.local_job import GroupProcess, LocalJob, started_by
+from ftbridge.processes import pid_alive, stop_process_groups
 
 logger = logging.getLogger("ftbridge.harness.chaos")
 
@@ -49,6 +56,8 @@ class ChaosSettings:
             ``kill_in_checkpoint`` failure turns it on at 20).
         baseline: also train a failure-free run of the same length to compare the final loss.
         loss_tolerance: largest accepted |final val loss - failure-free val loss| (nats).
+        spares: warm spares (``ftbridge-run --spare k``) started once the job commits together,
+            0 to ``groups`` (:func:`ftbridge.harness.chaos.spares.validate_spares`).
     """
 
     workdir: str
@@ -64,6 +73,7 @@ class ChaosSettings:
     checkpoint_every: int = 0
     baseline: bool = True
     loss_tolerance: float = 0.15
+    spares: int = 0
 
     @property
     def recovery_bound_s(self) -> float:
@@ -114,6 +124,8 @@ class ChaosResult:
     wall_s: float
     checks: List[invariants.Check] = field(default_factory=list)
     """The checks that ran at the end, each with what it judged and found (``violations`` flattens them)."""
+    spare_pids: List[int] = field(default_factory=list)
+    """Standing-by rank PIDs (spares, demoted restarts) the runner stopped at the end."""
 
     @property
     def ok(self) -> bool:
@@ -184,8 +196,10 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
         The :class:`ChaosResult` (the run's processes have all ended).
 
     Raises:
+        ValueError: ``settings.spares`` out of range (before anything starts).
         TimeoutError: the job did not start (no first commit) within the recovery timeout.
     """
+    spares.validate_spares(settings.spares, settings.groups)
     t_start = time.time()
     fault_dir = os.path.join(settings.workdir, "faults")
     job = _job(settings, "chaos", {ENV_DIR: fault_dir})
@@ -198,15 +212,19 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     first = {k: min(f.index for f in schedule if f.kind == k) for k in kinds}
     needs_room = (FailureKind.SCALE_UP in kinds
                   and first.get(FailureKind.SCALE_DOWN, 10**9) > first[FailureKind.SCALE_UP])
+    # With spares, scale_down is skipped (a spare would take the id), so a scale-up always needs a held-back group.
+    needs_room = needs_room or (FailureKind.SCALE_UP in kinds and settings.spares > 0)
     held_back = {settings.groups - 1} if needs_room else set()
     alive = set(range(settings.groups)) - held_back
     outcomes: List[Outcome] = []
+    stopped: List[int] = []
     try:
         job.start(groups=sorted(alive))
         job.wait_until(lambda: _all_together(job, sorted(alive), 0.0), settings.recovery_timeout_s,
                        "every replica group to commit together")
+        _start_spares(job, settings.spares, settings.recovery_timeout_s)
         t0 = time.time()
-        injector = Injector(job, alive, fault_dir, settings.seed)
+        injector = Injector(job, alive, fault_dir, settings.seed, spares=settings.spares)
         for failure in schedule:
             time.sleep(max(0.0, t0 + failure.at_s - time.time()))  # the schedule is in wall time
             inj = injector.inject(failure)
@@ -229,13 +247,15 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                     break
             if progress is not None:
                 progress.update(1)
+        active, stopped = _stop_standing_by(job, sorted(alive), settings.recovery_timeout_s)
         final_step = job.max_step() + settings.tail_steps
         job.write_file("stop", str(final_step))
-        job.wait(timeout_s=settings.recovery_timeout_s, groups=sorted(alive))
+        _wait_launches(job, active, settings.recovery_timeout_s)
     finally:
         job.stop()
     events = job.events()
-    pids = job.all_worker_pids() + [gp.proc.pid for launches in job.groups.values() for gp in launches]
+    pids = job.all_worker_pids() + [gp.proc.pid for launches in job.groups.values() for gp in launches] + [
+        gp.proc.pid for gp in job.spares.values()]
     leftover = [p for p in pids if pid_alive(p)]
     checks = _end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
                          ckpt_dir if every else None)
@@ -249,7 +269,74 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                                                                        settings.loss_tolerance)))
     violations = [str(v) for c in checks for v in c.violations]
     return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
-                       leftover, time.time() - t_start, checks)
+                       leftover, time.time() - t_start, checks, stopped)
+
+
+def _start_spares(job: LocalJob, count: int, timeout_s: float) -> None:
+    """Start warm spares ``0..count-1`` and wait until every rank of each stands by."""
+    for k in range(count):
+        job.start_spare(k)
+    job.wait_until(lambda: all(job.spare_ready(k) for k in range(count)), timeout_s,
+                   f"{count} warm spares to stand by")
+
+
+def _stop_standing_by(job: LocalJob, alive: Sequence[int], timeout_s: float
+                      ) -> Tuple[Dict[int, GroupProcess], List[int]]:
+    """Stop every live launch that holds no group id now; return (the holders' launches, the standing-by PIDs).
+
+    The holders of ``alive`` are found from the groups' latest ``start`` records
+    (:func:`spares.holders`); any other live launch is a standing-by spare, a demoted
+    restart or a restart still starting. The latter are first given up to ``timeout_s`` to
+    stand by: a rank ended inside DeepSpeed's start-up can leave its JIT-build lock file
+    behind (``torch_extensions/.../lock``), and every later DeepSpeed start on the machine
+    then waits for it forever. Each is then stopped with SIGTERM, then SIGKILL (its torchrun
+    ends its ranks), before the stop file, so none takes over a group that finished first.
+
+    Raises:
+        RuntimeError: an active group has no live holder process, or its holder's launch is unknown.
+    """
+    held = spares.holders(job.events(), alive, lambda p, t: pid_alive(p) and started_by(p, t))
+    active: Dict[int, GroupProcess] = {}
+    for g in alive:
+        pids = [p for p in held[g].values() if pid_alive(p)]
+        launch = job.launch_of(pids[0]) if pids else None
+        if launch is None:
+            raise RuntimeError(f"replica group {g}: no live process holds it (start records: {held[g]})")
+        active[g] = launch
+    held_pids = {p for ranks in held.values() for p in ranks.values()}
+    keep = {id(gp) for gp in active.values()}
+    launches = [*(gp for ls in job.groups.values() for gp in ls), *job.spares.values()]
+    others = [gp for gp in launches if id(gp) not in keep and gp.proc.poll() is None]
+    standby: List[int] = []
+
+    def all_standing_by() -> bool:
+        ready = job.spare_events()
+        standby[:] = [p for p in spares.standing_by(ready, held_pids)
+                      if pid_alive(p) and started_by(p, max(e["time"] for e in ready if e.get("pid") == p))]
+        by_launch: Dict[int, int] = {}
+        for p in standby:
+            gp = job.launch_of(p)
+            if gp is not None:
+                by_launch[id(gp)] = by_launch.get(id(gp), 0) + 1
+        return all(gp.proc.poll() is not None or by_launch.get(id(gp), 0) >= job.nproc for gp in others)
+
+    try:
+        job.wait_until(all_standing_by, timeout_s, "every launch that holds no replica group to stand by", poll_s=0.5)
+    except TimeoutError as e:  # stop them anyway; the run's checks still judge what happened
+        logger.warning("%s", str(e).splitlines()[0])
+    if others:
+        logger.info("stopping %d launches that hold no replica group (standing-by ranks %s)", len(others), standby)
+        stop_process_groups([gp.proc for gp in others], grace_s=15)
+    return active, standby
+
+
+def _wait_launches(job: LocalJob, active: Dict[int, GroupProcess], timeout_s: float) -> None:
+    """Wait until the launch holding each active group has exited (it trains to the stop step first)."""
+    deadline = time.monotonic() + timeout_s
+    for g, gp in sorted(active.items()):
+        proc = gp.proc
+        job.wait_until(lambda: proc.poll() is not None, max(1.0, deadline - time.monotonic()),
+                       f"the launch holding replica group {g} ({gp.log_path}) to exit")
 
 
 def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outcomes: Sequence[Outcome],
