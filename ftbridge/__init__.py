@@ -23,11 +23,12 @@ _ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
 if os.path.exists(_ninja) and shutil.which("ninja") != _ninja:
     os.environ["PATH"] = os.path.dirname(_ninja) + os.pathsep + os.environ.get("PATH", "")
 
-from ftbridge.build_lock import clear_stale_build_locks  # noqa: E402 - after the environment set up above
+from ftbridge.build_lock import clear_stale_build_locks, watch_build_locks  # noqa: E402 - after the env above
 from ftbridge.config import FTBridgeConfig  # noqa: E402
 
 # A rank killed while it held the JIT build lock would make every later DeepSpeed start wait forever.
 clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+watch_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
 
 IMPORTED_AT = time.time()
 """When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""

@@ -12,17 +12,23 @@ the restarted group included. Seen on this project's machines: a lock left
 at 15:50 held every DeepSpeed start of the environment until removed by hand.
 
 The holder keeps the lock file open until it deletes it, so a lock file that
-no process has open is stale. :func:`clear_stale_build_locks` (run when
-ftbridge is imported, before any DeepSpeed op loads) removes such files,
-with a warning naming each. Linux only (``/proc``); it sees the processes of
-this user, as the lock's holder normally is.
+no process has open (in two scans, the same file) is stale.
+:func:`clear_stale_build_locks` removes such files, with a warning naming
+each; ftbridge runs it when it is imported, before any DeepSpeed op loads,
+and then every 2 s for 10 minutes in a daemon thread
+(:func:`watch_build_locks`), for a start that was already waiting when the
+holder died. Linux only (``/proc``); it sees the processes of this user, as
+the lock's holder normally is.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import List, Set
+import stat
+import threading
+import time
+from typing import Callable, Dict, List, Set, Tuple
 
 logger = logging.getLogger("ftbridge.build_lock")
 
@@ -48,28 +54,56 @@ def _open_paths(proc: str = "/proc") -> Set[str]:
     return held
 
 
-def clear_stale_build_locks(extensions_dir: str, proc: str = "/proc") -> List[str]:
+def _unheld(locks: List[str], proc: str) -> Dict[str, Tuple[int, int]]:
+    """The lock files of ``locks`` that exist and no process has open, with their (inode, mtime in ns)."""
+    held = _open_paths(proc)
+    out: Dict[str, Tuple[int, int]] = {}
+    for lock in locks:
+        if lock in held:
+            continue
+        try:
+            st = os.lstat(lock)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[lock] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def clear_stale_build_locks(extensions_dir: str, proc: str = "/proc", confirm_s: float = 0.5,
+                            sleep: Callable[[float], None] = time.sleep) -> List[str]:
     """Remove ``<extensions_dir>/<op>/lock`` files that no process has open.
+
+    A lock counts as stale only if it is unheld in two scans ``confirm_s``
+    apart and is the same file (inode, mtime) in both: a holder releasing it
+    closes the file a moment before deleting it, and removing it in between
+    would make the holder's own delete fail.
 
     Args:
         extensions_dir: torch's ``TORCH_EXTENSIONS_DIR``.
         proc: the proc file system (tests pass another).
+        confirm_s: seconds between the two scans (only spent when a lock looks stale).
+        sleep: how to wait between the scans (tests pass their own).
 
     Returns:
         The lock files removed (absolute paths); empty when there was none,
         or ``/proc`` is not readable (nothing is removed then).
     """
     try:
-        locks = [os.path.join(extensions_dir, d, "lock") for d in os.listdir(extensions_dir)]
+        locks = [os.path.realpath(os.path.join(extensions_dir, d, "lock")) for d in os.listdir(extensions_dir)]
     except OSError:
         return []
-    locks = [os.path.realpath(p) for p in locks if os.path.isfile(p) and not os.path.islink(p)]
+    locks = [p for p in locks if os.path.isfile(p)]
     if not locks or not os.path.isdir(os.path.join(proc, "self", "fd")):
         return []
-    held = _open_paths(proc)
+    first = _unheld(locks, proc)
+    if not first:
+        return []
+    sleep(confirm_s)
+    second = _unheld(list(first), proc)
     removed = []
-    for lock in locks:
-        if lock in held:
+    for lock, ident in second.items():
+        if first.get(lock) != ident:  # released and taken again meanwhile
             continue
         try:
             os.remove(lock)
@@ -83,3 +117,29 @@ def clear_stale_build_locks(extensions_dir: str, proc: str = "/proc") -> List[st
         logger.warning("removed %s: no process holds it (a process killed while building or checking a "
                        "DeepSpeed op left it, and every DeepSpeed start would wait for it forever)", lock)
     return removed
+
+
+def watch_build_locks(extensions_dir: str, interval_s: float = 2.0, duration_s: float = 600.0,
+                      proc: str = "/proc") -> threading.Thread:
+    """Run :func:`clear_stale_build_locks` every ``interval_s`` for ``duration_s`` in a daemon thread.
+
+    This covers a start that is already waiting when the holder dies: the
+    check at import cannot. ``duration_s`` spans DeepSpeed's start-up (a first
+    build took 30 s here, 74 s under load); one ``listdir`` per interval
+    when no lock exists.
+
+    Returns:
+        The started thread (``ftbridge-build-lock``).
+    """
+    def run() -> None:
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            try:
+                clear_stale_build_locks(extensions_dir, proc)
+            except Exception as e:  # noqa: BLE001 - a watchdog must never take the process down
+                logger.debug("build lock watch: %s", e)
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=run, name="ftbridge-build-lock", daemon=True)
+    thread.start()
+    return thread
