@@ -316,16 +316,13 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             body = StreamBody(plan if plan is not None else encode_state(state_dict))
         with self._cond:
             self._body, self._step = body, step
-            self._lower_switch_interval()
+            if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
+                self._saved_switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
             self._cond.notify_all()
         logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
                     step, dst_ranks, (len(body) if isinstance(body, StagedBody) else body.size) / 1e6,
                     time.perf_counter() - t0)
-
-    def _lower_switch_interval(self) -> None:
-        if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
-            self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
 
     def disallow_checkpoint(self) -> None:
         """Stop serving: the donor's state may change from here on.
