@@ -410,3 +410,20 @@ def test_a_failed_early_serve_is_left_to_torchft(caplog):
     with caplog.at_level(logging.WARNING):
         ReplicaManager._serve_early(fake, [1], 3)
     assert "not served early (TypeError: a leaf that is no tensor)" in caplog.text
+
+
+def test_a_commit_vote_timeout_ends_the_rank_with_an_error_naming_the_bound_and_the_fix():
+    # A rank of the group hung past torchft's should_commit bound (2 x the cross-replica timeout):
+    # torchft's client raised a bare "Timeout expired"; the rank must still exit (its vote is cast).
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.manager.replica import ReplicaManager
+
+    def hung():
+        raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+    cfg = FTBridgeConfig(replica_group_id=1, group_rank=0, group_size=2, cross_replica_timeout=timedelta(seconds=4))
+    for outage in (None, SimpleNamespace(commit=lambda should_commit: should_commit())):
+        fake = SimpleNamespace(cfg=cfg, outage=outage, _torchft=SimpleNamespace(should_commit=hung))
+        bound = r"replica group 1 timed out after 8 s .*FTBRIDGE_CROSS_REPLICA_TIMEOUT_S"
+        with pytest.raises(RuntimeError, match=bound) as e:
+            ReplicaManager.should_commit(fake)
+        assert isinstance(e.value.__cause__, TimeoutError)

@@ -272,10 +272,26 @@ class ReplicaManager:
         Applies a pending heal first (on every rank of a healing group). While riding out lighthouse
         outages is on, every member of the quorum must first agree on quorum, membership and step
         (:meth:`ftbridge.manager.outage.OutageRider.before_commit`, in every step).
+
+        Raises:
+            RuntimeError: the group's commit vote did not complete within
+                :attr:`ftbridge.config.FTBridgeConfig.torchft_timeout` (another rank
+                of this group is hung or far behind). The rank must exit, not go on:
+                its vote is already cast, so treating the step as discarded here
+                could let the group's ranks decide differently. torchrun restarts
+                the group, which then heals from a peer.
         """
-        if self.outage is None:
-            return self._torchft.should_commit()
-        return self.outage.commit(self._torchft.should_commit)  # lighthouse outage (ftbridge.manager.outage)
+        try:
+            if self.outage is None:
+                return self._torchft.should_commit()
+            return self.outage.commit(self._torchft.should_commit)  # lighthouse outage (ftbridge.manager.outage)
+        except TimeoutError as exc:
+            bound = self.cfg.torchft_timeout.total_seconds()
+            raise RuntimeError(
+                f"the commit vote of replica group {self.cfg.replica_group_id} timed out after {bound:g} s "
+                f"(2 x cross_replica_timeout): another rank of this group did not vote, so it is hung or far "
+                "behind. This rank exits so that torchrun restarts the group, which then heals from a peer; "
+                "if the ranks are only slow, raise FTBRIDGE_CROSS_REPLICA_TIMEOUT_S") from exc
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""
