@@ -191,3 +191,39 @@ def test_transport_alone_fetches_the_served_state_from_another_process():
     assert ratio.unit == "ratio" and len(ratio.samples) == 2 and ratio.value > 0
     assert ratio.extra["bytes"] > 4 * 2**20  # the four 1 M-element fp32 tensors and the header all arrived
     assert encode.unit == "MB/s" and encode.value > 0
+
+
+def test_plain_kill_never_lands_inside_a_save(tmp_path):
+    # A tiny model runs several steps between two polls: the kill must not land in the save of a step
+    # that is a multiple of `every` (plain DeepSpeed then leaves `latest` naming half-written files).
+    import signal
+    import subprocess
+    import time
+
+    from ftbridge.harness.bench.failure_jobs import _kill_between_saves
+    from ftbridge.processes import pid_alive
+
+    rank0 = subprocess.Popen(["sleep", "60"])
+    torchrun = subprocess.Popen(["sleep", "60"])
+    seen = []  # rank 0's recorded steps, as each poll finds them
+    # Each poll reads once, and so does the check after SIGSTOP.
+    script = iter([[5], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11]])
+
+    def steps():
+        seen.append(next(script))
+        return [{"step": s} for s in seen[-1]]
+    log = tmp_path / "plain.log"
+    log.write_text("")
+    try:
+        t0 = time.time()
+        kill_time, pid = _kill_between_saves(torchrun, steps, lambda: rank0.pid, 4, 30.0, str(log))
+        assert pid == rank0.pid and kill_time >= t0
+        rank0.wait(timeout=10)
+        assert rank0.returncode == -signal.SIGKILL and not pid_alive(rank0.pid)
+        # Window at 6: rank 0 had reached 8 (its save) -> resumed; window at 10: last 11 -> killed.
+        assert [s[-1] for s in seen] == [5, 8, 8, 11, 11]
+    finally:
+        for p in (rank0, torchrun):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -68,7 +68,11 @@ def test_quick_suite_writes_every_metric_and_plot(tmp_path):
         except subprocess.TimeoutExpired:  # on SIGTERM the CLI stops its jobs and writes the partial report
             stop_process_groups([proc], grace_s=60, kill_wait_s=None)
             code = "timeout"
-    assert code == 0, f"exit {code}\n{log.read_text(errors='replace')[-6000:]}"
+    if code != 0:  # the failed benchmarks' own errors first (with their jobs' log tails), then the log's end
+        report = out / "bench.json"
+        failed = json.loads(report.read_text())["failures"] if report.exists() else []
+        errors = "\n".join(f["error"][-4000:] for f in failed)
+        pytest.fail(f"exit {code}\n{errors}\n--- bench log, last lines ---\n{log.read_text(errors='replace')[-4000:]}")
     saved = json.loads((out / "bench.json").read_text())
     assert saved["failures"] == [] and saved["plot_errors"] == {}
     for name, count in EXPECTED.items():

@@ -140,8 +140,11 @@ def run_all(settings: core.BenchSettings, names: Sequence[str]
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - one failure must not lose the others
             durations[name] = time.monotonic() - t0
             failures.append(failure(name, exc, durations[name]))
+            lines = str(exc).splitlines()
             log.error("%s FAILED after %.1f s: %s: %s", name, durations[name], type(exc).__name__,
-                      str(exc).splitlines()[0] if str(exc) else "")
+                      lines[0] if lines else "")
+            if len(lines) > 1:  # the failed job's log tail: what CI shows of a failure
+                log.error("%s: the rest of the error:\n%s", name, "\n".join("    " + x for x in lines[1:41]))
             if isinstance(exc, KeyboardInterrupt):
                 break
     bar.close()

@@ -28,17 +28,20 @@ Every process is started in its own session and ended by PID.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from ftbridge.events import read_events
 from ftbridge.harness.bench.core import BenchSettings
 from ftbridge.harness.local_job import TRAIN_SCRIPT, LocalJob
 from ftbridge.processes import pid_alive, signal_pids, stop_process_groups, torchrun_command
+
+log = logging.getLogger("ftbridge.harness.bench")
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """Lighthouse heartbeat timeout of the kill runs (LocalJob's default), the same in quick and full mode."""
@@ -215,10 +218,11 @@ def check_recovered(events: Sequence[Dict[str, Any]], codes: Dict[int, Any], gro
 def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int = 2) -> KillRun:
     """Plain DeepSpeed on ``nproc`` ranks under torchrun; SIGKILL rank 0 mid-way between checkpoints.
 
-    Saves every ``every`` steps; the kill lands once a step ``s`` with
+    Saves every ``every`` steps; the kill lands after a step ``s`` with
     ``s % every == every // 2`` and ``s > every`` is recorded (so a checkpoint
-    exists); the restarted ranks load the latest checkpoint and the run stops
-    two steps after the first step of the restart.
+    exists), never inside a save (:func:`_kill_between_saves`); the restarted
+    ranks load the latest checkpoint and the run stops two steps after the
+    first step of the restart.
 
     Raises:
         TimeoutError: a stage took longer than ``settings.timeout_s`` (log tail included).
@@ -232,17 +236,15 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
     cmd, env = torchrun_command(TRAIN_SCRIPT, job_args, nproc_per_node=nproc, max_restarts=1, environ=environ)
     paths = [os.path.join(workdir, f"events_0_{r}.jsonl") for r in range(nproc)]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         def steps() -> List[Dict[str, Any]]:
             return [e for e in read_events(paths[:1]) if "event" not in e]
 
-        _wait(lambda: any(e["step"] > every and e["step"] % every == every // 2 for e in steps()),
-              proc, settings.timeout_s, "the plain run to reach the kill step", log_path)
-        pids = [e["pid"] for e in read_events(paths) if e.get("event") == "start"]
-        kill_time = time.time()
-        os.kill(pids[0], signal.SIGKILL)
+        def rank0_pid() -> int:
+            return next(e["pid"] for e in read_events(paths[:1]) if e.get("event") == "start")
+        kill_time, killed = _kill_between_saves(proc, steps, rank0_pid, every, settings.timeout_s, log_path)
         _wait(lambda: any(e["time"] > kill_time for e in steps()), proc, settings.timeout_s,
               "the restarted plain run to step", log_path)
         last = max(e["step"] for e in steps())
@@ -253,11 +255,47 @@ def plain_kill_run(workdir: str, settings: BenchSettings, every: int, nproc: int
             with open(log_path, encoding="utf-8", errors="replace") as f:
                 tail = "".join(f.readlines()[-30:])
             raise RuntimeError(f"the restarted plain run exited {proc.returncode} (log {log_path}):\n{tail}")
-        return KillRun(kill_time, read_events(paths), extra={"exit_code": proc.returncode, "killed_pid": pids[0]})
+        return KillRun(kill_time, read_events(paths), extra={"exit_code": proc.returncode, "killed_pid": killed})
     finally:
         stop_process_groups([proc], grace_s=15)
         signal_pids([e["pid"] for e in read_events(paths) if e.get("event") == "start" and pid_alive(e["pid"])],
                     signal.SIGKILL)
+
+
+def _kill_between_saves(proc: subprocess.Popen, steps: Callable[[], List[Dict[str, Any]]], rank0_pid: Callable[[], int],
+                        every: int, timeout_s: float, log_path: str) -> Tuple[float, int]:
+    """SIGKILL the plain run's rank 0 mid-way between two checkpoints; returns (kill time in s since the epoch, pid).
+
+    Waits for a step ``s > every`` with ``s % every == every // 2`` in rank 0's
+    records (``steps``), then stops rank 0 (SIGSTOP) and reads its last
+    recorded step: a rank writes a step's record before that step's
+    ``save_checkpoint``, so a last step that is not a multiple of ``every``
+    means rank 0 is not saving, and the kill lands. Otherwise (a tiny model
+    runs several steps in one poll) rank 0 goes on (SIGCONT) and the next
+    window is awaited. Killed inside a save, plain DeepSpeed may leave
+    ``latest`` naming a checkpoint whose files the other rank never finished
+    (rank 0 writes ``latest`` without waiting for them), and the restart
+    fails: not the scenario measured.
+
+    Raises:
+        TimeoutError / RuntimeError: as ``_wait``.
+    """
+    deadline = time.monotonic() + timeout_s
+    seen = every  # windows at or before this step are past
+    while True:
+        def window() -> bool:
+            return any(e["step"] > seen and e["step"] % every == every // 2 for e in steps())
+        _wait(window, proc, max(1.0, deadline - time.monotonic()), "the plain run to reach the kill step", log_path)
+        pid = rank0_pid()
+        os.kill(pid, signal.SIGSTOP)
+        last = max(e["step"] for e in steps())
+        if last % every != 0:
+            kill_time = time.time()
+            os.kill(pid, signal.SIGKILL)
+            return kill_time, pid
+        log.info("plain run: rank 0 reached the save of step %d before the kill; waiting for the next window", last)
+        os.kill(pid, signal.SIGCONT)
+        seen = last
 
 
 def torchrun(nproc: int, script: str, argv: Sequence[str], timeout_s: float) -> float:
