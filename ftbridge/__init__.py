@@ -38,8 +38,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("initialize", "FaultTolerantEngine"):
+    if name == "initialize":
+        from ftbridge import bootstrap
+
+        return bootstrap.initialize
+    if name == "FaultTolerantEngine":
         from ftbridge import engine
 
-        return getattr(engine, name)
+        return engine.FaultTolerantEngine
     raise AttributeError(f"module 'ftbridge' has no attribute {name!r}")

@@ -209,8 +209,9 @@ def tiny_engine(stage: int = 2, *, manager: Callable[..., Any] = None, ds: Optio
     """
     import deepspeed
 
+    from ftbridge.bootstrap import split_ds_config
     from ftbridge.config import FTBridgeConfig
-    from ftbridge.engine import FaultTolerantEngine, split_ds_config
+    from ftbridge.engine import FaultTolerantEngine
     from ftbridge.harness.models import GPTConfig, build_model
 
     if model is None:

@@ -299,7 +299,7 @@ def test_config_validation_names_value_and_fix():
 
 
 def test_deepspeed_config_section_is_stripped():
-    from ftbridge.engine import split_ds_config
+    from ftbridge.bootstrap import split_ds_config
 
     ds, section = split_ds_config({"zero_optimization": {"stage": 2},
                                    "ftbridge": {"comm_hook": "fp16"}})
