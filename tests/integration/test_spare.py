@@ -9,9 +9,10 @@ data shard (what a cold restart of group 1 reads), every launcher exited 0
 and no process of the job is left.
 
 Run with 1 and 2 ranks per group (the spare's other ranks take rank 0's
-decision from the group's TCPStore). Slow (about 35-110 s per case on 2
-shared cores, most of it three DeepSpeed start-ups); the default suite covers the same path end to end through the quick
-``spare`` benchmark (``tests/integration/test_bench_quick.py``).
+decision from the group's TCPStore). About 35-110 s per case on 2 shared
+cores, most of it three DeepSpeed start-ups: the 1-rank case is the default
+suite's end-to-end check of warm spares (the quick benchmarks skip ``spare``);
+the 2-rank case and the paused-group case are marked slow.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ def _expected_input_checksum(data: ShardedTextData, step: int, micro: int, rank:
     return tensor_checksum([x])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1-rank", "2-ranks"])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-ranks"])
 def test_spare_replaces_a_killed_group(local_job, nproc):
     # restart_peer_wait: how long a standing-by spare waits, after the last live group, before it exits
     job = local_job(2, nproc, [*TINY, "--steps", "100000", "--log-batches"], max_restarts=1,
