@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, Optional, cast
@@ -370,103 +369,14 @@ class FTBridgeConfig:
         return cfg
 
     def validate(self) -> None:
-        """Check every value and the timeout hierarchy.
+        """Check every value and the timeout hierarchy (the rules are in :mod:`ftbridge.config_rules`).
 
         Raises:
             ValueError: naming the bad value and how to fix it.
         """
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
+        from ftbridge import config_rules
 
-        need(self.replica_group_id >= 0,
-             f"replica_group_id={self.replica_group_id} is negative; use 0, 1, 2, ...")
-        need(self.num_replica_groups >= 1,
-             f"num_replica_groups={self.num_replica_groups} must be at least 1")
-        need(self.spare_index >= -1,
-             f"spare_index={self.spare_index} must be -1 (an active group) or a spare's index 0, 1, ...")
-        need(self.spare_index < 0 or self.num_replica_groups >= 2,
-             f"spare_index={self.spare_index} with num_replica_groups={self.num_replica_groups}: a spare replaces "
-             "one of several groups and heals from another; plan at least 2 groups")
-        need(self.group_size >= 1, f"group_size={self.group_size} must be at least 1")
-        need(0 <= self.group_rank < self.group_size,
-             f"group_rank={self.group_rank} is outside the replica group of size {self.group_size}; "
-             "launch with torchrun (ftbridge-run), which sets RANK and WORLD_SIZE")
-        need(1 <= self.min_replicas,
-             f"min_replicas={self.min_replicas} must be at least 1")
-        need(self.min_replicas <= self.num_replica_groups,
-             f"min_replicas={self.min_replicas} exceeds num_replica_groups={self.num_replica_groups}: "
-             "no step could ever commit; lower min_replicas or launch more groups")
-        need(_is_host_port_url(self.lighthouse),
-             f"lighthouse={self.lighthouse!r} is not an address like http://HOST:PORT; "
-             "pass the address printed by 'ftbridge-lighthouse serve'")
-        if self.event_log:
-            try:
-                self.event_log_path()
-            except (KeyError, IndexError, ValueError) as e:
-                raise ValueError(
-                    f"event_log={self.event_log!r} has an unknown placeholder ({e}); only {{replica_group}} and "
-                    "{group_rank} are substituted"
-                ) from None
-        for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
-                     "connect_timeout", "heartbeat_interval", "peer_watch_poll", "peer_watch_freeze_discard"):
-            value = getattr(self, name)
-            need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
-        need(self.heal_timeout is None or self.heal_timeout.total_seconds() > 0,
-             f"heal_timeout={self.heal_timeout and self.heal_timeout.total_seconds()} s "
-             "(FTBRIDGE_HEAL_TIMEOUT_S) must be positive; unset it to use twice the cross-replica timeout")
-        need(self.job_token is None or len(self.job_token) >= MIN_TOKEN_CHARS,
-             f"job_token (FTBRIDGE_JOB_TOKEN) has {len(self.job_token or '')} characters; use at least "
-             f"{MIN_TOKEN_CHARS}, e.g. from: python -c 'import secrets; print(secrets.token_hex(16))'")
-        need(0 <= self.local_group_size <= self.group_size,
-             f"local_group_size={self.local_group_size} (LOCAL_WORLD_SIZE) is outside 0..group_size={self.group_size}")
-        need(self.restart_peer_wait.total_seconds() >= 0,
-             f"restart_peer_wait={self.restart_peer_wait.total_seconds()} s must be 0 (never wait) or positive")
-        need(self.heartbeat_interval < self.cross_replica_timeout,
-             f"heartbeat_interval={self.heartbeat_interval.total_seconds()} s must be below "
-             f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s")
-        need(self.peer_watch_poll < self.cross_replica_timeout,
-             f"peer_watch_poll={self.peer_watch_poll.total_seconds()} s (FTBRIDGE_PEER_WATCH_POLL_MS) must be "
-             f"below cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s, or the watch never looks")
-        need(self.peer_watch_freeze_discard > self.peer_watch_poll,
-             f"peer_watch_freeze_discard={self.peer_watch_freeze_discard.total_seconds()} s "
-             f"(FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS) must be above peer_watch_poll="
-             f"{self.peer_watch_poll.total_seconds()} s (the freeze clock ticks once per poll)")
-        need(self.cross_replica_timeout < self.in_group_timeout,
-             f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s is not below "
-             f"in_group_timeout={self.in_group_timeout.total_seconds()} s: the in-group watchdog would "
-             "kill the surviving groups before a cross-replica failure is noticed; lower "
-             "cross_replica_timeout or raise in_group_timeout")
-        need(self.cross_replica_timeout <= self.quorum_timeout,
-             f"quorum_timeout={self.quorum_timeout.total_seconds()} s is below "
-             f"cross_replica_timeout={self.cross_replica_timeout.total_seconds()} s; a quorum must be "
-             "allowed at least as long as one cross-replica collective")
-        need(self.quorum_retries >= 0, f"quorum_retries={self.quorum_retries} must be >= 0")
-        need(0 <= self.manager_port < 65536,
-             f"manager_port={self.manager_port} is not a port; use 0 for a free one")
-        need(self.metrics_port is None or 0 <= self.metrics_port < 65536,
-             f"metrics_port={self.metrics_port} is not a port; use 0 for a free one, or unset "
-             "FTBRIDGE_METRICS_PORT for no metrics server")
-        need(self.cross_replica_bucket_bytes >= 0,
-             f"cross_replica_bucket_bytes={self.cross_replica_bucket_bytes} must be >= 0 (0: one message per bucket)")
-        need(self.checksum_every >= 0,
-             f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
-        need(self.guard_every >= 0,
-             f"guard_every={self.guard_every} must be >= 0 (0: never compare replica fingerprints)")
-        need(self.guard_action in GUARD_ACTIONS,
-             f"guard_action={self.guard_action!r} is not one of {GUARD_ACTIONS} (FTBRIDGE_GUARD_ACTION)")
-        need(self.cross_replica_backend in CROSS_REPLICA_BACKENDS,
-             f"cross_replica_backend={self.cross_replica_backend!r} (FTBRIDGE_CROSS_REPLICA_BACKEND) is not one of "
-             f"{CROSS_REPLICA_BACKENDS}; auto picks NCCL or gloo from the machine (ftbridge.device)")
-        need(self.sync_mode in SYNC_MODES,
-             f"sync_mode={self.sync_mode!r} is not one of {SYNC_MODES}")
-        from ftbridge import comm_hooks
-
-        comm_hooks.validate(self.comm_hook, self.comm_wrapper, self.comm_state_option)
-        need(bool(self.heal_bind) and self.heal_bind not in ("0.0.0.0", "::", "[::]"),
-             f"heal_bind={self.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; "
-             "give this node's address "
-             "(127.0.0.1 on one machine, the private-network address across machines)")
+        config_rules.validate(self)
 
     def event_log_path(self) -> Optional[str]:
         """The event log path for this rank with placeholders substituted, or ``None``."""
@@ -566,11 +476,3 @@ def _as_timedelta(value: Any, name: str, scale: float = 1.0) -> timedelta:
 
 def _whole_seconds(value: timedelta) -> str:
     return str(max(1, math.ceil(value.total_seconds())))
-
-
-def _is_host_port_url(url: str) -> bool:
-    try:
-        parts = urllib.parse.urlsplit(url)
-        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
-    except ValueError:
-        return False

@@ -1,0 +1,156 @@
+"""The rules every :class:`ftbridge.config.FTBridgeConfig` must satisfy, checked once at resolve time.
+
+Each rule raises ``ValueError`` naming the bad value, the environment
+variable or flag that set it where there is one, and the fix, before any
+process group or engine exists. The rules come in three groups:
+
+- topology: replica group id and count, spare index, group rank and size, ``min_replicas``;
+- timeouts: each one positive, and the hierarchy
+  heartbeat interval < cross-replica timeout < in-group timeout, cross-replica timeout <= quorum timeout
+  (``docs/concepts.md`` explains why each bound holds);
+- transport and communication: addresses, ports, the job token, sync mode, comm hooks, the divergence guard.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+
+from ftbridge.config import CROSS_REPLICA_BACKENDS, GUARD_ACTIONS, MIN_TOKEN_CHARS, SYNC_MODES, FTBridgeConfig
+
+
+def validate(cfg: FTBridgeConfig) -> None:
+    """Check every rule for ``cfg``.
+
+    Raises:
+        ValueError: the first rule ``cfg`` breaks, naming the value and the fix.
+    """
+    check_topology(cfg)
+    check_timeouts(cfg)
+    check_transport(cfg)
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def check_topology(cfg: FTBridgeConfig) -> None:
+    """Replica group id and count, spare index, group rank and size, ``min_replicas``, the lighthouse address.
+
+    Raises:
+        ValueError: a value outside its range, naming it and the fix.
+    """
+    _need(cfg.replica_group_id >= 0,
+          f"replica_group_id={cfg.replica_group_id} is negative; use 0, 1, 2, ...")
+    _need(cfg.num_replica_groups >= 1,
+          f"num_replica_groups={cfg.num_replica_groups} must be at least 1")
+    _need(cfg.spare_index >= -1,
+          f"spare_index={cfg.spare_index} must be -1 (an active group) or a spare's index 0, 1, ...")
+    _need(cfg.spare_index < 0 or cfg.num_replica_groups >= 2,
+          f"spare_index={cfg.spare_index} with num_replica_groups={cfg.num_replica_groups}: a spare replaces "
+          "one of several groups and heals from another; plan at least 2 groups")
+    _need(cfg.group_size >= 1, f"group_size={cfg.group_size} must be at least 1")
+    _need(0 <= cfg.group_rank < cfg.group_size,
+          f"group_rank={cfg.group_rank} is outside the replica group of size {cfg.group_size}; "
+          "launch with torchrun (ftbridge-run), which sets RANK and WORLD_SIZE")
+    _need(0 <= cfg.local_group_size <= cfg.group_size,
+          f"local_group_size={cfg.local_group_size} (LOCAL_WORLD_SIZE) is outside 0..group_size={cfg.group_size}")
+    _need(1 <= cfg.min_replicas,
+          f"min_replicas={cfg.min_replicas} must be at least 1")
+    _need(cfg.min_replicas <= cfg.num_replica_groups,
+          f"min_replicas={cfg.min_replicas} exceeds num_replica_groups={cfg.num_replica_groups}: "
+          "no step could ever commit; lower min_replicas or launch more groups")
+    _need(is_host_port_url(cfg.lighthouse),
+          f"lighthouse={cfg.lighthouse!r} is not an address like http://HOST:PORT; "
+          "pass the address printed by 'ftbridge-lighthouse serve'")
+
+
+def check_timeouts(cfg: FTBridgeConfig) -> None:
+    """Every timeout positive, and the timeout hierarchy.
+
+    Raises:
+        ValueError: a non-positive timeout, or two timeouts in the wrong order, naming both and the fix.
+    """
+    for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
+                 "connect_timeout", "heartbeat_interval", "peer_watch_poll", "peer_watch_freeze_discard"):
+        value = getattr(cfg, name)
+        _need(value.total_seconds() > 0, f"{name}={value.total_seconds()} s must be positive")
+    _need(cfg.heal_timeout is None or cfg.heal_timeout.total_seconds() > 0,
+          f"heal_timeout={cfg.heal_timeout and cfg.heal_timeout.total_seconds()} s "
+          "(FTBRIDGE_HEAL_TIMEOUT_S) must be positive; unset it to use twice the cross-replica timeout")
+    _need(cfg.restart_peer_wait.total_seconds() >= 0,
+          f"restart_peer_wait={cfg.restart_peer_wait.total_seconds()} s must be 0 (never wait) or positive")
+    cross = cfg.cross_replica_timeout.total_seconds()
+    _need(cfg.heartbeat_interval < cfg.cross_replica_timeout,
+          f"heartbeat_interval={cfg.heartbeat_interval.total_seconds()} s must be below "
+          f"cross_replica_timeout={cross} s")
+    _need(cfg.peer_watch_poll < cfg.cross_replica_timeout,
+          f"peer_watch_poll={cfg.peer_watch_poll.total_seconds()} s (FTBRIDGE_PEER_WATCH_POLL_MS) must be "
+          f"below cross_replica_timeout={cross} s, or the watch never looks")
+    _need(cfg.peer_watch_freeze_discard > cfg.peer_watch_poll,
+          f"peer_watch_freeze_discard={cfg.peer_watch_freeze_discard.total_seconds()} s "
+          f"(FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS) must be above peer_watch_poll="
+          f"{cfg.peer_watch_poll.total_seconds()} s (the freeze clock ticks once per poll)")
+    _need(cfg.cross_replica_timeout < cfg.in_group_timeout,
+          f"cross_replica_timeout={cross} s is not below "
+          f"in_group_timeout={cfg.in_group_timeout.total_seconds()} s: the in-group watchdog would "
+          "kill the surviving groups before a cross-replica failure is noticed; lower "
+          "cross_replica_timeout or raise in_group_timeout")
+    _need(cfg.cross_replica_timeout <= cfg.quorum_timeout,
+          f"quorum_timeout={cfg.quorum_timeout.total_seconds()} s is below "
+          f"cross_replica_timeout={cross} s; a quorum must be "
+          "allowed at least as long as one cross-replica collective")
+    _need(cfg.quorum_retries >= 0, f"quorum_retries={cfg.quorum_retries} must be >= 0")
+
+
+def check_transport(cfg: FTBridgeConfig) -> None:
+    """Addresses, ports, the job token, the event log path, sync mode, comm hooks and the divergence guard.
+
+    Raises:
+        ValueError: a bad value, naming it, its environment variable and the fix.
+    """
+    if cfg.event_log:
+        try:
+            cfg.event_log_path()
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"event_log={cfg.event_log!r} has an unknown placeholder ({e}); only {{replica_group}} and "
+                "{group_rank} are substituted"
+            ) from None
+    _need(cfg.job_token is None or len(cfg.job_token) >= MIN_TOKEN_CHARS,
+          f"job_token (FTBRIDGE_JOB_TOKEN) has {len(cfg.job_token or '')} characters; use at least "
+          f"{MIN_TOKEN_CHARS}, e.g. from: python -c 'import secrets; print(secrets.token_hex(16))'")
+    _need(0 <= cfg.manager_port < 65536,
+          f"manager_port={cfg.manager_port} is not a port; use 0 for a free one")
+    _need(cfg.metrics_port is None or 0 <= cfg.metrics_port < 65536,
+          f"metrics_port={cfg.metrics_port} is not a port; use 0 for a free one, or unset "
+          "FTBRIDGE_METRICS_PORT for no metrics server")
+    _need(cfg.cross_replica_bucket_bytes >= 0,
+          f"cross_replica_bucket_bytes={cfg.cross_replica_bucket_bytes} must be >= 0 (0: one message per bucket)")
+    _need(cfg.checksum_every >= 0,
+          f"checksum_every={cfg.checksum_every} must be >= 0 (0: never write a parameter checksum)")
+    _need(cfg.guard_every >= 0,
+          f"guard_every={cfg.guard_every} must be >= 0 (0: never compare replica fingerprints)")
+    _need(cfg.guard_action in GUARD_ACTIONS,
+          f"guard_action={cfg.guard_action!r} is not one of {GUARD_ACTIONS} (FTBRIDGE_GUARD_ACTION)")
+    _need(cfg.cross_replica_backend in CROSS_REPLICA_BACKENDS,
+          f"cross_replica_backend={cfg.cross_replica_backend!r} (FTBRIDGE_CROSS_REPLICA_BACKEND) is not one of "
+          f"{CROSS_REPLICA_BACKENDS}; auto picks NCCL or gloo from the machine (ftbridge.device)")
+    _need(cfg.sync_mode in SYNC_MODES,
+          f"sync_mode={cfg.sync_mode!r} is not one of {SYNC_MODES}")
+    from ftbridge import comm_hooks
+
+    comm_hooks.validate(cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option)
+    _need(bool(cfg.heal_bind) and cfg.heal_bind not in ("0.0.0.0", "::", "[::]"),
+          f"heal_bind={cfg.heal_bind!r} (FTBRIDGE_HEAL_BIND) is not an address peers can dial; "
+          "give this node's address "
+          "(127.0.0.1 on one machine, the private-network address across machines)")
+
+
+def is_host_port_url(url: str) -> bool:
+    """Whether ``url`` is ``http(s)://HOST:PORT`` with both parts present (the lighthouse address form)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
+    except ValueError:
+        return False
