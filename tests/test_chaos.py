@@ -230,6 +230,19 @@ def test_spare_count_is_validated_before_anything_starts():
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--count", "0"], "--count 0: give at least 1 failure"),
+    (["--kinds", "kill_group,explode"], "failure kind 'explode': choose from kill_rank"),
+])
+def test_bad_count_or_kind_is_a_usage_error_before_anything_starts(argv, message, capsys):
+    from ftbridge.harness.chaos.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_targets_are_the_processes_holding_a_group_id_not_the_standing_by_spares():
     from ftbridge.harness.chaos import spares
 
@@ -284,6 +297,7 @@ def test_with_spares_scale_down_is_skipped_with_its_reason_and_the_report_counts
     text = report.table(result)
     assert "warm spares: 1 started, 1 takeovers (spare_join), 2 standing-by ranks stopped at the end" in text
     assert "skipped: failure 0 (scale_down): warm spares run" in text
+    assert "0 failures injected (1 skipped) in 12 s (the failure-free run not included)" in text
     summary = report.summary(result)
     assert (summary["spares_started"], summary["takeovers"], summary["standing_by_stopped"]) == (1, 1, [300, 301])
 

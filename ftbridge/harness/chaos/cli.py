@@ -69,6 +69,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(str(e))
     if args.mtbf <= 0 or args.cross_replica_timeout <= 0:
         p.error("--mtbf and --cross-replica-timeout must be positive")
+    if args.count is not None and args.count < 1:
+        p.error(f"--count {args.count}: give at least 1 failure, or leave it out for each kind once")
+    from ftbridge.harness.chaos.schedule import parse_kinds
+
+    try:
+        parse_kinds(args.kinds)
+    except ValueError as e:
+        p.error(f"--kinds {args.kinds!r}: {e}")
     return args
 
 
@@ -102,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              seed=args.seed, cross_replica_timeout_s=args.cross_replica_timeout,
                              baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance, spares=args.spares)
     print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
-          f"{args.groups} replica groups x {args.nproc} ranks, {args.spares} warm spares, logs in {workdir}",
+          f"{args.groups} replica groups x {args.nproc} ranks, {args.spares} warm spare(s), logs in {workdir}",
           flush=True)
     # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: run_chaos's clean-up stops every
     # process it started (without this, the groups outlived the runner and torchrun restarted them).

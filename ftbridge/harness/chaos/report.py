@@ -88,7 +88,9 @@ def table(result: ChaosResult) -> str:
     loss = f"final val loss {result.final_loss:.4f}" if result.final_loss is not None else "no final loss"
     if result.baseline_loss is not None:
         loss += f" (failure-free {result.baseline_loss:.4f}, tolerance {result.settings.loss_tolerance})"
-    lines.append(f"{len(result.outcomes)} failures in {result.wall_s:.0f} s; {s['heals']} heals, "
+    n_skipped = sum(1 for o in result.outcomes if o.injected.skipped)
+    lines.append(f"{len(result.outcomes) - n_skipped} failures injected ({n_skipped} skipped) in {result.wall_s:.0f} s "
+                 f"(the failure-free run not included); {s['heals']} heals, "
                  f"{s['steps_discarded']} steps discarded, final step {result.final_step}; {loss}")
     lines.append(f"recovery bound from the timeouts: {result.settings.recovery_bound_s:.1f} s")
     if result.settings.spares:

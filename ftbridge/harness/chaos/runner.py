@@ -122,6 +122,7 @@ class ChaosResult:
     baseline_loss: Optional[float]
     leftover_pids: List[int]
     wall_s: float
+    """Wall time of the chaos run (start of the job to the end checks), seconds; the failure-free run is not in it."""
     checks: List[invariants.Check] = field(default_factory=list)
     """The checks that ran at the end, each with what it judged and found (``violations`` flattens them)."""
     spare_pids: List[int] = field(default_factory=list)
@@ -260,16 +261,21 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     checks = _end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
                          ckpt_dir if every else None)
     final_loss = _final_loss(events)
+    chaos_wall_s = time.time() - t_start  # the failure-free run below is not part of the chaos run's time
     baseline_loss = None
     if settings.baseline:
         baseline_loss = _baseline(settings, final_step)
         checks.append(invariants.Check(
-            "final loss within tolerance", f"{final_loss} against failure-free {baseline_loss}, tolerance "
-            f"{settings.loss_tolerance}", invariants.final_loss_close(final_loss, baseline_loss,
-                                                                       settings.loss_tolerance)))
+            "final loss within tolerance", f"{_loss_text(final_loss)} against failure-free "
+            f"{_loss_text(baseline_loss)}, tolerance {settings.loss_tolerance}",
+            invariants.final_loss_close(final_loss, baseline_loss, settings.loss_tolerance)))
     violations = [str(v) for c in checks for v in c.violations]
     return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
-                       leftover, time.time() - t_start, checks, stopped)
+                       leftover, chaos_wall_s, checks, stopped)
+
+
+def _loss_text(loss: Optional[float]) -> str:
+    return "none" if loss is None else f"{loss:.4f}"
 
 
 def _start_spares(job: LocalJob, count: int, timeout_s: float) -> None:
@@ -325,7 +331,7 @@ def _stop_standing_by(job: LocalJob, alive: Sequence[int], timeout_s: float
     except TimeoutError as e:  # stop them anyway; the run's checks still judge what happened
         logger.warning("%s", str(e).splitlines()[0])
     if others:
-        logger.info("stopping %d launches that hold no replica group (standing-by ranks %s)", len(others), standby)
+        logger.info("stopping %d launch(es) that hold no replica group (standing-by ranks %s)", len(others), standby)
         stop_process_groups([gp.proc for gp in others], grace_s=15)
     return active, standby
 
