@@ -74,10 +74,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
     cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve(**section)
     cfg.validate()
     check_deepspeed_version()
-    stage = _zero_stage(config)
-    if dict(config.get("fp16") or {}).get("enabled") is True:
-        from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator
 
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    if dict(config.get("fp16") or {}).get("enabled") is True:
         accel = get_accelerator()
         if not accel.is_fp16_supported():
             raise ValueError(f"fp16.enabled is true but this {accel.device_name()} device has no fp16 support in "
@@ -85,8 +85,6 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
                              "or run on a device with fp16")
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={stage}: set it to 1, 2 or 3 in the DeepSpeed config")
-    from deepspeed.accelerator import get_accelerator
-
     where, group_backend, _ = device.check_placement({p.device.type for p in model.parameters()},
                                                      get_accelerator().device_name(), cfg)
     if where != "cpu":
@@ -137,10 +135,3 @@ def split_ds_config(config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
                          '{"comm_hook": "power_sgd", "comm_state_option": {"matrix_approximation_rank": 2}}')
     return config, section
 
-
-def _zero_stage(config: Any) -> int:
-    if isinstance(config, str):
-        import json
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
-    return int(dict(config).get("zero_optimization", {}).get("stage", 0))

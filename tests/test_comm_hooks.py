@@ -363,3 +363,21 @@ def test_user_hook_can_ask_for_the_whole_partition():
     my_hook.needs_partition = True
     hook, state = comm_hooks.build(my_hook)
     assert hook is my_hook and state.needs_partition is True
+
+
+@pytest.mark.parametrize("stage", [0, None])
+def test_zero_stage_0_or_missing_is_refused_before_any_work(tmp_path, stage):
+    import json
+
+    import torch
+
+    from ftbridge.bootstrap import initialize
+    from ftbridge.config import FTBridgeConfig
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "ftbridge": {"comm_hook": "fp16"}}
+    if stage is not None:
+        ds["zero_optimization"] = {"stage": stage}
+    path = tmp_path / "ds.json"  # a JSON path, as deepspeed.initialize accepts
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ValueError, match=f"zero_optimization.stage={stage or 0}: set it to 1, 2 or 3"):
+        initialize(model=torch.nn.Linear(2, 2), config=str(path), ft_config=FTBridgeConfig())
