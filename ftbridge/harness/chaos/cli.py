@@ -74,7 +74,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     from ftbridge.harness.chaos.schedule import parse_kinds
 
     try:
-        parse_kinds(args.kinds)
+        args.kind_list = parse_kinds(args.kinds)
     except ValueError as e:
         p.error(f"--kinds {args.kinds!r}: {e}")
     return args
@@ -92,12 +92,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from ftbridge.harness.chaos import report
     from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
-    from ftbridge.harness.chaos.schedule import make_schedule, parse_kinds
+    from ftbridge.harness.chaos.schedule import make_schedule
 
     try:
-        kinds = parse_kinds(args.kinds)
         hang_s = args.hang_s if args.hang_s is not None else args.cross_replica_timeout + 3.0
-        schedule = make_schedule(seed=args.seed, kinds=kinds, num_groups=args.groups, count=args.count,
+        schedule = make_schedule(seed=args.seed, kinds=args.kind_list, num_groups=args.groups, count=args.count,
                                  duration_s=None if args.soak_minutes is None else args.soak_minutes * 60,
                                  mtbf_s=args.mtbf, hang_s=hang_s, outage_s=args.outage_s)
     except ValueError as e:
