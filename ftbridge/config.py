@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional, cast
 SYNC_MODES = ("per_bucket", "post_backward")
 CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
 GUARD_ACTIONS = ("heal", "stop")
+GUARD_TIE_ACTIONS = ("stop", "flag")
 MIN_TOKEN_CHARS = 16
 
 
@@ -134,8 +135,10 @@ class FTBridgeConfig:
     it waits for a live peer to heal from (``FTBRIDGE_RESTART_PEER_WAIT_S``;
     0: never wait). Without it a group that restarts while the lighthouse is
     restarting can get a quorum of its own and train from scratch until the
-    others come back. After the wait it trains on from step 0 with an ERROR.
-    Ignored with ``num_replica_groups`` 1."""
+    others come back. After the wait with no peer it exits with
+    ``NoPeerToHealFrom``: the others have finished or died, and training
+    alone from step 0 would make a second, different model; resume from a
+    checkpoint instead. Ignored with ``num_replica_groups`` 1."""
 
     peer_watch: bool = True
     """Cut a hung peer off when the lighthouse declares it dead, instead of
@@ -168,17 +171,24 @@ class FTBridgeConfig:
     (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
 
     ride_out_lighthouse_outage: bool = True
-    """While the lighthouse is unreachable and no replica group has failed, keep
-    committing on the last quorum (same quorum id and cross-replica process
-    group), each step only after every member agreed on quorum, membership and
-    step; on any failure, wait for the lighthouse as before. On by default;
-    off, every step waits for the lighthouse (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``;
-    see :mod:`ftbridge.manager.outage`). While on, every step (riding or not)
-    ends with the agreement, one all-reduce of ``9 x replica groups`` float64
-    (72 bytes per group) on the cross-replica process group, so every member
-    issues the same collectives whichever way its group got the quorum; every
-    replica group must use the same setting (a group that differs from the
-    quorum's primary is refused with ``SettingMismatch``)."""
+    """While the lighthouse does not answer (dead, hung, or behind a link that
+    drops its packets) and no replica group has failed, keep committing on the
+    last quorum (same quorum id and cross-replica process group), each step
+    only after every member agreed on its view; on any failure, wait for the
+    lighthouse. Off, every step waits for the lighthouse
+    (``FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE``; see :mod:`ftbridge.manager.outage`).
+    Either way every step ends with the agreement, one all-reduce of
+    ``17 x replica groups`` float64 (136 bytes per group) on the cross-replica
+    process group (:mod:`ftbridge.manager.commit`)."""
+
+    lighthouse_probe_timeout: timedelta = timedelta(milliseconds=150)
+    """A lighthouse that has not answered ``GET /status`` within this long
+    counts as not answering, and a quorum call in flight is left for a ride
+    on the last quorum (``FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS``). A connect
+    that succeeds proves nothing: a hung lighthouse, or a proxy in front of a
+    dead one, accepts connections. Too short on a loaded machine costs a
+    discarded step now and then, never a split; a hung lighthouse costs
+    about this long plus one step."""
 
     manager_port: int = 0
     """Port of the torchft manager server on group rank 0; 0 picks a free one
@@ -257,9 +267,16 @@ class FTBridgeConfig:
 
     guard_action: str = "heal"
     """What the divergence guard does on a mismatch: ``heal`` (the groups that
-    differ from the quorum's primary heal from it at the next step) or
-    ``stop`` (every group raises ``ReplicaDivergenceError``: a non-zero exit)
-    (``FTBRIDGE_GUARD_ACTION``)."""
+    differ from the state most groups hold discard the step and heal from one
+    of them at the next) or ``stop`` (every group raises
+    ``ReplicaDivergenceError``: a non-zero exit) (``FTBRIDGE_GUARD_ACTION``)."""
+
+    guard_on_tie: str = "stop"
+    """What the divergence guard does when the groups differ and no state is
+    held by more than half of them (two groups, or a tie), where nobody can be
+    named right: ``stop`` (every group raises ``ReplicaDivergenceError``) or
+    ``flag`` (a ``divergence`` event and an ERROR at every check; training
+    goes on) (``FTBRIDGE_GUARD_ON_TIE``)."""
 
     event_log: Optional[str] = None
     """Path of the JSON-lines event log; ``{replica_group}`` and
@@ -306,6 +323,7 @@ class FTBridgeConfig:
         "peer_watch_freeze_discard": ("ms", ("FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS",)),
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
         "ride_out_lighthouse_outage": (bool, ("FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE",)),
+        "lighthouse_probe_timeout": ("ms", ("FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),
         "heal_bind": (str, ("FTBRIDGE_HEAL_BIND",)),
         "metrics_port": (int, ("FTBRIDGE_METRICS_PORT",)),
@@ -318,6 +336,7 @@ class FTBridgeConfig:
         "checksum_every": (int, ("FTBRIDGE_CHECKSUM_EVERY",)),
         "guard_every": (int, ("FTBRIDGE_GUARD_EVERY",)),
         "guard_action": (str, ("FTBRIDGE_GUARD_ACTION",)),
+        "guard_on_tie": (str, ("FTBRIDGE_GUARD_ON_TIE",)),
         "event_log": (str, ("FTBRIDGE_EVENT_LOG",)),
         "cross_replica_backend": (str, ("FTBRIDGE_CROSS_REPLICA_BACKEND",)),
         "comm_hook": (str, ("FTBRIDGE_COMM_HOOK",)),

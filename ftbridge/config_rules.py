@@ -14,8 +14,16 @@ process group or engine exists. The rules come in three groups:
 from __future__ import annotations
 
 import urllib.parse
+from datetime import timedelta
 
-from ftbridge.config import CROSS_REPLICA_BACKENDS, GUARD_ACTIONS, MIN_TOKEN_CHARS, SYNC_MODES, FTBridgeConfig
+from ftbridge.config import (
+    CROSS_REPLICA_BACKENDS,
+    GUARD_ACTIONS,
+    GUARD_TIE_ACTIONS,
+    MIN_TOKEN_CHARS,
+    SYNC_MODES,
+    FTBridgeConfig,
+)
 
 
 def validate(cfg: FTBridgeConfig) -> None:
@@ -133,6 +141,11 @@ def check_transport(cfg: FTBridgeConfig) -> None:
           f"guard_every={cfg.guard_every} must be >= 0 (0: never compare replica fingerprints)")
     _need(cfg.guard_action in GUARD_ACTIONS,
           f"guard_action={cfg.guard_action!r} is not one of {GUARD_ACTIONS} (FTBRIDGE_GUARD_ACTION)")
+    _need(cfg.guard_on_tie in GUARD_TIE_ACTIONS,
+          f"guard_on_tie={cfg.guard_on_tie!r} is not one of {GUARD_TIE_ACTIONS} (FTBRIDGE_GUARD_ON_TIE)")
+    _need(cfg.lighthouse_probe_timeout > timedelta(0),
+          f"lighthouse_probe_timeout={cfg.lighthouse_probe_timeout.total_seconds() * 1000:g} ms must be positive "
+          "(FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS)")
     _need(cfg.cross_replica_backend in CROSS_REPLICA_BACKENDS,
           f"cross_replica_backend={cfg.cross_replica_backend!r} (FTBRIDGE_CROSS_REPLICA_BACKEND) is not one of "
           f"{CROSS_REPLICA_BACKENDS}; auto picks NCCL or gloo from the machine (ftbridge.device)")

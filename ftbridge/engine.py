@@ -51,7 +51,7 @@ from ftbridge import comm_hooks, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
-from ftbridge.heal import lazy_state_bytes, must_wait_for_peer
+from ftbridge.heal import NoPeerToHealFrom, lazy_state_bytes, restart_without_peer
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.wire import size_bound
@@ -113,8 +113,8 @@ class FaultTolerantEngine:
                                 "pid": os.getpid()})
 
         self.metrics = metrics.attach(self)  # Prometheus /metrics on group rank 0 when FTBRIDGE_METRICS_PORT is set
-        self.guard = DivergenceGuard(self.manager, self.adapter, replica_group_id=cfg.replica_group_id,
-                                     every=cfg.guard_every, action=cfg.guard_action, events=self.events)
+        self.guard = DivergenceGuard(self.adapter, replica_group_id=cfg.replica_group_id, every=cfg.guard_every,
+                                     action=cfg.guard_action, on_tie=cfg.guard_on_tie, events=self.events)
         self.sync_scale_once: Optional[float] = None
         """Testing only: multiply this rank's averaged gradient by this once, at the next optimizer step
         (a silent divergence for the divergence guard to find)."""
@@ -295,10 +295,19 @@ class FaultTolerantEngine:
             for t in self.adapter.partition_grads():
                 t.mul_(self.sync_scale_once)
             self.sync_scale_once = None
-        self.guard.check(self.manager.current_step)
-        self._wait_for_peer_after_restart()
-        self.manager.agree_on_heal()
-        self.manager.discard_if_dropped()  # peer watch (ftbridge.manager.quorum_watch): frozen and left out meanwhile
+        no_peer = self._wait_for_peer_after_restart()
+        step = self.manager.current_step
+        verdict = self.manager.decide(guard=self.guard.digest(step), stop=no_peer)  # the group's one decision
+        if verdict.decision.stop:
+            self.events.write(event="restart_without_peer", time=time.time(), step=step, stopped=True,
+                              attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            raise NoPeerToHealFrom(
+                f"replica group {self.cfg.replica_group_id} was restarted with nothing to start from and found no "
+                f"live replica group to heal from within restart_peer_wait "
+                f"({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S): the other "
+                "groups have finished or died. It does not train alone from step 0, which would make a second, "
+                "different model; resume the job from a checkpoint (--resume) instead")
+        self.guard.act(step, verdict.agreement.guard if verdict.agreement else None, verdict.decision)
         committed = self.manager.should_commit()
         if committed:
             self.sync.commit()
@@ -334,18 +343,21 @@ class FaultTolerantEngine:
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
                      rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "")
 
-    def _wait_for_peer_after_restart(self) -> None:
-        """Discard a restarted group's lone steps from step 0 while a peer may still come (heal.must_wait_for_peer)."""
+    def _wait_for_peer_after_restart(self) -> bool:
+        """A restarted group alone at step 0 discards while a peer may come, and stops past
+        ``restart_peer_wait`` (:func:`ftbridge.heal.restart_without_peer`). Returns whether this rank says stop."""
         m = self.manager
-        waited = time.time() - self._launched
-        if must_wait_for_peer(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                              num_replica_groups=self.cfg.num_replica_groups, step=m.current_step, heals=m.heals,
-                              participants=m.participants, waited_s=waited,
-                              limit_s=self.cfg.restart_peer_wait.total_seconds()):
+        waited, limit = time.time() - self._launched, self.cfg.restart_peer_wait.total_seconds()
+        rule = restart_without_peer(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                    num_replica_groups=self.cfg.num_replica_groups, step=m.current_step,
+                                    heals=m.heals, participants=m.participants, waited_s=waited, limit_s=limit)
+        if rule == "go":
+            return False
+        m.report_error(RuntimeError("restarted replica group alone at step 0: waiting for a peer to heal from"))
+        if rule == "wait":
             self.log.warning("restarted with nothing to start from and alone in the quorum: step discarded while "
-                             "waiting for a live replica group to heal from (%.0f of %.0f s)", waited,
-                             self.cfg.restart_peer_wait.total_seconds())
-            m.report_error(RuntimeError("restarted replica group alone at step 0: waiting for a peer"))
+                             "waiting for a live replica group to heal from (%.0f of %.0f s)", waited, limit)
+        return rule == "stop"
 
     def _check_restart_had_peer(self, step: int) -> None:
         """Warn loudly when torchrun restarted this group but no live peer was there to heal from."""

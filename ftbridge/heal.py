@@ -2,8 +2,8 @@
 
 * :func:`lazy_state_bytes`: how much optimizer state a donor may hold that a
   joiner does not have yet (the joiner's bound on a heal body);
-* :func:`must_wait_for_peer`: whether a restarted group with nothing to
-  start from must wait for a live peer instead of training from scratch.
+* :func:`restart_without_peer`: whether a restarted group with nothing to
+  start from waits for a live peer, or stops, instead of training from scratch.
 
 The agreement that all ranks of a group apply a heal together or not at all
 touches torchft's internals and lives behind the manager
@@ -52,15 +52,21 @@ def lazy_state_bytes(optimizer: Any) -> int:
     return total
 
 
-def must_wait_for_peer(*, restart_count: int, num_replica_groups: int, step: int, heals: int, participants: int,
-                       waited_s: float, limit_s: float) -> bool:
-    """Whether a restarted replica group must discard this step and wait for a peer to heal from.
+class NoPeerToHealFrom(RuntimeError):
+    """A restarted replica group with nothing to start from found no live peer to heal from in time."""
+
+
+def restart_without_peer(*, restart_count: int, num_replica_groups: int, step: int, heals: int, participants: int,
+                         waited_s: float, limit_s: float) -> str:
+    """What a restarted replica group with nothing to start from does in a step where it is alone (pure).
 
     A group that torchrun restarted and that has nothing to start from (torchft
     step 0, never healed, nothing resumed) would otherwise train from the
-    initial model whenever a quorum holds only itself: for instance right
-    after a lighthouse restart, before the other groups' managers are back
-    in the quorum. Pure function (the caller passes the clock).
+    initial model whenever a quorum holds only itself: right after a lighthouse
+    restart, before the other groups are back, or after the others finished.
+    It discards such steps while a peer may still come; past the limit the
+    others have finished or died, and training alone would make a second,
+    different model of the job: the group stops.
 
     Args:
         restart_count: ``TORCHELASTIC_RESTART_COUNT`` (0: first launch).
@@ -69,7 +75,12 @@ def must_wait_for_peer(*, restart_count: int, num_replica_groups: int, step: int
         heals: heals applied in this launch.
         participants: replica groups in this step's quorum.
         waited_s: seconds since this launch's engine started.
-        limit_s: ``FTBridgeConfig.restart_peer_wait`` in seconds.
+        limit_s: ``FTBridgeConfig.restart_peer_wait`` in seconds (0: never wait, never stop).
+
+    Returns:
+        ``"go"`` (train), ``"wait"`` (discard this step) or ``"stop"`` (raise :class:`NoPeerToHealFrom`).
     """
-    return (restart_count > 0 and num_replica_groups > 1 and step == 0 and heals == 0 and participants <= 1
-            and waited_s < limit_s)
+    if not (restart_count > 0 and num_replica_groups > 1 and step == 0 and heals == 0 and participants <= 1
+            and limit_s > 0):
+        return "go"
+    return "wait" if waited_s < limit_s else "stop"

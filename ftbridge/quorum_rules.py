@@ -38,9 +38,7 @@ version) and, per quorum,
    group has another number of ranks than replica rank 0's raises
    :class:`GroupSizeMismatch` there (:func:`group_size_conflict`), before
    torchft reconfigures or fetches a heal, and the training thread gets it at
-   its next cross-replica call; the other members go on. It carries the
-   member's outage ride-through setting as well, refused the same way on a
-   difference (:class:`SettingMismatch`, :func:`ride_setting_conflict`);
+   its next cross-replica call; the other members go on;
 3. namespaces the rendezvous keys by the quorum's members and step
    (``{store}/ftbridge/{digest}/torchft/...``), the same for all members, so
    a repeated id does not meet the keys of a quorum of the old lighthouse.
@@ -126,35 +124,6 @@ def group_size_conflict(sizes: Sequence[int], replica_rank: int, quorum_id: int)
             f"{primary}; every replica group must have the same number of ranks (ZeRO partitions and heal state "
             f"are shaped by it). Restart this group with {primary} ranks in all (ftbridge-run --nproc-per-node "
             f"x --nnodes), or restart every group with {mine}")
-
-
-class SettingMismatch(ValueError):
-    """This replica group runs with another setting than the quorum's primary where all must agree: it must
-    not all-reduce or heal with the others (their collectives per step would differ)."""
-
-
-def ride_setting_conflict(rides: Sequence[int], replica_rank: int, quorum_id: int) -> Optional[str]:
-    """Why this member must leave the quorum, or ``None``: its outage ride-through setting is not replica rank 0's.
-
-    With the ride-through on (:mod:`ftbridge.manager.outage`), every step ends with one more
-    cross-replica all-reduce (the outage agreement); a member without it would pair its next
-    gradient all-reduce with a peer's agreement, and gloo aborts on the size mismatch.
-
-    Args:
-        rides: every member's setting by replica rank: 1 on, 0 off, -1 unknown (never judged).
-        replica_rank: this member's rank in the quorum.
-        quorum_id: for the message.
-    """
-    if not rides or replica_rank >= len(rides):
-        return None
-    mine, primary = int(rides[replica_rank]), int(rides[0])
-    if mine < 0 or primary < 0 or mine == primary:
-        return None
-    word = {0: "off", 1: "on"}
-    return (f"quorum {quorum_id}: this replica group rides out lighthouse outages {word[mine]} but the quorum's "
-            f"primary group has it {word[primary]}; every replica group must use the same setting (with it on, "
-            f"each step ends with one more cross-replica all-reduce). Restart this group with "
-            f"FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE={primary}, or restart every group with {mine}")
 
 
 def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:

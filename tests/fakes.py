@@ -55,11 +55,13 @@ class FakeManager:
     def wait_quorum(self):
         pass
 
-    def agree_on_heal(self):
-        return True
+    def decide(self, guard=None, stop=False):
+        """The group's decision of a one-rank group alone: commit unless an error was reported."""
+        from ftbridge.manager.commit import Flags, decide_group, encode_flags
+        from ftbridge.manager.replica import StepVerdict
 
-    def discard_if_dropped(self):
-        pass
+        flags = Flags(step=self.step, errored=bool(self.errors), agreement=True, stop=stop)
+        return StepVerdict(None, decide_group([encode_flags(flags)]))
 
     def state_dict(self):
         return {"step": self.step, "batches_committed": self.step}

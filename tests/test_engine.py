@@ -355,3 +355,20 @@ def test_a_restart_without_peer_is_judged_on_the_first_committed_step(monkeypatc
     lonely = [e for e in events if e.get("event") == "restart_without_peer"]
     assert [e["committed"] for e in events if "committed" in e] == [False, True]
     assert len(lonely) == (0 if heal_retried else 1), lonely
+
+
+def test_a_restarted_group_alone_past_the_wait_stops_instead_of_training_a_second_model(monkeypatch, tmp_path):
+    from ftbridge.heal import NoPeerToHealFrom
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    log = tmp_path / "events.jsonl"
+    eng = _engine(2, ft=dict(event_log=str(log), num_replica_groups=2, restart_peer_wait=3600.0))
+    _train(eng, [0])                                    # alone at step 0: discarded while a peer may come
+    assert eng.manager.step == 0 and eng.last_committed is False
+    eng._launched -= 3600.0                             # the wait is over and still nobody to heal from
+    with pytest.raises(NoPeerToHealFrom, match="does not train alone from step 0"):
+        _train(eng, [1])
+    eng.events.close()
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e for e in events if e.get("event") == "restart_without_peer"][0]["stopped"]
+    assert not any(e.get("committed") for e in events)

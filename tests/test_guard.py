@@ -1,28 +1,28 @@
-"""Divergence guard: slot encoding, the verdict, and the actions (no network: replicas in threads, tests/fakes.py)."""
+"""The divergence guard: fingerprints when due, the majority verdict, and what each setting does with it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError, decode_slots, encode_slot, judge
-from tests.fakes import FakeWorld, run_replicas
+from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
+from ftbridge.manager.commit import GroupDecision, judge_guard
+
+A, B, C = "a" * 16, "b" * 16, "c" * 16
 
 
-def test_slots_round_trip_exactly():
-    digest = "ffffeeee00011234"
-    t = torch.zeros(15, dtype=torch.float64)
-    t[5:10] = torch.tensor(encode_slot(7, digest), dtype=torch.float64)
-    assert decode_slots(t) == [None, (7, digest), None]
-    with pytest.raises(ValueError, match="16 hex digit"):
-        encode_slot(0, "abc")
+def test_the_majority_decides_and_the_primary_is_not_the_reference():
+    # Group 0 (the quorum's primary) holds the odd state out: it is the one that differs.
+    v = judge_guard({0: B, 1: A, 2: A})
+    assert v.majority == A and v.differing == (0,) and v.agreeing == (1, 2) and not v.ok and not v.tie
+    assert judge_guard({0: A, 1: A}).ok
+    assert judge_guard({}).ok and judge_guard({3: A}).ok
 
 
-def test_verdict_names_the_groups_that_differ_from_the_primary():
-    v = judge([(3, "a" * 16), (0, "a" * 16), (1, "b" * 16), None])
-    assert v.primary == 3 and v.differing == [1] and not v.ok
-    assert judge([(3, "a" * 16), None]).ok
-    assert judge([None, (1, "b" * 16)]).primary is None
+@pytest.mark.parametrize("digests", [{0: A, 1: B}, {0: A, 1: A, 2: B, 3: B}, {0: A, 1: B, 2: C}])
+def test_no_majority_is_a_tie_that_names_nobody(digests):
+    v = judge_guard(digests)
+    assert v.tie and v.majority is None and v.differing == () and v.agreeing == ()
 
 
 class Adapter:
@@ -41,35 +41,62 @@ class Events:
         self.records.append(kw)
 
 
-def _run(values, action="heal", step=4):
-    """Guards of ``len(values)`` replicas whose state is ``values``, checked concurrently in a fake world."""
-    world = FakeWorld(len(values))
-    guards = [DivergenceGuard(world.manager(i), Adapter(v), replica_group_id=10 + i, every=2, action=action,
-                              events=Events()) for i, v in enumerate(values)]
-    return guards, run_replicas(world, lambda i: guards[i].check(step))
+def _decision(mismatch=False, differs=False, tie=False):
+    return GroupDecision(commit=not differs, drop_heal=False, guard_mismatch=mismatch, guard_differs=differs,
+                         guard_tie=tie, ride_next=False, stop=False, reason="")
 
 
-def test_a_differing_group_heals_and_the_others_go_on():
-    guards, verdicts = _run([1.0, 1.0, 2.0])
-    assert [len(g.manager.errors) for g in guards] == [0, 0, 1]
-    assert all(v.differing == [12] and v.primary == 10 for v in verdicts)
-    assert all(g.events.records[0]["event"] == "divergence" for g in guards)
-    assert guards[0].mismatches == 1 and guards[0].checks == 1
+def _guard(action="heal", on_tie="stop", value=1.0):
+    return DivergenceGuard(Adapter(value), replica_group_id=1, every=2, action=action, on_tie=on_tie, events=Events())
 
 
-def test_identical_groups_pass_and_steps_not_due_are_skipped():
-    guards, verdicts = _run([1.0, 1.0])
-    assert all(v.ok for v in verdicts) and not guards[0].events.records
-    _, skipped = _run([1.0, 2.0], step=3)
-    assert skipped == [None, None]
-
-
-def test_stop_raises_on_every_group():
-    _, out = _run([1.0, 2.0], action="stop")
-    assert all(isinstance(e, ReplicaDivergenceError) for e in out)
-
-
-def test_one_ulp_apart_is_a_divergence():
+def test_fingerprints_only_when_due_and_one_ulp_apart_differs():
+    g = _guard()
+    assert g.digest(3) is None and g.digest(0) is None
     nudged = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
-    guards, verdicts = _run([1.0, nudged])
-    assert verdicts[0].differing == [11] and len(guards[1].manager.errors) == 1
+    assert g.digest(4) == _guard().digest(4) != _guard(value=nudged).digest(4)
+    assert len(g.digest(4)) == 16
+
+
+def test_an_outvoted_group_records_the_event_naming_the_majority_and_heals():
+    g = _guard()
+    v = judge_guard({0: A, 1: B, 2: A})
+    g.act(4, v, _decision(mismatch=True, differs=True))
+    (e,) = g.events.records
+    assert e["event"] == "divergence" and e["differing_groups"] == [1] and e["majority_groups"] == [0, 2]
+    assert e["action"] == "heal" and e["this_group_differs"] and not e["tie"]
+    assert g.mismatches == 1 and g.checks == 1
+
+
+def test_a_group_of_the_majority_goes_on():
+    g = _guard()
+    g.act(4, judge_guard({0: A, 1: A, 2: B}), _decision(mismatch=True))
+    assert g.events.records[0]["action"] == "go on"
+
+
+def test_identical_groups_leave_no_event():
+    g = _guard()
+    g.act(4, judge_guard({0: A, 1: A}), _decision())
+    g.act(4, None, _decision())
+    assert not g.events.records and g.checks == 1 and g.mismatches == 0
+
+
+def test_a_tie_stops_by_default_and_is_only_flagged_when_asked():
+    v = judge_guard({0: A, 1: B})
+    with pytest.raises(ReplicaDivergenceError, match="none can be named right"):
+        _guard().act(4, v, _decision(mismatch=True, tie=True))
+    g = _guard(on_tie="flag")
+    g.act(4, v, _decision(mismatch=True, tie=True))
+    assert g.events.records[0]["tie"] and g.events.records[0]["action"] == "go on"
+
+
+def test_stop_raises_on_any_mismatch_naming_the_states():
+    with pytest.raises(ReplicaDivergenceError, match=r"groups \[0, 2\] hold a{16}"):
+        _guard(action="stop").act(4, judge_guard({0: A, 1: B, 2: A}), _decision(mismatch=True))
+
+
+def test_bad_settings_are_refused():
+    for kw in (dict(every=-1), dict(action="ignore"), dict(on_tie="heal")):
+        with pytest.raises(ValueError):
+            DivergenceGuard(Adapter(1.0), replica_group_id=0, events=Events(),
+                            **{"every": 1, "action": "heal", "on_tie": "stop", **kw})

@@ -1,4 +1,5 @@
-"""HealAgreement: the ranks of a replica group apply a heal together or not at all (2 real gloo ranks)."""
+"""The ranks of a replica group apply a heal together or not at all: HealAgreement's state, the group's one
+in-group exchange and decision (2 real gloo ranks); what a restarted group with no peer does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ftbridge.manager import HealAgreement
+from ftbridge.manager.commit import Flags, decide_group, encode_flags
+from ftbridge.manager.replica import exchange_in_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +52,12 @@ def _rank(rank, store_path, cases, out_dir):
         results = []
         for healing, received in cases[rank]:
             m = FakeTorchft(healing, received)
-            ok = m.agreement.agree()
+            healing_now, ready = m.agreement.state()
+            flags = Flags(step=m._step, errored=m.errored() is not None, agreement=True, healing=healing_now,
+                          heal_ready=ready)
+            decision = decide_group(exchange_in_group(encode_flags(flags), 2))
+            m.agreement.settle(drop=decision.drop_heal)
+            ok = not decision.drop_heal
             results.append(f"{int(ok)}{int(m._pending_state_dict is not None)}{int(m.errored() is not None)}"
                            f"-{m._step}-{m._batches_committed}")
         with open(os.path.join(out_dir, f"r{rank}"), "w") as f:
@@ -75,15 +83,15 @@ def test_one_rank_failing_to_receive_drops_the_heal_on_every_rank(tmp_path):
     assert r1[2] == "001-3-12"
 
 
-def test_a_restarted_group_with_nothing_waits_for_a_peer_before_training_alone():
-    from ftbridge.heal import must_wait_for_peer
+def test_a_restarted_group_with_nothing_waits_for_a_peer_then_stops_instead_of_training_alone():
+    from ftbridge.heal import restart_without_peer
 
     base = dict(restart_count=1, num_replica_groups=3, step=0, heals=0, participants=1, waited_s=5.0, limit_s=30.0)
-    assert must_wait_for_peer(**base)
-    assert not must_wait_for_peer(**{**base, "waited_s": 31.0})          # waited long enough: train from step 0
-    assert not must_wait_for_peer(**{**base, "restart_count": 0})        # a first launch may start the job
-    assert not must_wait_for_peer(**{**base, "participants": 2})         # a peer is in the quorum: it heals
-    assert not must_wait_for_peer(**{**base, "step": 40})                # resumed from a checkpoint
-    assert not must_wait_for_peer(**{**base, "heals": 1})
-    assert not must_wait_for_peer(**{**base, "num_replica_groups": 1})   # nobody to wait for
-    assert not must_wait_for_peer(**{**base, "limit_s": 0.0})            # disabled
+    assert restart_without_peer(**base) == "wait"
+    assert restart_without_peer(**{**base, "waited_s": 31.0}) == "stop"     # the others finished or died
+    assert restart_without_peer(**{**base, "restart_count": 0}) == "go"     # a first launch may start the job
+    assert restart_without_peer(**{**base, "participants": 2}) == "go"      # a peer is in the quorum: it heals
+    assert restart_without_peer(**{**base, "step": 40}) == "go"             # resumed from a checkpoint
+    assert restart_without_peer(**{**base, "heals": 1}) == "go"
+    assert restart_without_peer(**{**base, "num_replica_groups": 1}) == "go"  # nobody to wait for
+    assert restart_without_peer(**{**base, "limit_s": 0.0}) == "go"         # disabled

@@ -1,96 +1,146 @@
-"""Training through a lighthouse outage: commit on the last quorum while no group has failed.
+"""The QUORUM and AGREE drivers of the commit protocol: riding out lighthouse outages, the agreement.
 
-Without this, every step asks the lighthouse for a quorum, even when no
-replica group has joined or left, so a 10 s lighthouse outage stops every
-group for the whole outage plus the reconnect (about 14 s measured).
-The lighthouse is only needed to *change* the membership; while it is
-unreachable and nothing has failed, the groups of the last quorum can go on
-with the same quorum id and the same cross-replica process group.
+The lighthouse is only needed to *change* the membership. While it does not
+answer (dead, hung, or behind a blackholed link) and nothing has failed, the
+groups of the last quorum go on with its id and its cross-replica process
+group. The decisions are :mod:`ftbridge.manager.commit`'s; this module does
+their I/O, one :class:`OutageRider` per rank:
 
-Per step (:class:`OutageRider`, one per rank, called by
-:class:`ftbridge.manager.ReplicaManager`):
+* **QUORUM** (torchft's quorum thread). Group rank 0 decides whether the
+  step rides (:func:`~ftbridge.manager.commit.decide_ride`) and the other ranks
+  read its decision from the group's TCPStore. A step that asks the
+  lighthouse makes the call in a helper thread and polls it every
+  :data:`POLL` (:class:`~ftbridge.manager.commit.QuorumWait`): rank 0 leaves a
+  call the lighthouse does not answer and rides, and publishes the outcome of
+  every asked step (``asked``, ``rode`` or ``failed``), which the other ranks
+  follow whatever their own call returned, so no rank of a group acts on a
+  quorum its rank 0 left. The lighthouse is judged by :class:`LighthouseMonitor`:
+  an answer to ``GET /status`` within ``lighthouse_probe_timeout``, never a TCP
+  connect (a hung process, or a proxy in front of a dead one, accepts those).
+  A call that raises (torchft's quorum timeout) ends the wait with that error.
+* **AGREE** (training thread, every step, riding or not): one SUM all-reduce
+  over the cross-replica process group gathers every member's
+  :class:`~ftbridge.manager.commit.View` (quorum, membership, step, divisor, who
+  participates, ok, lighthouse seen, the guard's fingerprint when due), judged
+  by :func:`~ftbridge.manager.commit.judge`. A member whose all-reduce torchft
+  made a no-op after an error leaves it out (its collectives no longer pair
+  with its peers'); the others then fail it and discard.
 
-1. **Decide** (group rank 0, in torchft's quorum thread, before any
-   lighthouse call; :func:`decide_ride`). The step *rides* (reuses the last
-   quorum, no lighthouse call) only if the feature is on, this rank has a
-   last quorum whose process group torchft still holds, the group committed
-   the previous step, and either
-
-   * the previous step was a normal one and a TCP connect to the lighthouse
-     fails now (``probe``: entry), or
-   * the previous step rode and *every* member reported the lighthouse
-     unreachable in that step's agreement (exit is collective: as soon as one
-     member sees the lighthouse again, all members go back to it at the same
-     step, so none waits on a quorum the others do not ask for).
-
-   The other ranks of the group read rank 0's decision from the group's
-   TCPStore (they must all ask torchft's manager server, or none).
-2. **Agree** (every rank, on the training thread, right before torchft's
-   ``should_commit``; :func:`judge_rows`). In *every* step while the feature
-   is on, riding or not, every member of the step's quorum writes ``(quorum
-   id, digest of the members, step, ok, lighthouse seen)`` into its slot of a
-   zero tensor and one SUM all-reduce over the cross-replica process group
-   gathers them. The step may commit only if every slot is filled and all
-   agree on quorum id, membership and step, and, in a riding step, every
-   member is ok (no recorded error). Otherwise this rank reports an error:
-   the step is discarded and the next one goes back to the lighthouse
-   (torchft's normal path, which waits for it as before).
-
-   Entry into riding is per group (step 1 follows that group's own probe),
-   so in one step a group may ride while another got the same quorum from
-   the lighthouse. Both then issue the same collectives (the gradient
-   all-reduces, then the agreement): the agreement in every step is what
-   makes entry collective. Made only in riding steps, it met the other
-   group's next gradient all-reduce and gloo aborted on the size mismatch.
-   A member whose all-reduce torchft made a no-op after an error leaves the
-   agreement out (its collectives no longer pair with its peers'); the others
-   fail the agreement and discard, and the next quorum rebuilds the process
-   group. A member that recorded an error only after its collectives (the
-   divergence guard's differing group) takes part and reports it is not ok.
-   Only a riding step needs every member ok; on a quorum from the lighthouse
-   each group commits or discards on its own, as with torchft alone (the
-   guard relies on it: the primary commits while the differing group
-   discards and heals). Every group must use the same setting:
-   the quorum guard's vote carries it (:func:`ftbridge.quorum_rules.ride_setting_conflict`).
-
-Why this never splits the job (the argument is in ``docs/concepts.md``,
-"Training through a lighthouse outage"): a riding commit happens only after
-an all-reduce in which every member of the last quorum took part and
-reported the same quorum id, membership and step; the process group of that
-quorum admits no other member, and the lighthouse, the only source of a new
-membership, is not consulted. Any failure (a dead member, a disagreement,
-a lighthouse that answers again) sends every member back to the lighthouse.
-
-Safety rests on the agreement, not on the probe: a probe that is wrong
-costs at most one failed step (``cross_replica_timeout``), never a split.
+Why riding never splits the job is in ``docs/concepts.md`` ("The commit
+protocol"): a riding commit needs an agreement in which every member of the
+last quorum took part with the same view; the process group of that quorum
+admits no other member; the lighthouse, the only source of a new membership,
+is not consulted. Safety rests on the agreement, not on the probe: a probe
+that is wrong costs a discarded step, never a split.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
-import socket
 import threading
-import urllib.parse
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
+from ftbridge.manager.commit import (
+    ROW,
+    Agreement,
+    QuorumWait,
+    View,
+    decide_ride,
+    encode_view,
+    judge,
+    membership_digest,
+)
+
 logger = logging.getLogger(__name__)
 
-ROW = 9
-"""float64 values per member in the agreement: present, quorum id, four 16-bit chunks of the
-membership digest, step, ok, lighthouse seen."""
+POLL = timedelta(milliseconds=25)
+"""While a lighthouse call is in flight, how often rank 0 looks at the clock and the lighthouse probe."""
 
-PROBE_TIMEOUT = timedelta(milliseconds=250)
-"""How long a TCP connect to the lighthouse may take before it counts as unreachable."""
+FRESH = timedelta(seconds=1)
+"""At a step's start, a lighthouse probe started this long ago still counts (riding steps probe about this often)."""
 
-POLL = timedelta(milliseconds=100)
-"""While a lighthouse call is in flight, how often the rider checks whether the lighthouse went away."""
+
+class QuorumTimeout(RuntimeError):
+    """No quorum within its deadline and riding was not possible: the rank exits, torchrun restarts the group."""
+
+
+class OutageDisagreement(RuntimeError):
+    """The members of this step's quorum did not agree on its view (or could not): the step is discarded."""
+
+
+def probe_status(address: str, timeout_s: float) -> None:
+    """Ask the lighthouse for ``GET /status``; returns once it answered with its status page.
+
+    Raises:
+        OSError, ValueError: no answer, an HTTP error, or not a lighthouse's page.
+    """
+    from lighthouse.status import fetch_status
+
+    fetch_status(address, timeout_s=timeout_s)
+
+
+class LighthouseMonitor:
+    """Whether the lighthouse answers, from probes run in a helper thread (never blocks its caller).
+
+    Args:
+        address: the lighthouse (``http://HOST:PORT``).
+        deadline: a probe that has not answered after this long counts as "does not answer".
+        probe: ``probe(address, timeout_s)``, returns on an answer, raises otherwise
+            (default :func:`probe_status`); a seam for tests.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, address: str, *, deadline: timedelta, probe: Callable[[str, float], None] = probe_status,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if deadline <= timedelta(0):
+            raise ValueError(f"deadline={deadline} must be positive (FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS)")
+        self._address, self._deadline, self._probe, self._clock = address, deadline.total_seconds(), probe, clock
+        self._lock = threading.Lock()
+        self._inflight: Optional[float] = None  # start of the probe in flight
+        self._last: Optional[tuple] = None  # (start, answered) of the last finished probe
+        self.probes = 0
+
+    def answers(self, since: float) -> Optional[bool]:
+        """The lighthouse's state from a probe started at or after ``since`` (monotonic s).
+
+        Starts such a probe when none is in flight. Returns ``True`` once it
+        answered within the deadline, ``False`` once it failed or has run past
+        the deadline, ``None`` while it is too early to say.
+        """
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and self._last[0] >= since:
+                return self._last[1]
+            if self._inflight is None:
+                self._start(now)
+                return None
+            if now - self._inflight >= self._deadline:
+                return False
+            return None
+
+    def _start(self, now: float) -> None:
+        self._inflight = now
+        self.probes += 1
+
+        def run() -> None:
+            try:
+                self._probe(self._address, self._deadline)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - any failure means "does not answer"
+                logger.debug("lighthouse probe of %s failed: %s: %s", self._address, type(exc).__name__, exc)
+                ok = False
+            with self._lock:
+                ok = ok and self._clock() - now <= self._deadline
+                self._last, self._inflight = (now, ok), None
+
+        threading.Thread(target=run, name="ftbridge-lighthouse-probe", daemon=True).start()
 
 
 @dataclass(frozen=True)
@@ -98,9 +148,9 @@ class LastQuorum:
     """The last quorum this rank got from the lighthouse (what a riding step reuses).
 
     Attributes:
-        result: torchft's quorum result as torchft saw it (``_QuorumView``).
+        result: torchft's quorum result as torchft saw it.
         quorum_id: its id.
-        digest: 16 hex digits, :func:`membership_digest` of its replica ids.
+        digest: :func:`~ftbridge.manager.commit.membership_digest` of its replica ids.
         replica_rank: this group's rank in it (= its rank in the process group).
         world_size: members of the quorum (= size of the process group).
     """
@@ -110,110 +160,6 @@ class LastQuorum:
     digest: str
     replica_rank: int
     world_size: int
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What the members said in one step's agreement.
-
-    Attributes:
-        commit: every member is present, ok, and on the same quorum id, membership and step.
-        all_unreachable: ``commit`` and no member saw the lighthouse at this step's start.
-        reason: why not ``commit`` ("" when it holds).
-    """
-
-    commit: bool
-    all_unreachable: bool
-    reason: str
-
-
-class OutageDisagreement(RuntimeError):
-    """A riding step whose members did not agree (or could not): it is discarded everywhere."""
-
-
-def membership_digest(replica_ids: Sequence[str]) -> str:
-    """16 hex digits of SHA-256 over the sorted replica ids (each with torchft's per-process uuid)."""
-    return hashlib.sha256("|".join(sorted(replica_ids)).encode()).hexdigest()[:16]
-
-
-def encode_row(quorum_id: int, digest: str, step: int, ok: bool, lighthouse_seen: bool) -> List[float]:
-    """One member's agreement row (exact in float64).
-
-    Raises:
-        ValueError: ``digest`` is not 16 hex digits, or ``quorum_id``/``step`` is negative or >= 2**53.
-    """
-    if len(digest) != 16 or not 0 <= quorum_id < 2**53 or not 0 <= step < 2**53:
-        raise ValueError(f"agreement row needs a 16 hex digit digest and 0 <= quorum id, step < 2**53; got "
-                         f"{digest!r}, {quorum_id}, {step}")
-    value = int(digest, 16)
-    chunks = [float((value >> (16 * i)) & 0xFFFF) for i in range(4)]
-    return [1.0, float(quorum_id), *chunks, float(step), float(bool(ok)), float(bool(lighthouse_seen))]
-
-
-def judge_rows(rows: Sequence[Sequence[float]], own: Sequence[float], require_ok: bool = True) -> Agreement:
-    """The verdict of one step's agreement (pure).
-
-    Args:
-        rows: the summed agreement tensor as rows, one per member (replica rank), :data:`ROW` values each.
-        own: this rank's own row (:func:`encode_row`).
-        require_ok: every member must be ok (a riding step). Off for a step on a quorum from the
-            lighthouse, where each group commits or discards on its own, as with torchft alone (the
-            divergence guard relies on it: the differing group discards while the primary commits).
-
-    Returns:
-        :class:`Agreement`. Commit needs every row present (exactly 1 in the first value: a member
-        that wrote twice, or never, shows), equal to ``own`` on quorum id, membership and step, and,
-        with ``require_ok``, ok.
-    """
-    if not rows:
-        return Agreement(False, False, "no members")
-    key = [float(v) for v in own[1:7]]
-    for rank, row in enumerate(rows):
-        if len(row) != ROW or row[0] != 1.0:
-            return Agreement(False, False, f"member {rank} missing from the agreement")
-        if [float(v) for v in row[1:7]] != key:
-            return Agreement(False, False, f"member {rank} is on quorum {row[1]:.0f} step {row[6]:.0f}, this rank "
-                                           f"on quorum {key[0]:.0f} step {key[5]:.0f} (or another membership)")
-        if row[7] != 1.0 and require_ok:
-            return Agreement(False, False, f"member {rank} recorded an error in this step")
-    return Agreement(True, not any(row[8] for row in rows), "")
-
-
-def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last_committed: bool,
-                rode_last: bool, last_all_unreachable: bool, lighthouse_reachable: Optional[bool]) -> bool:
-    """Whether this step reuses the last quorum instead of asking the lighthouse (pure).
-
-    Args:
-        enabled: the feature is on (``ride_out_lighthouse_outage``).
-        has_last: this rank has taken part in a quorum.
-        same_process_group: torchft still holds that quorum's process group (its quorum id is the last one's).
-        last_committed: the group committed the previous step.
-        rode_last: the previous step rode.
-        last_all_unreachable: its agreement passed with every member reporting the lighthouse unreachable.
-        lighthouse_reachable: the probe at this step's start (``None``: not probed).
-
-    Returns:
-        ``True`` to ride. Entry (after a normal step) follows this rank's probe; staying on follows the
-        previous agreement only, which every member saw the same way.
-    """
-    if not (enabled and has_last and same_process_group and last_committed):
-        return False
-    if rode_last:
-        return last_all_unreachable
-    return lighthouse_reachable is False
-
-
-def probe_lighthouse(address: str, timeout: timedelta = PROBE_TIMEOUT) -> bool:
-    """Whether a TCP connection to the lighthouse at ``address`` (``http://HOST:PORT``) opens within ``timeout``.
-
-    A refused or timed-out connect, or a name that does not resolve, is unreachable. Sends nothing.
-    """
-    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
-    try:
-        with socket.create_connection((url.hostname or "", url.port or 80), timeout=timeout.total_seconds()):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 class _Reused:
@@ -235,34 +181,37 @@ class _Reused:
 
 
 class OutageRider:
-    """One rank's state for riding out lighthouse outages (see the module docstring).
+    """One rank's QUORUM and AGREE drivers (see the module docstring).
 
     Args:
         manager: torchft's ``Manager`` of this rank (``_quorum_id``, ``_pg``, ``_store``, ``errored``,
-            ``report_error``, ``current_step``). The first three are torchft internals: the rider is
-            built only inside :mod:`ftbridge.manager`, and only where
-            :func:`ftbridge.manager._torchft.internals_supported` holds (``_store``, the replica
-            group's TCPStore that torchft creates, has no public accessor).
-        enabled: the feature is on; off, :meth:`reuse` always returns ``None`` (torchft's behaviour).
-        lighthouse: the lighthouse's address, for the probe.
+            ``report_error``, ``current_step``, ``num_participants``, ``is_participating``). Built only
+            inside :mod:`ftbridge.manager`, where :func:`ftbridge.manager._torchft.internals_supported` holds.
+        enabled: riding is on; off, every step asks the lighthouse (the agreement still runs).
+        lighthouse: the lighthouse's address.
         group_rank: this rank's rank in its replica group (0 decides).
         group_size: ranks in the replica group.
-        decision_timeout: how long a rank other than 0 waits for rank 0's decision.
-        probe: ``probe(address) -> bool``; a seam for tests.
+        decision_timeout: how long a rank other than 0 waits for rank 0's decision or outcome.
+        quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
+        monitor: the lighthouse monitor of group rank 0 (default: one with a 150 ms deadline).
+        replica_group_id: for logs and the agreement.
     """
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
-                 decision_timeout: timedelta, probe: Any = probe_lighthouse, replica_group_id: int = 0) -> None:
+                 decision_timeout: timedelta, quorum_deadline: timedelta = timedelta(seconds=60),
+                 monitor: Optional[LighthouseMonitor] = None, replica_group_id: int = 0) -> None:
         self._manager = manager
         self._who = f"[replica {replica_group_id} rank {group_rank}]"
+        self.replica_group_id = replica_group_id
         self.enabled = enabled
-        self._lighthouse, self._probe = lighthouse, probe
+        self._lighthouse = lighthouse
+        self._monitor = monitor or LighthouseMonitor(lighthouse, deadline=timedelta(milliseconds=150))
         self._group_rank, self._group_size = group_rank, group_size
-        self._decision_timeout = decision_timeout
+        self._decision_timeout, self._quorum_deadline = decision_timeout, quorum_deadline
         self.last: Optional[LastQuorum] = None
         self.riding = False
         """Whether the current step reuses the last quorum."""
-        self._reachable: Optional[bool] = None
+        self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
         self._last_committed = False
         self._last_all_unreachable = False
         self._rode_last = False
@@ -275,8 +224,7 @@ class OutageRider:
         """Agreements that did not pass (each discarded a step)."""
         self.skipped_collective: Callable[[], bool] = lambda: manager.errored() is not None
         """Whether this rank's collectives of this step may no longer pair with its peers' (set by
-        :class:`ftbridge.manager.ReplicaManager`: an all-reduce torchft made a no-op after an error). The
-        default, any recorded error, is the safe approximation."""
+        :class:`ftbridge.manager.ReplicaManager`: an all-reduce torchft made a no-op after an error)."""
         self.watch: Any = None
         """The peer watch (:class:`ftbridge.manager.quorum_watch.QuorumWatch`) or ``None``: cuts the agreement's
         wait short when the lighthouse holds a member dead, as it does for the gradient all-reduces."""
@@ -284,11 +232,13 @@ class OutageRider:
     @classmethod
     def for_config(cls, manager: Any, cfg: Any) -> "OutageRider":
         """The rider of one rank from its :class:`ftbridge.config.FTBridgeConfig`."""
+        monitor = LighthouseMonitor(cfg.lighthouse, deadline=cfg.lighthouse_probe_timeout)
         return cls(manager, enabled=cfg.ride_out_lighthouse_outage, lighthouse=cfg.lighthouse,
                    group_rank=cfg.group_rank, group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
-                   replica_group_id=cfg.replica_group_id)
+                   quorum_deadline=cfg.quorum_timeout + cfg.connect_timeout + timedelta(seconds=5),
+                   monitor=monitor, replica_group_id=cfg.replica_group_id)
 
-    # -- quorum thread --------------------------------------------------------
+    # -- QUORUM (torchft's quorum thread) --------------------------------------------------------------
     def quorum(self, call: Callable[[], Any]) -> Any:
         """This step's quorum: the last one reused (:meth:`reuse`), or ``call()``, the lighthouse call
         (:meth:`ask`). :attr:`riding` tells which."""
@@ -300,45 +250,97 @@ class OutageRider:
         self.last = LastQuorum(result, int(result.quorum_id), membership_digest(replica_ids),
                                int(result.replica_rank), int(result.replica_world_size))
 
+    def may_ride(self) -> bool:
+        """Whether this step may ride: riding is on, the group committed the last step, and torchft still
+        holds the last quorum's process group (the same on every rank of the group)."""
+        last = self.last
+        return (self.enabled and last is not None and self._last_committed
+                and int(self._manager._quorum_id) == last.quorum_id)
+
+    def leave_call(self) -> Any:
+        """Leave this step's lighthouse call (rank 0 found the lighthouse not answering) and ride."""
+        self._seen = False
+        return self._ride()
+
     def reuse(self) -> Optional[Any]:
-        """This step's quorum result if it rides (no lighthouse call), else ``None`` (ask the lighthouse).
+        """This step's quorum result if it rides from its start (no lighthouse call), else ``None``.
 
         Called once per step on every rank, in torchft's quorum thread, before its lighthouse call.
         """
         self._seq += 1
-        self.riding = False
+        self.riding, self._seen = False, True
         if not self.enabled:
             return None
-        ride = self._decide() if self._group_rank == 0 else False
+        ride, seen = self._decide() if self._group_rank == 0 else (False, True)
         if self._group_size > 1:
-            ride = self._share(ride)
-        last = self.last
-        if ride and (last is None or int(self._manager._quorum_id) != last.quorum_id):
-            logger.error("%s the group rides out a lighthouse outage but this rank holds no matching "
-                         "quorum; asking the lighthouse", self._who)
-            return None
-        if not ride or last is None:
-            return None
+            ride, seen = self._share(ride, seen)
+        self._seen = seen
+        if ride and not self.may_ride():
+            raise QuorumTimeout(f"{self._who} the group rides out a lighthouse outage but this rank holds no "
+                                "matching quorum: its ranks disagree on the last quorum")
+        return self._ride() if ride else None
+
+    def _ride(self) -> _Reused:
+        assert self.last is not None
         self.riding = True
         self.rides += 1
-        return _Reused(last, int(self._manager.current_step()))
+        return _Reused(self.last, int(self._manager.current_step()))
+
+    def _decide(self) -> Tuple[bool, bool]:
+        """Group rank 0: ``(ride, lighthouse seen)`` for this step."""
+        last = self.last
+        answers = self._monitor.answers(since=time.monotonic() - FRESH.total_seconds()) if self.may_ride() else None
+        ride = decide_ride(enabled=self.enabled, has_last=last is not None,
+                           same_process_group=last is not None and int(self._manager._quorum_id) == last.quorum_id,
+                           last_committed=self._last_committed, rode_last=self._rode_last,
+                           last_all_unreachable=self._last_all_unreachable, lighthouse_answers=answers)
+        if ride and not self._rode_last:
+            logger.warning("%s lighthouse %s does not answer: committing on the last quorum (id %d, %d members) "
+                           "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
+                           last.world_size if last else 0)
+        elif self._rode_last and not ride:
+            logger.warning("%s back to the lighthouse (%d steps without it so far) on quorum %d (%s)", self._who,
+                           self.rides, last.quorum_id if last else -1,
+                           "a member hears it again" if self._last_committed else "a riding step failed")
+        return ride, (answers is True) if ride else True
+
+    def _share(self, ride: bool, seen: bool) -> Tuple[bool, bool]:
+        """Rank 0's ``(ride, seen)`` for this step, read by every rank of the group from the group's TCPStore.
+
+        Raises:
+            QuorumTimeout: the store failed, or rank 0's decision did not come within the decision timeout.
+        """
+        store, key = self._manager._store, f"ftbridge/outage/{self._seq}"
+        try:
+            if self._group_rank == 0:
+                store.set(key, bytes([48 + ride, 48 + seen]))
+                if self._seq > 2:  # every rank has read it: they all passed the last step's should_commit
+                    store.delete_key(f"ftbridge/outage/{self._seq - 2}")
+                    store.delete_key(f"ftbridge/outage/{self._seq - 2}/outcome")
+                return ride, seen
+            store.wait([key], self._decision_timeout)
+            value = bytes(store.get(key))
+            return value[:1] == b"1", value[1:2] == b"1"
+        except Exception as exc:
+            raise QuorumTimeout(f"{self._who} the replica group's ranks could not share this step's quorum "
+                                f"decision on the group's store ({type(exc).__name__}: {exc}): a rank of the group "
+                                "is gone or hung") from exc
 
     def ask(self, call: Callable[[], Any]) -> Any:
-        """Run ``call`` (the lighthouse call of a step that does not ride); ride instead if the lighthouse
-        goes away while it is in flight.
+        """Run ``call`` (the lighthouse call of a step that does not ride from its start) in a helper thread;
+        ride instead if rank 0 finds the lighthouse not answering while it is in flight.
 
-        A lighthouse that dies during a quorum call leaves torchft's manager retrying it until
-        ``quorum_timeout``. While the call runs, group rank 0 probes the lighthouse every :data:`POLL`;
-        once it is unreachable (and the step may ride, :func:`decide_ride`), the call is left to time out
-        in its thread and the step rides; the other ranks of the group follow through the store.
+        With riding off, ``call()`` runs as torchft would run it. Otherwise rank 0 publishes the outcome
+        (``asked``, ``rode``, ``failed``) and the other ranks of the group follow it.
 
         Returns:
             ``call()``'s result, or the reused quorum (then :attr:`riding` is set).
 
         Raises:
-            Whatever ``call`` raises, when the step does not ride.
+            Whatever ``call`` raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` when
+            the call outlives the quorum deadline, or rank 0's outcome does not come in time.
         """
-        if not self.enabled or self.last is None or int(self._manager._quorum_id) != self.last.quorum_id:
+        if not self.enabled:
             return call()
         future: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -349,102 +351,104 @@ class OutageRider:
                 future.set_exception(exc)
 
         threading.Thread(target=run, name="ftbridge-quorum-call", daemon=True).start()
-        key = f"ftbridge/outage/{self._seq}/abandon"
+        if self._group_rank != 0:
+            return self._follow(future)
+        wait = QuorumWait(started=time.monotonic(), deadline_s=self._quorum_deadline.total_seconds(),
+                          may_ride=self.may_ride())
         while True:
+            done, _ = concurrent.futures.wait([future], timeout=POLL.total_seconds())
+            if done:
+                self._publish(b"asked" if future.exception() is None else b"failed")
+                return future.result()
+            answers = self._monitor.answers(since=wait.started) if wait.may_ride else None
+            action = wait.poll(time.monotonic(), answers)
+            if action == QuorumWait.RIDE:
+                self._publish(b"rode")
+                logger.warning("%s lighthouse %s does not answer a quorum call in flight: leaving it and committing "
+                               "on the last quorum (id %d)", self._who, self._lighthouse,
+                               self.last.quorum_id if self.last else -1)
+                return self.leave_call()
+            if action == QuorumWait.EXPIRED:
+                self._publish(b"failed")
+                raise QuorumTimeout(f"{self._who} the lighthouse call did not end within "
+                                    f"{wait.deadline_s:g} s (quorum timeout + connect timeout + 5 s)")
+
+    def _publish(self, outcome: bytes) -> None:
+        if self._group_size > 1:
             try:
-                return future.result(timeout=POLL.total_seconds())
-            except concurrent.futures.TimeoutError:
-                pass
-            if self._abandon(key):
-                logger.warning("%s lighthouse %s went away during a quorum call: leaving the call and committing "
-                               "on the last quorum (id %d)", self._who, self._lighthouse, self.last.quorum_id)
-                self.riding = True
-                self.rides += 1
-                return _Reused(self.last, int(self._manager.current_step()))
+                self._manager._store.set(f"ftbridge/outage/{self._seq}/outcome", outcome)
+            except Exception as exc:  # noqa: BLE001 - the others then time out waiting for it and fail the step
+                logger.error("%s could not publish this step's quorum outcome (%s)", self._who, exc)
 
-    def _abandon(self, key: str) -> bool:
-        """Whether to leave the lighthouse call in flight (rank 0 probes and publishes; the others read)."""
+    def _follow(self, future: concurrent.futures.Future) -> Any:
+        """A rank other than 0: act on rank 0's outcome of this step, never on its own call alone."""
+        key = f"ftbridge/outage/{self._seq}/outcome"
+        store, bound = self._manager._store, self._quorum_deadline + self._decision_timeout
         try:
-            if self._group_rank != 0:
-                return bool(self._manager._store.check([key]))
-            self._reachable = self._probe(self._lighthouse)
-            go = decide_ride(enabled=True, has_last=True, same_process_group=True,
-                             last_committed=self._last_committed, rode_last=False, last_all_unreachable=False,
-                             lighthouse_reachable=self._reachable)
-            if go and self._group_size > 1:
-                self._manager._store.set(key, b"1")
-            return go
-        except Exception as exc:  # noqa: BLE001 - no shared decision: keep waiting for the lighthouse
-            logger.warning("%s outage check failed (%s); waiting for the lighthouse", self._who, exc)
-            return False
+            store.wait([key], bound)
+            outcome = bytes(store.get(key))
+        except Exception as exc:
+            raise QuorumTimeout(f"{self._who} replica group rank 0's quorum outcome did not come within "
+                                f"{bound.total_seconds():g} s ({type(exc).__name__}: {exc})") from exc
+        if outcome == b"rode":
+            return self.leave_call()
+        if outcome == b"failed":
+            raise QuorumTimeout(f"{self._who} replica group rank 0's lighthouse call failed this step")
+        done, _ = concurrent.futures.wait([future], timeout=self._decision_timeout.total_seconds())
+        if not done:
+            raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum but this rank's call did not end "
+                                f"within {self._decision_timeout.total_seconds():g} s")
+        return future.result()
 
-    def _decide(self) -> bool:
-        last = self.last
-        self._reachable = None if not self.enabled else self._probe(self._lighthouse)
-        ride = decide_ride(enabled=self.enabled, has_last=last is not None,
-                           same_process_group=last is not None and int(self._manager._quorum_id) == last.quorum_id,
-                           last_committed=self._last_committed, rode_last=self._rode_last,
-                           last_all_unreachable=self._last_all_unreachable, lighthouse_reachable=self._reachable)
-        if ride and not self._rode_last:
-            logger.warning("%s lighthouse %s unreachable: committing on the last quorum (id %d, %d members) "
-                           "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
-                           last.world_size if last else 0)
-        elif self._rode_last and not ride:
-            logger.warning("%s back to the lighthouse (%d steps without it so far) on quorum %d (%s)", self._who,
-                           self.rides,
-                           last.quorum_id if last else -1,
-                           "a member sees it again" if self._last_committed else "a riding step failed")
-        return ride
+    # -- AGREE (training thread) ---------------------------------------------------------------------
+    def agree(self, guard: Optional[str] = None) -> Agreement:
+        """Agree with every member of this step's quorum on its view; call on every rank, every step,
+        right before the group's decision: :meth:`own_row`, one SUM all-reduce over the cross-replica
+        process group, :meth:`conclude`.
 
-    def _share(self, ride: bool) -> bool:
-        """Rank 0's decision for this step, read by every rank of the group from the group's TCPStore."""
-        store, key = self._manager._store, f"ftbridge/outage/{self._seq}"
-        try:
-            if self._group_rank == 0:
-                store.set(key, b"1" if ride else b"0")
-                if self._seq > 2:  # every rank has read it: they all passed the last step's should_commit
-                    store.delete_key(f"ftbridge/outage/{self._seq - 2}")
-                    store.delete_key(f"ftbridge/outage/{self._seq - 2}/abandon")
-                return ride
-            store.wait([key], self._decision_timeout)
-            return bytes(store.get(key)) == b"1"
-        except Exception as exc:  # noqa: BLE001 - no shared decision: the lighthouse path, like torchft
-            logger.warning("%s outage decision not shared (%s); asking the lighthouse", self._who, exc)
-            return False
+        Args:
+            guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
 
-    # -- training thread ----------------------------------------------------------
-    def before_commit(self) -> Optional[Agreement]:
-        """Agree with every member of this step's quorum before torchft's ``should_commit``.
-
-        Made in *every* step while the feature is on, riding or not, so that every member issues the
-        same collectives in every step whichever way its group decided to get the quorum (a group
-        that rides and one that asked the lighthouse run the same sequence: the gradient all-reduces,
-        then this one). Skipped (``None``) when the feature is off, before the first quorum, when
-        this step's process group is not the last quorum's or has failed, or when torchft made one of
-        this step's all-reduces a no-op after an error (:attr:`skipped_collective`): adding this one
-        could then pair it with a peer's gradient all-reduce of another size (gloo aborts the process
-        on that). The peers then fail this agreement (within the cross-replica timeout, or at once when
-        the peer watch sees the member dead) and discard; the next quorum rebuilds the process group.
-        A rank that recorded an error after its collectives (the divergence guard's differing group)
-        takes part, reporting it is not ok.
-
-        A riding step commits only if every member is present, consistent and ok
-        (:func:`judge_rows`). A step on a quorum from the lighthouse needs every member present and
-        consistent; whether each group commits stays its own decision (torchft's ``should_commit``),
-        so one member's local error does not discard the others' step. On disagreement or a failed
-        all-reduce, records an error with torchft (the step is discarded on this group; the others
-        disagree too, or fail on this one). Never raises.
+        Returns:
+            The :class:`~ftbridge.manager.commit.Agreement`. Never raises.
         """
-        if not self.enabled or self.last is None:
-            return None
+        own = self.own_row(guard)
+        if own is None:
+            return self.conclude(None, None, "this rank's collectives of this step did not all run")
+        rows, failure = self._exchange(own)
+        return self.conclude(own, rows, failure)
+
+    def own_row(self, guard: Optional[str] = None) -> Optional[List[float]]:
+        """This member's agreement row (:func:`~ftbridge.manager.commit.encode_view`), or ``None`` when it
+        cannot take part: no quorum yet, a process group that is not the last quorum's or has failed, or
+        an all-reduce of this step that torchft made a no-op (its collectives no longer pair with its
+        peers'; they fail the agreement without it)."""
         m, last = self._manager, self.last
-        if int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None or self.skipped_collective():
-            if self.riding:
-                self._last_all_unreachable = False
-                return Agreement(False, False, "this rank recorded an error in this step")
+        if last is None or int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None \
+                or self.skipped_collective():
             return None
-        seen = bool(self._reachable) if self.riding else True
-        own = encode_row(last.quorum_id, last.digest, int(m.current_step()), m.errored() is None, seen)
+        participating = bool(m.is_participating())
+        return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
+                                int(m.num_participants()), participating, m.errored() is None, self._seen,
+                                guard if participating else None))
+
+    def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
+        """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
+        does not commit records an error with torchft (this group discards)."""
+        m, last = self._manager, self.last
+        verdict = (judge(rows, own, riding=self.riding) if own is not None and rows is not None
+                   else Agreement(False, False, False, failure))
+        if not verdict.commit and m.errored() is None:
+            self.disagreements += 1
+            m.report_error(OutageDisagreement(
+                f"step {int(m.current_step())} on quorum {last.quorum_id if last else -1} "
+                f"{'without the lighthouse' if self.riding else 'from the lighthouse'}: {verdict.reason}"))
+        return verdict
+
+    def _exchange(self, own: List[float]) -> Tuple[Optional[List[List[float]]], str]:
+        """The summed rows of every member, or ``(None, why)`` when the all-reduce failed or a member was lost."""
+        m, last = self._manager, self.last
+        assert last is not None
         try:
             rows = torch.zeros(last.world_size, ROW, dtype=torch.float64)
             rows[last.replica_rank] = torch.tensor(own, dtype=torch.float64)
@@ -453,33 +457,22 @@ class OutageRider:
             work = m._pg.allreduce([rows], opts)
             lost = self.watch.wait(work) if self.watch is not None and hasattr(work, "get_future") else ()
             if lost:  # the peer watch: the lighthouse holds a member dead, no point waiting out the timeout
-                self.watch.cut_short(m, f"the lighthouse holds {', '.join(lost)} dead: outage agreement abandoned")
-                raise RuntimeError(f"members {', '.join(lost)} lost")
+                self.watch.cut_short(m, f"the lighthouse holds {', '.join(lost)} dead: agreement abandoned")
+                return None, f"members {', '.join(lost)} lost"
             work.wait()
-            verdict = judge_rows(rows.tolist(), own, require_ok=self.riding)
+            return rows.tolist(), ""
         except Exception as exc:  # noqa: BLE001 - a member died or hung: discard, back to the lighthouse
-            verdict = Agreement(False, False, f"agreement all-reduce failed: {type(exc).__name__}: {exc}")
-        if not verdict.commit and m.errored() is None:
-            self.disagreements += 1
-            m.report_error(OutageDisagreement(
-                f"step {int(m.current_step())} on quorum {last.quorum_id} "
-                f"{'without the lighthouse' if self.riding else 'from the lighthouse'}: {verdict.reason}"))
-        if self.riding:
-            self._last_all_unreachable = verdict.all_unreachable
-        return verdict
+            return None, f"agreement all-reduce failed: {type(exc).__name__}: {exc}"
 
-    def commit(self, should_commit: Callable[[], bool]) -> bool:
-        """:meth:`before_commit`, then torchft's ``should_commit()``, then :meth:`after_commit`; its result."""
-        self.before_commit()
-        committed = should_commit()
-        self.after_commit(committed)
-        return committed
+    def after_commit(self, committed: bool, ride_next: bool) -> None:
+        """Record the group's decision for the next step's (the same on every rank of the group).
 
-    def after_commit(self, committed: bool) -> None:
-        """Record the group's ``should_commit`` result for the next step's decision."""
+        Args:
+            committed: the group committed this step.
+            ride_next: it committed on an agreement in which no member, on any rank, heard the lighthouse.
+        """
         self._last_committed = committed
         self._rode_last = self.riding
         if self.riding and committed:
             self.ride_commits += 1
-        if not self.riding:
-            self._last_all_unreachable = False
+        self._last_all_unreachable = self.riding and ride_next

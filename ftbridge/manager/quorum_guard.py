@@ -27,19 +27,17 @@ from ftbridge.manager._torchft import (
     installed_version,
     internals_supported,
 )
-from ftbridge.manager.outage import OutageRider
+from ftbridge.manager.outage import OutageRider, QuorumTimeout
 from ftbridge.manager.quorum_watch import wait_for_keys
 from ftbridge.manager.store_probe import call_bounded
 from ftbridge.quorum_rules import (
     GroupSizeMismatch,
     QuorumSeen,
-    SettingMismatch,
     decide_reconfigure,
     detect_lighthouse_restart,
     group_size_conflict,
     lacks_majority,
     rendezvous_namespace,
-    ride_setting_conflict,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,8 +79,6 @@ class _QuorumGuard:
         self._group_size = group_size
         self.sizes: List[int] = []
         """Every member's group size at the last vote, by replica rank (empty when the vote failed)."""
-        self.rides: List[int] = []
-        """Every member's outage ride-through setting at the last vote (1 on, 0 off, -1 unknown), by replica rank."""
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
@@ -90,6 +86,8 @@ class _QuorumGuard:
         self._need_majority: Optional[Tuple[Tuple[str, ...], float]] = None  # (members before, since monotonic)
         self.no_majority = 0
         """Steps discarded because a quorum after a lighthouse restart lacked a majority of the groups before it."""
+        self.quorum_timeout = timedelta(seconds=30)
+        """torchft's quorum timeout (``FTBridgeConfig.quorum_timeout``), named in the error when it expires."""
         self.rider: Optional[OutageRider] = None
         """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.manager.outage`); set by ReplicaManager."""
         self.watch: Any = None
@@ -98,7 +96,14 @@ class _QuorumGuard:
 
     def _quorum(self, **kwargs: Any) -> Any:
         call = lambda: self._client._quorum(**kwargs)  # noqa: E731
-        result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (outage.py)
+        try:
+            result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (outage.py)
+        except TimeoutError as exc:  # torchft's quorum timeout (the builtin TimeoutError)
+            raise QuorumTimeout(
+                f"no quorum within the quorum timeout ({self.quorum_timeout.total_seconds():g} s, "
+                "FTBRIDGE_QUORUM_TIMEOUT_S) and this step could not ride on the last quorum: the lighthouse "
+                "does not answer, or fewer replica groups than its --min-replicas are alive. This rank exits; "
+                "torchrun restarts its group, which heals from a live peer once there is one") from exc
         if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
             return result
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
@@ -121,10 +126,6 @@ class _QuorumGuard:
         if conflict:  # before torchft reconfigures or fetches a heal with this quorum
             logger.error("%s", conflict)
             raise GroupSizeMismatch(conflict)
-        conflict = ride_setting_conflict(self.rides, int(result.replica_rank), quorum_id)
-        if conflict:
-            logger.error("%s", conflict)
-            raise SettingMismatch(conflict)
         if rebuild:
             if not own:
                 self.forced += 1
@@ -177,12 +178,10 @@ class _QuorumGuard:
         base = f"{int(result.quorum_id)}/{namespace}"
         store, last = self._stores.get(result.store_address), self._last_vote
         votes: Optional[List[bool]] = None
-        self.sizes, self.rides = [], []
-        ride = -1 if self.rider is None else int(self.rider.enabled)
+        self.sizes = []
         try:
-            store, votes, self.sizes, self.rides = call_bounded(
-                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size, self.watch,
-                                       ride),
+            store, votes, self.sizes = call_bounded(
+                lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size, self.watch),
                 self._store_timeout or 2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
             self._last_vote = (store, base, int(result.replica_rank))
@@ -198,10 +197,8 @@ class _QuorumGuard:
 
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
-                   timeout: timedelta, group_size: int = 0, watch: Any = None,
-                   ride: int = -1) -> Tuple[Any, List[bool], List[int], List[int]]:
-    """One rank's vote on the primary's store: write ``mine``, ``group_size`` and ``ride``, wait for every member's,
-    read them.
+                   timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
+    """One rank's vote on the primary's store: write ``mine`` and ``group_size``, wait for every member's, read them.
 
     Args:
         result: torchft's quorum result (``store_address``, ``replica_rank``, ``replica_world_size``).
@@ -210,32 +207,29 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         store: a cached client of that store, or ``None`` to connect.
         last: ``(store, base, replica_rank)`` of this rank's previous vote.
         timeout: bound on waiting for the other members' votes.
-
         group_size: ranks of this replica group (0: not published).
         watch: the peer watch, which ends the wait early once a member is dead (``None``: none).
-        ride: the outage ride-through setting, 1 on, 0 off (-1: not published).
 
     Returns:
-        ``(store client, votes, sizes, rides)``, one vote, group size and ride setting per replica rank
-        (0 and -1 where a member did not publish them).
+        ``(store client, votes, sizes)``, one vote and group size per replica rank (0 where a member did
+        not publish its size).
 
     Raises:
         Whatever the store raises: ``DistStoreError`` when a member's vote does not come within ``timeout``.
     """
     if store is None:
         store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
-    store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}:{int(ride)}".encode())
+    store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
     keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
     wait_for_keys(store, keys, timeout, watch)
-    values = [(bytes(v).decode(errors="replace").split(":") + ["", ""])[:3] for v in store.multi_get(keys)]
-    votes = [v == "1" for v, _, _ in values]
-    sizes = [int(n) if n.isdigit() else 0 for _, n, _ in values]
-    rides = [int(r) if r in ("0", "1") else -1 for _, _, r in values]
+    values = [(bytes(v).decode(errors="replace").split(":") + [""])[:2] for v in store.multi_get(keys)]
+    votes = [v == "1" for v, _ in values]
+    sizes = [int(n) if n.isdigit() else 0 for _, n in values]
     # Drop this rank's previous vote, only on the store that just answered: a previous primary's
     # store may be hung (its group's rank 0 SIGSTOPped), and deleting there blocked (chaos soak).
     if last is not None and last[0] is store and last[1] != base:
         store.delete_key(f"{last[1]}/{last[2]}")
-    return store, votes, sizes, rides
+    return store, votes, sizes
 
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],

@@ -31,14 +31,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.device import backend_for
+from ftbridge.device import backend_for, collective_device, group_backend
 from ftbridge.manager._torchft import DummyWork, Manager
+from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider
 from ftbridge.manager.quorum_guard import _install_quorum_guard
@@ -132,21 +135,17 @@ class ReplicaManager:
                                                   self._on_quorum, cfg.group_size, cfg.store_call_timeout,
                                                   cfg.restart_peer_wait)
         self._heal_agreement = HealAgreement(self._torchft) if self.quorum_guard is not None else None
-        # Lighthouse outage (ftbridge.manager.outage): needs the guard's hook into torchft's quorum call.
+        # The QUORUM and AGREE drivers (ftbridge.manager.outage): need the guard's hook into torchft's quorum call.
         self.outage = OutageRider.for_config(self._torchft, cfg) if self.quorum_guard is not None else None
         if self.quorum_guard is not None:
             self.quorum_guard.rider = self.outage
+            self.quorum_guard.quorum_timeout = cfg.quorum_timeout
         self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda, pg)  # cuts a hung peer off (None: off)
         if self.outage is not None:
-            self.outage.watch = self.quorum_watch  # the outage agreement's wait is cut short like the all-reduces'
+            self.outage.watch = self.quorum_watch  # the agreement's wait is cut short like the all-reduces'
             self.outage.skipped_collective = self.skipped_collective
-
-    def discard_if_dropped(self) -> None:
-        """Before ``should_commit``: discard this step if this process was frozen since :meth:`start_quorum`
-        and the lighthouse has since left its group out
-        (:meth:`ftbridge.manager.quorum_watch.QuorumWatch.check_commit`)."""
-        if self.quorum_watch is not None:
-            self.quorum_watch.check_commit(self._torchft, self._step_start)
+        self.verdict: Optional[StepVerdict] = None
+        """This step's agreement and group decision (:meth:`decide`), ``None`` before it."""
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -249,15 +248,6 @@ class ReplicaManager:
         after a recorded error); then this rank's cross-replica collectives no longer pair with its peers'."""
         return self._skipped_collective
 
-    def agree_on_heal(self) -> bool:
-        """Make the ranks of this replica group agree whether this step's heal may be applied (:class:`HealAgreement`).
-
-        Call on every rank of the group right before :meth:`should_commit`.
-        With a torchft version it was not written for, no agreement is made
-        and ``True`` is returned (a warning said so at start-up).
-        """
-        return self._heal_agreement.agree() if self._heal_agreement is not None else True
-
     def state_dict(self) -> Dict[str, int]:
         """torchft's counters: ``{"step": committed steps, "batches_committed": int}``."""
         return dict(self._torchft.state_dict())
@@ -266,12 +256,49 @@ class ReplicaManager:
         """Set torchft's counters from :meth:`state_dict` output (a checkpoint's)."""
         self._torchft.load_state_dict(state)
 
-    def should_commit(self) -> bool:
-        """Whether every rank of every participating group may apply this step.
+    def decide(self, guard: Optional[str] = None, stop: bool = False) -> "StepVerdict":
+        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step.
 
-        Applies a pending heal first (on every rank of a healing group). While riding out lighthouse
-        outages is on, every member of the quorum must first agree on quorum, membership and step
-        (:meth:`ftbridge.manager.outage.OutageRider.before_commit`, in every step).
+        Call on every rank of the group after the step's gradient all-reduces and right before
+        :meth:`should_commit`. Waits for the quorum; a frozen process the lighthouse left out records an
+        error (the peer watch); one cross-replica all-reduce gathers every member's view; one in-group
+        all-reduce gathers every rank's flags; every rank then takes the same decision: a heal a rank
+        lacks is dropped on all (torchft's counters go back), and a step the group must discard records
+        an error on every rank, so torchft's ``should_commit`` returns ``False`` on all of them.
+
+        Args:
+            guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
+            stop: this rank ends its group this step (every rank then sees ``decision.stop``).
+
+        Returns:
+            :class:`StepVerdict`, also kept as :attr:`verdict`.
+
+        Raises:
+            QuorumTimeout (from the quorum thread): no quorum within its deadline and no ride.
+            RuntimeError: the in-group exchange failed (a rank of the group died or hung past the
+                in-group timeout); the rank must exit, its group mates cannot be followed.
+        """
+        tf = self._torchft
+        tf.wait_quorum()
+        if self.quorum_watch is not None:  # frozen during the step and left out meanwhile: discard
+            self.quorum_watch.check_commit(tf, self._step_start)
+        agreement = self.outage.agree(guard) if self.outage is not None else None
+        healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
+        flags = rank_flags(step=int(tf.current_step()), errored=tf.errored() is not None, agreement=agreement,
+                           healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop)
+        decision = decide_group(exchange_in_group(encode_flags(flags), self.cfg.group_size))
+        if self._heal_agreement is not None:
+            self._heal_agreement.settle(drop=decision.drop_heal)
+        if not decision.commit and tf.errored() is None:
+            tf.report_error(GroupDiscard(f"replica group {self.cfg.replica_group_id} discards step "
+                                         f"{int(tf.current_step())}: {decision.reason}"))
+        self.verdict = StepVerdict(agreement, decision)
+        return self.verdict
+
+    def should_commit(self) -> bool:
+        """torchft's commit vote (an AND over the group's ranks), after :meth:`decide`.
+
+        Applies a pending heal first (on every rank of a healing group).
 
         Raises:
             RuntimeError: the group's commit vote did not complete within
@@ -282,9 +309,7 @@ class ReplicaManager:
                 the group, which then heals from a peer.
         """
         try:
-            if self.outage is None:
-                return self._torchft.should_commit()
-            return self.outage.commit(self._torchft.should_commit)  # lighthouse outage (ftbridge.manager.outage)
+            committed = self._torchft.should_commit()
         except TimeoutError as exc:
             bound = self.cfg.torchft_timeout.total_seconds()
             raise RuntimeError(
@@ -292,6 +317,10 @@ class ReplicaManager:
                 f"(2 x cross_replica_timeout): another rank of this group did not vote, so it is hung or far "
                 "behind. This rank exits so that torchrun restarts the group, which then heals from a peer; "
                 "if the ranks are only slow, raise FTBRIDGE_CROSS_REPLICA_TIMEOUT_S") from exc
+        if self.outage is not None:
+            verdict = self.verdict
+            self.outage.after_commit(committed, bool(verdict and verdict.decision.ride_next))
+        return committed
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""
@@ -343,6 +372,39 @@ class ReplicaManager:
         self.transport.shutdown(wait=False)
         if self.quorum_watch is not None:
             self.quorum_watch.close()
+
+
+class GroupDiscard(RuntimeError):
+    """The replica group decided to discard this step (:func:`ftbridge.manager.commit.decide_group`)."""
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What :meth:`ReplicaManager.decide` found: this rank's agreement (``None`` where torchft's internals
+    are not supported) and the group's decision."""
+
+    agreement: Optional[Agreement]
+    decision: GroupDecision
+
+
+def exchange_in_group(row: List[float], group_size: int, group: Any = None) -> List[List[float]]:
+    """Every rank's ``row``, by group rank: one SUM all-reduce over the replica group (the default world).
+
+    Args:
+        row: this rank's row (float64-exact values).
+        group_size: ranks in the group; 1 needs no collective.
+        group: the process group (default: the default world, which ftbridge makes the replica group).
+
+    Raises:
+        RuntimeError: the all-reduce failed or timed out (the in-group process group's timeout).
+    """
+    if group_size == 1 or not dist.is_initialized():
+        return [list(row)]
+    rank = dist.get_rank(group)
+    rows = torch.zeros(group_size, len(row), dtype=torch.float64, device=collective_device(group_backend(group)))
+    rows[rank] = torch.tensor(row, dtype=torch.float64)
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    return rows.cpu().tolist()
 
 
 def is_dummy_work(work: Any) -> bool:

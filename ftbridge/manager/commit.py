@@ -1,0 +1,391 @@
+"""The per-step commit protocol of one rank: its inputs, its decisions and their invariants (no I/O).
+
+Every decision of a step that decides whether replicas stay identical is a
+pure function here; :mod:`ftbridge.manager.replica`, :mod:`ftbridge.manager.outage`
+and :mod:`ftbridge.manager.quorum_guard` are the drivers that feed them from
+torchft, the lighthouse, the stores and the process groups, and carry out what
+they return. ``tests/test_commit_simulation.py`` runs these functions under a
+deterministic simulation with faults at every step. The state diagram and the
+no-split argument are in ``docs/concepts.md`` ("The commit protocol").
+
+One step of one rank::
+
+    QUORUM   group rank 0 decides: ride the last quorum, or ask the lighthouse
+             (decide_ride), and while a call is in flight whether to wait, leave
+             it and ride, or give up (QuorumWait); the other ranks follow rank 0.
+    SYNC     the gradient all-reduces (ftbridge.zero.grad_sync).
+    AGREE    one cross-replica all-reduce: every member's View (encode_view),
+             judged identically by every member (judge).
+    DECIDE   one in-group all-reduce: every rank's Flags (encode_flags), one
+             GroupDecision for the whole group (decide_group).
+    COMMIT   torchft's should_commit (an AND over the group), then the next step.
+
+Invariants (checked after every transition of the simulation):
+
+* no two replica groups commit one step with different parameters: a commit
+  needs every member of the step's process group to report the same quorum,
+  membership, step and participation view (who averages, by what divisor);
+* every rank of a group takes the same decision: the decision is a function
+  of the in-group exchange, which every rank sees whole;
+* no committed step is lost: a group only ever discards its own step;
+* liveness: every wait has a deadline (QuorumWait, the process groups'
+  timeouts), and its outcome is a discard, a ride or an error naming the setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+# -- QUORUM ---------------------------------------------------------------------------------------------
+
+
+def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last_committed: bool,
+                rode_last: bool, last_all_unreachable: bool, lighthouse_answers: Optional[bool]) -> bool:
+    """Whether this step reuses the last quorum instead of asking the lighthouse (group rank 0 decides).
+
+    Args:
+        enabled: riding out lighthouse outages is on (``ride_out_lighthouse_outage``).
+        has_last: this rank has taken part in a quorum.
+        same_process_group: torchft still holds that quorum's process group.
+        last_committed: the whole group committed the previous step.
+        rode_last: the previous step rode.
+        last_all_unreachable: the previous step's agreement passed with no member hearing the lighthouse.
+        lighthouse_answers: whether the lighthouse answered a request within the probe deadline
+            (``None``: no recent probe). A TCP connect does not count: a hung lighthouse, or a proxy in
+            front of a dead one, accepts connections.
+
+    Returns:
+        ``True`` to ride. Entry follows this group's own probe; staying on follows the previous
+        agreement only, which every member judged from the same summed tensor.
+    """
+    if not (enabled and has_last and same_process_group and last_committed):
+        return False
+    if rode_last:
+        return last_all_unreachable
+    return lighthouse_answers is False
+
+
+class QuorumWait:
+    """Waiting for one lighthouse call of group rank 0: go on waiting, leave it and ride, or give up.
+
+    The driver polls every few tens of milliseconds with the clock and the
+    latest lighthouse probe; :meth:`poll` says what to do. A call that returns
+    or raises ends the wait in the driver (its result or its exception,
+    re-raised: torchft's ``TimeoutError`` included).
+
+    Args:
+        started: monotonic seconds when the call was made.
+        deadline_s: seconds after which the call counts as lost even if it has not raised
+            (``quorum_timeout`` plus slack: torchft's own bound should have ended it first).
+        may_ride: riding is allowed for this step (:func:`decide_ride` with an unanswering lighthouse
+            would say yes: on, a last quorum on the same process group, the last step committed).
+    """
+
+    WAIT, RIDE, EXPIRED = "wait", "ride", "expired"
+
+    def __init__(self, *, started: float, deadline_s: float, may_ride: bool) -> None:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s={deadline_s} must be positive")
+        self.started, self.deadline_s, self.may_ride = started, deadline_s, may_ride
+
+    def poll(self, now: float, lighthouse_answers: Optional[bool]) -> str:
+        """The action after one poll of a call still in flight at ``now`` (monotonic s).
+
+        Returns:
+            :attr:`RIDE` when riding is allowed and the lighthouse does not answer;
+            :attr:`EXPIRED` past the deadline; else :attr:`WAIT`.
+        """
+        if self.may_ride and lighthouse_answers is False:
+            return self.RIDE
+        if now - self.started >= self.deadline_s:
+            return self.EXPIRED
+        return self.WAIT
+
+
+# -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
+
+ROW = 17
+"""float64 values per member in the agreement (see :func:`encode_view`)."""
+
+
+@dataclass(frozen=True)
+class View:
+    """What one member acts on in this step; every member's must match for a commit.
+
+    Attributes:
+        replica_group: this member's replica group id (>= 0).
+        quorum_id: the step's quorum id.
+        membership: 16 hex digits, :func:`membership_digest` of the quorum's replica ids.
+        step: torchft's committed-step counter at this step (a healing member's is the donor's).
+        participants: the divisor this member averages by (torchft's ``num_participants``).
+        participating: whether this member's gradient counts (``False`` while it heals).
+        ok: no error recorded on this rank in this step.
+        lighthouse_seen: the lighthouse answered this rank's group at this step's start.
+        guard: 16 hex digits of the state fingerprint when the divergence guard is due and this member
+            participates, else ``None``.
+    """
+
+    replica_group: int
+    quorum_id: int
+    membership: str
+    step: int
+    participants: int
+    participating: bool
+    ok: bool
+    lighthouse_seen: bool
+    guard: Optional[str] = None
+
+
+def membership_digest(replica_ids: Sequence[str]) -> str:
+    """16 hex digits of SHA-256 over the sorted replica ids (each with torchft's per-process uuid)."""
+    return hashlib.sha256("|".join(sorted(replica_ids)).encode()).hexdigest()[:16]
+
+
+def _chunks(digest: str, what: str) -> List[float]:
+    if len(digest) != 16:
+        raise ValueError(f"{what} must be 16 hex digits, got {digest!r}")
+    value = int(digest, 16)
+    return [float((value >> (16 * i)) & 0xFFFF) for i in range(4)]
+
+
+def _digest(chunks: Sequence[float]) -> str:
+    return f"{sum(int(round(c)) << (16 * i) for i, c in enumerate(chunks)):016x}"
+
+
+def encode_view(v: View) -> List[float]:
+    """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
+    participants, participating, ok, lighthouse seen, guard present, guard x4]``.
+
+    Raises:
+        ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
+    """
+    for name in ("replica_group", "quorum_id", "step", "participants"):
+        if not 0 <= getattr(v, name) < 2**53:
+            raise ValueError(f"agreement view: {name}={getattr(v, name)} must be in [0, 2**53)")
+    guard = [1.0, *_chunks(v.guard, "guard digest")] if v.guard is not None else [0.0] * 5
+    return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
+            float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
+            *guard]
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    """The divergence guard's judgement of one step's fingerprints, by majority.
+
+    Attributes:
+        digests: replica group id -> fingerprint, for every participating member that reported one.
+        majority: the fingerprint held by more than half of them; ``None`` in a tie (2 groups that
+            differ, or no fingerprint held by more than half).
+        differing: groups whose fingerprint is not the majority's (empty in a tie).
+        agreeing: groups holding the majority's fingerprint: the ones a differing group heals from.
+    """
+
+    digests: Dict[int, str]
+    majority: Optional[str]
+    differing: Tuple[int, ...]
+    agreeing: Tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Every reporting member holds the same state."""
+        return len(set(self.digests.values())) <= 1
+
+    @property
+    def tie(self) -> bool:
+        """The members differ and no state is held by a strict majority."""
+        return not self.ok and self.majority is None
+
+
+def judge_guard(digests: Dict[int, str]) -> GuardVerdict:
+    """Which groups differ from the state most groups hold (pure).
+
+    No group is the reference: a corrupted primary is outvoted like any other
+    member. With two groups that differ, or a tie, nobody can be named right.
+    """
+    counts = Counter(digests.values())
+    top = counts.most_common(1)[0] if counts else None
+    majority = top[0] if top is not None and 2 * top[1] > len(digests) else None
+    if majority is None:
+        return GuardVerdict(dict(digests), None, (), ())
+    return GuardVerdict(dict(digests), majority, tuple(sorted(g for g, d in digests.items() if d != majority)),
+                        tuple(sorted(g for g, d in digests.items() if d == majority)))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """One member's verdict on the summed agreement tensor (every member judges the same tensor).
+
+    Attributes:
+        consistent: every member is present once and reports the same quorum, membership, step and
+            participation view (the count of participating members equals the divisor).
+        commit: ``consistent`` and, in a riding step, every member ok.
+        all_unreachable: ``commit`` and no member heard the lighthouse at this step's start.
+        reason: why not ``commit`` ("" when it holds).
+        guard: the divergence guard's verdict when fingerprints were reported, else ``None``.
+    """
+
+    consistent: bool
+    commit: bool
+    all_unreachable: bool
+    reason: str
+    guard: Optional[GuardVerdict] = None
+
+
+def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool) -> Agreement:
+    """The verdict of one step's agreement (pure).
+
+    Args:
+        rows: the summed agreement tensor as rows, one per member (quorum replica rank), :data:`ROW` each.
+        own: this member's own row (:func:`encode_view`).
+        riding: this step reuses the last quorum: every member must also be ok. On a quorum from the
+            lighthouse each group commits or discards on its own, as with torchft alone (a differing
+            group discards and heals while the others commit).
+
+    Returns:
+        :class:`Agreement`. A row not exactly 1 in its first value (missing, or written twice) fails.
+    """
+    if not rows:
+        return Agreement(False, False, False, "no members")
+    key = [float(x) for x in own[2:9]]  # quorum id, membership, step, participants
+    for rank, row in enumerate(rows):
+        if len(row) != ROW or row[0] != 1.0:
+            return Agreement(False, False, False, f"member {rank} missing from the agreement")
+        if [float(x) for x in row[2:9]] != key:
+            return Agreement(False, False, False,
+                             f"member {rank} (group {row[1] - 1:.0f}) is on quorum {row[2]:.0f} step {row[7]:.0f} "
+                             f"averaging over {row[8]:.0f}; this member on quorum {key[0]:.0f} step {key[5]:.0f} "
+                             f"over {key[6]:.0f} (or another membership)")
+    counted = sum(1 for row in rows if row[9] == 1.0)
+    if counted != int(key[6]):
+        return Agreement(False, False, False, f"{counted} members participate but each averages over "
+                                              f"{int(key[6])}: the members disagree on who heals")
+    guard_rows = [row for row in rows if row[9] == 1.0 and row[12] == 1.0]
+    guard = judge_guard({int(row[1]) - 1: _digest(row[13:17]) for row in guard_rows}) if guard_rows else None
+    if riding:
+        for rank, row in enumerate(rows):
+            if row[10] != 1.0:
+                return Agreement(True, False, False, f"member {rank} recorded an error in this riding step", guard)
+    return Agreement(True, True, not any(row[11] for row in rows), "", guard)
+
+
+# -- DECIDE: one in-group exchange per step -----------------------------------------------------------
+
+FLAGS = 11
+"""float64 values per rank in the in-group exchange (see :func:`encode_flags`)."""
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What one rank of a replica group brings to the group's decision.
+
+    Attributes:
+        step: torchft's step on this rank.
+        errored: an error is recorded on this rank (a failed collective, a peer lost, a failed heal fetch...).
+        agreement: this rank's cross-replica agreement passed (``Agreement.commit``).
+        all_unreachable: it passed with no member hearing the lighthouse.
+        healing: this rank heals in this step.
+        heal_ready: it holds its complete heal state.
+        guard_mismatch: the guard found some member's state differing (this group's or another's).
+        guard_differs: the guard found this group's state outvoted.
+        guard_tie: the guard found the members differ with no majority.
+        stop: this rank ends its group this step (a restarted group that found no peer to heal from).
+    """
+
+    step: int
+    errored: bool
+    agreement: bool
+    all_unreachable: bool = False
+    healing: bool = False
+    heal_ready: bool = False
+    guard_mismatch: bool = False
+    guard_differs: bool = False
+    guard_tie: bool = False
+    stop: bool = False
+
+
+def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
+               replica_group: int, stop: bool = False) -> Flags:
+    """This rank's :class:`Flags` from what it saw in the step (pure).
+
+    Args:
+        step: torchft's step.
+        errored: an error is recorded on this rank.
+        agreement: its cross-replica agreement (``None``: none made, where torchft's internals are not
+            supported; counts as passed).
+        healing, heal_ready: its heal state (:meth:`ftbridge.manager.HealAgreement.state`).
+        replica_group: its replica group id (the guard names groups by it).
+        stop: it ends its group this step.
+    """
+    g = agreement.guard if agreement is not None else None
+    return Flags(step=step, errored=errored, agreement=agreement.commit if agreement is not None else True,
+                 all_unreachable=bool(agreement and agreement.all_unreachable), healing=healing,
+                 heal_ready=heal_ready, guard_mismatch=bool(g and not g.ok),
+                 guard_differs=bool(g and replica_group in g.differing), guard_tie=bool(g and g.tie), stop=stop)
+
+
+def encode_flags(f: Flags) -> List[float]:
+    """One rank's row of the in-group exchange: ``[1, step, errored, agreement, all unreachable, healing,
+    heal ready, guard mismatch, guard differs, guard tie, stop]`` (exact in float64)."""
+    return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.all_unreachable),
+            float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
+            float(f.guard_tie), float(f.stop)]
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """The one decision of a replica group for this step, the same on every rank.
+
+    Attributes:
+        commit: the group votes to commit (torchft's ``should_commit`` still ANDs it over the group).
+        drop_heal: the group heals but a rank lacks its state: nobody applies it; counters go back.
+        guard_mismatch: the guard found some member differing, on any rank of the group.
+        guard_differs: the guard outvoted this group: it discards this step and heals next.
+        guard_tie: the guard found the groups differing with no majority.
+        ride_next: the group committed on an agreement in which nobody heard the lighthouse.
+        stop: a rank of the group ends it: every rank raises.
+        reason: why not ``commit`` ("" when it holds).
+    """
+
+    commit: bool
+    drop_heal: bool
+    guard_mismatch: bool
+    guard_differs: bool
+    guard_tie: bool
+    ride_next: bool
+    stop: bool
+    reason: str
+
+
+def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
+    """The replica group's decision from every rank's :func:`encode_flags` row (pure; same on every rank).
+
+    Raises:
+        ValueError: a row is missing or written twice (the exchange itself failed; the caller must not
+            guess a decision its group mates may not take).
+    """
+    for rank, row in enumerate(rows):
+        if len(row) != FLAGS or row[0] != 1.0:
+            raise ValueError(f"in-group exchange: rank {rank}'s flags are missing or doubled ({list(row)})")
+    any_ = lambda i: any(row[i] == 1.0 for row in rows)  # noqa: E731
+    all_ = lambda i: all(row[i] == 1.0 for row in rows)  # noqa: E731
+    healing = any_(5)
+    drop_heal = healing and not (all_(5) and all_(6))
+    reasons = []
+    if len({row[1] for row in rows}) > 1:
+        reasons.append(f"the ranks are on different steps {sorted({int(row[1]) for row in rows})}")
+    if any_(2):
+        reasons.append("a rank recorded an error")
+    if not all_(3):
+        reasons.append("a rank's cross-replica agreement failed")
+    if drop_heal:
+        reasons.append("a rank of this group did not receive its heal state")
+    if any_(8):
+        reasons.append("the divergence guard outvoted this group's state")
+    if any_(10):
+        reasons.append("a rank of this group stops it")
+    commit = not reasons
+    return GroupDecision(commit, drop_heal, any_(7) or any_(8) or any_(9), any_(8), any_(9), commit and all_(4),
+                         any_(10), "; ".join(reasons))

@@ -1,0 +1,630 @@
+"""A deterministic simulation of ftbridge's commit protocol: replica groups, ranks, a lighthouse, links, a clock.
+
+It drives the protocol's real code with fakes for everything it talks to:
+
+* per rank, a real :class:`ftbridge.manager.outage.OutageRider` (the riding decision, shared with the group
+  through a store, the last quorum, the agreement row and its verdict, the state after a commit) and a real
+  :class:`ftbridge.manager.HealAgreement` (state, settle), over a fake torchft manager (:class:`RankTF`);
+* the pure rules: :class:`~ftbridge.manager.commit.QuorumWait`, :func:`~ftbridge.manager.commit.rank_flags`,
+  :func:`~ftbridge.manager.commit.decide_group` (the guard's majority inside ``judge``),
+  :mod:`ftbridge.quorum_rules` (lighthouse restarts, the reconfigure vote, the majority after a restart) and
+  :func:`ftbridge.heal.restart_without_peer`.
+
+One round is one step attempt of every group that runs; the clock counts rounds. What the fakes model:
+
+* the lighthouse (:class:`SimLighthouse`): heartbeats, a quorum of the groups whose request reached it when
+  every fresh group asked (or, after the join wait, more than half), a new id when the membership changes,
+  the highest step and who heals; dead, hung (requests wait, nothing is answered), restarted empty;
+* links: a group cut off from the lighthouse both ways or one way (its requests and heartbeats arrive, the
+  answers do not), two groups whose collectives cannot reach each other, a rank whose all-reduce fails;
+* groups: killed and restarted by torchrun (a new replica id, nothing to start from), slow for a round (it
+  heartbeats but does not ask), hung (no heartbeat either), a heal fetch that fails on one rank, an
+  abandoned request delivered late (torchft's retry re-sends it with its old step), a corrupted update;
+* a cross-replica collective (one per group rank) completes only when every member of its process group
+  runs the round on that same process group and every link between them holds; a rank after an error
+  leaves its later collectives out, as torchft does.
+
+Parameters are hashes: a commit applies ``H(params, contributions, divisor)``, so two groups that commit a
+step with different averages hold different parameters. :meth:`Sim.check` asserts the invariants after
+every round; :class:`Revert` switches one fix off, to show the simulation catches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
+
+from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
+from ftbridge.heal import restart_without_peer
+from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
+from ftbridge.manager.heal_agreement import HealAgreement
+from ftbridge.manager.outage import OutageRider
+from ftbridge.quorum_rules import QuorumSeen, decide_reconfigure, detect_lighthouse_restart, lacks_majority
+
+logging.getLogger("ftbridge.manager.outage").setLevel(logging.ERROR)
+logging.getLogger("ftbridge.manager.heal_agreement").setLevel(logging.ERROR)
+
+HEARTBEAT_TIMEOUT = 2
+"""Rounds without a heartbeat after which the lighthouse holds a group dead."""
+JOIN_WAIT = 1
+"""Rounds the lighthouse waits for fresh groups that did not ask before it forms a quorum without them."""
+QUORUM_TIMEOUT = 6
+"""Rounds a lighthouse call may stay unanswered before the rank gives up (QuorumWait's deadline)."""
+RESTART_PEER_WAIT = 4
+"""Rounds a restarted group with nothing waits alone for a peer (``restart_peer_wait``)."""
+MAJORITY_WAIT = 4
+"""Rounds a quorum after a lighthouse restart waits for a majority of the groups before it."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What is wrong during one round (group ids; ``(group, rank)`` for rank faults)."""
+
+    lighthouse: str = "up"
+    """``up``, ``dead`` (refuses) or ``hung`` (accepts, answers nothing; requests wait)."""
+    restart_lighthouse: bool = False
+    cut_lh: FrozenSet[int] = frozenset()
+    oneway_lh: FrozenSet[int] = frozenset()
+    cut_peer: FrozenSet[FrozenSet[int]] = frozenset()
+    slow: FrozenSet[int] = frozenset()
+    hang: FrozenSet[int] = frozenset()
+    kill: FrozenSet[int] = frozenset()
+    restart: FrozenSet[int] = frozenset()
+    rank_error: FrozenSet[Tuple[int, int]] = frozenset()
+    heal_fail: FrozenSet[Tuple[int, int]] = frozenset()
+    stale: FrozenSet[int] = frozenset()
+    corrupt: FrozenSet[int] = frozenset()
+
+    def quiet(self) -> bool:
+        """Nothing is wrong this round."""
+        return self == Faults()
+
+
+@dataclass
+class Revert:
+    """Fixes switched off, one at a time, to show the simulation catches each."""
+
+    participation_view: bool = False
+    """The agreement ignores who participates and the divisor (riders and members disagreeing on who heals)."""
+    group_decision: bool = False
+    """Each rank decides on its own flags instead of the group's exchange."""
+    guard_primary: bool = False
+    """The guard takes the quorum's primary (replica rank 0) as the truth instead of the majority."""
+    restart_alone: bool = False
+    """A restarted group with nothing trains alone from step 0 after the wait instead of stopping."""
+    quorum_deadline: bool = False
+    """A lighthouse call that never answers is waited for forever (no deadline, no ride)."""
+
+
+def H(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+class Store:
+    """A replica group's TCPStore (single-threaded: rank 0 runs first)."""
+
+    def __init__(self) -> None:
+        self.kv: Dict[str, bytes] = {}
+
+    def set(self, k: str, v: Any) -> None:
+        self.kv[k] = v if isinstance(v, bytes) else str(v).encode()
+
+    def delete_key(self, k: str) -> None:
+        self.kv.pop(k, None)
+
+    def wait(self, keys: List[str], timeout: Any) -> None:
+        missing = [k for k in keys if k not in self.kv]
+        if missing:
+            raise TimeoutError(f"store keys {missing} not set")
+
+    def get(self, k: str) -> bytes:
+        return self.kv[k]
+
+
+class PGState:
+    """The rank's cross-replica process group as torchft holds it."""
+
+    def __init__(self) -> None:
+        self.ident: Optional[Tuple[Any, ...]] = None  # (lighthouse epoch, quorum id, members, generation)
+
+    def errored(self) -> None:
+        return None
+
+
+class RankTF:
+    """The torchft ``Manager`` fields and methods the drivers read, for one rank."""
+
+    def __init__(self, store: Store) -> None:
+        self._quorum_id = -1
+        self._pg = PGState()
+        self._store = store
+        self.step = 0
+        self.batches = 0
+        self.error: Optional[Exception] = None
+        self.participants = 0
+        self.participating = False
+        self._healing = False
+        self._pending_state_dict: Optional[Dict[str, Any]] = None
+
+    def errored(self) -> Optional[Exception]:
+        return self.error
+
+    def report_error(self, e: Exception) -> None:
+        self.error = self.error or e
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"step": self.step, "batches_committed": self.batches}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.step, self.batches = state["step"], state["batches_committed"]
+
+
+class SimRank:
+    def __init__(self, group: "SimGroup", rank: int, ride: bool) -> None:
+        self.store = group.store
+        self.tf = RankTF(group.store)
+        self.rider = OutageRider(self.tf, enabled=ride, lighthouse="sim", group_rank=rank, group_size=group.size,
+                                 decision_timeout=timedelta(seconds=1), monitor=group.monitor,
+                                 replica_group_id=group.gid)
+        self.heal = HealAgreement(self.tf)
+        self.guard = DivergenceGuard(None, replica_group_id=group.gid, every=group.guard_every, action="heal",
+                                     on_tie="stop", events=_NoEvents())
+        self.params = H("init")
+        self.contribution: Optional[Tuple[Any, ...]] = None
+        self.healed_from: Optional[str] = None
+        self.agreement: Optional[Agreement] = None
+
+
+class _NoEvents:
+    def write(self, **kw: Any) -> None:
+        pass
+
+
+class Monitor:
+    """The lighthouse monitor of one group: a probe started in a round answers in the next one (at a step's start
+    the real monitor returns what a probe started earlier saw, or nothing); a call in flight sees this round's."""
+
+    def __init__(self) -> None:
+        self.truth = True  # whether a probe would get an answer this round
+        self._last: Optional[bool] = None  # what a probe started last round saw
+        self._probed = False
+
+    def answers(self, since: float) -> Optional[bool]:
+        self._probed = True
+        return self._last
+
+    def during_call(self) -> bool:
+        self._probed = True
+        return self.truth
+
+    def next_round(self, truth: bool) -> None:
+        self._last = self.truth if self._probed else None
+        self._probed, self.truth = False, truth
+
+
+@dataclass
+class Quorum:
+    quorum_id: int
+    replica_ids: List[str]
+    steps: Dict[str, int]
+    epoch: int
+    max_step: int = 0
+
+    def __post_init__(self) -> None:
+        self.max_step = max(self.steps.values())
+
+
+class SimGroup:
+    def __init__(self, gid: int, size: int, ride: bool, guard_every: int) -> None:
+        self.gid, self.size, self.ride, self.guard_every = gid, size, ride, guard_every
+        self.launch = 0
+        self.alive = True
+        self.exit_reason = ""
+        self.start()
+
+    def start(self) -> None:
+        self.store = Store()
+        self.monitor = Monitor()
+        self.ranks = [SimRank(self, r, self.ride) for r in range(self.size)]
+        self.asking: Optional[QuorumWait] = None
+        self.request_step: Optional[int] = None
+        self.stale_step: Optional[int] = None
+        self.seen: Optional[QuorumSeen] = None
+        self.need_majority: Optional[Tuple[Tuple[str, ...], int]] = None
+        self.started_round = 0
+        self.heals = 0
+        self.commit_failures = 0
+
+    @property
+    def replica_id(self) -> str:
+        return f"replica_group_{self.gid}:launch{self.launch}"
+
+
+class SimLighthouse:
+    """torchft 0.2's ``quorum_compute`` rules, per round: a fast quorum when every member of the last quorum asks;
+    otherwise at least ``min_replicas`` askers, more than half of the heartbeating groups, and every heartbeating
+    group asked or the join wait passed. The id goes up when the membership changes or a member reports failed
+    commits (which makes every member rebuild its process group)."""
+
+    def __init__(self, min_replicas: int) -> None:
+        self.min_replicas = min_replicas
+        self.epoch = 0
+        self.restart()
+
+    def restart(self) -> None:
+        self.epoch += 1
+        self.quorum_id = 0
+        self.members: Tuple[str, ...] = ()
+        self.beats: Dict[str, int] = {}
+        self.first_asked: Optional[int] = None
+
+    def form(self, now: int, requests: Dict[str, Tuple[int, int]]) -> Optional[Quorum]:
+        """The quorum of this round from ``{replica id: (step, commit failures)}``, or ``None``."""
+        for rid in requests:
+            self.beats[rid] = now  # a request is a heartbeat too
+        healthy = {r for r, t in self.beats.items() if now - t < HEARTBEAT_TIMEOUT}
+        asked = {r: v for r, v in requests.items() if r in healthy}
+        if not asked:
+            self.first_asked = None
+            return None
+        if self.first_asked is None:
+            self.first_asked = now
+        fast = bool(self.members) and set(self.members) <= set(asked)
+        if not fast:
+            if len(asked) < self.min_replicas or len(asked) <= len(healthy) // 2:
+                return None
+            if len(asked) < len(healthy) and now - self.first_asked < JOIN_WAIT:
+                return None
+        members = tuple(sorted(asked))
+        if members != self.members or any(failures > 0 for _, failures in asked.values()):
+            self.quorum_id += 1
+        self.members, self.first_asked = members, None
+        return Quorum(self.quorum_id, list(members), {r: step for r, (step, _) in asked.items()}, self.epoch)
+
+
+@dataclass
+class Record:
+    """One group's outcome of one round."""
+
+    group: int
+    launch: int
+    step_before: int
+    committed: bool
+    participants: int
+    params: str
+    rode: bool
+
+
+class Sim:
+    """``groups`` replica groups of ``size`` ranks each, riding on or off, under a schedule of :class:`Faults`."""
+
+    def __init__(self, groups: int, size: int, *, ride: bool = True, guard_every: int = 0, min_replicas: int = 1,
+                 revert: Optional[Revert] = None) -> None:
+        self.groups = [SimGroup(g, size, ride, guard_every) for g in range(groups)]
+        self.lighthouse = SimLighthouse(min_replicas)
+        self.guard_every = guard_every
+        self.revert = revert or Revert()
+        self.now = 0
+        self.commits: Dict[int, str] = {}  # step -> parameters after committing it (the first clean committer's)
+        self.history: List[List[Record]] = []
+        self.tainted: Set[str] = set()  # parameters that descend from a corrupted update
+        self.faults = Faults()
+        self._stepping: Set[int] = set()
+
+    def group(self, replica_id: str) -> Optional[SimGroup]:
+        return next((g for g in self.groups if g.replica_id == replica_id and g.alive), None)
+
+    # -- one round ---------------------------------------------------------------------------------------
+    def round(self, faults: Faults) -> List[Record]:
+        """One step attempt of every group that runs, under ``faults``; the invariants are checked after it."""
+        self.now += 1
+        self.faults = f = faults
+        lh = self.lighthouse
+        if f.restart_lighthouse:
+            lh.restart()
+        for g in self.groups:
+            if g.gid in f.kill and g.alive:
+                g.alive, g.exit_reason = False, "killed"
+            elif g.gid in f.restart and not g.alive and g.exit_reason == "killed":
+                g.alive, g.exit_reason = True, ""
+                g.launch += 1
+                g.start()
+                g.started_round = self.now
+        runs = [g for g in self.groups if g.alive and g.gid not in f.hang]
+        for g in runs:  # heartbeats travel group -> lighthouse (a one-way cut lets them through)
+            if f.lighthouse == "up" and g.gid not in f.cut_lh:
+                lh.beats[g.replica_id] = self.now
+            g.monitor.next_round(f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh)
+        results = self._quorum([g for g in runs if g.gid not in f.slow])
+        stepping = [g for g in self.groups if g.gid in results and g.alive]
+        self._stepping = {g.gid for g in stepping}
+        owns = {g.gid: self._own_rebuild(g, results[g.gid]) for g in stepping if results[g.gid] != "ride"}
+        for g in stepping:
+            self._apply_quorum(g, results[g.gid], owns)
+        donors = {g.replica_id: g.ranks[0].params for g in stepping}
+        steps = {g.replica_id: g.ranks[0].tf.step for g in stepping}
+        for g in stepping:
+            self._fetch_heal(g, donors, steps)
+        self._gradients(stepping)
+        for g in stepping:
+            self._restart_rule(g, report=True)
+        self._agree(stepping)
+        records = [self._decide_and_commit(g) for g in stepping]
+        self.history.append(records)
+        self.check(records)
+        return records
+
+    def _quorum(self, runs: List[SimGroup]) -> Dict[int, Any]:
+        """QUORUM: ride, or ask the lighthouse and wait; returns {group: quorum or 'ride'} for the groups that step."""
+        f, out = self.faults, {}
+        requests: Dict[str, Tuple[int, int]] = {}
+        for g in runs:
+            if g.asking is None:
+                reused = [r.rider.reuse() for r in g.ranks]  # rank 0 first: the others read its decision
+                if reused[0] is not None:
+                    out[g.gid] = "ride"
+                    continue
+                g.asking = QuorumWait(started=float(self.now), deadline_s=float(QUORUM_TIMEOUT),
+                                      may_ride=g.ranks[0].rider.may_ride())
+                g.request_step = g.ranks[0].tf.step
+            if f.lighthouse != "dead" and g.gid not in f.cut_lh:
+                requests[g.replica_id] = (g.request_step, g.commit_failures)
+        for g in self.groups:  # an abandoned call's request, re-sent by torchft's retry, arriving last
+            if g.gid in f.stale and g.alive and g.stale_step is not None and f.lighthouse != "dead":
+                requests[g.replica_id] = (g.stale_step, 0)
+                g.stale_step = None
+        q = self.lighthouse.form(self.now, requests) if f.lighthouse == "up" else None
+        for g in runs:
+            if g.asking is None:
+                continue
+            if q is not None and g.replica_id in q.replica_ids:
+                if g.gid not in f.oneway_lh:
+                    g.asking, out[g.gid] = None, q
+                    continue
+                g.stale_step = g.request_step  # answered, but the answer is lost on the way back
+            action = g.asking.poll(float(self.now), g.monitor.during_call())
+            if self.revert.quorum_deadline and action != QuorumWait.RIDE:
+                action = QuorumWait.WAIT
+            if action == QuorumWait.RIDE:
+                g.stale_step = g.request_step  # torchft keeps retrying the call the rank left
+                for r in g.ranks:
+                    r.rider.leave_call()
+                g.asking, out[g.gid] = None, "ride"
+            elif action == QuorumWait.EXPIRED:
+                g.alive, g.exit_reason = False, "QuorumTimeout"
+        return out
+
+    def _own_rebuild(self, g: SimGroup, q: "Quorum") -> Tuple[bool, bool]:
+        """``(restarted, own vote)`` of a member before it applies ``q`` (the quorum guard's rules)."""
+        restarted = detect_lighthouse_restart(g.seen, q.quorum_id, q.replica_ids)
+        return restarted, restarted or q.quorum_id != g.ranks[0].tf._quorum_id
+
+    def _apply_quorum(self, g: SimGroup, result: Any, owns: Dict[int, Tuple[bool, bool]]) -> None:
+        """What torchft and the quorum guard do with this step's quorum on each rank of ``g``."""
+        for r in g.ranks:
+            r.tf.error, r.tf._healing, r.tf._pending_state_dict, r.healed_from = None, False, None, None
+            r.agreement = None
+        if result == "ride":
+            for r in g.ranks:
+                r.tf.participants, r.tf.participating = r.rider.last.world_size, True
+            return
+        q: Quorum = result
+        restarted, own = owns[g.gid]
+        if restarted and g.need_majority is None and g.seen is not None:
+            g.need_majority = (g.seen.members, self.now)
+        g.seen = QuorumSeen(q.quorum_id, tuple(sorted(q.replica_ids)))
+        votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids) if m is not None and m.gid in owns]
+        rebuild = decide_reconfigure(own, votes if len(votes) == len(q.replica_ids) else None)
+        at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
+        for r in g.ranks:
+            if rebuild:
+                r.tf._quorum_id = q.quorum_id
+                r.tf._pg.ident = (q.epoch, q.quorum_id, tuple(q.replica_ids), self.now)
+            r.rider.remember(_Result(q, g.replica_id), q.replica_ids)
+            r.tf.participants, r.tf.participating = len(at_max), g.replica_id in at_max
+            if q.steps[g.replica_id] < q.max_step:
+                r.tf._healing, r.healed_from = True, at_max[0]
+        if g.need_majority is not None:
+            before, since = g.need_majority
+            if not lacks_majority(before, q.replica_ids) or self.now - since >= MAJORITY_WAIT:
+                g.need_majority = None
+            else:
+                for r in g.ranks:
+                    r.tf.report_error(RuntimeError("no majority of the groups after a lighthouse restart"))
+
+    def _fetch_heal(self, g: SimGroup, donors: Dict[str, str], steps: Dict[str, int]) -> None:
+        for i, r in enumerate(g.ranks):
+            tf = r.tf
+            if not tf._healing:
+                continue
+            src = r.healed_from or ""
+            cut = self.group(src) is not None and frozenset((g.gid, self.group(src).gid)) in self.faults.cut_peer
+            if src not in donors or (g.gid, i) in self.faults.heal_fail or cut:
+                tf.report_error(RuntimeError("heal fetch failed"))
+                continue
+            tf._pending_state_dict = {"params": donors[src], "torchft": {"step": steps[src], "batches_committed": 0}}
+            tf.load_state_dict(tf._pending_state_dict["torchft"])  # torchft takes the donor's counters at once
+
+    def _pairs(self, g: SimGroup, rank: int, *, skip_errored: bool) -> bool:
+        """Whether group rank ``rank``'s cross-replica collective of this round completes for ``g``."""
+        f, ident = self.faults, g.ranks[rank].tf._pg.ident
+        if ident is None:
+            return False
+        for rid in ident[2]:
+            other = self.group(rid)
+            if other is None or other.gid not in self._stepping or other.ranks[rank].tf._pg.ident != ident:
+                return False
+            if skip_errored and other.ranks[rank].tf.error is not None:
+                return False  # torchft issues nothing after an error
+            if (other.gid, rank) in f.rank_error or frozenset((g.gid, other.gid)) in f.cut_peer:
+                return False
+        return True
+
+    def _gradients(self, stepping: List[SimGroup]) -> None:
+        """The gradient all-reduce of every rank: what it contributes and divides by, or an error."""
+        ok = {(g.gid, i): self._pairs(g, i, skip_errored=True) for g in stepping for i in range(g.size)}
+        for g in stepping:
+            for i, r in enumerate(g.ranks):
+                skipped = r.tf.error is not None or not ok[(g.gid, i)]
+                r.rider.skipped_collective = (lambda s=skipped: s)
+                if not ok[(g.gid, i)]:
+                    r.tf.report_error(RuntimeError("cross-replica all-reduce failed"))
+                    continue
+                parts = [(m.gid, m.ranks[i].tf.step) for m in map(self.group, r.tf._pg.ident[2])
+                         if m is not None and m.ranks[i].tf.participating]
+                r.contribution = (tuple(sorted(parts)), r.tf.participants)
+
+    def _restart_rule(self, g: SimGroup, report: bool) -> bool:
+        """:func:`ftbridge.heal.restart_without_peer` for ``g`` now: reports the error of a waiting step; whether
+        the group stops."""
+        r0 = g.ranks[0].tf
+        rule = restart_without_peer(restart_count=g.launch, num_replica_groups=len(self.groups), step=r0.step,
+                                    heals=g.heals, participants=r0.participants, waited_s=self.now - g.started_round,
+                                    limit_s=RESTART_PEER_WAIT)
+        if rule == "stop" and self.revert.restart_alone:
+            return False
+        if rule != "go" and report:
+            for r in g.ranks:
+                r.tf.report_error(RuntimeError("restarted alone at step 0: waiting for a peer"))
+        return rule == "stop"
+
+    def _agree(self, stepping: List[SimGroup]) -> None:
+        """AGREE: every rank's row, one summed collective per process group and group rank, every rank's verdict."""
+        rows: Dict[Tuple[Any, int], Dict[int, List[float]]] = {}
+        owns: Dict[Tuple[int, int], Optional[List[float]]] = {}
+        for g in stepping:
+            for i, r in enumerate(g.ranks):
+                due = r.guard.due(r.tf.step)
+                own = r.rider.own_row(r.params if due else None)
+                if own is not None and self.revert.participation_view:
+                    own[8] = own[9] = 0.0
+                owns[(g.gid, i)] = own
+                if own is not None:
+                    rows.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = own
+        for g in stepping:
+            for i, r in enumerate(g.ranks):
+                own, summed = owns[(g.gid, i)], None
+                if own is not None and self._pairs(g, i, skip_errored=False):
+                    got = rows[(r.tf._pg.ident, i)]
+                    if len(got) == r.rider.last.world_size:
+                        summed = [list(got[k]) for k in range(r.rider.last.world_size)]
+                r.agreement = r.rider.conclude(own, summed, "agreement all-reduce failed")
+                if self.revert.guard_primary and r.agreement.guard is not None and summed:
+                    r.agreement = _primary_guard(r.agreement, summed)
+
+    def _decide_and_commit(self, g: SimGroup) -> Record:
+        """DECIDE (the in-group exchange), the guard's action, torchft's commit vote, the update."""
+        f = self.faults
+        step_before = g.ranks[0].tf.step
+        stop = self._restart_rule(g, report=False)
+        flags = []
+        for r in g.ranks:
+            healing, ready = r.heal.state()
+            flags.append(encode_flags(rank_flags(step=r.tf.step, errored=r.tf.error is not None,
+                                                 agreement=r.agreement, healing=healing, heal_ready=ready,
+                                                 replica_group=g.gid, stop=stop)))
+        decisions = ([decide_group([row]) for row in flags] if self.revert.group_decision
+                     else [decide_group(flags)] * len(g.ranks))
+        if decisions[0].stop:
+            g.alive, g.exit_reason = False, "NoPeerToHealFrom"
+        try:
+            for r, d in zip(g.ranks, decisions):
+                r.guard.act(step_before, r.agreement.guard if r.agreement else None, d)
+        except ReplicaDivergenceError:
+            g.alive, g.exit_reason = False, "ReplicaDivergenceError"
+        for r, d in zip(g.ranks, decisions):
+            r.heal.settle(drop=d.drop_heal)
+            if not d.commit:
+                r.tf.report_error(RuntimeError(d.reason))
+            if r.tf._healing and r.tf._pending_state_dict is not None:  # torchft applies it in should_commit
+                r.params = r.tf._pending_state_dict["params"]
+        if any(r.tf._healing and r.tf._pending_state_dict is not None for r in g.ranks):
+            g.heals += 1
+        committed = g.alive and all(r.tf.error is None for r in g.ranks)  # torchft's should_commit: an AND
+        g.commit_failures = 0 if committed else g.commit_failures + 1
+        for r, d in zip(g.ranks, decisions):
+            if committed:
+                corrupt = g.gid in f.corrupt
+                before = r.params
+                r.params = H(r.params, ("corrupt", self.now) if corrupt else r.contribution)
+                if corrupt or before in self.tainted:
+                    self.tainted.add(r.params)
+                r.tf.step += 1
+            r.rider.after_commit(committed, committed and d.ride_next)
+        r0 = g.ranks[0]
+        return Record(g.gid, g.launch, step_before, committed, r0.tf.participants, r0.params, r0.rider.riding)
+
+    # -- invariants --------------------------------------------------------------------------------------
+    def check(self, records: List[Record]) -> None:
+        """After every round: the ranks of a group hold one state; no two groups commit one step with different
+        parameters; no restarted group trains alone from step 0 once the job has committed steps; a clean
+        group never takes a corrupted state while most groups hold a clean one."""
+        for g in self.groups:
+            if g.alive:
+                states = {(r.tf.step, r.params) for r in g.ranks}
+                assert len(states) == 1, f"round {self.now}: group {g.gid}'s ranks hold different states {states}"
+        for rec in records:
+            if not rec.committed or rec.params in self.tainted:
+                continue
+            if rec.launch > 0 and rec.step_before == 0 and rec.participants <= 1 and len(self.commits) > 1:
+                raise AssertionError(f"round {self.now}: restarted group {rec.group} trained alone from step 0 "
+                                     "while the job had committed steps: a second, different model")
+            first = self.commits.setdefault(rec.step_before, rec.params)
+            assert first == rec.params, (f"round {self.now}: group {rec.group} committed step {rec.step_before} "
+                                         "with other parameters than another group did (split)")
+        live = {g.gid for g in self.groups if g.alive}
+        clean = {g.gid for g in self.groups if g.alive and g.ranks[0].params not in self.tainted}
+        before_live, before_clean = self._before
+        if self.guard_every and 2 * len(before_clean) > len(before_live):
+            took = (before_clean & live) - clean - set(self.faults.corrupt)
+            assert not took, f"round {self.now}: clean groups {sorted(took)} took a corrupted state from a minority"
+        self._before = (live, clean)
+
+    _before: Tuple[Set[int], Set[int]] = (set(), set())
+
+    def committing(self) -> Set[int]:
+        """Groups that committed in the last round."""
+        return {r.group for r in self.history[-1] if r.committed} if self.history else set()
+
+
+class _Result:
+    """torchft's quorum result as the rider and torchft read it, for one member."""
+
+    def __init__(self, q: Quorum, me: str) -> None:
+        self.quorum_id = q.quorum_id
+        self.replica_ids = q.replica_ids
+        self.replica_rank = q.replica_ids.index(me)
+        self.replica_world_size = len(q.replica_ids)
+        self.max_step = q.max_step
+        self.store_address = "sim"
+
+
+def _primary_guard(agreement: Any, summed: List[List[float]]) -> Any:
+    """The old rule, for :attr:`Revert.guard_primary`: the primary's fingerprint is the truth."""
+    from dataclasses import replace
+
+    from ftbridge.manager.commit import GuardVerdict
+
+    v = agreement.guard
+    primary = int(summed[0][1]) - 1
+    want = v.digests.get(primary)
+    if want is None or v.ok:
+        return agreement
+    differing = tuple(sorted(gid for gid, d in v.digests.items() if d != want))
+    agreeing = tuple(sorted(gid for gid, d in v.digests.items() if d == want))
+    return replace(agreement, guard=GuardVerdict(v.digests, want, differing, agreeing))
+
+
+__all__ = ["Faults", "Revert", "Sim"]

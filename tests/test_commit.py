@@ -1,0 +1,174 @@
+"""The commit protocol's pure decisions (ftbridge.manager.commit): rows, verdicts, the group decision, the waits."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftbridge.manager.commit import (
+    FLAGS,
+    ROW,
+    Flags,
+    QuorumWait,
+    View,
+    decide_group,
+    decide_ride,
+    encode_flags,
+    encode_view,
+    judge,
+    membership_digest,
+)
+
+D1, D2 = "0123456789abcdef", "fedcba9876543210"
+G1, G2 = "1111111111111111", "2222222222222222"
+
+
+def view(group=0, qid=4, digest=D1, step=100, participants=2, participating=True, ok=True, seen=False, guard=None):
+    return View(group, qid, digest, step, participants, participating, ok, seen, guard)
+
+
+def test_rows_agree_only_on_the_same_quorum_membership_step_and_divisor():
+    a, b = encode_view(view(0)), encode_view(view(1))
+    assert len(a) == ROW
+    v = judge([a, b], a, riding=True)
+    assert v.consistent and v.commit and v.all_unreachable and v.guard is None
+    assert not judge([a, encode_view(view(1, seen=True))], a, riding=True).all_unreachable
+    for other in (view(1, qid=5), view(1, digest=D2), view(1, step=99), view(1, participants=1)):
+        verdict = judge([a, encode_view(other)], a, riding=False)
+        assert not verdict.consistent and not verdict.commit, other
+    assert "missing" in judge([a, [0.0] * ROW], a, riding=False).reason
+    assert "missing" in judge([a, [2 * x for x in b]], a, riding=False).reason  # a member that wrote twice
+    with pytest.raises(ValueError, match="16 hex digits"):
+        encode_view(view(digest="abc"))
+    with pytest.raises(ValueError, match="step=-1"):
+        encode_view(view(step=-1))
+
+
+def test_the_divisor_must_match_the_members_that_participate():
+    # Both say "2 participants" but one member heals (participating=False): only one gradient is in the sum.
+    a, b = encode_view(view(0)), encode_view(view(1, participating=False))
+    assert "disagree on who heals" in judge([a, b], a, riding=False).reason
+    c, d = encode_view(view(0, participants=1)), encode_view(view(1, participants=1, participating=False))
+    assert judge([c, d], c, riding=False).commit  # a joiner that heals: the one participant divides by 1
+
+
+def test_a_riding_step_needs_every_member_ok_a_lighthouse_step_does_not():
+    a, b = encode_view(view(0)), encode_view(view(1, ok=False))
+    assert not judge([a, b], a, riding=True).commit and "recorded an error" in judge([a, b], a, riding=True).reason
+    assert judge([a, b], a, riding=False).commit
+
+
+def test_the_guard_verdict_comes_from_every_participating_fingerprint():
+    rows = [encode_view(view(g, participants=3, guard=d)) for g, d in ((0, G2), (1, G1), (2, G1))]
+    v = judge(rows, rows[0], riding=False)
+    assert v.guard.differing == (0,) and v.guard.agreeing == (1, 2)
+    healer = [encode_view(view(0, participants=1, guard=G1)), encode_view(view(1, participants=1,
+                                                                             participating=False, guard=None))]
+    assert judge(healer, healer[0], riding=False).guard.ok
+
+
+@given(st.lists(st.tuples(st.sampled_from([3, 4]), st.sampled_from([D1, D2]), st.sampled_from([7, 8]),
+                          st.sampled_from([2, 3]), st.booleans(), st.booleans(), st.booleans(),
+                          st.sampled_from([0.0, 1.0, 2.0])), min_size=1, max_size=4), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_no_two_members_commit_different_views(members, riding):
+    """Whatever the members write (and however often), every member judges one summed tensor: if any member
+    commits, every member is present once and all hold the same quorum, membership, step and divisor."""
+    owns = [encode_view(view(i, q, d, s, n, part, ok)) for i, (q, d, s, n, part, ok, _, _) in enumerate(members)]
+    rows = [[m[-1] * x for x in own] for m, own in zip(members, owns)]
+    committed = [own for own in owns if judge(rows, own, riding=riding).commit]
+    if committed:
+        assert all(m[-1] == 1.0 for m in members)
+        assert len({tuple(o[2:9]) for o in owns}) == 1
+        assert sum(1 for o in owns if o[9] == 1.0) == int(owns[0][8])
+        assert len(committed) == len(owns)
+
+
+def test_membership_digest_ignores_order():
+    assert membership_digest(["b:2", "a:1"]) == membership_digest(["a:1", "b:2"]) != membership_digest(["a:1"])
+
+
+# -- the group's decision ------------------------------------------------------------------------------
+def rows(*flags):
+    return [encode_flags(f) for f in flags]
+
+
+def test_every_rank_ok_commits_and_rides_on_only_if_every_rank_heard_nothing():
+    ok = Flags(step=5, errored=False, agreement=True, all_unreachable=True)
+    d = decide_group(rows(ok, ok))
+    assert d.commit and d.ride_next and not d.drop_heal and d.reason == ""
+    assert not decide_group(rows(ok, Flags(step=5, errored=False, agreement=True))).ride_next
+
+
+@pytest.mark.parametrize("bad, why", [
+    (Flags(step=5, errored=True, agreement=True), "recorded an error"),
+    (Flags(step=5, errored=False, agreement=False), "agreement failed"),
+    (Flags(step=4, errored=False, agreement=True), "different steps"),
+    (Flags(step=5, errored=False, agreement=True, guard_mismatch=True, guard_differs=True), "outvoted"),
+    (Flags(step=5, errored=False, agreement=True, stop=True), "stops it"),
+])
+def test_one_rank_s_trouble_discards_the_whole_group(bad, why):
+    ok = Flags(step=5, errored=False, agreement=True)
+    for order in ((ok, bad), (bad, ok)):
+        d = decide_group(rows(*order))
+        assert not d.commit and why in d.reason and not d.ride_next
+
+
+def test_a_heal_one_rank_lacks_is_dropped_on_every_rank():
+    ready = Flags(step=40, errored=False, agreement=True, healing=True, heal_ready=True)
+    lacks = Flags(step=40, errored=True, agreement=True, healing=True, heal_ready=False)
+    assert decide_group(rows(ready, lacks)).drop_heal
+    assert not decide_group(rows(ready, ready)).drop_heal
+    # A rank that heals while its group mate does not: the group is split on the quorum, never apply it.
+    assert decide_group(rows(ready, Flags(step=40, errored=False, agreement=True))).drop_heal
+
+
+def test_a_missing_or_doubled_rank_is_an_error_not_a_guess():
+    ok = encode_flags(Flags(step=5, errored=False, agreement=True))
+    assert len(ok) == FLAGS
+    with pytest.raises(ValueError, match="rank 1"):
+        decide_group([ok, [0.0] * FLAGS])
+    with pytest.raises(ValueError, match="rank 0"):
+        decide_group([[2 * x for x in ok], ok])
+
+
+@given(st.lists(st.builds(Flags, step=st.sampled_from([3, 4]), errored=st.booleans(), agreement=st.booleans(),
+                          all_unreachable=st.booleans(), healing=st.booleans(), heal_ready=st.booleans(),
+                          guard_mismatch=st.booleans(), guard_differs=st.booleans(), guard_tie=st.booleans(),
+                          stop=st.booleans()), min_size=1, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_the_decision_is_a_function_of_the_whole_group_only(flags):
+    """Every rank sees the same rows (the exchange), so every rank takes the same decision; and a commit
+    needs every rank clean."""
+    table = rows(*flags)
+    d = decide_group(table)
+    assert all(decide_group(list(table)) == d for _ in flags)
+    if d.commit:
+        assert all(not f.errored and f.agreement and not f.guard_differs and not f.stop for f in flags)
+        assert len({f.step for f in flags}) == 1
+
+
+# -- QUORUM ----------------------------------------------------------------------------------------------
+def test_ride_needs_a_committed_last_step_and_a_lighthouse_that_does_not_answer():
+    base = dict(enabled=True, has_last=True, same_process_group=True, last_committed=True, rode_last=False,
+                last_all_unreachable=False, lighthouse_answers=False)
+    assert decide_ride(**base)
+    for name in ("enabled", "has_last", "same_process_group", "last_committed"):
+        assert not decide_ride(**{**base, name: False}), name
+    assert not decide_ride(**{**base, "lighthouse_answers": True})
+    assert not decide_ride(**{**base, "lighthouse_answers": None})
+    # Staying on follows the shared agreement, not this rank's own probe.
+    assert decide_ride(**{**base, "rode_last": True, "last_all_unreachable": True, "lighthouse_answers": True})
+    assert not decide_ride(**{**base, "rode_last": True, "last_all_unreachable": False})
+
+
+def test_a_lighthouse_call_is_waited_for_until_a_ride_or_its_deadline():
+    w = QuorumWait(started=100.0, deadline_s=30.0, may_ride=True)
+    assert w.poll(100.1, None) == w.WAIT and w.poll(100.1, True) == w.WAIT
+    assert w.poll(100.2, False) == w.RIDE
+    assert w.poll(130.0, True) == w.EXPIRED
+    no_ride = QuorumWait(started=100.0, deadline_s=30.0, may_ride=False)
+    assert no_ride.poll(100.2, False) == w.WAIT and no_ride.poll(131.0, False) == w.EXPIRED
+    with pytest.raises(ValueError):
+        QuorumWait(started=0.0, deadline_s=0.0, may_ride=True)

@@ -1,0 +1,197 @@
+"""The commit protocol under deterministic simulation (tests/sim_protocol.py): faults at every round, the
+invariants checked after each; and each fix of the protocol switched off once to show the simulation catches it.
+
+The default suite draws a few hundred schedules; ``-m slow`` draws thousands.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.sim_protocol import (
+    HEARTBEAT_TIMEOUT,
+    JOIN_WAIT,
+    QUORUM_TIMEOUT,
+    RESTART_PEER_WAIT,
+    Faults,
+    Revert,
+    Sim,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+RECOVERY = QUORUM_TIMEOUT + HEARTBEAT_TIMEOUT + JOIN_WAIT + RESTART_PEER_WAIT + 6
+"""Quiet rounds after the last fault within which every live group must commit again."""
+
+KINDS = ("lighthouse_dead", "lighthouse_hung", "lighthouse_restart", "cut_lh", "oneway_lh", "cut_peer", "slow",
+         "hang", "kill", "restart", "rank_error", "heal_fail", "stale")
+
+
+@st.composite
+def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
+    """One round's faults: most rounds one kind against one group (or none), sometimes two kinds."""
+    out = {}
+    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2]))):
+        kind = draw(st.sampled_from(kinds))
+        g = draw(st.integers(0, groups - 1))
+        if kind == "lighthouse_dead":
+            out["lighthouse"] = "dead"
+        elif kind == "lighthouse_hung":
+            out["lighthouse"] = "hung"
+        elif kind == "lighthouse_restart":
+            out["restart_lighthouse"] = True
+        elif kind == "cut_peer":
+            h = draw(st.integers(0, groups - 1).filter(lambda x: x != g))
+            out["cut_peer"] = frozenset({frozenset((g, h))})
+        elif kind in ("rank_error", "heal_fail"):
+            out[kind] = frozenset({(g, draw(st.integers(0, size - 1)))})
+        else:
+            out[kind] = frozenset({g})
+    return Faults(**out)
+
+
+@st.composite
+def scenarios(draw, kinds=KINDS, max_rounds=14):
+    groups, size = draw(st.integers(2, 3)), draw(st.integers(1, 2))
+    ride = draw(st.booleans())
+    schedule = draw(st.lists(faults(groups, size, kinds), min_size=1, max_size=max_rounds))
+    return groups, size, ride, schedule
+
+
+def run(groups, size, ride, schedule, revert=None, guard_every=0, warm=3):
+    sim = Sim(groups, size, ride=ride, guard_every=guard_every, revert=revert)
+    for _ in range(warm):
+        sim.round(Faults())
+    assert sim.committing() == set(range(groups)), "the warm-up must commit everywhere"
+    for f in schedule:
+        sim.round(f)
+    for _ in range(RECOVERY):
+        sim.round(Faults())
+    live = {g.gid for g in sim.groups if g.alive}
+    assert sim.committing() == live, (f"after {RECOVERY} quiet rounds, live groups {sorted(live)} but only "
+                                      f"{sorted(sim.committing())} commit: " + "; ".join(
+                                          f"group {g.gid} {g.exit_reason or 'alive'}" for g in sim.groups))
+    return sim
+
+
+@given(scenarios())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+def test_no_fault_schedule_splits_desyncs_or_wedges_the_job(scenario):
+    run(*scenario)
+
+
+@pytest.mark.slow
+@given(scenarios(max_rounds=30))
+@settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_no_fault_schedule_splits_desyncs_or_wedges_the_job_many(scenario):
+    run(*scenario)
+
+
+# -- scripted scenarios: the findings, and each fix switched off ----------------------------------------------
+def test_a_hung_lighthouse_is_ridden_out_and_left_together():
+    sim = run(2, 1, True, [Faults(lighthouse="hung")] * 8)
+    rode = [r for rounds in sim.history[3:11] for r in rounds if r.committed and r.rode]
+    assert len(rode) >= 2 * 6, "both groups commit on the last quorum while the lighthouse hangs"
+
+
+def test_a_blackholed_link_between_every_group_and_a_live_lighthouse_is_ridden_out():
+    sim = run(3, 2, True, [Faults(cut_lh=frozenset({0, 1, 2}))] * 8)
+    assert sum(r.committed and r.rode for rounds in sim.history[3:11] for r in rounds) >= 3 * 6
+
+
+def test_a_lone_group_under_min_replicas_ends_with_the_quorum_timeout_not_a_wedge():
+    sim = Sim(2, 1, ride=True, min_replicas=2)
+    for _ in range(3):
+        sim.round(Faults())
+    sim.round(Faults(kill=frozenset({1})))
+    for _ in range(QUORUM_TIMEOUT + 3):
+        sim.round(Faults())
+    assert sim.groups[0].exit_reason == "QuorumTimeout"
+
+
+def test_the_quorum_deadline_reverted_wedges_the_lone_group():
+    sim = Sim(2, 1, ride=True, min_replicas=2, revert=Revert(quorum_deadline=True))
+    for _ in range(3):
+        sim.round(Faults())
+    sim.round(Faults(kill=frozenset({1})))
+    for _ in range(3 * QUORUM_TIMEOUT):
+        sim.round(Faults())
+    assert sim.groups[0].alive and not sim.committing(), "without a deadline the lone group waits forever"
+
+
+STALE = [Faults(oneway_lh=frozenset({0})), Faults(oneway_lh=frozenset({0}), stale=frozenset({0}))]
+"""Group 0's answers from the lighthouse are lost: it leaves its call and rides, and commits with group 1. Next step
+torchft's retry of that call (its old step) reaches the lighthouse after group 0's new request: group 1 gets the
+same quorum id with group 0 behind (healing: it divides by 1), while group 0 rides on, dividing by 2."""
+
+
+def test_members_that_disagree_on_who_heals_discard_together():
+    run(2, 1, True, STALE)
+
+
+def test_the_participation_view_reverted_splits_the_job():
+    with pytest.raises(AssertionError, match="split"):
+        run(2, 1, True, STALE, revert=Revert(participation_view=True))
+
+
+HEAL_FAIL = [Faults(kill=frozenset({1})), Faults(), Faults(), Faults(restart=frozenset({1}), heal_fail=frozenset({(1, 1)}))]
+"""Group 1 is killed and restarted; rank 1's heal fetch fails in the step that heals it."""
+
+
+def test_a_heal_one_rank_lacks_is_dropped_by_the_whole_group():
+    run(2, 2, True, HEAL_FAIL)
+
+
+def test_the_group_decision_reverted_leaves_the_ranks_of_a_group_apart():
+    with pytest.raises(AssertionError, match="ranks hold different states"):
+        run(2, 2, True, HEAL_FAIL, revert=Revert(group_decision=True))
+
+
+def _corrupt_primary(revert=None):
+    sim = Sim(3, 1, ride=True, guard_every=4, revert=revert)
+    for _ in range(3):
+        sim.round(Faults())
+    sim.round(Faults(corrupt=frozenset({0})))  # group 0 is the quorum's primary (replica rank 0)
+    for _ in range(8):
+        sim.round(Faults())
+    return sim
+
+
+def test_the_guard_heals_a_corrupted_primary_from_the_majority():
+    sim = _corrupt_primary()
+    assert all(g.alive for g in sim.groups) and not any(g.ranks[0].params in sim.tainted for g in sim.groups)
+
+
+def test_the_guard_reverted_to_the_primary_copies_its_corruption():
+    with pytest.raises(AssertionError, match="took a corrupted state from a minority"):
+        _corrupt_primary(Revert(guard_primary=True))
+
+
+def test_two_groups_that_differ_stop_rather_than_copy_either():
+    sim = Sim(2, 1, ride=True, guard_every=4)
+    for _ in range(3):
+        sim.round(Faults())
+    sim.round(Faults(corrupt=frozenset({1})))
+    for _ in range(8):
+        sim.round(Faults())
+    assert {g.exit_reason for g in sim.groups} == {"ReplicaDivergenceError"}
+
+
+FINISHED = [Faults(kill=frozenset({1}))] + [Faults()] * 3 + [Faults(kill=frozenset({0}), restart=frozenset({1}))]
+"""Group 1 dies; group 0 trains on and ends; group 1's torchrun restarts it after the job is over."""
+
+
+def test_a_restarted_group_with_no_peer_stops_instead_of_training_a_second_model():
+    sim = Sim(2, 1, ride=True)
+    for f in [Faults()] * 3 + FINISHED + [Faults()] * (RESTART_PEER_WAIT + 3):
+        sim.round(f)
+    assert sim.groups[1].exit_reason == "NoPeerToHealFrom"
+
+
+def test_the_restart_rule_reverted_trains_a_second_model():
+    sim = Sim(2, 1, ride=True, revert=Revert(restart_alone=True))
+    with pytest.raises(AssertionError, match="second, different model"):
+        for f in [Faults()] * 3 + FINISHED + [Faults()] * (RESTART_PEER_WAIT + 3):
+            sim.round(f)
