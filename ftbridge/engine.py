@@ -51,7 +51,7 @@ from ftbridge import comm_hooks, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
-from ftbridge.heal import NoPeerToHealFrom, lazy_state_bytes, restart_without_peer
+from ftbridge.heal import NoPeerToHealFrom, lazy_state_bytes
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.wire import size_bound
@@ -295,15 +295,17 @@ class FaultTolerantEngine:
             for t in self.adapter.partition_grads():
                 t.mul_(self.sync_scale_once)
             self.sync_scale_once = None
-        no_peer = self._wait_for_peer_after_restart()
         step = self.manager.current_step
-        verdict = self.manager.decide(guard=self.guard.digest(step), stop=no_peer)  # the group's one decision
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        empty = restart > 0 and self.cfg.num_replica_groups > 1 and step == 0 and self.manager.heals == 0
+        verdict = self.manager.decide(guard=self.guard.digest(step), empty=empty,  # the group's one decision
+                                      waited_s=time.time() - self._launched)
         if verdict.decision.stop:
             self.events.write(event="restart_without_peer", time=time.time(), step=step, stopped=True,
                               attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
             raise NoPeerToHealFrom(
                 f"replica group {self.cfg.replica_group_id} was restarted with nothing to start from and found no "
-                f"live replica group to heal from within restart_peer_wait "
+                f"replica group holding the job's state to heal from within restart_peer_wait "
                 f"({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S): the other "
                 "groups have finished or died. It does not train alone from step 0, which would make a second, "
                 "different model; resume the job from a checkpoint (--resume) instead")
@@ -330,6 +332,7 @@ class FaultTolerantEngine:
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         rec: Dict[str, Any] = dict(time=time.time(), step=step, quorum_id=m.quorum_id, participants=m.participants,
                    replica_rank=m.replica_rank, committed=committed, healed=m.healed_this_step,
+                   heal_source=getattr(m, "heal_source", None) if m.healed_this_step else None,
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
                    rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
         self.events.write(**rec)
@@ -342,22 +345,6 @@ class FaultTolerantEngine:
         self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s",
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
                      rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "")
-
-    def _wait_for_peer_after_restart(self) -> bool:
-        """A restarted group alone at step 0 discards while a peer may come, and stops past
-        ``restart_peer_wait`` (:func:`ftbridge.heal.restart_without_peer`). Returns whether this rank says stop."""
-        m = self.manager
-        waited, limit = time.time() - self._launched, self.cfg.restart_peer_wait.total_seconds()
-        rule = restart_without_peer(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                    num_replica_groups=self.cfg.num_replica_groups, step=m.current_step,
-                                    heals=m.heals, participants=m.participants, waited_s=waited, limit_s=limit)
-        if rule == "go":
-            return False
-        m.report_error(RuntimeError("restarted replica group alone at step 0: waiting for a peer to heal from"))
-        if rule == "wait":
-            self.log.warning("restarted with nothing to start from and alone in the quorum: step discarded while "
-                             "waiting for a live replica group to heal from (%.0f of %.0f s)", waited, limit)
-        return rule == "stop"
 
     def _check_restart_had_peer(self, step: int) -> None:
         """Warn loudly when torchrun restarted this group but no live peer was there to heal from."""

@@ -56,31 +56,25 @@ class NoPeerToHealFrom(RuntimeError):
     """A restarted replica group with nothing to start from found no live peer to heal from in time."""
 
 
-def restart_without_peer(*, restart_count: int, num_replica_groups: int, step: int, heals: int, participants: int,
-                         waited_s: float, limit_s: float) -> str:
-    """What a restarted replica group with nothing to start from does in a step where it is alone (pure).
+def restart_without_peer(*, restarted_empty: bool, all_members_empty: bool, waited_s: float, limit_s: float) -> str:
+    """What a replica group that torchrun restarted with nothing to start from does in a step (pure).
 
-    A group that torchrun restarted and that has nothing to start from (torchft
-    step 0, never healed, nothing resumed) would otherwise train from the
-    initial model whenever a quorum holds only itself: right after a lighthouse
-    restart, before the other groups are back, or after the others finished.
-    It discards such steps while a peer may still come; past the limit the
-    others have finished or died, and training alone would make a second,
-    different model of the job: the group stops.
+    A restarted group with nothing to start from (torchft step 0, never healed, nothing resumed) heals
+    from a member that holds the job's state. If no member of its quorum holds any (it is alone, or
+    every member was restarted with nothing: right after a lighthouse restart, after the others finished,
+    after every group died), training would start the job again from its initial model: a second,
+    different model. It discards such steps while a peer may still come, and past the limit stops.
 
     Args:
-        restart_count: ``TORCHELASTIC_RESTART_COUNT`` (0: first launch).
-        num_replica_groups: planned replica groups of the job.
-        step: torchft's step of this replica (0: nothing loaded).
-        heals: heals applied in this launch.
-        participants: replica groups in this step's quorum.
+        restarted_empty: this group was restarted by torchrun and has nothing to start from.
+        all_members_empty: no member of this step's quorum holds the job's state (each was restarted with
+            nothing; a group alone counts).
         waited_s: seconds since this launch's engine started.
         limit_s: ``FTBridgeConfig.restart_peer_wait`` in seconds (0: never wait, never stop).
 
     Returns:
         ``"go"`` (train), ``"wait"`` (discard this step) or ``"stop"`` (raise :class:`NoPeerToHealFrom`).
     """
-    if not (restart_count > 0 and num_replica_groups > 1 and step == 0 and heals == 0 and participants <= 1
-            and limit_s > 0):
+    if not (restarted_empty and all_members_empty and limit_s > 0):
         return "go"
     return "wait" if waited_s < limit_s else "stop"

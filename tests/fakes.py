@@ -44,6 +44,7 @@ class FakeManager:
 
     def __init__(self, cfg, *, state_dict, load_state_dict, use_cuda=False, max_heal_bytes=None):
         self.heal_state_fn, self.load_heal_state_fn = state_dict, load_state_dict
+        self.restart_peer_wait_s = cfg.restart_peer_wait.total_seconds()
         self.discard_calls, self.calls, self.step, self.errors = set(), 0, 0, []
         self.ops = []  # (numel, dtype, reduce_op) per all-reduce
 
@@ -55,12 +56,18 @@ class FakeManager:
     def wait_quorum(self):
         pass
 
-    def decide(self, guard=None, stop=False):
-        """The group's decision of a one-rank group alone: commit unless an error was reported."""
+    def decide(self, guard=None, empty=False, waited_s=0.0):
+        """The group's decision of a one-rank group alone: commit unless an error was reported; a restarted
+        group with nothing waits, then stops (ftbridge.heal.restart_without_peer, alone in its quorum)."""
+        from ftbridge.heal import restart_without_peer
         from ftbridge.manager.commit import Flags, decide_group, encode_flags
         from ftbridge.manager.replica import StepVerdict
 
-        flags = Flags(step=self.step, errored=bool(self.errors), agreement=True, stop=stop)
+        rule = restart_without_peer(restarted_empty=empty, all_members_empty=self.participants <= 1,
+                                    waited_s=waited_s, limit_s=self.restart_peer_wait_s)
+        if rule == "wait":
+            self.report_error(RuntimeError("restarted alone"))
+        flags = Flags(step=self.step, errored=bool(self.errors), agreement=True, stop=rule == "stop")
         return StepVerdict(None, decide_group([encode_flags(flags)]))
 
     def state_dict(self):

@@ -97,6 +97,8 @@ class Revert:
     """A restarted group with nothing trains alone from step 0 after the wait instead of stopping."""
     quorum_deadline: bool = False
     """A lighthouse call that never answers is waited for forever (no deadline, no ride)."""
+    continuity: bool = False
+    """A quorum that follows quorums none of its members took part in commits like any other."""
 
 
 def H(*parts: Any) -> str:
@@ -177,7 +179,8 @@ class SimRank:
         self.tf = RankTF(group.store)
         self.rider = OutageRider(self.tf, enabled=ride, lighthouse="sim", group_rank=rank, group_size=group.size,
                                  decision_timeout=timedelta(seconds=1), monitor=group.monitor,
-                                 replica_group_id=group.gid)
+                                 replica_group_id=group.gid, gap_wait=timedelta(seconds=RESTART_PEER_WAIT),
+                                 clock=group.clock)
         self.heal = HealAgreement(self.tf)
         self.guard = DivergenceGuard(None, replica_group_id=group.gid, every=group.guard_every, action="heal",
                                      on_tie="stop", events=_NoEvents())
@@ -227,8 +230,8 @@ class Quorum:
 
 
 class SimGroup:
-    def __init__(self, gid: int, size: int, ride: bool, guard_every: int) -> None:
-        self.gid, self.size, self.ride, self.guard_every = gid, size, ride, guard_every
+    def __init__(self, gid: int, size: int, ride: bool, guard_every: int, clock: Any) -> None:
+        self.gid, self.size, self.ride, self.guard_every, self.clock = gid, size, ride, guard_every, clock
         self.launch = 0
         self.alive = True
         self.exit_reason = ""
@@ -312,12 +315,13 @@ class Sim:
 
     def __init__(self, groups: int, size: int, *, ride: bool = True, guard_every: int = 0, min_replicas: int = 1,
                  revert: Optional[Revert] = None) -> None:
-        self.groups = [SimGroup(g, size, ride, guard_every) for g in range(groups)]
+        self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now)) for g in range(groups)]
         self.lighthouse = SimLighthouse(min_replicas)
         self.guard_every = guard_every
         self.revert = revert or Revert()
         self.now = 0
         self.commits: Dict[int, str] = {}  # step -> parameters after committing it (the first clean committer's)
+        self.parent: Dict[str, str] = {}  # parameters -> the parameters they were updated from
         self.history: List[List[Record]] = []
         self.tainted: Set[str] = set()  # parameters that descend from a corrupted update
         self.faults = Faults()
@@ -358,8 +362,6 @@ class Sim:
         for g in stepping:
             self._fetch_heal(g, donors, steps)
         self._gradients(stepping)
-        for g in stepping:
-            self._restart_rule(g, report=True)
         self._agree(stepping)
         records = [self._decide_and_commit(g) for g in stepping]
         self.history.append(records)
@@ -486,18 +488,20 @@ class Sim:
                          if m is not None and m.ranks[i].tf.participating]
                 r.contribution = (tuple(sorted(parts)), r.tf.participants)
 
-    def _restart_rule(self, g: SimGroup, report: bool) -> bool:
-        """:func:`ftbridge.heal.restart_without_peer` for ``g`` now: reports the error of a waiting step; whether
-        the group stops."""
-        r0 = g.ranks[0].tf
-        rule = restart_without_peer(restart_count=g.launch, num_replica_groups=len(self.groups), step=r0.step,
-                                    heals=g.heals, participants=r0.participants, waited_s=self.now - g.started_round,
-                                    limit_s=RESTART_PEER_WAIT)
+    def _empty(self, g: SimGroup) -> bool:
+        """Restarted by torchrun with nothing to start from."""
+        return g.launch > 0 and g.ranks[0].tf.step == 0 and g.heals == 0
+
+    def _restart_rule(self, g: SimGroup, r: SimRank) -> bool:
+        """:func:`ftbridge.heal.restart_without_peer` on rank ``r`` after its agreement: reports the error of a
+        waiting step; whether the rank says stop."""
+        all_empty = bool(r.agreement and r.agreement.all_empty)
+        rule = restart_without_peer(restarted_empty=self._empty(g), all_members_empty=all_empty,
+                                    waited_s=self.now - g.started_round, limit_s=RESTART_PEER_WAIT)
         if rule == "stop" and self.revert.restart_alone:
             return False
-        if rule != "go" and report:
-            for r in g.ranks:
-                r.tf.report_error(RuntimeError("restarted alone at step 0: waiting for a peer"))
+        if rule != "go":
+            r.tf.report_error(RuntimeError("restarted with nothing, no member holds the job's state: waiting"))
         return rule == "stop"
 
     def _agree(self, stepping: List[SimGroup]) -> None:
@@ -507,9 +511,11 @@ class Sim:
         for g in stepping:
             for i, r in enumerate(g.ranks):
                 due = r.guard.due(r.tf.step)
-                own = r.rider.own_row(r.params if due else None)
+                own = r.rider.own_row(r.params if due else None, self._empty(g))
                 if own is not None and self.revert.participation_view:
                     own[8] = own[9] = 0.0
+                if own is not None and self.revert.continuity:
+                    own[17] = own[18] = own[19] = 0.0
                 owns[(g.gid, i)] = own
                 if own is not None:
                     rows.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = own
@@ -528,17 +534,20 @@ class Sim:
         """DECIDE (the in-group exchange), the guard's action, torchft's commit vote, the update."""
         f = self.faults
         step_before = g.ranks[0].tf.step
-        stop = self._restart_rule(g, report=False)
         flags = []
         for r in g.ranks:
+            stop = self._restart_rule(g, r)
             healing, ready = r.heal.state()
             flags.append(encode_flags(rank_flags(step=r.tf.step, errored=r.tf.error is not None,
                                                  agreement=r.agreement, healing=healing, heal_ready=ready,
-                                                 replica_group=g.gid, stop=stop)))
+                                                 replica_group=g.gid, stop=stop,
+                                                 gap_stop=r.rider.gap_expired and not self.revert.continuity)))
         decisions = ([decide_group([row]) for row in flags] if self.revert.group_decision
                      else [decide_group(flags)] * len(g.ranks))
         if decisions[0].stop:
             g.alive, g.exit_reason = False, "NoPeerToHealFrom"
+        if decisions[0].gap_stop:
+            g.alive, g.exit_reason = False, "QuorumGap"
         try:
             for r, d in zip(g.ranks, decisions):
                 r.guard.act(step_before, r.agreement.guard if r.agreement else None, d)
@@ -559,6 +568,7 @@ class Sim:
                 corrupt = g.gid in f.corrupt
                 before = r.params
                 r.params = H(r.params, ("corrupt", self.now) if corrupt else r.contribution)
+                self.parent[r.params] = before
                 if corrupt or before in self.tainted:
                     self.tainted.add(r.params)
                 r.tf.step += 1
@@ -582,8 +592,10 @@ class Sim:
                 raise AssertionError(f"round {self.now}: restarted group {rec.group} trained alone from step 0 "
                                      "while the job had committed steps: a second, different model")
             first = self.commits.setdefault(rec.step_before, rec.params)
-            assert first == rec.params, (f"round {self.now}: group {rec.group} committed step {rec.step_before} "
-                                         "with other parameters than another group did (split)")
+            if first != rec.params and any(self._descends(g.ranks[0].params, first) for g in self.groups if g.alive):
+                raise AssertionError(f"round {self.now}: group {rec.group} committed step {rec.step_before} with "
+                                     "other parameters than another group did, which a live group holds (split)")
+            self.commits[rec.step_before] = rec.params  # the other lineage is gone with its last holder
         live = {g.gid for g in self.groups if g.alive}
         clean = {g.gid for g in self.groups if g.alive and g.ranks[0].params not in self.tainted}
         before_live, before_clean = self._before
@@ -593,6 +605,13 @@ class Sim:
         self._before = (live, clean)
 
     _before: Tuple[Set[int], Set[int]] = (set(), set())
+
+    def _descends(self, params: str, ancestor: str) -> bool:
+        while params is not None:
+            if params == ancestor:
+                return True
+            params = self.parent.get(params)
+        return False
 
     def committing(self) -> Set[int]:
         """Groups that committed in the last round."""

@@ -57,11 +57,11 @@ def scenarios(draw, kinds=KINDS, max_rounds=14):
     groups, size = draw(st.integers(2, 3)), draw(st.integers(1, 2))
     ride = draw(st.booleans())
     schedule = draw(st.lists(faults(groups, size, kinds), min_size=1, max_size=max_rounds))
-    return groups, size, ride, schedule
+    return groups, size, ride, schedule, draw(st.sampled_from([1, 1, 2]))
 
 
-def run(groups, size, ride, schedule, revert=None, guard_every=0, warm=3):
-    sim = Sim(groups, size, ride=ride, guard_every=guard_every, revert=revert)
+def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0, warm=3):
+    sim = Sim(groups, size, ride=ride, guard_every=guard_every, min_replicas=min_replicas, revert=revert)
     for _ in range(warm):
         sim.round(Faults())
     assert sim.committing() == set(range(groups)), "the warm-up must commit everywhere"
@@ -136,7 +136,8 @@ def test_the_participation_view_reverted_splits_the_job():
         run(2, 1, True, STALE, revert=Revert(participation_view=True))
 
 
-HEAL_FAIL = [Faults(kill=frozenset({1})), Faults(), Faults(), Faults(restart=frozenset({1}), heal_fail=frozenset({(1, 1)}))]
+HEAL_FAIL = [Faults(kill=frozenset({1})), Faults(), Faults(),
+             Faults(restart=frozenset({1}), heal_fail=frozenset({(1, 1)}))]
 """Group 1 is killed and restarted; rank 1's heal fetch fails in the step that heals it."""
 
 
@@ -195,3 +196,26 @@ def test_the_restart_rule_reverted_trains_a_second_model():
     with pytest.raises(AssertionError, match="second, different model"):
         for f in [Faults()] * 3 + FINISHED + [Faults()] * (RESTART_PEER_WAIT + 3):
             sim.round(f)
+
+
+PARTITIONS = [Faults(lighthouse="dead"), Faults(cut_lh=frozenset({1})), Faults(lighthouse="dead"),
+              Faults(cut_lh=frozenset({0}))]
+"""Riding off: group 1 is cut off from the lighthouse and dropped while group 0 trains on alone; then group 0
+is cut off and group 1 comes back, alone, at its older step: the lighthouse gives it a quorum of its own."""
+
+
+def test_a_group_back_alone_at_an_older_step_does_not_fork_the_job():
+    sim = run(2, 1, False, PARTITIONS)
+    assert all(g.alive for g in sim.groups)
+
+
+def test_the_continuity_rule_reverted_forks_the_job():
+    with pytest.raises(AssertionError, match="split"):
+        run(2, 1, False, PARTITIONS, revert=Revert(continuity=True))
+
+
+def test_a_group_whose_peers_never_come_back_stops_rather_than_fork():
+    sim = Sim(2, 1, ride=False)
+    for f in [Faults()] * 3 + PARTITIONS[:3] + [Faults(kill=frozenset({0}))] + [Faults()] * (RESTART_PEER_WAIT + 4):
+        sim.round(f)
+    assert sim.groups[1].exit_reason == "QuorumGap"

@@ -86,12 +86,9 @@ def test_one_rank_failing_to_receive_drops_the_heal_on_every_rank(tmp_path):
 def test_a_restarted_group_with_nothing_waits_for_a_peer_then_stops_instead_of_training_alone():
     from ftbridge.heal import restart_without_peer
 
-    base = dict(restart_count=1, num_replica_groups=3, step=0, heals=0, participants=1, waited_s=5.0, limit_s=30.0)
+    base = dict(restarted_empty=True, all_members_empty=True, waited_s=5.0, limit_s=30.0)
     assert restart_without_peer(**base) == "wait"
-    assert restart_without_peer(**{**base, "waited_s": 31.0}) == "stop"     # the others finished or died
-    assert restart_without_peer(**{**base, "restart_count": 0}) == "go"     # a first launch may start the job
-    assert restart_without_peer(**{**base, "participants": 2}) == "go"      # a peer is in the quorum: it heals
-    assert restart_without_peer(**{**base, "step": 40}) == "go"             # resumed from a checkpoint
-    assert restart_without_peer(**{**base, "heals": 1}) == "go"
-    assert restart_without_peer(**{**base, "num_replica_groups": 1}) == "go"  # nobody to wait for
-    assert restart_without_peer(**{**base, "limit_s": 0.0}) == "go"         # disabled
+    assert restart_without_peer(**{**base, "waited_s": 31.0}) == "stop"          # the others finished or died
+    assert restart_without_peer(**{**base, "restarted_empty": False}) == "go"     # a first launch, or resumed
+    assert restart_without_peer(**{**base, "all_members_empty": False}) == "go"   # a member holds the state: heal
+    assert restart_without_peer(**{**base, "limit_s": 0.0}) == "go"               # disabled

@@ -24,7 +24,9 @@ Invariants (checked after every transition of the simulation):
 
 * no two replica groups commit one step with different parameters: a commit
   needs every member of the step's process group to report the same quorum,
-  membership, step and participation view (who averages, by what divisor);
+  membership, step and participation view (who averages, by what divisor),
+  and a quorum that follows quorums none of its members took part in (where
+  others may have committed steps) commits nothing (:func:`continuous`);
 * every rank of a group takes the same decision: the decision is a function
   of the in-group exchange, which every rank sees whole;
 * no committed step is lost: a group only ever discards its own step;
@@ -107,7 +109,7 @@ class QuorumWait:
 
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
-ROW = 17
+ROW = 21
 """float64 values per member in the agreement (see :func:`encode_view`)."""
 
 
@@ -126,6 +128,12 @@ class View:
         lighthouse_seen: the lighthouse answered this rank's group at this step's start.
         guard: 16 hex digits of the state fingerprint when the divergence guard is due and this member
             participates, else ``None``.
+        certified: the latest earlier quorum id (this lighthouse's lifetime) in which an agreement of this
+            member passed (-1: none).
+        dead_ends: ``(first, last)`` ids of the latest run of consecutive earlier quorums this member took
+            part in after ``certified`` where none of its agreements passed, so nobody committed there
+            (``None``: no such run).
+        empty: this member was restarted with nothing to start from (it holds none of the job's state).
     """
 
     replica_group: int
@@ -137,6 +145,9 @@ class View:
     ok: bool
     lighthouse_seen: bool
     guard: Optional[str] = None
+    certified: int = -1
+    dead_ends: Optional[Tuple[int, int]] = None
+    empty: bool = False
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -157,7 +168,8 @@ def _digest(chunks: Sequence[float]) -> str:
 
 def encode_view(v: View) -> List[float]:
     """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
-    participants, participating, ok, lighthouse seen, guard present, guard x4]``.
+    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first dead end
+    + 1, last dead end + 1, empty]`` (0 where none).
 
     Raises:
         ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
@@ -166,9 +178,10 @@ def encode_view(v: View) -> List[float]:
         if not 0 <= getattr(v, name) < 2**53:
             raise ValueError(f"agreement view: {name}={getattr(v, name)} must be in [0, 2**53)")
     guard = [1.0, *_chunks(v.guard, "guard digest")] if v.guard is not None else [0.0] * 5
+    first, last = v.dead_ends if v.dead_ends is not None else (-1, -1)
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
-            *guard]
+            *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty)]
 
 
 @dataclass(frozen=True)
@@ -221,10 +234,12 @@ class Agreement:
     Attributes:
         consistent: every member is present once and reports the same quorum, membership, step and
             participation view (the count of participating members equals the divisor).
-        commit: ``consistent`` and, in a riding step, every member ok.
+        continuous: ``consistent`` and the quorum follows the job's history (:func:`continuous`).
+        commit: ``continuous`` and, in a riding step, every member ok.
         all_unreachable: ``commit`` and no member heard the lighthouse at this step's start.
         reason: why not ``commit`` ("" when it holds).
         guard: the divergence guard's verdict when fingerprints were reported, else ``None``.
+        all_empty: ``consistent`` and every member was restarted with nothing: none holds the job's state.
     """
 
     consistent: bool
@@ -232,6 +247,8 @@ class Agreement:
     all_unreachable: bool
     reason: str
     guard: Optional[GuardVerdict] = None
+    continuous: bool = False
+    all_empty: bool = False
 
 
 def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool) -> Agreement:
@@ -264,16 +281,55 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
                                               f"{int(key[6])}: the members disagree on who heals")
     guard_rows = [row for row in rows if row[9] == 1.0 and row[12] == 1.0]
     guard = judge_guard({int(row[1]) - 1: _digest(row[13:17]) for row in guard_rows}) if guard_rows else None
+    histories = [(int(row[17]) - 1, (int(row[18]) - 1, int(row[19]) - 1) if row[18] else None) for row in rows]
+    empty = all(row[20] == 1.0 for row in rows)
+    gap = continuous(int(key[0]), histories)
+    if gap is not None:
+        return Agreement(True, False, False, f"quorum {int(key[0])} follows quorum {gap}, in which none of its "
+                                             "members took part: others may have committed steps there", guard,
+                         all_empty=empty)
     if riding:
         for rank, row in enumerate(rows):
             if row[10] != 1.0:
-                return Agreement(True, False, False, f"member {rank} recorded an error in this riding step", guard)
-    return Agreement(True, True, not any(row[11] for row in rows), "", guard)
+                return Agreement(True, False, False, f"member {rank} recorded an error in this riding step", guard,
+                                 True, empty)
+    return Agreement(True, True, not any(row[11] for row in rows), "", guard, True, empty)
+
+
+def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int, int]]]]) -> Optional[int]:
+    """The first earlier quorum id that none of this quorum's members can account for, or ``None`` (pure).
+
+    A group cut off from the lighthouse is dropped from its quorums while the others train on; if the
+    others are then cut off in turn and the first group comes back alone, the lighthouse gives it a quorum
+    of its own at its old step, and it would commit steps the others already committed, with other
+    parameters. Every quorum id between the newest one some member certified (an agreement there passed,
+    so it holds that quorum's history or heals from it) and this one must therefore be a dead end some
+    member took part in (no agreement there passed, so nobody committed there).
+
+    Args:
+        quorum_id: this quorum's id.
+        histories: per member, ``(certified, dead_ends)`` as in :class:`View`.
+
+    Returns:
+        ``None`` when continuous: no member has a history (the job's or the lighthouse's first quorum),
+        or every id after the newest certified one is covered by some member's dead ends.
+    """
+    certified = [c for c, _ in histories if c >= 0]
+    if not certified:
+        return None
+    runs = sorted(d for _, d in histories if d is not None)
+    want = max(certified) + 1
+    for first, last in runs:
+        if want >= quorum_id:
+            break
+        if first <= want <= last:
+            want = last + 1
+    return want if want < quorum_id else None
 
 
 # -- DECIDE: one in-group exchange per step -----------------------------------------------------------
 
-FLAGS = 11
+FLAGS = 12
 """float64 values per rank in the in-group exchange (see :func:`encode_flags`)."""
 
 
@@ -292,6 +348,8 @@ class Flags:
         guard_differs: the guard found this group's state outvoted.
         guard_tie: the guard found the members differ with no majority.
         stop: this rank ends its group this step (a restarted group that found no peer to heal from).
+        gap_stop: this rank's quorums have followed quorums nobody in them took part in for longer than
+            the wait: the group stops rather than fork the job.
     """
 
     step: int
@@ -304,10 +362,11 @@ class Flags:
     guard_differs: bool = False
     guard_tie: bool = False
     stop: bool = False
+    gap_stop: bool = False
 
 
 def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
-               replica_group: int, stop: bool = False) -> Flags:
+               replica_group: int, stop: bool = False, gap_stop: bool = False) -> Flags:
     """This rank's :class:`Flags` from what it saw in the step (pure).
 
     Args:
@@ -318,20 +377,22 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
         healing, heal_ready: its heal state (:meth:`ftbridge.manager.HealAgreement.state`).
         replica_group: its replica group id (the guard names groups by it).
         stop: it ends its group this step.
+        gap_stop: it has waited past its bound for a quorum that follows the job's history.
     """
     g = agreement.guard if agreement is not None else None
     return Flags(step=step, errored=errored, agreement=agreement.commit if agreement is not None else True,
                  all_unreachable=bool(agreement and agreement.all_unreachable), healing=healing,
                  heal_ready=heal_ready, guard_mismatch=bool(g and not g.ok),
-                 guard_differs=bool(g and replica_group in g.differing), guard_tie=bool(g and g.tie), stop=stop)
+                 guard_differs=bool(g and replica_group in g.differing), guard_tie=bool(g and g.tie), stop=stop,
+                 gap_stop=gap_stop)
 
 
 def encode_flags(f: Flags) -> List[float]:
     """One rank's row of the in-group exchange: ``[1, step, errored, agreement, all unreachable, healing,
-    heal ready, guard mismatch, guard differs, guard tie, stop]`` (exact in float64)."""
+    heal ready, guard mismatch, guard differs, guard tie, stop, gap stop]`` (exact in float64)."""
     return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.all_unreachable),
             float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
-            float(f.guard_tie), float(f.stop)]
+            float(f.guard_tie), float(f.stop), float(f.gap_stop)]
 
 
 @dataclass(frozen=True)
@@ -345,7 +406,8 @@ class GroupDecision:
         guard_differs: the guard outvoted this group: it discards this step and heals next.
         guard_tie: the guard found the groups differing with no majority.
         ride_next: the group committed on an agreement in which nobody heard the lighthouse.
-        stop: a rank of the group ends it: every rank raises.
+        stop: a rank of the group ends it (no peer to heal from): every rank raises.
+        gap_stop: a rank waited past its bound for a quorum that follows the job's history: every rank raises.
         reason: why not ``commit`` ("" when it holds).
     """
 
@@ -356,6 +418,7 @@ class GroupDecision:
     guard_tie: bool
     ride_next: bool
     stop: bool
+    gap_stop: bool
     reason: str
 
 
@@ -384,8 +447,8 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
         reasons.append("a rank of this group did not receive its heal state")
     if any_(8):
         reasons.append("the divergence guard outvoted this group's state")
-    if any_(10):
+    if any_(10) or any_(11):
         reasons.append("a rank of this group stops it")
     commit = not reasons
     return GroupDecision(commit, drop_heal, any_(7) or any_(8) or any_(9), any_(8), any_(9), commit and all_(4),
-                         any_(10), "; ".join(reasons))
+                         any_(10), any_(11), "; ".join(reasons))

@@ -57,6 +57,7 @@ from ftbridge.manager.commit import (
     judge,
     membership_digest,
 )
+from ftbridge.quorum_rules import QuorumSeen, detect_lighthouse_restart
 
 logger = logging.getLogger(__name__)
 
@@ -195,11 +196,15 @@ class OutageRider:
         quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
         monitor: the lighthouse monitor of group rank 0 (default: one with a 150 ms deadline).
         replica_group_id: for logs and the agreement.
+        gap_wait: how long quorums that do not follow the job's history
+            (:func:`~ftbridge.manager.commit.continuous`) are discarded before the group stops.
+        clock: monotonic seconds (for ``gap_wait``).
     """
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
                  decision_timeout: timedelta, quorum_deadline: timedelta = timedelta(seconds=60),
-                 monitor: Optional[LighthouseMonitor] = None, replica_group_id: int = 0) -> None:
+                 monitor: Optional[LighthouseMonitor] = None, replica_group_id: int = 0,
+                 gap_wait: timedelta = timedelta(seconds=30), clock: Callable[[], float] = time.monotonic) -> None:
         self._manager = manager
         self._who = f"[replica {replica_group_id} rank {group_rank}]"
         self.replica_group_id = replica_group_id
@@ -209,6 +214,14 @@ class OutageRider:
         self._group_rank, self._group_size = group_rank, group_size
         self._decision_timeout, self._quorum_deadline = decision_timeout, quorum_deadline
         self.last: Optional[LastQuorum] = None
+        self._members: Tuple[str, ...] = ()
+        self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
+        self._dead_ends: Optional[Tuple[int, int]] = None
+        self._passed = False  # an agreement of the current quorum passed continuity
+        self._gap_wait, self._clock = gap_wait.total_seconds(), clock
+        self._gap_since: Optional[float] = None
+        self.gap_expired = False
+        """Quorums that do not follow the job's history have been discarded for longer than ``gap_wait``."""
         self.riding = False
         """Whether the current step reuses the last quorum."""
         self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
@@ -236,7 +249,7 @@ class OutageRider:
         return cls(manager, enabled=cfg.ride_out_lighthouse_outage, lighthouse=cfg.lighthouse,
                    group_rank=cfg.group_rank, group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
                    quorum_deadline=cfg.quorum_timeout + cfg.connect_timeout + timedelta(seconds=5),
-                   monitor=monitor, replica_group_id=cfg.replica_group_id)
+                   monitor=monitor, replica_group_id=cfg.replica_group_id, gap_wait=cfg.restart_peer_wait)
 
     # -- QUORUM (torchft's quorum thread) --------------------------------------------------------------
     def quorum(self, call: Callable[[], Any]) -> Any:
@@ -246,9 +259,21 @@ class OutageRider:
         return reused if reused is not None else self.ask(call)
 
     def remember(self, result: Any, replica_ids: Sequence[str]) -> None:
-        """Keep ``result``, the quorum torchft is about to use, for later riding steps."""
-        self.last = LastQuorum(result, int(result.quorum_id), membership_digest(replica_ids),
-                               int(result.replica_rank), int(result.replica_world_size))
+        """Keep ``result``, the quorum torchft is about to use, for later riding steps, and close the history
+        of the quorum before it (certified, or a dead end)."""
+        qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
+        if last is not None and (qid != last.quorum_id or members != self._members):
+            if detect_lighthouse_restart(QuorumSeen(last.quorum_id, self._members), qid, members):
+                self._certified, self._dead_ends = -1, None  # a new lighthouse numbers its quorums anew
+            elif self._passed:
+                self._certified, self._dead_ends = last.quorum_id, None
+            else:
+                runs = self._dead_ends
+                self._dead_ends = (runs[0] if runs and runs[1] == last.quorum_id - 1 else last.quorum_id,
+                                   last.quorum_id)
+            self._passed = False
+        self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
+                                              int(result.replica_world_size)), members
 
     def may_ride(self) -> bool:
         """Whether this step may ride: riding is on, the group committed the last step, and torchft still
@@ -401,24 +426,25 @@ class OutageRider:
         return future.result()
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
-    def agree(self, guard: Optional[str] = None) -> Agreement:
+    def agree(self, guard: Optional[str] = None, empty: bool = False) -> Agreement:
         """Agree with every member of this step's quorum on its view; call on every rank, every step,
         right before the group's decision: :meth:`own_row`, one SUM all-reduce over the cross-replica
         process group, :meth:`conclude`.
 
         Args:
             guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
+            empty: this group was restarted with nothing to start from.
 
         Returns:
             The :class:`~ftbridge.manager.commit.Agreement`. Never raises.
         """
-        own = self.own_row(guard)
+        own = self.own_row(guard, empty)
         if own is None:
             return self.conclude(None, None, "this rank's collectives of this step did not all run")
         rows, failure = self._exchange(own)
         return self.conclude(own, rows, failure)
 
-    def own_row(self, guard: Optional[str] = None) -> Optional[List[float]]:
+    def own_row(self, guard: Optional[str] = None, empty: bool = False) -> Optional[List[float]]:
         """This member's agreement row (:func:`~ftbridge.manager.commit.encode_view`), or ``None`` when it
         cannot take part: no quorum yet, a process group that is not the last quorum's or has failed, or
         an all-reduce of this step that torchft made a no-op (its collectives no longer pair with its
@@ -430,7 +456,7 @@ class OutageRider:
         participating = bool(m.is_participating())
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
-                                guard if participating else None))
+                                guard if participating else None, self._certified, self._dead_ends, empty))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
@@ -438,6 +464,13 @@ class OutageRider:
         m, last = self._manager, self.last
         verdict = (judge(rows, own, riding=self.riding) if own is not None and rows is not None
                    else Agreement(False, False, False, failure))
+        self._passed |= verdict.continuous
+        if verdict.consistent and not verdict.continuous:
+            now = self._clock()
+            self._gap_since = now if self._gap_since is None else self._gap_since
+            self.gap_expired = now - self._gap_since >= self._gap_wait
+        elif verdict.continuous:
+            self._gap_since, self.gap_expired = None, False
         if not verdict.commit and m.errored() is None:
             self.disagreements += 1
             m.report_error(OutageDisagreement(

@@ -40,6 +40,7 @@ from torch.distributed import ReduceOp
 
 from ftbridge.config import FTBridgeConfig
 from ftbridge.device import backend_for, collective_device, group_backend
+from ftbridge.heal import restart_without_peer
 from ftbridge.manager._torchft import DummyWork, Manager
 from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
@@ -48,6 +49,7 @@ from ftbridge.manager.quorum_guard import _install_quorum_guard
 from ftbridge.manager.quorum_watch import start_watch
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
 from ftbridge.manager.transport import SafeHTTPTransport
+from lighthouse.status import replica_group_of
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class ReplicaManager:
                                            token=cfg.job_token, max_recv_bytes=max_heal_bytes, device=(
                                                torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
         self.heals = 0
+        self.heal_source: Optional[int] = None
+        """Replica group id of the donor of the heal of the current quorum (``None``: no heal)."""
         self._healed_this_step = False
         self._skipped_collective = False  # torchft made an all-reduce of this step a no-op (after an error)
         self._step_start = 0.0
@@ -163,6 +167,9 @@ class ReplicaManager:
         cfg = self.cfg
         spans_nodes = 0 < cfg.local_group_size < cfg.group_size
         donor = getattr(result, "recover_src_manager_address", None) or None
+        src, ids = getattr(result, "recover_src_replica_rank", None), list(getattr(result, "replica_ids", []) or [])
+        self.heal_source = (replica_group_of(ids[src]) if bool(getattr(result, "heal", False)) and src is not None
+                            and 0 <= int(src) < len(ids) else None)
         self.transport.expect_donor(None if spans_nodes and cfg.group_rank > 0 else donor)
         # -- warm spares (ftbridge.spare): a paused group whose id a spare took leaves instead of training twice
         from ftbridge.spare import DuplicateReplicaGroup, must_leave
@@ -256,7 +263,7 @@ class ReplicaManager:
         """Set torchft's counters from :meth:`state_dict` output (a checkpoint's)."""
         self._torchft.load_state_dict(state)
 
-    def decide(self, guard: Optional[str] = None, stop: bool = False) -> "StepVerdict":
+    def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0) -> "StepVerdict":
         """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step.
 
         Call on every rank of the group after the step's gradient all-reduces and right before
@@ -268,7 +275,10 @@ class ReplicaManager:
 
         Args:
             guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
-            stop: this rank ends its group this step (every rank then sees ``decision.stop``).
+            empty: this group was restarted by torchrun with nothing to start from
+                (:func:`ftbridge.heal.restart_without_peer`: while no member of the quorum holds the job's
+                state it discards, and past ``restart_peer_wait`` the group stops: ``decision.stop``).
+            waited_s: seconds since this launch started, for that rule.
 
         Returns:
             :class:`StepVerdict`, also kept as :attr:`verdict`.
@@ -282,11 +292,27 @@ class ReplicaManager:
         tf.wait_quorum()
         if self.quorum_watch is not None:  # frozen during the step and left out meanwhile: discard
             self.quorum_watch.check_commit(tf, self._step_start)
-        agreement = self.outage.agree(guard) if self.outage is not None else None
+        agreement = self.outage.agree(guard, empty) if self.outage is not None else None
+        all_empty = agreement.all_empty if agreement is not None else self.participants <= 1
+        rule = restart_without_peer(restarted_empty=empty, all_members_empty=all_empty, waited_s=waited_s,
+                                    limit_s=self.cfg.restart_peer_wait.total_seconds())
+        if rule == "wait":
+            tf.report_error(RuntimeError("restarted with nothing to start from, and no member of the quorum holds "
+                                         "the job's state: step discarded while waiting for one to heal from"))
+        stop = rule == "stop"
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
         flags = rank_flags(step=int(tf.current_step()), errored=tf.errored() is not None, agreement=agreement,
-                           healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop)
+                           healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop,
+                           gap_stop=bool(self.outage is not None and self.outage.gap_expired))
         decision = decide_group(exchange_in_group(encode_flags(flags), self.cfg.group_size))
+        if decision.gap_stop:
+            raise QuorumGap(
+                f"replica group {self.cfg.replica_group_id} was cut off from the job and has been given only "
+                f"quorums that follow quorums none of their members took part in, for longer than "
+                f"restart_peer_wait ({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S): "
+                "the groups that trained on meanwhile are gone, and training on from this group's older state "
+                f"would commit their steps again with other parameters ({agreement.reason if agreement else ''}). "
+                "Resume the job from a checkpoint")
         if self._heal_agreement is not None:
             self._heal_agreement.settle(drop=decision.drop_heal)
         if not decision.commit and tf.errored() is None:
@@ -372,6 +398,10 @@ class ReplicaManager:
         self.transport.shutdown(wait=False)
         if self.quorum_watch is not None:
             self.quorum_watch.close()
+
+
+class QuorumGap(RuntimeError):
+    """This group's quorums have not followed the job's history for longer than the wait: it stops."""
 
 
 class GroupDiscard(RuntimeError):
