@@ -40,9 +40,14 @@ TINY = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32",
 
 
 @pytest.fixture
-def local_job(tmp_path) -> Iterator:
-    """Factory ``local_job(num_groups, nproc, script_args, **kw) -> LocalJob``; all stopped at teardown."""
+def local_job(request, tmp_path) -> Iterator:
+    """Factory ``local_job(num_groups, nproc, script_args, **kw) -> LocalJob``; all stopped at teardown.
+
+    When the test fails, its report gets a section per job with what every process it started printed
+    last and every failure line (exit codes, signals, errors, timeouts: :meth:`LocalJob.tails`), so one
+    failure in CI is enough to diagnose."""
     jobs: List[LocalJob] = []
+    request.node.ftbridge_jobs = jobs
 
     def make(num_groups: int, nproc: int, script_args: List[str], **kw) -> LocalJob:
         job = LocalJob(str(tmp_path / f"job{len(jobs)}"), num_groups, nproc, script_args, **kw)
@@ -52,6 +57,19 @@ def local_job(tmp_path) -> Iterator:
     yield make
     for job in jobs:
         job.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed multi-process test shows its processes' failure lines (see :func:`local_job`)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for i, job in enumerate(getattr(item, "ftbridge_jobs", [])):
+            try:
+                report.sections.append((f"ftbridge job {i} ({job.workdir}): processes", job.tails()))
+            except Exception as exc:  # noqa: BLE001 - the report must not fail on a job it cannot read
+                report.sections.append((f"ftbridge job {i}", f"could not read its logs: {exc!r}"))
 
 
 def run_plain_deepspeed(tmp_path, nproc: int, script_args: List[str], timeout_s: float = 240) -> str:

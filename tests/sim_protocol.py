@@ -246,6 +246,7 @@ class SimGroup:
         self.stale_step: Optional[int] = None
         self.seen: Optional[QuorumSeen] = None
         self.need_majority: Optional[Tuple[Tuple[str, ...], int]] = None
+        self.majority_expired = False
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
@@ -440,9 +441,10 @@ class Sim:
                 r.tf._healing, r.healed_from = True, at_max[0]
         if g.need_majority is not None:
             before, since = g.need_majority
-            if not lacks_majority(before, q.replica_ids) or self.now - since >= MAJORITY_WAIT:
-                g.need_majority = None
+            if not lacks_majority(before, q.replica_ids):
+                g.need_majority, g.majority_expired = None, False
             else:
+                g.majority_expired = self.now - since >= MAJORITY_WAIT
                 for r in g.ranks:
                     r.tf.report_error(RuntimeError("no majority of the groups after a lighthouse restart"))
 
@@ -541,7 +543,8 @@ class Sim:
             flags.append(encode_flags(rank_flags(step=r.tf.step, errored=r.tf.error is not None,
                                                  agreement=r.agreement, healing=healing, heal_ready=ready,
                                                  replica_group=g.gid, stop=stop,
-                                                 gap_stop=r.rider.gap_expired and not self.revert.continuity)))
+                                                 gap_stop=(r.rider.gap_expired or g.majority_expired)
+                                                 and not self.revert.continuity)))
         decisions = ([decide_group([row]) for row in flags] if self.revert.group_decision
                      else [decide_group(flags)] * len(g.ranks))
         if decisions[0].stop:

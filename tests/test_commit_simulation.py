@@ -219,3 +219,12 @@ def test_a_group_whose_peers_never_come_back_stops_rather_than_fork():
     for f in [Faults()] * 3 + PARTITIONS[:3] + [Faults(kill=frozenset({0}))] + [Faults()] * (RESTART_PEER_WAIT + 4):
         sim.round(f)
     assert sim.groups[1].exit_reason == "QuorumGap"
+
+
+def test_a_lighthouse_restart_while_a_group_is_cut_off_does_not_fork_the_job():
+    """Found by the simulation: after the partitions above the lighthouse restarts while group 0 (ahead) is
+    cut off; group 1 gets quorums alone, without a majority of the groups before the restart, and once
+    went on after the wait, committing group 0's steps again. It now waits, and stops if group 0 never
+    comes back; here group 0 comes back and heals group 1."""
+    sim = run(2, 1, False, [*PARTITIONS, Faults(restart_lighthouse=True, cut_lh=frozenset({0}))])
+    assert all(g.alive for g in sim.groups)

@@ -343,14 +343,14 @@ def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it()
     assert all(not lacks_majority(before, s) for s in sides) and set(sides[0]) & set(sides[1])
 
 
-def test_after_a_restart_the_guard_discards_until_a_majority_is_back_then_goes_on(monkeypatch):
+def test_after_a_restart_the_guard_discards_until_a_majority_is_back_and_stops_past_the_wait(monkeypatch):
     import ftbridge.manager.quorum_guard as manager_module
     from ftbridge.manager.quorum_guard import _QuorumGuard
 
     errors = []
     clock = [0.0]
     guard = SimpleNamespace(_need_majority=(("replica_group_0:a", "replica_group_1:b", "replica_group_2:c"), 0.0),
-                            _majority_wait=30.0, no_majority=0,
+                            _majority_wait=30.0, no_majority=0, majority_expired=False,
                             _manager=SimpleNamespace(report_error=errors.append))
     monkeypatch.setattr(manager_module.time, "monotonic", lambda: clock[0])
     _QuorumGuard._check_majority(guard, 1, ["replica_group_1:b"])   # alone right after the restart
@@ -360,9 +360,11 @@ def test_after_a_restart_the_guard_discards_until_a_majority_is_back_then_goes_o
     _QuorumGuard._check_majority(guard, 3, ["replica_group_1:b"])
     assert len(errors) == 1                                     # no restart pending: torchft's rules only
     guard._need_majority = (("replica_group_0:a", "replica_group_1:b"), 0.0)
-    clock[0] = 31.0                                             # the other never came back within the wait
-    _QuorumGuard._check_majority(guard, 4, ["replica_group_1:b"])
-    assert len(errors) == 1 and guard._need_majority is None
+    clock[0] = 31.0                                             # the other never came back within the wait:
+    _QuorumGuard._check_majority(guard, 4, ["replica_group_1:b"])  # it may have trained on, cut off; stop
+    assert len(errors) == 2 and guard.majority_expired
+    _QuorumGuard._check_majority(guard, 5, ["replica_group_0:c", "replica_group_1:b"])
+    assert len(errors) == 2 and not guard.majority_expired and guard._need_majority is None
 
 
 def test_a_donor_serves_its_heal_state_as_soon_as_the_quorum_names_it():

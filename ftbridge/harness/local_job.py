@@ -29,10 +29,45 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ftbridge.events import read_events
+from ftbridge.harness.netfault import FaultProxy
 from ftbridge.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
+
+
+LIGHTHOUSE_CHILD = """
+import sys
+from lighthouse.server import start_lighthouse
+lh = start_lighthouse(sys.argv[1], int(sys.argv[2]), join_timeout_ms=int(sys.argv[3]),
+                      heartbeat_timeout_ms=int(sys.argv[4]))
+print(lh.address, flush=True)
+sys.stdin.read()  # until the job closes our stdin (or dies): then exit
+lh.shutdown()
+"""
+"""The lighthouse in a process of its own: prints its address once it listens, serves until its stdin closes."""
+
+
+@dataclass
+class LighthouseProcess:
+    """A lighthouse running in its own process (``LocalJob(lighthouse_process=True)``)."""
+
+    proc: subprocess.Popen
+    address: str
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def shutdown(self) -> None:
+        """Kill it (continued first, if a test stopped it) and reap it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 @dataclass
@@ -68,13 +103,18 @@ class LocalJob:
         checksum_every: parameter checksum in the event log every N steps
             (``FTBRIDGE_CHECKSUM_EVERY``); default 1, so tests and chaos runs can
             compare replicas at every step. ``None``: the library default.
+        lighthouse_process: run the lighthouse in a process of its own (:attr:`lighthouse_pid`), which a
+            test can SIGSTOP (a hung lighthouse) or SIGKILL; default: in this process.
+        proxies: each group reaches the lighthouse through a :class:`~ftbridge.harness.netfault.FaultProxy`
+            of its own (:meth:`proxy`), whose link a test can blackhole or cut one way.
     """
 
     def __init__(self, workdir: str, num_groups: int, nproc_per_node: int, script_args: Sequence[str], *,
                  script: str = TRAIN_SCRIPT, min_replicas: int = 1, lighthouse_min_replicas: Optional[int] = None,
                  max_restarts: int = 3, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000,
                  env: Optional[Dict[str, str]] = None, checksum_every: Optional[int] = 1,
-                 group_sizes: Optional[Dict[int, int]] = None) -> None:
+                 group_sizes: Optional[Dict[int, int]] = None, lighthouse_process: bool = False,
+                 proxies: bool = False) -> None:
         if num_groups < 1 or nproc_per_node < 1 or any(n < 1 for n in (group_sizes or {}).values()):
             raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}, group_sizes={group_sizes}: "
                              "all must be >= 1")
@@ -94,6 +134,8 @@ class LocalJob:
         if checksum_every is not None:
             self.env.setdefault("FTBRIDGE_CHECKSUM_EVERY", str(checksum_every))
         self.lighthouse: Any = None
+        self.lighthouse_process = lighthouse_process
+        self._proxies: Optional[Dict[int, FaultProxy]] = {} if proxies else None
         self.groups: Dict[int, List[GroupProcess]] = {}
         self.spares: Dict[int, GroupProcess] = {}
         """Warm spares by index (``ftbridge-run --spare K``); one that joined trains as a group's id."""
@@ -124,17 +166,56 @@ class LocalJob:
 
         port = getattr(self, "_lighthouse_port", 0)
         deadline = time.monotonic() + timeout_s
+        start = self._lighthouse_child if self.lighthouse_process else start_lighthouse
         while True:
             try:
-                self.lighthouse = start_lighthouse(f"127.0.0.1:{port}", self.lighthouse_min_replicas,
-                                                   join_timeout_ms=self.join_timeout_ms,
-                                                   heartbeat_timeout_ms=self.heartbeat_timeout_ms)
+                self.lighthouse = start(f"127.0.0.1:{port}", self.lighthouse_min_replicas,
+                                        join_timeout_ms=self.join_timeout_ms,
+                                        heartbeat_timeout_ms=self.heartbeat_timeout_ms)
                 break
             except OSError:
                 if port == 0 or time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)  # the old socket may linger a moment; retry until the deadline
         self._lighthouse_port = self.lighthouse.port
+
+    def _lighthouse_child(self, bind: str, min_replicas: int, *, join_timeout_ms: int,
+                          heartbeat_timeout_ms: int) -> "LighthouseProcess":
+        cmd = [sys.executable, "-c", LIGHTHOUSE_CHILD, bind, str(min_replicas), str(join_timeout_ms),
+               str(heartbeat_timeout_ms)]
+        log = open(os.path.join(self.workdir, "lighthouse.log"), "ab")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                env={**os.environ, "RUST_LOG": "warn"}, start_new_session=True)
+        log.close()
+        line = proc.stdout.readline().decode().strip() if proc.stdout else ""  # its address, once it listens
+        if not line.startswith("http://"):
+            proc.kill()
+            proc.wait(timeout=10)
+            raise OSError(f"the lighthouse process did not start on {bind} (see {self.workdir}/lighthouse.log)")
+        return LighthouseProcess(proc, line)
+
+    @property
+    def lighthouse_pid(self) -> int:
+        """PID of the lighthouse's own process (``lighthouse_process=True``, while it runs).
+
+        Raises:
+            RuntimeError: the lighthouse runs in this process, or not at all.
+        """
+        if not isinstance(self.lighthouse, LighthouseProcess):
+            raise RuntimeError("the lighthouse is not a process of its own (LocalJob(..., lighthouse_process=True))")
+        return self.lighthouse.proc.pid
+
+    def proxy(self, group: int) -> FaultProxy:
+        """The fault proxy between replica group ``group`` and the lighthouse (``proxies=True``).
+
+        Raises:
+            RuntimeError: the job has no proxies.
+        """
+        if self._proxies is None:
+            raise RuntimeError("the groups reach the lighthouse directly (LocalJob(..., proxies=True))")
+        if group not in self._proxies:
+            self._proxies[group] = FaultProxy(("127.0.0.1", self._lighthouse_port))
+        return self._proxies[group]
 
     def stop_lighthouse(self) -> None:
         """Stop the lighthouse (the groups keep running and retry their quorums); idempotent."""
@@ -152,6 +233,10 @@ class LocalJob:
         if self.lighthouse is not None:
             return self.lighthouse.address
         return f"http://127.0.0.1:{self._lighthouse_port}"
+
+    def address_for(self, group: int) -> str:
+        """The lighthouse address replica group ``group`` dials: its proxy's, or the lighthouse's."""
+        return self.proxy(group).address if self._proxies is not None and group >= 0 else self.lighthouse_address
 
     def event_log(self, group: int, rank: int) -> str:
         """Event log path of ``group``/``rank``."""
@@ -184,7 +269,7 @@ class LocalJob:
         cmd = [sys.executable, "-m", "ftbridge.launcher", *identity,
                "--num-replica-groups", str(self.num_groups),
                "--nproc-per-node", str(self.group_size(group) if group >= 0 else self.nproc),
-               "--lighthouse", self.lighthouse_address, "--max-restarts", str(self.max_restarts),
+               "--lighthouse", self.address_for(group), "--max-restarts", str(self.max_restarts),
                "--min-replicas", str(self.min_replicas),
                "--event-log", os.path.join(self.workdir, "events_{replica_group}_{group_rank}.jsonl"),
                *([] if self.lighthouse is not None else ["--no-lighthouse-check"]),  # started during an outage
@@ -248,6 +333,8 @@ class LocalJob:
         stop_process_groups([gp.proc for launches in self._launches() for gp in launches], grace_s=15)
         signal_pids([p for p in self.all_worker_pids() if pid_alive(p)], signal.SIGKILL)
         self.stop_lighthouse()
+        for proxy in (self._proxies or {}).values():
+            proxy.close()
 
     def _launches(self) -> List[List[GroupProcess]]:
         return [*self.groups.values(), *([gp] for gp in self.spares.values())]

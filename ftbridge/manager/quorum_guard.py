@@ -86,6 +86,8 @@ class _QuorumGuard:
         self._need_majority: Optional[Tuple[Tuple[str, ...], float]] = None  # (members before, since monotonic)
         self.no_majority = 0
         """Steps discarded because a quorum after a lighthouse restart lacked a majority of the groups before it."""
+        self.majority_expired = False
+        """A quorum after a lighthouse restart has lacked that majority for longer than the wait."""
         self.quorum_timeout = timedelta(seconds=30)
         """torchft's quorum timeout (``FTBridgeConfig.quorum_timeout``), named in the error when it expires."""
         self.rider: Optional[OutageRider] = None
@@ -144,21 +146,21 @@ class _QuorumGuard:
         here (on torchft's quorum thread, after ``start_quorum`` cleared the
         last one) makes ``should_commit`` discard this step; the next step asks
         again. Past ``majority_wait`` (``FTBridgeConfig.restart_peer_wait``)
-        the groups that did not come back are taken for dead and the job goes on.
+        :attr:`majority_expired` is set: the group stops (its decision's ``gap_stop``)
+        rather than train on a minority that may fork the job.
         """
         if self._need_majority is None:
             return
         before, since = self._need_majority
         if not lacks_majority(before, members):
-            self._need_majority = None
+            self._need_majority, self.majority_expired = None, False
             return
         waited = time.monotonic() - since
-        if waited >= self._majority_wait:
+        if waited >= self._majority_wait and not self.majority_expired:
             logger.error("quorum %d after a lighthouse restart holds %d of the %d groups of the last quorum before "
-                         "it, %.0f s after the restart: taking the others for dead and going on",
+                         "it, %.0f s after the restart: stopping rather than fork the job",
                          quorum_id, len(members), len(before), waited)
-            self._need_majority = None
-            return
+            self.majority_expired = True
         self.no_majority += 1
         self._manager.report_error(RuntimeError(
             f"quorum {quorum_id} after a lighthouse restart holds {sorted(members)}, not more than half of the "

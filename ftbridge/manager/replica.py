@@ -303,16 +303,17 @@ class ReplicaManager:
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
         flags = rank_flags(step=int(tf.current_step()), errored=tf.errored() is not None, agreement=agreement,
                            healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop,
-                           gap_stop=bool(self.outage is not None and self.outage.gap_expired))
+                           gap_stop=self._gap_expired())
         decision = decide_group(exchange_in_group(encode_flags(flags), self.cfg.group_size))
         if decision.gap_stop:
             raise QuorumGap(
-                f"replica group {self.cfg.replica_group_id} was cut off from the job and has been given only "
-                f"quorums that follow quorums none of their members took part in, for longer than "
-                f"restart_peer_wait ({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S): "
-                "the groups that trained on meanwhile are gone, and training on from this group's older state "
-                f"would commit their steps again with other parameters ({agreement.reason if agreement else ''}). "
-                "Resume the job from a checkpoint")
+                f"replica group {self.cfg.replica_group_id} was cut off from the job: for longer than "
+                f"restart_peer_wait ({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S) "
+                "it has been given only quorums that follow quorums none of their members took part in, or, after a "
+                "lighthouse restart, quorums without a majority of the groups before it. The groups that may have "
+                "trained on meanwhile do not come back, and training on from this group's state could commit their "
+                f"steps again with other parameters ({agreement.reason if agreement else ''}). "
+                "Bring them back, or resume the job from a checkpoint")
         if self._heal_agreement is not None:
             self._heal_agreement.settle(drop=decision.drop_heal)
         if not decision.commit and tf.errored() is None:
@@ -320,6 +321,11 @@ class ReplicaManager:
                                          f"{int(tf.current_step())}: {decision.reason}"))
         self.verdict = StepVerdict(agreement, decision)
         return self.verdict
+
+    def _gap_expired(self) -> bool:
+        """This rank has waited past ``restart_peer_wait`` for a quorum that follows the job's history."""
+        return bool((self.outage is not None and self.outage.gap_expired)
+                    or (self.quorum_guard is not None and self.quorum_guard.majority_expired))
 
     def should_commit(self) -> bool:
         """torchft's commit vote (an AND over the group's ranks), after :meth:`decide`.

@@ -17,7 +17,7 @@ Target: riding loses <= 1 step (median over repetitions).
 
 The same runs give the ride-through's cost when nothing fails: with it on, every
 step ends with the outage agreement (one more cross-replica all-reduce of
-``9 x groups`` float64). The **step time** figure is the ratio, per repetition,
+``21 x groups`` float64). The **step time** figure is the ratio, per repetition,
 of the median step time before the outage with it on to that with it off
 (the two runs of one repetition), informative.
 

@@ -1,0 +1,168 @@
+"""The commit protocol against real faults with real processes: a wedge, a hung lighthouse, blackholed and
+one-way links, a group restarted after the job ended (2 replica groups x 1 rank, the tiny model).
+
+Each case once broke the promise on the landed code (docs/concepts.md, "The commit protocol"): the lone
+group under ``--min-replicas 2`` spun at a full core and never exited; a SIGSTOPped lighthouse or a
+blackholed link stopped every group for the whole fault (a TCP connect still succeeded); a group cut off
+one way never committed again; a group restarted after the others finished trained alone from step 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ftbridge.harness.local_job import parent_pid
+from ftbridge.processes import pid_alive
+from tests.conftest import TINY
+
+FAULT_S = 10.0
+"""How long each fault lasts (the issue's runs used 15 s; 10 s shows the same, sooner)."""
+
+
+def _long_job(local_job, **kw):
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, **kw)
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.wait_until(lambda: _together(job, 3), 180, "both groups to commit step 3 together")
+    return job
+
+
+def _together(job, step, since=0.0, rode=None):
+    return all(any(e["committed"] and e["step"] >= step and e["time"] >= since and e["participants"] == 2
+                   and (rode is None or bool(e.get("rode_out_outage")) == rode) for e in job.steps(g)) for g in (0, 1))
+
+
+def _commits(job, group, start, end):
+    return [e for e in job.steps(group) if e["committed"] and start <= e["time"] <= end]
+
+
+def _longest_gap(job, group, start, end):
+    times = [start] + [e["time"] for e in _commits(job, group, start, end)] + [end]
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
+def _end_identical(job):
+    job.write_file("stop", str(job.max_step() + 2))
+    codes = job.wait(timeout_s=120)
+    assert codes == {0: 0, 1: 0}, job.tails()
+    finals = [e for e in job.events() if e.get("event") == "final"]
+    assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals
+    by_step = {}
+    for e in job.events():
+        if e.get("committed") and e.get("param_checksum"):
+            by_step.setdefault(e["step"], set()).add(e["param_checksum"])
+    split = {s: c for s, c in by_step.items() if len(c) > 1}
+    assert not split, f"groups committed one step with different parameters: {split}"
+
+
+def _ride_out(job, fault_on, fault_off, what):
+    """Both groups commit on the last quorum through the fault, then together from the lighthouse again."""
+    t0 = time.time()
+    fault_on()
+    time.sleep(FAULT_S)  # the fault itself: it lasts this long (not a synchronisation)
+    t1 = time.time()
+    fault_off()
+    job.wait_until(lambda: _together(job, 1, since=t1, rode=False), 120,
+                   f"both groups to commit together from the lighthouse after the {what}")
+    for g in (0, 1):
+        rode = [e for e in _commits(job, g, t0, t1) if e.get("rode_out_outage")]
+        gap = _longest_gap(job, g, t0 + 1.0, t1)
+        print(f"{what}: group {g} committed {len(rode)} steps on the last quorum in {t1 - t0:.1f} s; "
+              f"longest pause {gap:.2f} s")
+        assert len(rode) >= 10, f"group {g} rode out the {what} with only {len(rode)} commits"
+        assert gap < 3.0, f"group {g} paused {gap:.1f} s during the {what}"
+    _end_identical(job)
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_lighthouse_is_ridden_out(local_job):
+    job = _long_job(local_job, lighthouse_process=True)
+    pid = job.lighthouse_pid
+    _ride_out(job, lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT), "hung lighthouse")
+
+
+@pytest.mark.timeout(300)
+def test_a_blackhole_between_every_group_and_a_live_lighthouse_is_ridden_out(local_job):
+    job = _long_job(local_job, proxies=True)
+
+    def every(mode):
+        for g in (0, 1):
+            job.proxy(g).set(mode)
+
+    _ride_out(job, lambda: every("blackhole"), lambda: every("pass"), "blackhole")
+
+
+@pytest.mark.timeout(300)
+def test_a_group_cut_off_one_way_commits_again_once_the_link_is_whole(local_job):
+    """Group 0's requests reach the lighthouse, its answers do not: the landed code wedged group 0 for good."""
+    job = _long_job(local_job, proxies=True)
+    t0 = time.time()
+    job.proxy(0).set("oneway")
+    time.sleep(FAULT_S)  # the fault itself
+    t1 = time.time()
+    job.proxy(0).set("pass")
+    job.wait_until(lambda: _together(job, 1, since=t1, rode=False), 120, "both groups back together after the cut")
+    print(f"one-way cut: group 0 committed {len(_commits(job, 0, t0, t1))} steps during it, group 1 "
+          f"{len(_commits(job, 1, t0, t1))}")
+    _end_identical(job)
+
+
+def _cpu_s(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(300)
+def test_a_lone_group_under_min_replicas_exits_at_the_quorum_timeout_without_spinning(local_job):
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, lighthouse_min_replicas=2,
+                    env={"FTBRIDGE_QUORUM_TIMEOUT_S": "10"})
+    job.start()
+    job.wait_until(lambda: _together(job, 3), 180, "both groups to commit step 3 together")
+    pid = job.worker_pids(0)[0]
+    job.kill_workers(1)
+    t_kill, samples = time.time(), []
+
+    def ended():
+        try:
+            samples.append((time.monotonic(), _cpu_s(pid)))
+        except OSError:
+            pass
+        return not pid_alive(pid)
+
+    job.wait_until(ended, 90, "group 0's rank to exit on its quorum timeout")
+    took = time.time() - t_kill
+    codes = job.wait(timeout_s=60)
+    assert codes[0] != 0, job.tails()
+    assert "no quorum within the quorum timeout (10 s, FTBRIDGE_QUORUM_TIMEOUT_S)" in job.log_text(0), job.tails()
+    assert took < 10 + 2 + 30, f"group 0 took {took:.0f} s to exit"  # quorum timeout + heartbeat + start slack
+    (a, ca), (b, cb) = samples[0], samples[-1]
+    print(f"lone group exited {took:.1f} s after the kill, using {cb - ca:.1f} s of CPU in {b - a:.1f} s")
+    assert (cb - ca) < 0.5 * (b - a), "the lone group's rank spun while it waited for a quorum"
+
+
+@pytest.mark.timeout(300)
+def test_a_group_restarted_after_the_job_ended_does_not_train_a_second_model(local_job):
+    job = local_job(2, 1, [*TINY, "--steps", "40"], max_restarts=1, env={"FTBRIDGE_RESTART_PEER_WAIT_S": "5"})
+    job.start()
+    job.wait_until(lambda: _together(job, 5), 180, "both groups to commit step 5 together")
+    worker = job.worker_pids(1)[0]
+    agent = parent_pid(worker)
+    os.kill(agent, signal.SIGSTOP)  # group 1's torchrun cannot restart it until the others have finished
+    try:
+        job.kill_workers(1)
+        assert job.wait(timeout_s=180, groups=[0]) == {0: 0}, job.tails()
+        t_restart = time.time()
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    codes = job.wait(timeout_s=180, groups=[1])
+    assert codes[1] != 0, job.tails()
+    log = job.log_text(1)
+    assert "NoPeerToHealFrom" in log and "does not train alone from step 0" in log, job.tails()
+    late = [e for e in job.steps(1) if e["time"] >= t_restart]
+    assert late and not any(e["committed"] for e in late), late
+    assert any(e.get("event") == "restart_without_peer" and e.get("stopped") for e in job.events(1))
