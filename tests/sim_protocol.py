@@ -425,8 +425,9 @@ class Sim:
             return
         q: Quorum = result
         restarted, own = owns[g.gid]
-        if restarted and g.need_majority is None and g.seen is not None:
-            g.need_majority = (g.seen.members, self.now)
+        before = g.ranks[0].rider.certified_members()
+        if restarted and g.need_majority is None and (before or g.seen is not None):
+            g.need_majority = (before or g.seen.members, self.now)
         g.seen = QuorumSeen(q.quorum_id, tuple(sorted(q.replica_ids)))
         votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids) if m is not None and m.gid in owns]
         rebuild = decide_reconfigure(own, votes if len(votes) == len(q.replica_ids) else None)

@@ -217,6 +217,7 @@ class OutageRider:
         self._members: Tuple[str, ...] = ()
         self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
         self._dead_ends: Optional[Tuple[int, int]] = None
+        self._certified_members: Tuple[str, ...] = ()
         self._passed = False  # an agreement of the current quorum passed continuity
         self._gap_wait, self._clock = gap_wait.total_seconds(), clock
         self._gap_since: Optional[float] = None
@@ -263,6 +264,7 @@ class OutageRider:
         of the quorum before it (certified, or a dead end)."""
         qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
         if last is not None and (qid != last.quorum_id or members != self._members):
+            self._certified_members = self.certified_members()
             if detect_lighthouse_restart(QuorumSeen(last.quorum_id, self._members), qid, members):
                 self._certified, self._dead_ends = -1, None  # a new lighthouse numbers its quorums anew
             elif self._passed:
@@ -274,6 +276,12 @@ class OutageRider:
             self._passed = False
         self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
                                               int(result.replica_world_size)), members
+
+    def certified_members(self) -> Tuple[str, ...]:
+        """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none): after a
+        lighthouse restart, a quorum must hold a majority of them (the quorum guard), not of a quorum that
+        only ever discarded."""
+        return self._members if self._passed else self._certified_members
 
     def may_ride(self) -> bool:
         """Whether this step may ride: riding is on, the group committed the last step, and torchft still

@@ -115,8 +115,10 @@ class _QuorumGuard:
         if restarted:
             self.restarts += 1
             self._on_restart(self.seen.quorum_id if self.seen else -1, quorum_id)
-            if self._need_majority is None and self.seen is not None:
-                self._need_majority = (self.seen.members, time.monotonic())
+            before = (self.rider.certified_members() if self.rider is not None else ()) or (
+                self.seen.members if self.seen is not None else ())
+            if self._need_majority is None and before:
+                self._need_majority = (before, time.monotonic())
         self._check_majority(quorum_id, members)
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
