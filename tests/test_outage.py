@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftbridge.manager.commit import ROW
-from ftbridge.manager.outage import POLL, LighthouseMonitor, OutageRider, QuorumTimeout
+from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
+from ftbridge.manager.outage import POLL, OutageRider, QuorumTimeout
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,14 +10,17 @@ imports torchft (``tests/test_boundaries.py``; the graph is in
 ``docs/concepts.md``), and torchft's private fields are read only here, under
 that module's version check. Its modules:
 
+* :mod:`~ftbridge.manager.commit`: the per-step commit protocol as pure functions (its drivers are below);
 * :mod:`~ftbridge.manager.replica`: :class:`ReplicaManager`;
 * :mod:`~ftbridge.manager.quorum_guard`: surviving lighthouse restarts (wraps torchft's manager client);
-* :mod:`~ftbridge.manager.heal_agreement`: a replica group heals on all its ranks or none;
+* :mod:`~ftbridge.manager.heal_agreement`: a rank's heal state, settled by the group's decision;
 * :mod:`~ftbridge.manager.store_probe`: deadlines on calls to a TCPStore that may be hung, and
   torchft's process groups that probe it before they rendezvous;
 * :mod:`~ftbridge.manager.transport`: the pickle-free heal transport torchft's ``Manager`` drives;
 * :mod:`~ftbridge.manager.quorum_watch`: the peer watch (cut a hung peer off once the lighthouse holds it dead);
-* :mod:`~ftbridge.manager.outage`: training through a lighthouse outage on the last quorum.
+* :mod:`~ftbridge.manager.outage`: the QUORUM and AGREE drivers: riding out a lighthouse that does not
+  answer, and the agreement every step;
+* :mod:`~ftbridge.manager.lighthouse_monitor`: whether the lighthouse answers, by answers within a deadline.
 """
 
 from ftbridge.manager.heal_agreement import HealAgreement

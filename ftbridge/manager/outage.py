@@ -57,6 +57,7 @@ from ftbridge.manager.commit import (
     judge,
     membership_digest,
 )
+from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
 from ftbridge.quorum_rules import QuorumSeen, detect_lighthouse_restart
 
 logger = logging.getLogger(__name__)
@@ -74,74 +75,6 @@ class QuorumTimeout(RuntimeError):
 
 class OutageDisagreement(RuntimeError):
     """The members of this step's quorum did not agree on its view (or could not): the step is discarded."""
-
-
-def probe_status(address: str, timeout_s: float) -> None:
-    """Ask the lighthouse for ``GET /status``; returns once it answered with its status page.
-
-    Raises:
-        OSError, ValueError: no answer, an HTTP error, or not a lighthouse's page.
-    """
-    from lighthouse.status import fetch_status
-
-    fetch_status(address, timeout_s=timeout_s)
-
-
-class LighthouseMonitor:
-    """Whether the lighthouse answers, from probes run in a helper thread (never blocks its caller).
-
-    Args:
-        address: the lighthouse (``http://HOST:PORT``).
-        deadline: a probe that has not answered after this long counts as "does not answer".
-        probe: ``probe(address, timeout_s)``, returns on an answer, raises otherwise
-            (default :func:`probe_status`); a seam for tests.
-        clock: monotonic seconds.
-    """
-
-    def __init__(self, address: str, *, deadline: timedelta, probe: Callable[[str, float], None] = probe_status,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if deadline <= timedelta(0):
-            raise ValueError(f"deadline={deadline} must be positive (FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS)")
-        self._address, self._deadline, self._probe, self._clock = address, deadline.total_seconds(), probe, clock
-        self._lock = threading.Lock()
-        self._inflight: Optional[float] = None  # start of the probe in flight
-        self._last: Optional[tuple] = None  # (start, answered) of the last finished probe
-        self.probes = 0
-
-    def answers(self, since: float) -> Optional[bool]:
-        """The lighthouse's state from a probe started at or after ``since`` (monotonic s).
-
-        Starts such a probe when none is in flight. Returns ``True`` once it
-        answered within the deadline, ``False`` once it failed or has run past
-        the deadline, ``None`` while it is too early to say.
-        """
-        with self._lock:
-            now = self._clock()
-            if self._last is not None and self._last[0] >= since:
-                return self._last[1]
-            if self._inflight is None:
-                self._start(now)
-                return None
-            if now - self._inflight >= self._deadline:
-                return False
-            return None
-
-    def _start(self, now: float) -> None:
-        self._inflight = now
-        self.probes += 1
-
-        def run() -> None:
-            try:
-                self._probe(self._address, self._deadline)
-                ok = True
-            except Exception as exc:  # noqa: BLE001 - any failure means "does not answer"
-                logger.debug("lighthouse probe of %s failed: %s: %s", self._address, type(exc).__name__, exc)
-                ok = False
-            with self._lock:
-                ok = ok and self._clock() - now <= self._deadline
-                self._last, self._inflight = (now, ok), None
-
-        threading.Thread(target=run, name="ftbridge-lighthouse-probe", daemon=True).start()
 
 
 @dataclass(frozen=True)

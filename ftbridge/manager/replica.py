@@ -285,6 +285,8 @@ class ReplicaManager:
 
         Raises:
             QuorumTimeout (from the quorum thread): no quorum within its deadline and no ride.
+            QuorumGap: the group's quorums have not followed the job's history for ``restart_peer_wait``
+                (on every rank of the group: the decision is the group's).
             RuntimeError: the in-group exchange failed (a rank of the group died or hung past the
                 in-group timeout); the rank must exit, its group mates cannot be followed.
         """
@@ -293,27 +295,14 @@ class ReplicaManager:
         if self.quorum_watch is not None:  # frozen during the step and left out meanwhile: discard
             self.quorum_watch.check_commit(tf, self._step_start)
         agreement = self.outage.agree(guard, empty) if self.outage is not None else None
-        all_empty = agreement.all_empty if agreement is not None else self.participants <= 1
-        rule = restart_without_peer(restarted_empty=empty, all_members_empty=all_empty, waited_s=waited_s,
-                                    limit_s=self.cfg.restart_peer_wait.total_seconds())
-        if rule == "wait":
-            tf.report_error(RuntimeError("restarted with nothing to start from, and no member of the quorum holds "
-                                         "the job's state: step discarded while waiting for one to heal from"))
-        stop = rule == "stop"
+        stop = self._restart_rule(agreement, empty, waited_s)
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
         flags = rank_flags(step=int(tf.current_step()), errored=tf.errored() is not None, agreement=agreement,
                            healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop,
                            gap_stop=self._gap_expired())
         decision = decide_group(exchange_in_group(encode_flags(flags), self.cfg.group_size))
         if decision.gap_stop:
-            raise QuorumGap(
-                f"replica group {self.cfg.replica_group_id} was cut off from the job: for longer than "
-                f"restart_peer_wait ({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S) "
-                "it has been given only quorums that follow quorums none of their members took part in, or, after a "
-                "lighthouse restart, quorums without a majority of the groups before it. The groups that may have "
-                "trained on meanwhile do not come back, and training on from this group's state could commit their "
-                f"steps again with other parameters ({agreement.reason if agreement else ''}). "
-                "Bring them back, or resume the job from a checkpoint")
+            raise QuorumGap(self._gap_message(agreement))
         if self._heal_agreement is not None:
             self._heal_agreement.settle(drop=decision.drop_heal)
         if not decision.commit and tf.errored() is None:
@@ -321,6 +310,28 @@ class ReplicaManager:
                                          f"{int(tf.current_step())}: {decision.reason}"))
         self.verdict = StepVerdict(agreement, decision)
         return self.verdict
+
+    def _restart_rule(self, agreement: Optional[Agreement], empty: bool, waited_s: float) -> bool:
+        """:func:`ftbridge.heal.restart_without_peer` after the agreement: records the error of a step that waits;
+        whether this rank says stop."""
+        all_empty = agreement.all_empty if agreement is not None else self.participants <= 1
+        rule = restart_without_peer(restarted_empty=empty, all_members_empty=all_empty, waited_s=waited_s,
+                                    limit_s=self.cfg.restart_peer_wait.total_seconds())
+        if rule == "wait":
+            self._torchft.report_error(RuntimeError(
+                "restarted with nothing to start from, and no member of the quorum holds the job's state: step "
+                "discarded while waiting for one to heal from"))
+        return rule == "stop"
+
+    def _gap_message(self, agreement: Optional[Agreement]) -> str:
+        wait = self.cfg.restart_peer_wait.total_seconds()
+        return (f"replica group {self.cfg.replica_group_id} was cut off from the job: for longer than "
+                f"restart_peer_wait ({wait:g} s, FTBRIDGE_RESTART_PEER_WAIT_S) it has been given only quorums that "
+                "follow quorums none of their members took part in, or, after a lighthouse restart, quorums without "
+                "a majority of the groups before it. The groups that may have trained on meanwhile do not come "
+                "back, and training on from this group's state could commit their steps again with other "
+                f"parameters ({agreement.reason if agreement else ''}). Bring them back, or resume the job from a "
+                "checkpoint")
 
     def _gap_expired(self) -> bool:
         """This rank has waited past ``restart_peer_wait`` for a quorum that follows the job's history."""

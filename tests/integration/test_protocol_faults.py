@@ -19,16 +19,8 @@ from ftbridge.harness.local_job import parent_pid
 from ftbridge.processes import pid_alive
 from tests.conftest import TINY
 
-FAULT_S = 10.0
-"""How long each fault lasts (the issue's runs used 15 s; 10 s shows the same, sooner)."""
-
-
-def _long_job(local_job, **kw):
-    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, **kw)
-    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
-    job.start()
-    job.wait_until(lambda: _together(job, 3), 180, "both groups to commit step 3 together")
-    return job
+FAULT_S = 6.0
+"""How long each fault lasts (the issue's runs used 15 s; 6 s shows the same, sooner)."""
 
 
 def _together(job, step, since=0.0, rode=None):
@@ -45,7 +37,53 @@ def _longest_gap(job, group, start, end):
     return max(b - a for a, b in zip(times, times[1:]))
 
 
-def _end_identical(job):
+def _fault(job, on, off, what):
+    """Apply a fault for :data:`FAULT_S`, then wait until both groups commit together from the lighthouse."""
+    t0 = time.time()
+    on()
+    time.sleep(FAULT_S)  # the fault itself: it lasts this long (not a synchronisation)
+    t1 = time.time()
+    off()
+    job.wait_until(lambda: _together(job, 1, since=t1, rode=False), 120,
+                   f"both groups to commit together from the lighthouse after the {what}")
+    return t0, t1
+
+
+def _rode_out(job, t0, t1, what):
+    for g in (0, 1):
+        rode = [e for e in _commits(job, g, t0, t1) if e.get("rode_out_outage")]
+        gap = _longest_gap(job, g, t0 + 1.0, t1)
+        print(f"{what}: group {g} committed {len(rode)} steps on the last quorum in {t1 - t0:.1f} s; "
+              f"longest pause {gap:.2f} s")
+        assert len(rode) >= 5, f"group {g} rode out the {what} with only {len(rode)} commits"
+        assert gap < 3.0, f"group {g} paused {gap:.1f} s during the {what}"
+
+
+@pytest.mark.timeout(400)
+def test_a_hung_lighthouse_blackholed_links_and_a_one_way_cut_cost_no_wedge_and_no_split(local_job):
+    """One job, three faults in turn: each once stopped the job for the whole fault, or for good."""
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, lighthouse_process=True, proxies=True)
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.wait_until(lambda: _together(job, 3), 180, "both groups to commit step 3 together")
+
+    pid = job.lighthouse_pid
+    t0, t1 = _fault(job, lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT),
+                    "hung lighthouse")
+    _rode_out(job, t0, t1, "hung lighthouse")
+
+    def every(mode):
+        for g in (0, 1):
+            job.proxy(g).set(mode)
+
+    t0, t1 = _fault(job, lambda: every("blackhole"), lambda: every("pass"), "blackhole")
+    _rode_out(job, t0, t1, "blackhole")
+
+    # Group 0's requests reach the lighthouse, its answers do not: the landed code wedged it for good.
+    t0, t1 = _fault(job, lambda: job.proxy(0).set("oneway"), lambda: job.proxy(0).set("pass"), "one-way cut")
+    print(f"one-way cut: group 0 committed {len(_commits(job, 0, t0, t1))} steps during it, group 1 "
+          f"{len(_commits(job, 1, t0, t1))}")
+
     job.write_file("stop", str(job.max_step() + 2))
     codes = job.wait(timeout_s=120)
     assert codes == {0: 0, 1: 0}, job.tails()
@@ -57,58 +95,6 @@ def _end_identical(job):
             by_step.setdefault(e["step"], set()).add(e["param_checksum"])
     split = {s: c for s, c in by_step.items() if len(c) > 1}
     assert not split, f"groups committed one step with different parameters: {split}"
-
-
-def _ride_out(job, fault_on, fault_off, what):
-    """Both groups commit on the last quorum through the fault, then together from the lighthouse again."""
-    t0 = time.time()
-    fault_on()
-    time.sleep(FAULT_S)  # the fault itself: it lasts this long (not a synchronisation)
-    t1 = time.time()
-    fault_off()
-    job.wait_until(lambda: _together(job, 1, since=t1, rode=False), 120,
-                   f"both groups to commit together from the lighthouse after the {what}")
-    for g in (0, 1):
-        rode = [e for e in _commits(job, g, t0, t1) if e.get("rode_out_outage")]
-        gap = _longest_gap(job, g, t0 + 1.0, t1)
-        print(f"{what}: group {g} committed {len(rode)} steps on the last quorum in {t1 - t0:.1f} s; "
-              f"longest pause {gap:.2f} s")
-        assert len(rode) >= 10, f"group {g} rode out the {what} with only {len(rode)} commits"
-        assert gap < 3.0, f"group {g} paused {gap:.1f} s during the {what}"
-    _end_identical(job)
-
-
-@pytest.mark.timeout(300)
-def test_a_hung_lighthouse_is_ridden_out(local_job):
-    job = _long_job(local_job, lighthouse_process=True)
-    pid = job.lighthouse_pid
-    _ride_out(job, lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT), "hung lighthouse")
-
-
-@pytest.mark.timeout(300)
-def test_a_blackhole_between_every_group_and_a_live_lighthouse_is_ridden_out(local_job):
-    job = _long_job(local_job, proxies=True)
-
-    def every(mode):
-        for g in (0, 1):
-            job.proxy(g).set(mode)
-
-    _ride_out(job, lambda: every("blackhole"), lambda: every("pass"), "blackhole")
-
-
-@pytest.mark.timeout(300)
-def test_a_group_cut_off_one_way_commits_again_once_the_link_is_whole(local_job):
-    """Group 0's requests reach the lighthouse, its answers do not: the landed code wedged group 0 for good."""
-    job = _long_job(local_job, proxies=True)
-    t0 = time.time()
-    job.proxy(0).set("oneway")
-    time.sleep(FAULT_S)  # the fault itself
-    t1 = time.time()
-    job.proxy(0).set("pass")
-    job.wait_until(lambda: _together(job, 1, since=t1, rode=False), 120, "both groups back together after the cut")
-    print(f"one-way cut: group 0 committed {len(_commits(job, 0, t0, t1))} steps during it, group 1 "
-          f"{len(_commits(job, 1, t0, t1))}")
-    _end_identical(job)
 
 
 def _cpu_s(pid):
