@@ -342,9 +342,18 @@ class FaultTolerantEngine:
                                                                    self.manager.transport.last_recv.items()})
         level = logging.INFO if committed else logging.WARNING
         samples_per_s = self.engine.train_batch_size() / max(rec["step_time_s"], 1e-9)
-        self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s",
+        why = "" if committed else f" ({self._discard_reason()})"
+        self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s%s",
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
-                     rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "")
+                     rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "", why)
+
+    def _discard_reason(self) -> str:
+        """Why this step was discarded: the group's decision, or the first error recorded (one line)."""
+        verdict = getattr(self.manager, "verdict", None)
+        errored = self.manager.errored() if hasattr(self.manager, "errored") else None
+        text = str(getattr(errored, "original_exception", errored) or "") or (
+            verdict.decision.reason if verdict is not None else "")
+        return (text.splitlines() or ["no reason recorded"])[0][:300]
 
     def _check_restart_had_peer(self, step: int) -> None:
         """Warn loudly when torchrun restarted this group but no live peer was there to heal from."""

@@ -31,6 +31,7 @@ every round; :class:`Revert` switches one fix off, to show the simulation catche
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ class Revert:
     """A lighthouse call that never answers is waited for forever (no deadline, no ride)."""
     continuity: bool = False
     """A quorum that follows quorums none of its members took part in commits like any other."""
+    agreement_watch: bool = False
+    """The peer watch cuts the agreement's wait short when the lighthouse holds a member dead (that member, cut
+    off from the lighthouse but not from its peers, completes the agreement and commits)."""
 
 
 def H(*parts: Any) -> str:
@@ -250,6 +254,8 @@ class SimGroup:
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
+        self.left_calls: List[List[Any]] = []  # [call the group left, its quorum once formed]: answered once the
+        # link carries answers again (torchft's manager keeps retrying a left call)
 
     @property
     def replica_id(self) -> str:
@@ -352,6 +358,12 @@ class Sim:
             if f.lighthouse == "up" and g.gid not in f.cut_lh:
                 lh.beats[g.replica_id] = self.now
             g.monitor.next_round(f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh)
+        for g in runs:  # the answers of calls a group left arrive once its link carries them again
+            if f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh:
+                for call, q in g.left_calls:
+                    if q is not None:
+                        call.set_result(_Result(q, g.replica_id))
+                g.left_calls = [c for c in g.left_calls if c[1] is None]
         results = self._quorum([g for g in runs if g.gid not in f.slow])
         stepping = [g for g in self.groups if g.gid in results and g.alive]
         self._stepping = {g.gid for g in stepping}
@@ -389,6 +401,9 @@ class Sim:
                 requests[g.replica_id] = (g.stale_step, 0)
                 g.stale_step = None
         q = self.lighthouse.form(self.now, requests) if f.lighthouse == "up" else None
+        for g in self.groups:  # a stale request answered: the answer goes to the call the group left
+            if q is not None and g.asking is None and g.replica_id in q.replica_ids and g.left_calls:
+                g.left_calls[-1][1] = q
         for g in runs:
             if g.asking is None:
                 continue
@@ -397,13 +412,19 @@ class Sim:
                     g.asking, out[g.gid] = None, q
                     continue
                 g.stale_step = g.request_step  # answered, but the answer is lost on the way back
+                lost = q
+            else:
+                lost = None
             action = g.asking.poll(float(self.now), g.monitor.during_call())
             if self.revert.quorum_deadline and action != QuorumWait.RIDE:
                 action = QuorumWait.WAIT
             if action == QuorumWait.RIDE:
                 g.stale_step = g.request_step  # torchft keeps retrying the call the rank left
+                call: concurrent.futures.Future = concurrent.futures.Future()
                 for r in g.ranks:
+                    r.rider._left(call)  # the call's answer, if it ever comes, is a quorum the group never joined
                     r.rider.leave_call()
+                g.left_calls.append([call, lost])
                 g.asking, out[g.gid] = None, "ride"
             elif action == QuorumWait.EXPIRED:
                 g.alive, g.exit_reason = False, "QuorumTimeout"
@@ -529,6 +550,10 @@ class Sim:
                     got = rows[(r.tf._pg.ident, i)]
                     if len(got) == r.rider.last.world_size:
                         summed = [list(got[k]) for k in range(r.rider.last.world_size)]
+                held_dead = {m.gid for m in map(self.group, r.tf._pg.ident[2] if r.tf._pg.ident else ())
+                             if m is not None and (m.gid in self.faults.cut_lh or m.gid in self.faults.oneway_lh)}
+                if self.revert.agreement_watch and held_dead - {g.gid}:
+                    summed = None  # this member left the wait; the one the lighthouse holds dead completed it
                 r.agreement = r.rider.conclude(own, summed, "agreement all-reduce failed")
                 if self.revert.guard_primary and r.agreement.guard is not None and summed:
                     r.agreement = _primary_guard(r.agreement, summed)

@@ -47,6 +47,8 @@ def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
             out["cut_peer"] = frozenset({frozenset((g, h))})
         elif kind in ("rank_error", "heal_fail"):
             out[kind] = frozenset({(g, draw(st.integers(0, size - 1)))})
+        elif kind == "stale":
+            out[kind] = frozenset(range(groups)) if draw(st.booleans()) else frozenset({g})
         else:
             out[kind] = frozenset({g})
     return Faults(**out)
@@ -69,6 +71,9 @@ def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0
         sim.round(f)
     for _ in range(RECOVERY):
         sim.round(Faults())
+        gaps = [g for g in sim.groups if g.exit_reason == "QuorumGap"]
+        assert not gaps or not all(g.alive or g.exit_reason == "QuorumGap" for g in sim.groups), (
+            f"groups {[g.gid for g in gaps]} stopped for a quorum gap with every group alive: a gap nobody forked")
     live = {g.gid for g in sim.groups if g.alive}
     assert sim.committing() == live, (f"after {RECOVERY} quiet rounds, live groups {sorted(live)} but only "
                                       f"{sorted(sim.committing())} commit: " + "; ".join(
@@ -228,3 +233,29 @@ def test_a_lighthouse_restart_while_a_group_is_cut_off_does_not_fork_the_job():
     comes back; here group 0 comes back and heals group 1."""
     sim = run(2, 1, False, [*PARTITIONS, Faults(restart_lighthouse=True, cut_lh=frozenset({0}))])
     assert all(g.alive for g in sim.groups)
+
+
+LEFT_CALLS = [Faults(cut_lh=frozenset({0, 1}))] * 3 + [Faults(stale=frozenset({0}), cut_lh=frozenset({1}))]
+"""Seen with real processes after a blackhole: both groups left their calls and rode; torchft's retries then
+reached the lighthouse, which issued a quorum from them that no group acted on. A quorum id nobody took part
+in looked like others' history, and the job discarded every step until it stopped."""
+
+
+def test_a_quorum_issued_only_to_calls_the_groups_left_is_no_gap():
+    sim = run(2, 1, True, LEFT_CALLS)
+    assert all(g.alive for g in sim.groups)
+
+
+ONE_WAY = [Faults(oneway_lh=frozenset({0}))] * 2 + [Faults(cut_lh=frozenset({0}))] * 3
+"""Seen with real processes: group 0's answers from the lighthouse are lost (it rides, and the lighthouse soon
+holds it dead); group 1 asks and gets the same quorum. Group 1's peer watch once cut the agreement's wait short
+after adding its row: group 0 completed it and committed, group 1 discarded, then committed that step alone."""
+
+
+def test_a_member_the_lighthouse_holds_dead_but_alive_does_not_split_the_job():
+    run(2, 1, True, ONE_WAY)
+
+
+def test_the_agreement_cut_short_by_the_peer_watch_splits_the_job():
+    with pytest.raises(AssertionError, match="split"):
+        run(2, 1, True, ONE_WAY, revert=Revert(agreement_watch=True))

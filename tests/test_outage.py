@@ -477,3 +477,26 @@ def test_adversarial_steps_never_split_the_riders(schedule, steps):
         if committed:
             assert not gone and len({before[i] for i in committed}) == 1
         gone |= committed != {0, 1, 2}
+
+
+def test_a_lighthouse_that_stops_answering_while_a_call_waits_is_probed_again():
+    """A probe that answered as the call began must not vouch for the whole call: the lighthouse may hang (or
+    its link drop) a moment later. Seen: a 6 s blackhole that began right after such a probe cost 6 s."""
+
+    class Monitor:  # one probe answered just as the call began; every probe after it goes unanswered
+        answered_at = None
+
+        def answers(self, since):
+            if self.answered_at is None:
+                self.answered_at = time.monotonic()
+            return True if self.answered_at >= since else False
+
+    r = OutageRider(Torchft(store=None), enabled=True, lighthouse="lh", group_rank=0, group_size=1,
+                    decision_timeout=timedelta(seconds=5), monitor=Monitor())
+    r.remember(Quorum(1, 0, 2), ["replica_group_0:a", "replica_group_1:b"])
+    r.after_commit(True, False)
+    hung = threading.Event()
+    t0 = time.monotonic()
+    r.quorum(lambda: hung.wait(30))
+    assert r.riding and time.monotonic() - t0 < 5.0
+    hung.set()

@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 POLL = timedelta(milliseconds=25)
 """While a lighthouse call is in flight, how often rank 0 looks at the clock and the lighthouse probe."""
 
+REPROBE = timedelta(milliseconds=500)
+"""While a lighthouse call is in flight, a probe older than this is repeated: a lighthouse that answered when the
+call began may hang (or its link drop) while the call waits."""
+
 FRESH = timedelta(seconds=1)
 """At a step's start, a lighthouse probe started this long ago still counts (riding steps probe about this often)."""
 
@@ -149,7 +153,9 @@ class OutageRider:
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
         self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
-        self._dead_ends: Optional[Tuple[int, int]] = None
+        self._dead: set = set()  # quorum ids after the certified one in which this group committed nothing
+        self._epoch = 0  # lighthouse restarts seen: a late answer from before one is not this history
+        self._history_lock = threading.Lock()
         self._certified_members: Tuple[str, ...] = ()
         self._passed = False  # an agreement of the current quorum passed continuity
         self._gap_wait, self._clock = gap_wait.total_seconds(), clock
@@ -172,9 +178,6 @@ class OutageRider:
         self.skipped_collective: Callable[[], bool] = lambda: manager.errored() is not None
         """Whether this rank's collectives of this step may no longer pair with its peers' (set by
         :class:`ftbridge.manager.ReplicaManager`: an all-reduce torchft made a no-op after an error)."""
-        self.watch: Any = None
-        """The peer watch (:class:`ftbridge.manager.quorum_watch.QuorumWatch`) or ``None``: cuts the agreement's
-        wait short when the lighthouse holds a member dead, as it does for the gradient all-reduces."""
 
     @classmethod
     def for_config(cls, manager: Any, cfg: Any) -> "OutageRider":
@@ -198,17 +201,42 @@ class OutageRider:
         qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
         if last is not None and (qid != last.quorum_id or members != self._members):
             self._certified_members = self.certified_members()
-            if detect_lighthouse_restart(QuorumSeen(last.quorum_id, self._members), qid, members):
-                self._certified, self._dead_ends = -1, None  # a new lighthouse numbers its quorums anew
-            elif self._passed:
-                self._certified, self._dead_ends = last.quorum_id, None
-            else:
-                runs = self._dead_ends
-                self._dead_ends = (runs[0] if runs and runs[1] == last.quorum_id - 1 else last.quorum_id,
-                                   last.quorum_id)
+            with self._history_lock:
+                if detect_lighthouse_restart(QuorumSeen(last.quorum_id, self._members), qid, members):
+                    self._certified, self._dead, self._epoch = -1, set(), self._epoch + 1  # ids start anew
+                elif self._passed:
+                    self._certified = last.quorum_id
+                    self._dead = {k for k in self._dead if k > last.quorum_id}
+                else:
+                    self._dead.add(last.quorum_id)
             self._passed = False
         self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
                                               int(result.replica_world_size)), members
+
+    def _dead_ends(self) -> Optional[Tuple[int, int]]:
+        """The newest run of consecutive dead-end quorum ids (:attr:`View.dead_ends`), ``None`` if none."""
+        with self._history_lock:
+            if not self._dead:
+                return None
+            last = first = max(self._dead)
+            while first - 1 in self._dead:
+                first -= 1
+            return first, last
+
+    def _left(self, future: concurrent.futures.Future) -> None:
+        """The group left this lighthouse call and rode: whenever its answer comes, its quorum is a dead end
+        (no member of it can complete an agreement there without this group, which never joined it)."""
+        epoch = self._epoch
+
+        def note(done: concurrent.futures.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            qid = int(getattr(done.result(), "quorum_id", -1))
+            with self._history_lock:
+                if epoch == self._epoch and qid > self._certified and (self.last is None or qid != self.last.quorum_id):
+                    self._dead.add(qid)
+
+        future.add_done_callback(note)
 
     def certified_members(self) -> Tuple[str, ...]:
         """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none): after a
@@ -326,10 +354,13 @@ class OutageRider:
             if done:
                 self._publish(b"asked" if future.exception() is None else b"failed")
                 return future.result()
-            answers = self._monitor.answers(since=wait.started) if wait.may_ride else None
-            action = wait.poll(time.monotonic(), answers)
+            now = time.monotonic()
+            answers = (self._monitor.answers(since=max(wait.started, now - REPROBE.total_seconds()))
+                       if wait.may_ride else None)
+            action = wait.poll(now, answers)
             if action == QuorumWait.RIDE:
                 self._publish(b"rode")
+                self._left(future)
                 logger.warning("%s lighthouse %s does not answer a quorum call in flight: leaving it and committing "
                                "on the last quorum (id %d)", self._who, self._lighthouse,
                                self.last.quorum_id if self.last else -1)
@@ -357,6 +388,7 @@ class OutageRider:
             raise QuorumTimeout(f"{self._who} replica group rank 0's quorum outcome did not come within "
                                 f"{bound.total_seconds():g} s ({type(exc).__name__}: {exc})") from exc
         if outcome == b"rode":
+            self._left(future)
             return self.leave_call()
         if outcome == b"failed":
             raise QuorumTimeout(f"{self._who} replica group rank 0's lighthouse call failed this step")
@@ -397,7 +429,7 @@ class OutageRider:
         participating = bool(m.is_participating())
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
-                                guard if participating else None, self._certified, self._dead_ends, empty))
+                                guard if participating else None, self._certified, self._dead_ends(), empty))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
@@ -428,12 +460,9 @@ class OutageRider:
             rows[last.replica_rank] = torch.tensor(own, dtype=torch.float64)
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp(ReduceOp.SUM)
-            work = m._pg.allreduce([rows], opts)
-            lost = self.watch.wait(work) if self.watch is not None and hasattr(work, "get_future") else ()
-            if lost:  # the peer watch: the lighthouse holds a member dead, no point waiting out the timeout
-                self.watch.cut_short(m, f"the lighthouse holds {', '.join(lost)} dead: agreement abandoned")
-                return None, f"members {', '.join(lost)} lost"
-            work.wait()
+            # Never cut short (the peer watch cuts only gradient waits): this all-reduce is where the step is
+            # decided, and a member that left it after adding its row could discard a step the others commit.
+            m._pg.allreduce([rows], opts).wait()
             return rows.tolist(), ""
         except Exception as exc:  # noqa: BLE001 - a member died or hung: discard, back to the lighthouse
             return None, f"agreement all-reduce failed: {type(exc).__name__}: {exc}"

@@ -59,6 +59,12 @@ A *false positive* (the lighthouse drops a group that is only slow) costs
 the same: a discarded step and a reconfigure, never a partial average applied,
 since an abandoned result is never read.
 
+Only the waits of gradient all-reduces are cut short, never the step's
+agreement (:mod:`ftbridge.manager.outage`): that all-reduce decides the
+step, and a member that left it after adding its row would discard a step
+that a member the lighthouse wrongly holds dead (alive, but cut off from the
+lighthouse) completes and commits.
+
 The resumed group must therefore never commit a step the survivors
 discarded: the survivors, alone, would commit the same step number with
 another average, and if the two groups met again with equal counters
@@ -82,6 +88,7 @@ different hook (NCCL's abort) and a GPU to test it on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -248,6 +255,7 @@ class QuorumWatch:
         self._abandoned = False  # a wait of this step was cut short: cut the step's other waits at once
         self._doomed: Optional[Tuple[int, Tuple[str, ...]]] = None  # (quorum id, lost members) seen by the vote
         self._failed_reads = 0
+        self._pending: Optional[concurrent.futures.Future] = None  # a look() running in a helper thread
         self.lost = 0
         """Waits cut short because a peer was lost (each discarded a step)."""
         self.last_lost: Tuple[str, ...] = ()
@@ -277,6 +285,27 @@ class QuorumWatch:
             self._doomed = (seen[0], lost)
         return lost
 
+    def _look_nowait(self) -> Tuple[str, ...]:
+        """The verdict of the last finished :meth:`look`, starting the next one in a helper thread when none runs.
+
+        Never blocks: a lighthouse that answers slowly (hung, or behind a link that drops packets) must not
+        hold up a wait whose collective completes meanwhile.
+        """
+        pending = self._pending
+        if pending is None:
+            box: concurrent.futures.Future = concurrent.futures.Future()
+
+            def run() -> None:
+                box.set_result(self.look())  # look() never raises
+
+            self._pending = box
+            threading.Thread(target=run, name="ftbridge-peer-watch-look", daemon=True).start()
+            return ()
+        if not pending.done():
+            return ()
+        self._pending = None
+        return pending.result()
+
     def wait(self, work: Any) -> Tuple[str, ...]:
         """Block until the c10d ``work`` completes, or until the lighthouse holds a member of this quorum dead.
 
@@ -298,7 +327,7 @@ class QuorumWatch:
         while not lost:
             if done.wait(self._poll):
                 return ()
-            lost = self.look()
+            lost = self._look_nowait()
         if done.is_set():  # finished while the lighthouse was read: its own wait() tells how
             return ()
         self.lost += 1
@@ -329,16 +358,6 @@ class QuorumWatch:
         buf = tensor.clone()
         return WatchedWork(manager.allreduce(buf, reduce_op=reduce_op), buf, tensor, self,
                            lambda error: self._on_lost(manager, error))
-
-    def cut_short(self, manager: Any, reason: str) -> None:
-        """After :meth:`wait` returned lost members for a collective issued outside :meth:`allreduce` (the
-        outage agreement): discard the step and set the process group aside, as for a gradient all-reduce.
-
-        Args:
-            manager: the rank's torchft ``Manager`` (``report_error``).
-            reason: for the error, :class:`PeerLost`.
-        """
-        self._on_lost(manager, PeerLost(reason))
 
     def _on_lost(self, manager: Any, error: Exception) -> None:
         """A wait was cut short: discard the step, set the process group with the pending operation aside."""

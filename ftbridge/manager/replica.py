@@ -146,7 +146,6 @@ class ReplicaManager:
             self.quorum_guard.quorum_timeout = cfg.quorum_timeout
         self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda, pg)  # cuts a hung peer off (None: off)
         if self.outage is not None:
-            self.outage.watch = self.quorum_watch  # the agreement's wait is cut short like the all-reduces'
             self.outage.skipped_collective = self.skipped_collective
         self.verdict: Optional[StepVerdict] = None
         """This step's agreement and group decision (:meth:`decide`), ``None`` before it."""

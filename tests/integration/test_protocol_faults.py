@@ -133,7 +133,8 @@ def test_a_lone_group_under_min_replicas_exits_at_the_quorum_timeout_without_spi
 
 @pytest.mark.timeout(300)
 def test_a_group_restarted_after_the_job_ended_does_not_train_a_second_model(local_job):
-    job = local_job(2, 1, [*TINY, "--steps", "40"], max_restarts=1, env={"FTBRIDGE_RESTART_PEER_WAIT_S": "5"})
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=1, env={"FTBRIDGE_RESTART_PEER_WAIT_S": "5"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     job.start()
     job.wait_until(lambda: _together(job, 5), 180, "both groups to commit step 5 together")
     worker = job.worker_pids(1)[0]
@@ -141,6 +142,7 @@ def test_a_group_restarted_after_the_job_ended_does_not_train_a_second_model(loc
     os.kill(agent, signal.SIGSTOP)  # group 1's torchrun cannot restart it until the others have finished
     try:
         job.kill_workers(1)
+        job.write_file("stop", str(job.max_step() + 5))  # group 0 ends the job alone
         assert job.wait(timeout_s=180, groups=[0]) == {0: 0}, job.tails()
         t_restart = time.time()
     finally:
