@@ -183,7 +183,8 @@ class SimRank:
         self.tf = RankTF(group.store)
         self.rider = OutageRider(self.tf, enabled=ride, lighthouse="sim", group_rank=rank, group_size=group.size,
                                  decision_timeout=timedelta(seconds=1), monitor=group.monitor,
-                                 replica_group_id=group.gid, gap_wait=timedelta(seconds=RESTART_PEER_WAIT),
+                                 replica_group_id=group.gid, num_groups=group.num_groups,
+                                 gap_wait=timedelta(seconds=RESTART_PEER_WAIT),
                                  clock=group.clock)
         self.heal = HealAgreement(self.tf)
         self.guard = DivergenceGuard(None, replica_group_id=group.gid, every=group.guard_every, action="heal",
@@ -234,8 +235,9 @@ class Quorum:
 
 
 class SimGroup:
-    def __init__(self, gid: int, size: int, ride: bool, guard_every: int, clock: Any) -> None:
+    def __init__(self, gid: int, size: int, ride: bool, guard_every: int, clock: Any, num_groups: int) -> None:
         self.gid, self.size, self.ride, self.guard_every, self.clock = gid, size, ride, guard_every, clock
+        self.num_groups = num_groups
         self.launch = 0
         self.alive = True
         self.exit_reason = ""
@@ -322,7 +324,7 @@ class Sim:
 
     def __init__(self, groups: int, size: int, *, ride: bool = True, guard_every: int = 0, min_replicas: int = 1,
                  revert: Optional[Revert] = None) -> None:
-        self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now)) for g in range(groups)]
+        self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now), groups) for g in range(groups)]
         self.lighthouse = SimLighthouse(min_replicas)
         self.guard_every = guard_every
         self.revert = revert or Revert()

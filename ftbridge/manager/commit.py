@@ -109,7 +109,7 @@ class QuorumWait:
 
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
-ROW = 21
+ROW = 22
 """float64 values per member in the agreement (see :func:`encode_view`)."""
 
 
@@ -134,6 +134,8 @@ class View:
             part in after ``certified`` where none of its agreements passed, so nobody committed there
             (``None``: no such run).
         empty: this member was restarted with nothing to start from (it holds none of the job's state).
+        num_groups: the job's replica groups (``num_replica_groups``); a quorum holding all of them
+            follows the job's history whatever its ids (nobody outside it can have trained).
     """
 
     replica_group: int
@@ -148,6 +150,7 @@ class View:
     certified: int = -1
     dead_ends: Optional[Tuple[int, int]] = None
     empty: bool = False
+    num_groups: int = 0
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -169,7 +172,7 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first dead end
-    + 1, last dead end + 1, empty]`` (0 where none).
+    + 1, last dead end + 1, empty, num groups]`` (0 where none).
 
     Raises:
         ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
@@ -181,7 +184,7 @@ def encode_view(v: View) -> List[float]:
     first, last = v.dead_ends if v.dead_ends is not None else (-1, -1)
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
-            *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty)]
+            *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty), float(v.num_groups)]
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,12 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     guard = judge_guard({int(row[1]) - 1: _digest(row[13:17]) for row in guard_rows}) if guard_rows else None
     histories = [(int(row[17]) - 1, (int(row[18]) - 1, int(row[19]) - 1) if row[18] else None) for row in rows]
     empty = all(row[20] == 1.0 for row in rows)
-    gap = continuous(int(key[0]), histories)
+    if any(row[21] != own[21] for row in rows):
+        return Agreement(False, False, False, f"the members disagree on the job's number of replica groups "
+                                              f"({sorted({int(row[21]) for row in rows})})")
+    groups = {int(row[1]) - 1 for row in rows}
+    whole = own[21] > 0 and groups >= set(range(int(own[21])))  # every group of the job: nobody else trained
+    gap = None if whole else continuous(int(key[0]), histories)
     if gap is not None:
         return Agreement(True, False, False, f"quorum {int(key[0])} follows quorum {gap}, in which none of its "
                                              "members took part: others may have committed steps there", guard,
@@ -304,7 +312,8 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int
     of its own at its old step, and it would commit steps the others already committed, with other
     parameters. Every quorum id between the newest one some member certified (an agreement there passed,
     so it holds that quorum's history or heals from it) and this one must therefore be a dead end some
-    member took part in (no agreement there passed, so nobody committed there).
+    member took part in (no agreement there passed, so nobody committed there). :func:`judge` skips the
+    check for a quorum that holds every replica group of the job: nobody outside it can have trained.
 
     Args:
         quorum_id: this quorum's id.

@@ -133,6 +133,8 @@ class OutageRider:
         quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
         monitor: the lighthouse monitor of group rank 0 (default: one with a 150 ms deadline).
         replica_group_id: for logs and the agreement.
+        num_groups: the job's replica groups (``num_replica_groups``; 0: unknown, the continuity check always
+            applies).
         gap_wait: how long quorums that do not follow the job's history
             (:func:`~ftbridge.manager.commit.continuous`) are discarded before the group stops.
         clock: monotonic seconds (for ``gap_wait``).
@@ -140,11 +142,11 @@ class OutageRider:
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
                  decision_timeout: timedelta, quorum_deadline: timedelta = timedelta(seconds=60),
-                 monitor: Optional[LighthouseMonitor] = None, replica_group_id: int = 0,
+                 monitor: Optional[LighthouseMonitor] = None, replica_group_id: int = 0, num_groups: int = 0,
                  gap_wait: timedelta = timedelta(seconds=30), clock: Callable[[], float] = time.monotonic) -> None:
         self._manager = manager
         self._who = f"[replica {replica_group_id} rank {group_rank}]"
-        self.replica_group_id = replica_group_id
+        self.replica_group_id, self.num_groups = replica_group_id, num_groups
         self.enabled = enabled
         self._lighthouse = lighthouse
         self._monitor = monitor or LighthouseMonitor(lighthouse, deadline=timedelta(milliseconds=150))
@@ -186,7 +188,8 @@ class OutageRider:
         return cls(manager, enabled=cfg.ride_out_lighthouse_outage, lighthouse=cfg.lighthouse,
                    group_rank=cfg.group_rank, group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
                    quorum_deadline=cfg.quorum_timeout + cfg.connect_timeout + timedelta(seconds=5),
-                   monitor=monitor, replica_group_id=cfg.replica_group_id, gap_wait=cfg.restart_peer_wait)
+                   monitor=monitor, replica_group_id=cfg.replica_group_id, num_groups=cfg.num_replica_groups,
+                   gap_wait=cfg.restart_peer_wait)
 
     # -- QUORUM (torchft's quorum thread) --------------------------------------------------------------
     def quorum(self, call: Callable[[], Any]) -> Any:
@@ -429,7 +432,8 @@ class OutageRider:
         participating = bool(m.is_participating())
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
-                                guard if participating else None, self._certified, self._dead_ends(), empty))
+                                guard if participating else None, self._certified, self._dead_ends(), empty,
+                                self.num_groups))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
