@@ -256,6 +256,7 @@ class SimGroup:
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
+        self.lost_answers: Set[int] = set()  # quorum ids issued to this group whose answer it never got
         self.left_calls: List[List[Any]] = []  # [call the group left, its quorum once formed]: answered once the
         # link carries answers again (torchft's manager keeps retrying a left call)
 
@@ -414,6 +415,7 @@ class Sim:
                     g.asking, out[g.gid] = None, q
                     continue
                 g.stale_step = g.request_step  # answered, but the answer is lost on the way back
+                g.lost_answers.add(q.quorum_id)
                 lost = q
             else:
                 lost = None
