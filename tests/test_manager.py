@@ -417,3 +417,15 @@ def test_a_commit_vote_timeout_ends_the_rank_with_an_error_naming_the_bound_and_
         with pytest.raises(RuntimeError, match=bound) as e:
             ReplicaManager.should_commit(fake)
         assert isinstance(e.value.__cause__, TimeoutError)
+
+
+def test_a_vote_failing_with_an_empty_message_falls_back_instead_of_raising(monkeypatch):
+    import ftbridge.manager.quorum_guard as guard_module
+
+    def fail(*a, **k):
+        raise RuntimeError("")  # once: IndexError from str(exc).splitlines()[0], and the rank died
+
+    monkeypatch.setattr(guard_module, "call_bounded", fail)
+    (mgr, guard), _ = _members(1, last_ids=[2, 2], qid=2)
+    guard._quorum(group_rank=0)
+    assert mgr._quorum_id == 2

@@ -191,7 +191,7 @@ class _QuorumGuard:
             self._last_vote = (store, base, int(result.replica_rank))
         except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
             logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
-                           int(result.quorum_id), type(exc).__name__, str(exc).splitlines()[0],
+                           int(result.quorum_id), type(exc).__name__, (str(exc).splitlines() or [""])[0],
                            "rebuilding" if mine else "keeping the process group")
             self._stores = {}
         return decide_reconfigure(mine, votes)

@@ -171,7 +171,7 @@ def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_
         return True
     except TimeoutError as e:
         logger.error("not recovered from failure %d (%s): %s", inj.failure.index, inj.failure.kind.value,
-                     str(e).splitlines()[0])
+                     (str(e).splitlines() or [repr(e)])[0])
         return False
 
 
@@ -329,7 +329,7 @@ def _stop_standing_by(job: LocalJob, alive: Sequence[int], timeout_s: float
     try:
         job.wait_until(all_standing_by, timeout_s, "every launch that holds no replica group to stand by", poll_s=0.5)
     except TimeoutError as e:  # stop them anyway; the run's checks still judge what happened
-        logger.warning("%s", str(e).splitlines()[0])
+        logger.warning("%s", (str(e).splitlines() or [repr(e)])[0])
     if others:
         logger.info("stopping %d launch(es) that hold no replica group (standing-by ranks %s)", len(others), standby)
         stop_process_groups([gp.proc for gp in others], grace_s=15)
