@@ -43,7 +43,7 @@ class Events:
 
 def _decision(mismatch=False, differs=False, tie=False):
     return GroupDecision(commit=not differs, drop_heal=False, guard_mismatch=mismatch, guard_differs=differs,
-                         guard_tie=tie, ride_next=False, stop=False, reason="")
+                         guard_tie=tie, ride_next=False, stop=False, gap_stop=False, reason="")
 
 
 def _guard(action="heal", on_tie="stop", value=1.0):

@@ -20,8 +20,9 @@ STEPS = 10
 
 
 def _run(local_job, groups: int, corrupt: str, guard_every: int, action: str = "heal"):
+    # max_restarts=0: a group the guard stops stays stopped (restarted, it would wait for a peer to heal from)
     job = local_job(groups, 1, [*TINY, "--steps", str(STEPS), "--corrupt-sync-at", corrupt], min_replicas=2,
-                    lighthouse_min_replicas=groups,
+                    max_restarts=0, lighthouse_min_replicas=groups,
                     env={"FTBRIDGE_GUARD_EVERY": str(guard_every), "FTBRIDGE_GUARD_ACTION": action})
     job.start()
     return job, job.wait(timeout_s=240)
