@@ -88,6 +88,11 @@ STAGGER_S = 1.0
 """Seconds spare ``K`` lets a vacancy stand per index before taking it (spare 0: at once)."""
 STATUS_TIMEOUT_S = 2.0
 """Bound on one status read (s); a read that fails counts as "nothing seen" and is retried."""
+SLOW_READ_S = 1.0
+"""A status read slower than this counts as failed: the lighthouse was hung or its link down meanwhile."""
+SETTLE_S = 0.5
+"""After a failed status read, how long a vacancy must be seen in reads that answer before a spare takes it: a
+lighthouse that was hung or cut off shows every group's heartbeat stale until the groups' next ones arrive."""
 DEMOTED_KEY = "ftbridge/spare/demoted"
 """Key of the group's TCPStore holding rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
 STORE_KEY = "ftbridge/spare/replaces"
@@ -136,23 +141,31 @@ class DuplicateReplicaGroup(RuntimeError):
     """Another member of the quorum holds this replica group's id (a spare took it while this group was paused)."""
 
 
-def must_leave(replica_ids: Sequence[str], group: int, healing: bool) -> bool:
+def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Optional[str] = None,
+               nobody_heals: bool = False) -> bool:
     """Whether this member must leave a quorum in which another member holds its group id (pure).
 
     A group paused past the lighthouse's heartbeat timeout (SIGSTOP, a stalled host) is dropped like a
     dead one and a spare takes its id; when it resumes it asks for quorums again and would train as a
     second copy of the group, on the same data shard. It is the one behind, so it heals in that quorum:
     the healing holder of a duplicated id leaves (its torchrun restart then finds the id held and stands
-    by, :func:`demote_if_taken`). Holders that do not heal stay.
+    by, :func:`demote_if_taken`). When nobody in the quorum heals (two spares that took one id at step 0),
+    every holder but the first by replica id leaves, so exactly one stays.
 
     Args:
         replica_ids: the quorum's torchft replica ids (``replica_group_G:UUID``).
         group: this member's replica group id.
         healing: whether this member heals in this quorum (it is behind the quorum's step).
+        me: this member's replica id in the quorum (``None``: unknown, only the healing rule applies).
+        nobody_heals: every member is at the quorum's highest step (torchft's ``max_world_size`` equals
+            ``replica_world_size``).
     """
     from lighthouse.status import replica_group_of
 
-    return healing and sum(1 for r in replica_ids if replica_group_of(r) == group) > 1
+    holders = sorted(r for r in replica_ids if replica_group_of(r) == group)
+    if len(holders) <= 1:
+        return False
+    return healing or (nobody_heals and me is not None and me != holders[0])
 
 
 def vacancies(fresh: set, known: set, num_groups: int) -> List[int]:
@@ -206,6 +219,8 @@ class VacancyWatch:
     job_gone_s: float
     first_seen: Dict[int, float] = field(default_factory=dict)
     last_live: Optional[float] = None
+    settled_after: Optional[float] = 0.0
+    """Vacancies count from this time on (``None``: the last read failed; set by the next one that answers)."""
     last_seen: str = ""
     """The last status read's heartbeats, ``replica id: age s (stale)``, for the decision's log line."""
 
@@ -215,8 +230,11 @@ class VacancyWatch:
         Returns:
             ``("join", G)``, ``("wait", None)`` or ``("exit", None)`` (the job is over).
         """
-        if heartbeats is None:
+        if heartbeats is None:  # the lighthouse did not answer: whatever it shows next needs time to settle
+            self.first_seen, self.settled_after = {}, None
             return "wait", None
+        if self.settled_after is None:
+            self.settled_after = now + SETTLE_S
         fresh, known = heartbeat_groups(heartbeats)
         self.last_seen = ", ".join(f"{h.replica_id}: {h.age_s:.2f} s{' (stale)' if h.stale else ''}"
                                    for h in heartbeats)
@@ -227,6 +245,8 @@ class VacancyWatch:
         vacant = vacancies(fresh, known, self.num_groups)
         self.first_seen = {g: self.first_seen.get(g, now) for g in vacant}
         g = choose_group(vacant, self.first_seen, now, self.spare_index)
+        if g is not None and now < self.settled_after:
+            return "wait", None
         return ("join", g) if g is not None else ("wait", None)
 
 
@@ -250,12 +270,16 @@ class Takeover:
                 "vacancy_seen": self.vacancy_seen}
 
 
-def _read_heartbeats(address: str, fetch: Callable[..., Any]) -> Optional[List[Any]]:
+def _read_heartbeats(address: str, fetch: Callable[..., Any],
+                     clock: Callable[[], float] = time.monotonic) -> Optional[List[Any]]:
+    """The lighthouse's heartbeat table, or ``None`` when the read failed or took longer than :data:`SLOW_READ_S`."""
+    t0 = clock()
     try:
-        return list(fetch(address, timeout_s=STATUS_TIMEOUT_S).heartbeats)
+        beats = list(fetch(address, timeout_s=STATUS_TIMEOUT_S).heartbeats)
     except (OSError, ValueError) as exc:  # unreachable, HTTP error, or not torchft's page: retry
         logger.debug("spare: lighthouse status read failed: %s", exc)
         return None
+    return beats if clock() - t0 <= SLOW_READ_S else None
 
 
 def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]] = None,

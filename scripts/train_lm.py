@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                             cross_replica_exposed_wait_s=engine.sync.order.exposed_wait_s(),
                             cross_replica_backend=getattr(engine.manager, "backend", None), device=str(engine.device),
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
+                            protocol_s=getattr(engine.manager, "protocol_s", 0.0),
+                            protocol_steps=getattr(engine.manager, "protocol_steps", 0),
                             **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
                                       "step_times_s": step_times, "peak_rss_bytes": lm_job.peak_rss_bytes()})

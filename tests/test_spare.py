@@ -186,3 +186,35 @@ def test_manager_raises_on_a_duplicate_before_torchft_heals():
     with pytest.raises(spare.DuplicateReplicaGroup, match="quorum 7: another member holds replica group 1"):
         ReplicaManager._on_quorum(fake, result)
     ReplicaManager._on_quorum(fake, SimpleNamespace(**{**vars(result), "heal": False}))
+
+
+def test_two_holders_of_one_id_where_nobody_heals_keep_only_the_first():
+    """Two spares that took one vacancy at once (at step 0 nobody heals): both used to stay, two copies of
+    the group training on one data shard."""
+    ids = ["replica_group_0:a", "replica_group_1:x", "replica_group_1:y"]
+    assert spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", nobody_heals=True)
+    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:x", nobody_heals=True)
+    # Someone heals: only the healing holder leaves (the other may be the one up to date).
+    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", nobody_heals=False)
+
+
+def test_a_vacancy_seen_right_after_the_lighthouse_did_not_answer_must_settle_first():
+    """A lighthouse that was hung shows every group stale until their next heartbeats arrive; a spare took
+    a live group's id then, joined as a duplicate and cost every group a vote and a cross-replica timeout."""
+    w = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=30)
+    assert w.observe(0.0, [hb(0), hb(1)]) == ("wait", None)
+    assert w.observe(0.1, None) == ("wait", None)                     # the lighthouse does not answer
+    assert w.observe(3.0, [hb(0, stale=True), hb(1)]) == ("wait", None)  # answers again: group 0 looks gone
+    assert w.observe(3.1, [hb(0), hb(1)]) == ("wait", None)           # its heartbeat arrived: no vacancy
+    assert w.observe(3.2, [hb(0, stale=True), hb(1)]) == ("wait", None)
+    assert w.observe(3.6, [hb(0, stale=True), hb(1)]) == ("join", 0)  # still gone after settling
+
+
+def test_a_slow_status_read_counts_as_failed():
+    clock = iter([0.0, 1.5, 10.0, 10.2])
+
+    def fetch(address, timeout_s):
+        return SimpleNamespace(heartbeats=[hb(0)])
+
+    assert spare._read_heartbeats("lh", fetch, clock=lambda: next(clock)) is None
+    assert spare._read_heartbeats("lh", fetch, clock=lambda: next(clock)) is not None

@@ -149,6 +149,9 @@ class ReplicaManager:
             self.outage.skipped_collective = self.skipped_collective
         self.verdict: Optional[StepVerdict] = None
         """This step's agreement and group decision (:meth:`decide`), ``None`` before it."""
+        self.protocol_s = 0.0
+        """Seconds spent in :meth:`decide` after the quorum (the agreement and the in-group exchange), all steps."""
+        self.protocol_steps = 0
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
         self.lighthouse_restarts += 1
@@ -173,11 +176,14 @@ class ReplicaManager:
         # -- warm spares (ftbridge.spare): a paused group whose id a spare took leaves instead of training twice
         from ftbridge.spare import DuplicateReplicaGroup, must_leave
 
-        if must_leave(list(getattr(result, "replica_ids", []) or []), cfg.replica_group_id,
-                      bool(getattr(result, "heal", False))):
+        rank = getattr(result, "replica_rank", None)
+        me = ids[int(rank)] if rank is not None and 0 <= int(rank) < len(ids) else None
+        nobody_heals = int(getattr(result, "max_world_size", -1)) == int(getattr(result, "replica_world_size", -2))
+        if must_leave(ids, cfg.replica_group_id, bool(getattr(result, "heal", False)), me, nobody_heals):
             msg = (f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] quorum {int(result.quorum_id)}: another "
                    f"member holds replica group {cfg.replica_group_id} (a spare took its place while this group was "
-                   "paused past the heartbeat timeout); leaving so that one group trains on its data shard")
+                   "paused past the heartbeat timeout, or two spares took it at once); leaving so that one group "
+                   "trains on its data shard")
             logger.error("%s", msg)
             raise DuplicateReplicaGroup(msg)
         joiners = list(getattr(result, "recover_dst_replica_ranks", None) or [])
@@ -291,6 +297,7 @@ class ReplicaManager:
         """
         tf = self._torchft
         tf.wait_quorum()
+        t0 = time.perf_counter()
         if self.quorum_watch is not None:  # frozen during the step and left out meanwhile: discard
             self.quorum_watch.check_commit(tf, self._step_start)
         agreement = self.outage.agree(guard, empty) if self.outage is not None else None
@@ -308,6 +315,8 @@ class ReplicaManager:
             tf.report_error(GroupDiscard(f"replica group {self.cfg.replica_group_id} discards step "
                                          f"{int(tf.current_step())}: {decision.reason}"))
         self.verdict = StepVerdict(agreement, decision)
+        self.protocol_s += time.perf_counter() - t0
+        self.protocol_steps += 1
         return self.verdict
 
     def _restart_rule(self, agreement: Optional[Agreement], empty: bool, waited_s: float) -> bool:

@@ -88,10 +88,18 @@ def run(settings: BenchSettings) -> List[Metric]:
                             rep=rep)
             return steady_median(res.step_times_s, settings.warmup_steps)
 
+        protocol: List[float] = []  # seconds per step in the commit protocol (agreement + in-group exchange)
+        protocol_base: List[float] = []
+
         def ftbridge(rep: int) -> float:
             res = run_ftbridge(next_run_dir(root, f"ftbridge_z{stage}"), GROUPS, RANKS, args,
                                timeout_s=settings.timeout_s, rep=rep)
-            return steady_median(res.step_times_s, settings.warmup_steps)
+            step = steady_median(res.step_times_s, settings.warmup_steps)
+            per_step = [f["protocol_s"] / max(f["protocol_steps"], 1) for f in res.finals if "protocol_s" in f]
+            if per_step:
+                protocol.append(max(per_step))
+                protocol_base.append(step)
+            return step
 
         log.info("overhead: ZeRO-%d, ftbridge %dx%d vs plain DeepSpeed %d ranks, %d rep(s)", stage, GROUPS, RANKS,
                  GROUPS * RANKS, settings.reps)
@@ -101,6 +109,11 @@ def run(settings: BenchSettings) -> List[Metric]:
             cand, base, baseline_name=f"plain DeepSpeed {GROUPS * RANKS} ranks, median step", target_max=TARGET_MAX,
             extra={"zero_stage": stage, "groups": GROUPS, "ranks_per_group": RANKS, "baseline_unit": "s",
                    "model": model, "timed_steps": settings.steps}))
+        if stage == 2 and protocol:
+            metrics.append(ratio_metric(
+                "overhead", f"commit protocol per step (agreement + in-group exchange), ZeRO-2 {GROUPS}x{RANKS} / "
+                "step time", protocol, protocol_base, baseline_name="ftbridge median step",
+                extra={"zero_stage": 2, "baseline_unit": "s", "model": model, "protocol": True}))
         if stage == 2 and not settings.quick:
             metrics.append(_one_group(settings, root, args, plain, model))
         if stage == 2:
