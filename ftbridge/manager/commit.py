@@ -431,6 +431,17 @@ class GroupDecision:
     reason: str
 
 
+def decode_flags(row: Sequence[float]) -> Flags:
+    """The :class:`Flags` of one :func:`encode_flags` row.
+
+    Raises:
+        ValueError: not exactly one rank's row (missing, or written twice into the summed tensor).
+    """
+    if len(row) != FLAGS or row[0] != 1.0 or any(v not in (0.0, 1.0) for v in row[2:]):
+        raise ValueError(f"in-group exchange: flags missing or doubled ({list(row)})")
+    return Flags(int(row[1]), *(v == 1.0 for v in row[2:]))
+
+
 def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
     """The replica group's decision from every rank's :func:`encode_flags` row (pure; same on every rank).
 
@@ -438,26 +449,30 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
         ValueError: a row is missing or written twice (the exchange itself failed; the caller must not
             guess a decision its group mates may not take).
     """
+    flags = []
     for rank, row in enumerate(rows):
-        if len(row) != FLAGS or row[0] != 1.0:
-            raise ValueError(f"in-group exchange: rank {rank}'s flags are missing or doubled ({list(row)})")
-    any_ = lambda i: any(row[i] == 1.0 for row in rows)  # noqa: E731
-    all_ = lambda i: all(row[i] == 1.0 for row in rows)  # noqa: E731
-    healing = any_(5)
-    drop_heal = healing and not (all_(5) and all_(6))
+        try:
+            flags.append(decode_flags(row))
+        except ValueError as exc:
+            raise ValueError(f"rank {rank}: {exc}") from None
+    healing = any(f.healing for f in flags)
+    drop_heal = healing and not all(f.healing and f.heal_ready for f in flags)
+    differs = any(f.guard_differs for f in flags)
+    stop, gap_stop = any(f.stop for f in flags), any(f.gap_stop for f in flags)
     reasons = []
-    if len({row[1] for row in rows}) > 1:
-        reasons.append(f"the ranks are on different steps {sorted({int(row[1]) for row in rows})}")
-    if any_(2):
+    if len({f.step for f in flags}) > 1:
+        reasons.append(f"the ranks are on different steps {sorted({f.step for f in flags})}")
+    if any(f.errored for f in flags):
         reasons.append("a rank recorded an error")
-    if not all_(3):
+    if not all(f.agreement for f in flags):
         reasons.append("a rank's cross-replica agreement failed")
     if drop_heal:
         reasons.append("a rank of this group did not receive its heal state")
-    if any_(8):
+    if differs:
         reasons.append("the divergence guard outvoted this group's state")
-    if any_(10) or any_(11):
+    if stop or gap_stop:
         reasons.append("a rank of this group stops it")
     commit = not reasons
-    return GroupDecision(commit, drop_heal, any_(7) or any_(8) or any_(9), any_(8), any_(9), commit and all_(4),
-                         any_(10), any_(11), "; ".join(reasons))
+    tie = any(f.guard_tie for f in flags)
+    return GroupDecision(commit, drop_heal, any(f.guard_mismatch for f in flags) or differs or tie, differs, tie,
+                         commit and all(f.all_unreachable for f in flags), stop, gap_stop, "; ".join(reasons))
