@@ -181,7 +181,7 @@ class FTBridgeConfig:
     ``17 x replica groups`` float64 (136 bytes per group) on the cross-replica
     process group (:mod:`ftbridge.manager.commit`)."""
 
-    lighthouse_probe_timeout: timedelta = timedelta(milliseconds=150)
+    lighthouse_probe_timeout: timedelta = timedelta(milliseconds=100)
     """A lighthouse that has not answered ``GET /status`` within this long
     counts as not answering, and a quorum call in flight is left for a ride
     on the last quorum (``FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS``). A connect

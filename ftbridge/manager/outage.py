@@ -131,7 +131,7 @@ class OutageRider:
         group_size: ranks in the replica group.
         decision_timeout: how long a rank other than 0 waits for rank 0's decision or outcome.
         quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
-        monitor: the lighthouse monitor of group rank 0 (default: one with a 150 ms deadline).
+        monitor: the lighthouse monitor of group rank 0 (default: one with a 100 ms deadline).
         replica_group_id: for logs and the agreement.
         num_groups: the job's replica groups (``num_replica_groups``; 0: unknown, the continuity check always
             applies).
@@ -149,7 +149,7 @@ class OutageRider:
         self.replica_group_id, self.num_groups = replica_group_id, num_groups
         self.enabled = enabled
         self._lighthouse = lighthouse
-        self._monitor = monitor or LighthouseMonitor(lighthouse, deadline=timedelta(milliseconds=150))
+        self._monitor = monitor or LighthouseMonitor(lighthouse, deadline=timedelta(milliseconds=100))
         self._group_rank, self._group_size = group_rank, group_size
         self._decision_timeout, self._quorum_deadline = decision_timeout, quorum_deadline
         self.last: Optional[LastQuorum] = None
