@@ -1,4 +1,4 @@
-"""A short seeded chaos run with one failure of every kind (the CI smoke run of ftbridge-chaos).
+"""A short seeded chaos run with one failure of each kind (the CI smoke run of ftbridge-chaos).
 
 3 replica groups x 2 ranks, tiny model. Every failure must be injected (none
 skipped), recovered from within the bound that follows from the timeouts, and
@@ -22,17 +22,26 @@ from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
 from ftbridge.harness.chaos.schedule import FailureKind, make_schedule
 from ftbridge.processes import pid_alive
 
+DEFAULT_KINDS = [FailureKind.KILL_RANK, FailureKind.KILL_JOINER_IN_HEAL, FailureKind.KILL_DONOR_IN_HEAL,
+                 FailureKind.SCALE_DOWN, FailureKind.SCALE_UP]
+"""The kinds no other default test injects. The others have their own default tests: a killed group
+(test_failover.py), a hung rank (test_chaos_scenarios.py), a lighthouse outage (test_lighthouse_restart.py,
+test_protocol_faults.py), a kill during a checkpoint (test_checkpoints.py); every kind together runs under
+``-m slow``."""
+
 
 @pytest.mark.timeout(600)
-def test_every_failure_kind_once_all_invariants_hold(tmp_path):
-    schedule = make_schedule(seed=3, kinds=list(FailureKind), num_groups=3, mtbf_s=2.0, hang_s=8.0)
+@pytest.mark.parametrize("kinds", [DEFAULT_KINDS, pytest.param(list(FailureKind), marks=pytest.mark.slow)],
+                         ids=["uncovered-kinds", "every-kind"])
+def test_every_failure_kind_once_all_invariants_hold(tmp_path, kinds):
+    schedule = make_schedule(seed=3, kinds=kinds, num_groups=3, mtbf_s=2.0, hang_s=8.0)
     settings = ChaosSettings(workdir=str(tmp_path / "run"), groups=3, nproc=2, script_args=TINY, seed=3,
                              cross_replica_timeout_s=5.0, baseline=False)
     result = run_chaos(settings, schedule)
     paths = report.write(result, str(tmp_path / "report"))
 
     assert not [o.injected.failure.kind.value for o in result.outcomes if o.injected.skipped]
-    assert {o.injected.failure.kind for o in result.outcomes} == set(FailureKind)
+    assert {o.injected.failure.kind for o in result.outcomes} == set(kinds)
     assert all(o.recovered for o in result.outcomes), report.table(result)
     assert result.violations == [], report.table(result)
     assert result.leftover_pids == []
@@ -41,7 +50,8 @@ def test_every_failure_kind_once_all_invariants_hold(tmp_path):
         if o.injected.rejoin:
             assert o.recovery.rejoin_s is not None, o.to_json()
     summary = json.loads(open(paths[0], encoding="utf-8").read())
-    assert summary["ok"] and summary["heals"] >= 6
+    assert summary["ok"] and summary["heals"] >= sum(1 for o in result.outcomes
+                                                     if o.injected.rejoin and not o.injected.heal_optional)
     assert os.path.getsize(paths[2]) > 10_000  # the plot
 
 
