@@ -381,3 +381,49 @@ def test_zero_stage_0_or_missing_is_refused_before_any_work(tmp_path, stage):
     path.write_text(json.dumps(ds))
     with pytest.raises(ValueError, match=f"zero_optimization.stage={stage or 0}: set it to 1, 2 or 3"):
         initialize(model=torch.nn.Linear(2, 2), config=str(path), ft_config=FTBridgeConfig())
+
+
+# -- lending and failed work --------------------------------------------------------------------
+
+class _Failed:
+    """A torchft work whose all-reduce failed: ``wait()`` is ``False``."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return False
+
+
+class _LendingManager:
+    participants = 2
+
+    def __init__(self) -> None:
+        self.lent: List[torch.Tensor] = []
+        self.sent: List[torch.Tensor] = []
+
+    def lend(self, tensor: torch.Tensor) -> None:
+        self.lent.append(tensor)
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> Any:
+        self.sent.append(tensor)
+        return _Failed()
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_compress_hooks_lend_their_cast_and_a_failed_reduce_leaves_the_gradient_untouched(name):
+    manager = _LendingManager()
+    hook, state = comm_hooks.build(name, manager=manager)
+    grad = torch.full((8,), 3.0)
+    assert hook(state, grad).wait() is False
+    assert manager.sent[0] is manager.lent[0] and manager.sent[0] is not grad  # the hook's own buffer
+    torch.testing.assert_close(grad, torch.full((8,), 3.0))
+
+
+def test_a_wrapper_lends_nothing_when_the_partition_already_has_the_payload_dtype():
+    manager = _LendingManager()
+    hook = default.fp16_compress_wrapper(default.allreduce_hook)
+    grad = torch.ones(4, dtype=torch.float16)
+    hook(base.CommHookState(manager), grad)
+    assert manager.lent == []  # .to() returned the caller's tensor itself: it must not be reduced in place
+
+
+def test_wait_result_reports_a_failed_work():
+    assert base.wait_result(_Failed(), torch.zeros(1)) is False

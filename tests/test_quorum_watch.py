@@ -195,6 +195,37 @@ def test_allreduce_runs_on_a_private_copy_of_the_callers_tensor():
     assert isinstance(work, WatchedWork)
 
 
+def test_a_lent_tensor_is_reduced_in_place_without_a_copy():
+    class Manager:
+        def allreduce(self, t, reduce_op=None):
+            self.sent = t
+            work = FakeWork()
+            work.fut.set_result(None)
+            return type("Managed", (), {"_work": work, "wait": lambda self: True})()
+
+    manager, tensor = Manager(), torch.ones(4)
+    work = scripted_watch([status()]).allreduce(manager, tensor, None, private=True)
+    assert manager.sent is tensor  # a gradient copy the caller made for this message: not copied again
+    assert work.wait() is True
+
+
+def test_the_manager_lends_only_the_tensor_it_was_told_about_and_only_once():
+    from types import SimpleNamespace
+
+    from ftbridge.manager.replica import ReplicaManager
+
+    calls: List = []
+    watch = SimpleNamespace(allreduce=lambda mgr, t, op, private=False: calls.append((t, private)))
+    fake = SimpleNamespace(_lent={}, quorum_watch=watch, _skipped_collective=False,
+                           _torchft=SimpleNamespace(errored=lambda: None))
+    lent, other = torch.ones(2), torch.ones(2)
+    ReplicaManager.lend(fake, lent)
+    ReplicaManager.allreduce(fake, other)
+    ReplicaManager.allreduce(fake, lent)
+    ReplicaManager.allreduce(fake, lent)  # a second all-reduce of the same buffer: copied again
+    assert [p for _, p in calls] == [False, True, False]
+
+
 @pytest.mark.timeout(60)
 def test_a_cut_wait_makes_every_member_rebuild_at_the_next_quorum_even_a_steady_one():
     from types import SimpleNamespace

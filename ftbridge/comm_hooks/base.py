@@ -87,6 +87,18 @@ class CommHookState:
             tensor.div_(self.participants)
         return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
 
+    def lend(self, tensor: torch.Tensor) -> None:
+        """Declare ``tensor`` a buffer of the hook's own, made for this step's next all-reduce of it.
+
+        Nothing else may read or write it until that all-reduce's ``wait()``
+        returns, and it is dropped when that wait fails. Spares the peer watch
+        a copy (:meth:`ftbridge.manager.ReplicaManager.lend`); a manager
+        without ``lend`` ignores it.
+        """
+        lend = getattr(self.manager, "lend", None)
+        if lend is not None:
+            lend(tensor)
+
     def count(self, tensor: torch.Tensor) -> None:
         """Record one cross-replica message of ``tensor`` (hooks that call the manager directly)."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -124,7 +136,9 @@ class CastBackWork:
         self.work, self.low, self.target = work, low, target
 
     def wait(self, timeout: Any = None) -> bool:
-        wait_result(self.work, self.low)
+        """``False`` (``target`` untouched) when the hook's work failed, else ``True`` once ``target`` holds it."""
+        if not wait_result(self.work, self.low):
+            return False
         self.target.copy_(self.low)
         return True
 
@@ -143,20 +157,28 @@ class ChainWork:
         return True
 
 
-def wait_result(work: Any, tensor: torch.Tensor) -> None:
+def wait_result(work: Any, tensor: torch.Tensor) -> bool:
     """Wait for a hook's ``work`` and make sure ``tensor`` holds its result.
 
     Accepts torch ``Work`` (the result is in place) and ``torch.futures.Future``
     (DDP hooks' style: its value, a tensor or a one-tensor list, is copied in
     if it is not ``tensor`` itself).
+
+    Returns:
+        ``False`` when the work's ``wait()`` returned ``False`` (torchft: the
+        all-reduce failed or was abandoned; the step is discarded and
+        ``tensor`` holds no result), else ``True``.
     """
     value = work.wait()
+    if value is False:
+        return False
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     if isinstance(value, torch.Tensor) and value is not tensor:
         same = value.numel() == tensor.numel() and value.data_ptr() == tensor.data_ptr()
         if not same:
             tensor.copy_(value.reshape(tensor.shape))
+    return True
 
 
 def flat_views(tensor: torch.Tensor, spans: List[Any]) -> List[torch.Tensor]:

@@ -44,6 +44,7 @@ def allreduce_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
 
 def _compress_hook(dtype: torch.dtype, state: CommHookState, tensor: torch.Tensor) -> Any:
     low = tensor.div(state.participants).to(dtype)
+    state.lend(low)
     state.count(low)
     work = state.manager.allreduce(low, reduce_op=ReduceOp.SUM)
     return CastBackWork(work, low, tensor)
@@ -78,6 +79,8 @@ def bf16_compress_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
 def _compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
     def wrapped(state: CommHookState, tensor: torch.Tensor) -> Any:
         low = tensor.to(dtype)
+        if low is not tensor:
+            state.lend(low)
         return CastBackWork(hook(state, low), low, tensor)
 
     wrapped.__name__ = f"{dtype_name(dtype)}_compress_wrapper({getattr(hook, '__name__', 'hook')})"

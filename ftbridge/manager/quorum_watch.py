@@ -343,19 +343,23 @@ class QuorumWatch:
             self._abandoned = False  # called by the next quorum: its waits run on a new process group
         return rebuild
 
-    def allreduce(self, manager: Any, tensor: torch.Tensor, reduce_op: Any) -> "WatchedWork":
-        """torchft's ``manager.allreduce`` of a private copy of ``tensor``, waited on under this watch.
+    def allreduce(self, manager: Any, tensor: torch.Tensor, reduce_op: Any, private: bool = False) -> "WatchedWork":
+        """torchft's ``manager.allreduce`` of ``tensor`` (or of a private copy), waited on under this watch.
 
         Args:
             manager: the rank's torchft ``Manager`` (its public ``allreduce`` and ``report_error``).
             tensor: float tensor, any shape; holds the result after a successful ``wait()``.
             reduce_op: ``ReduceOp.AVG`` or ``SUM``.
+            private: the caller lent ``tensor`` (:meth:`ftbridge.manager.ReplicaManager.lend`): nothing else
+                uses it until the wait and it is dropped after a failed one, so it is reduced in place.
 
         Returns:
-            A :class:`WatchedWork`. The copy costs one tensor's memory while it
-            is in flight: an abandoned operation may still write into it.
+            A :class:`WatchedWork`. Without ``private`` the copy costs one
+            tensor's memory and two copies while it is in flight: an abandoned
+            operation may still write into its buffer, which must then not be
+            the caller's.
         """
-        buf = tensor.clone()
+        buf = tensor if private else tensor.clone()
         return WatchedWork(manager.allreduce(buf, reduce_op=reduce_op), buf, tensor, self,
                            lambda error: self._on_lost(manager, error))
 
@@ -465,11 +469,11 @@ def wait_for_keys(store: Any, keys: List[str], timeout: timedelta, watch: Option
 
 
 class WatchedWork:
-    """A cross-replica all-reduce run on a private copy, waited on under a :class:`QuorumWatch`.
+    """A cross-replica all-reduce of a private buffer, waited on under a :class:`QuorumWatch`.
 
     Args:
         work: torchft's managed work for the all-reduce of ``buf``.
-        buf: the private copy that torchft reduces (same shape and dtype as ``tensor``).
+        buf: the buffer torchft reduces: a copy of ``tensor``, or ``tensor`` itself when it was lent.
         tensor: the caller's tensor; receives ``buf`` after a successful wait.
         watch: the rank's watch.
         on_lost: called with :class:`PeerLost` when the wait is cut short
@@ -482,7 +486,8 @@ class WatchedWork:
         self._watch, self._on_lost = watch, on_lost
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Wait (see the class); ``False`` when the step is to be discarded (``tensor`` then untouched)."""
+        """Wait (see the class); ``False`` when the step is to be discarded (``tensor`` is then untouched if it
+        was copied, undefined if it was lent)."""
         # torchft 0.2 _ManagedWork: the process group's own work (an internal; the watch runs only where
         # ftbridge.manager._torchft.internals_supported holds, see start_watch)
         raw = getattr(self._work, "_work", None)
@@ -493,6 +498,6 @@ class WatchedWork:
                                        "heartbeat timeout): cross-replica all-reduce abandoned, step discarded"))
                 return False
         ok = self._work.wait()
-        if ok is not False:
+        if ok is not False and self._buf is not self._tensor:
             self._tensor.copy_(self._buf)
         return ok

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -108,6 +109,7 @@ class ReplicaManager:
         """Replica group id of the donor of the heal of the current quorum (``None``: no heal)."""
         self._healed_this_step = False
         self._skipped_collective = False  # torchft made an all-reduce of this step a no-op (after an error)
+        self._lent: Dict[int, Any] = {}  # id -> weakref of the tensors lent for this step (lend)
         self._step_start = 0.0
         self._load_state_dict = load_state_dict
 
@@ -222,6 +224,7 @@ class ReplicaManager:
         self._healed_this_step = False
         self._skipped_collective = False
         self._step_start = time.monotonic()  # the peer watch's freeze check (discard_if_dropped)
+        self._lent.clear()
         self._torchft.start_quorum()
 
     def wait_quorum(self) -> None:
@@ -248,12 +251,27 @@ class ReplicaManager:
         if self.quorum_watch is None:
             work = self._torchft.allreduce(tensor, reduce_op=reduce_op)
         else:
-            work = self.quorum_watch.allreduce(self._torchft, tensor, reduce_op)
+            lent = self._lent.pop(id(tensor), None)
+            work = self.quorum_watch.allreduce(self._torchft, tensor, reduce_op,
+                                               private=lent is not None and lent() is tensor)
         if not clean or self._torchft.errored() is not None:
             # torchft issues nothing after an error (nor when the process group refused the call): this
             # rank's collectives no longer pair with its peers' in this step (the outage agreement reads it)
             self._skipped_collective = True
         return work
+
+    def lend(self, tensor: torch.Tensor) -> None:
+        """Declare ``tensor`` a private buffer of this step's next :meth:`allreduce` of it.
+
+        The caller promises that nothing else reads or writes ``tensor`` until
+        that all-reduce's ``wait()`` returns, and that it drops ``tensor`` when
+        the wait reports a failure. The peer watch then reduces ``tensor``
+        itself instead of a copy (an abandoned all-reduce may still write into
+        its buffer later: harmless in a buffer nobody reads again). Forgotten
+        at the next :meth:`start_quorum`; a tensor never passed to
+        :meth:`allreduce` costs nothing.
+        """
+        self._lent[id(tensor)] = weakref.ref(tensor)
 
     def skipped_collective(self) -> bool:
         """Whether an all-reduce of this step may not have reached the process group (torchft made it a no-op

@@ -134,6 +134,8 @@ class GradientSync:
                 on_gpu = flat.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=False)
                 work = CastBackWork(self.hook(self.hook_state, on_gpu), on_gpu, flat)
             else:
+                if tag is not None:  # a copy of the gradients, read again only after a successful wait
+                    self.hook_state.lend(flat)
                 work = self.hook(self.hook_state, flat)
         except Exception as e:  # a hook's failure discards the step, like a failed all-reduce
             logger.exception("communication hook %s failed; the step will be discarded",
@@ -150,12 +152,12 @@ class GradientSync:
         pending, self._pending = self._pending, []
         for work, flat, tag in pending:
             try:
-                wait_result(work, flat)
+                done = wait_result(work, flat)
             except Exception as e:
                 logger.exception("communication hook work failed; the step will be discarded")
                 self.manager.report_error(e)
                 continue
-            if tag is not None and on_result is not None:
+            if done and tag is not None and on_result is not None:
                 on_result(flat, tag)
 
     def commit(self) -> None:
