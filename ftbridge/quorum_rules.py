@@ -100,6 +100,48 @@ def decide_reconfigure(own: bool, votes: Optional[Sequence[bool]]) -> bool:
     return own or any(votes)
 
 
+VOTE_SKIP_WINDOW_S = 1.0
+"""Longest quorum call, and longest time since the previous one returned, after which a steady member still
+skips the reconfigure vote (:func:`vote_needed`)."""
+
+
+def vote_needed(own: bool, same_as_voted: bool, rode: bool, call_s: float, since_last_s: float,
+                commit_failures: int) -> bool:
+    """Whether this member must take part in the reconfigure vote of a quorum (pure).
+
+    The vote exists for quorums whose id some member sees as changed and
+    another as unchanged. Within one lighthouse's lifetime that cannot
+    happen: the id changes with the members, and torchft's lighthouse also
+    changes it whenever a member reports a failed commit (torchft 0.2,
+    ``commit_failures``; ``docs/concepts.md``, "The commit protocol"). So a
+    member skips the vote, and keeps its process group as torchft would, only
+    when all of these hold, and votes otherwise:
+
+    * ``own`` is false: it would not rebuild by itself (same id as its process
+      group, no restart detected, no cut wait);
+    * ``same_as_voted``: the quorum's id and members are those of the last
+      vote it completed (so every member's group size is known);
+    * its last step committed (``commit_failures == 0``), so every member of the
+      quorum agreed on that step with the same quorum id;
+    * it saw the lighthouse answer steadily since: no ride-through since the
+      last quorum (``rode``), the call took under :data:`VOTE_SKIP_WINDOW_S`
+      and began within that window of the previous call's return. A restarted
+      lighthouse, which numbers quorums from 1 again, is seen by a member
+      that calls it every step as a failed or slow call; one that was frozen
+      or busy for longer than the window votes.
+
+    Args:
+        own: this member's own rebuild wish.
+        same_as_voted: the quorum equals the last one this member voted in.
+        rode: this member rode on its last quorum since its previous call.
+        call_s: seconds the quorum call took.
+        since_last_s: seconds from the previous call's return to this call's start.
+        commit_failures: torchft's count of failed commits since the last success.
+    """
+    steady = not rode and call_s < VOTE_SKIP_WINDOW_S and since_last_s < VOTE_SKIP_WINDOW_S
+    return own or not same_as_voted or commit_failures > 0 or not steady
+
+
 class GroupSizeMismatch(ValueError):
     """This replica group has another number of ranks than the quorum's primary: it must not heal or all-reduce."""
 

@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
                             protocol_s=getattr(engine.manager, "protocol_s", 0.0),
                             protocol_steps=getattr(engine.manager, "protocol_steps", 0),
+                            reconfigure_votes_skipped=getattr(getattr(engine.manager, "quorum_guard", None),
+                                                              "votes_skipped", 0),
                             **engine.sync.hook_state.describe())
     lm_job.write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
                                       "step_times_s": step_times, "peak_rss_bytes": lm_job.peak_rss_bytes()})

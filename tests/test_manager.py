@@ -102,6 +102,45 @@ def _run_all(guards):
 
 
 @pytest.mark.timeout(60)
+def test_a_steady_quorum_skips_the_vote_and_keeps_the_process_group():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    guards = _members(store.port, last_ids=[2, 2], qid=2)
+    _run_all(guards)  # the first vote in this quorum: group sizes are learnt
+    assert [g.votes_skipped for _, g in guards] == [0, 0] and [g.sizes for _, g in guards] == [[2, 2]] * 2
+    for _ in range(3):
+        views = _run_all(guards)
+    assert [g.votes_skipped for _, g in guards] == [3, 3]
+    assert [mgr._quorum_id for mgr, _ in guards] == [2, 2]  # kept, as torchft would
+    assert views[0].store_address == views[1].store_address
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_saw_the_lighthouse_stall_votes_even_on_a_quorum_it_voted_in_before(monkeypatch):
+    import ftbridge.quorum_rules as rules
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    guards = _members(store.port, last_ids=[2, 2], qid=2)
+    _run_all(guards)
+    # After a lighthouse restart, A saw quorum 1 = {A} first; B's call spanned the restart (slower than the window).
+    guards[0][0]._quorum_id, guards[0][1].seen = 1, QuorumSeen(1, (A,))
+    monkeypatch.setattr(rules, "VOTE_SKIP_WINDOW_S", 0.0)
+    _run_all(guards)
+    assert [g.votes_skipped for _, g in guards] == [0, 0]
+    assert [mgr._quorum_id for mgr, _ in guards] == [-1, -1]  # B rebuilds with A: their process groups pair
+
+
+def test_vote_needed_only_a_steady_member_of_a_quorum_it_voted_in_after_a_commit_skips():
+    from ftbridge.quorum_rules import VOTE_SKIP_WINDOW_S as W
+    from ftbridge.quorum_rules import vote_needed
+
+    steady = dict(own=False, same_as_voted=True, rode=False, call_s=0.01, since_last_s=0.1, commit_failures=0)
+    assert not vote_needed(**steady)
+    for change in (dict(own=True), dict(same_as_voted=False), dict(rode=True), dict(call_s=W),
+                   dict(since_last_s=W), dict(commit_failures=1)):
+        assert vote_needed(**{**steady, **change}), change
+
+
+@pytest.mark.timeout(60)
 def test_member_with_the_repeated_id_rebuilds_when_the_other_does():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # Before the restart both had quorum 2 = {A, B}; after it, A saw quorum 1 = {A} alone first.

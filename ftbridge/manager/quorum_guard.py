@@ -5,7 +5,8 @@ The lighthouse keeps its state in memory; restarted, it numbers quorums from
 wraps the manager's client (``Manager._client``, installed only where
 :func:`ftbridge.manager._torchft.internals_supported` holds) and, per quorum,
 detects a restart, runs a vote on the quorum's TCPStore so that every member
-rebuilds the cross-replica process group or none does, refuses a member of
+rebuilds the cross-replica process group or none does (skipped on a steady
+quorum, :func:`ftbridge.quorum_rules.vote_needed`), refuses a member of
 another group size, and namespaces the rendezvous keys. The rules, and why,
 are in :mod:`ftbridge.quorum_rules`.
 
@@ -38,6 +39,7 @@ from ftbridge.quorum_rules import (
     group_size_conflict,
     lacks_majority,
     rendezvous_namespace,
+    vote_needed,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,11 @@ class _QuorumGuard:
         self._group_size = group_size
         self.sizes: List[int] = []
         """Every member's group size at the last vote, by replica rank (empty when the vote failed)."""
+        self._voted: Optional[Tuple[int, Tuple[str, ...]]] = None  # quorum id and members of the last complete vote
+        self._returned = float("-inf")  # time.monotonic() when the last quorum call returned
+        self._rode = False  # rode on the last quorum since the last quorum from the lighthouse
+        self.votes_skipped = 0
+        """Quorums whose reconfigure vote this member skipped (:func:`ftbridge.quorum_rules.vote_needed`)."""
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
@@ -98,6 +105,7 @@ class _QuorumGuard:
 
     def _quorum(self, **kwargs: Any) -> Any:
         call = lambda: self._client._quorum(**kwargs)  # noqa: E731
+        started = time.monotonic()
         try:
             result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (outage.py)
         except TimeoutError as exc:  # torchft's quorum timeout (the builtin TimeoutError)
@@ -106,7 +114,10 @@ class _QuorumGuard:
                 "FTBRIDGE_QUORUM_TIMEOUT_S) and this step could not ride on the last quorum: the lighthouse "
                 "does not answer, or fewer replica groups than its --min-replicas are alive. This rank exits; "
                 "torchrun restarts its group, which heals from a live peer once there is one") from exc
+        returned, since_last = time.monotonic(), started - self._returned
+        self._returned = returned
         if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
+            self._rode = True
             return result
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
@@ -125,7 +136,15 @@ class _QuorumGuard:
         own = restarted or quorum_id != self._manager._quorum_id
         if self.watch is not None and self.watch.take_rebuild():  # peer watch (ftbridge.manager.quorum_watch)
             own = True
-        rebuild = self._vote(result, namespace, own)
+        key = (quorum_id, tuple(sorted(members)))
+        if vote_needed(own, key == self._voted, self._rode, returned - started, since_last,
+                       int(kwargs.get("commit_failures", 1))):
+            rebuild = self._vote(result, namespace, own)
+            self._voted = key if self.sizes else None
+        else:  # a steady quorum: every member keeps its process group, as torchft would (vote_needed)
+            rebuild = False
+            self.votes_skipped += 1
+        self._rode = False
         conflict = group_size_conflict(self.sizes, int(result.replica_rank), quorum_id)
         if conflict:  # before torchft reconfigures or fetches a heal with this quorum
             logger.error("%s", conflict)
