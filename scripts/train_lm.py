@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                             guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
                             protocol_s=getattr(engine.manager, "protocol_s", 0.0),
                             protocol_steps=getattr(engine.manager, "protocol_steps", 0),
+                            lighthouse_probes=getattr(getattr(getattr(engine.manager, "outage", None), "_monitor",
+                                                              None), "probes", 0),
                             reconfigure_votes_skipped=getattr(getattr(engine.manager, "quorum_guard", None),
                                                               "votes_skipped", 0),
                             **engine.sync.hook_state.describe())

@@ -43,7 +43,14 @@ from ftbridge.heal import restart_without_peer
 from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider
-from ftbridge.quorum_rules import QuorumSeen, decide_reconfigure, detect_lighthouse_restart, lacks_majority
+from ftbridge.quorum_rules import (
+    VOTE_SKIP_WINDOW_S,
+    QuorumSeen,
+    decide_reconfigure,
+    detect_lighthouse_restart,
+    lacks_majority,
+    vote_needed,
+)
 
 logging.getLogger("ftbridge.manager.outage").setLevel(logging.ERROR)
 logging.getLogger("ftbridge.manager.heal_agreement").setLevel(logging.ERROR)
@@ -251,6 +258,10 @@ class SimGroup:
         self.request_step: Optional[int] = None
         self.stale_step: Optional[int] = None
         self.seen: Optional[QuorumSeen] = None
+        self.voted: Optional[Tuple[int, Tuple[str, ...]]] = None  # the quorum of its last complete reconfigure vote
+        self.last_quorum_round: Optional[int] = None  # the round its last quorum call returned
+        self.rode_since = False  # rode on its last quorum since then
+        self.votes_skipped = 0
         self.need_majority: Optional[Tuple[Tuple[str, ...], int]] = None
         self.majority_expired = False
         self.started_round = 0
@@ -393,6 +404,7 @@ class Sim:
                 reused = [r.rider.reuse() for r in g.ranks]  # rank 0 first: the others read its decision
                 if reused[0] is not None:
                     out[g.gid] = "ride"
+                    g.rode_since = True
                     continue
                 g.asking = QuorumWait(started=float(self.now), deadline_s=float(QUORUM_TIMEOUT),
                                       may_ride=g.ranks[0].rider.may_ride())
@@ -434,10 +446,17 @@ class Sim:
                 g.alive, g.exit_reason = False, "QuorumTimeout"
         return out
 
-    def _own_rebuild(self, g: SimGroup, q: "Quorum") -> Tuple[bool, bool]:
-        """``(restarted, own vote)`` of a member before it applies ``q`` (the quorum guard's rules)."""
+    def _own_rebuild(self, g: SimGroup, q: "Quorum") -> Tuple[bool, bool, bool]:
+        """``(restarted, own vote, votes)`` of a member before it applies ``q`` (the quorum guard's rules): a
+        round is a step, a call answered in the round after the previous one is prompt (:func:`vote_needed`)."""
         restarted = detect_lighthouse_restart(g.seen, q.quorum_id, q.replica_ids)
-        return restarted, restarted or q.quorum_id != g.ranks[0].tf._quorum_id
+        own = restarted or q.quorum_id != g.ranks[0].tf._quorum_id
+        prompt = g.last_quorum_round == self.now - 1 and not g.rode_since
+        votes = vote_needed(own, g.voted == (q.quorum_id, tuple(sorted(q.replica_ids))), g.rode_since,
+                            0.0 if prompt else VOTE_SKIP_WINDOW_S, 0.0, g.commit_failures)
+        g.last_quorum_round, g.rode_since = self.now, False
+        g.votes_skipped += not votes
+        return restarted, own, votes
 
     def _apply_quorum(self, g: SimGroup, result: Any, owns: Dict[int, Tuple[bool, bool]]) -> None:
         """What torchft and the quorum guard do with this step's quorum on each rank of ``g``."""
@@ -449,13 +468,17 @@ class Sim:
                 r.tf.participants, r.tf.participating = r.rider.last.world_size, True
             return
         q: Quorum = result
-        restarted, own = owns[g.gid]
+        restarted, own, voting = owns[g.gid]
         before = g.ranks[0].rider.certified_members()
         if restarted and g.need_majority is None and (before or g.seen is not None):
             g.need_majority = (before or g.seen.members, self.now)
         g.seen = QuorumSeen(q.quorum_id, tuple(sorted(q.replica_ids)))
-        votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids) if m is not None and m.gid in owns]
-        rebuild = decide_reconfigure(own, votes if len(votes) == len(q.replica_ids) else None)
+        votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids)
+                 if m is not None and m.gid in owns and owns[m.gid][2]]
+        complete = len(votes) == len(q.replica_ids)
+        rebuild = decide_reconfigure(own, votes if complete else None) if voting else False
+        if voting:
+            g.voted = (q.quorum_id, tuple(sorted(q.replica_ids))) if complete else None
         at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
         for r in g.ranks:
             if rebuild:

@@ -142,7 +142,10 @@ def test_write_report_writes_json_markdown_and_every_plot(tmp_path):
                              extra={"zero_stage": 2, "ranks_per_group": 2, "decomposition": True, "baseline_unit": "s"})
     from ftbridge.harness.bench import scaling
 
-    metrics = [*synthetic_metrics(), one_group]
+    watch_off = ratio_metric("overhead", "step time ZeRO-2, ftbridge 2x1 with the peer watch off / with every "
+                             "feature on", [0.098], [0.10], baseline_name="ftbridge",
+                             extra={"zero_stage": 2, "features_off": True, "baseline_unit": "s"})
+    metrics = [*synthetic_metrics(), one_group, watch_off]
     metrics += [scaling.exposed_metric(m) for m in metrics if m.benchmark == "scaling"]
     assert metrics[-1].name == "exposed wait params 3" and metrics[-1].value == pytest.approx(1.5)
     record = report.write_report(str(tmp_path / "out"), settings, metrics, [fail], {"overhead": 1.0})

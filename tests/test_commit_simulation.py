@@ -271,6 +271,18 @@ def test_the_agreement_cut_short_by_the_peer_watch_splits_the_job():
         run(2, 1, True, ONE_WAY, revert=Revert(agreement_watch=True))
 
 
+def test_steady_quorums_skip_the_reconfigure_vote_and_a_lighthouse_restart_brings_it_back():
+    sim = run(2, 1, False, [Faults()] * 5)
+    assert all(g.votes_skipped >= 5 for g in sim.groups), [g.votes_skipped for g in sim.groups]
+    sim.round(Faults(restart_lighthouse=True))
+    sim.round(Faults(lighthouse="dead"))  # the restarted lighthouse is down again: the calls wait a round
+    skipped = [g.votes_skipped for g in sim.groups]
+    sim.round(Faults())
+    assert [g.votes_skipped for g in sim.groups] == skipped  # a call that spanned an outage is voted on
+    sim.round(Faults())
+    assert [g.votes_skipped for g in sim.groups] == [n + 1 for n in skipped]  # steady again
+
+
 BEHIND_AFTER_RESTART = [Faults(lighthouse="dead"), Faults(cut_lh=frozenset({0})), Faults(kill=frozenset({1})),
                         Faults(restart_lighthouse=True), Faults(lighthouse="dead"), Faults(cut_lh=frozenset({2}))]
 """Found by the simulation (20,000 schedules), open: group 0 is cut off while groups 1 and 2 commit a step;

@@ -120,3 +120,42 @@ def test_group_paused_past_the_heartbeat_timeout_leaves_when_it_finds_the_spare_
     job.stop()
     pids = job.all_worker_pids() + [e["pid"] for e in read_events([demoted]) if "pid" in e]
     assert not [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_paused_lighthouse_does_not_make_the_spare_join_a_full_job(local_job):
+    """SIGSTOP the lighthouse past the heartbeat timeout, then SIGCONT: on resuming it shows every group's
+    heartbeat stale until the next ones arrive. The spare must read that as a lighthouse that was away (its
+    reads failed meanwhile), not as vacancies: no join as a duplicate of a live group.
+
+    With the settle rule switched off (``VacancyWatch.observe`` acting on the first read after failed ones)
+    this passed 3 runs of 3 here: the groups' queued heartbeats reached the resumed lighthouse before the
+    spare's next read. The rule is guarded by ``tests/test_spare.py``; this checks the outcome end to end."""
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, lighthouse_process=True,
+                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.start_spare(0)
+    job.wait_until(lambda: job.spare_ready(0) and all(
+        any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)), 180,
+        "both groups to commit together and the spare to stand by")
+    pid = job.lighthouse_pid
+    os.kill(pid, signal.SIGSTOP)
+    paused = time.time()
+    try:
+        # Past the lighthouse's heartbeat timeout (2 s): the groups ride it out and go on committing.
+        job.wait_until(lambda: all(any(e["committed"] and e["time"] > paused + 3 for e in job.steps(g))
+                                   for g in (0, 1)), 60, "both groups to commit 3 s into the pause")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.time()
+    job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["time"] > resumed + 2
+                                   for e in job.steps(g)) for g in (0, 1)), 60,
+                   "both groups to commit together 2 s after the lighthouse resumed")
+    joins = [e for e in [*job.events(), *job.spare_events()] if e.get("event") == "spare_join"]
+    assert not joins, f"the spare joined a full job after the lighthouse's pause: {joins}"
+    assert job.spares[0].proc.poll() is None, f"the spare left\n{job.tails()}"
+    job.write_file("stop", str(job.max_step() + 3))
+    assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()
+    job.stop()

@@ -21,6 +21,11 @@ with ``FTBRIDGE_GUARD_EVERY=1`` reports the seconds its checks took
 rank); the metric is that per-check time divided by ``guard_every`` (the
 default), as a fraction of the same run's median step time. Target ``<= 0.005``.
 
+Full runs also attribute the cost, ZeRO-2: ftbridge on one group of
+``GROUPS * RANKS`` ranks (the machinery without a cross-replica partner), and
+ftbridge with each robustness feature of :data:`FEATURES_OFF` turned off
+against ftbridge with every feature on (fresh pairs).
+
 On the 2-core CI machine the topology is 2 groups x 1 rank against 2 plain
 ranks: more ranks than cores would measure CPU oversubscription, not
 ftbridge. Note that the two are not the same communication pattern: plain
@@ -30,9 +35,10 @@ groups (nothing to do) and then across the groups.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from typing import List
+from typing import Dict, List
 
 from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, paired_bars, ratio_metric, save_figure
 from ftbridge.harness.bench.jobs import (
@@ -61,7 +67,8 @@ def plot(metrics: List[Metric], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    metrics = [m for m in metrics if not m.extra.get("guard")]  # a fraction of a step, reported in the table
+    # Fractions of a step and ftbridge-against-ftbridge ratios: in the table only.
+    metrics = [m for m in metrics if not any(m.extra.get(k) for k in ("guard", "protocol", "features_off"))]
     paired_bars(ax, metrics, scale=1e3, color="tab:blue")
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"Steady-state overhead: ftbridge {GROUPS}x{RANKS} vs plain DeepSpeed {GROUPS * RANKS} ranks")
@@ -116,6 +123,7 @@ def run(settings: BenchSettings) -> List[Metric]:
                 extra={"zero_stage": 2, "baseline_unit": "s", "model": model, "protocol": True}))
         if stage == 2 and not settings.quick:
             metrics.append(_one_group(settings, root, args, plain, model))
+            metrics.extend(_features_off(settings, root, args, model))
         if stage == 2:
             metrics.append(_guard(settings, root, args, model))
     return metrics
@@ -140,6 +148,39 @@ def _guard(settings: BenchSettings, root: str, args: List[str], model: dict) -> 
                         baseline_name="ftbridge median step (guard every step)", target_max=GUARD_TARGET_MAX,
                         extra={"zero_stage": 2, "guard_every": every, "baseline_unit": "s", "model": model,
                                "per_check_s": [p * every for p in per_step], "guard": True})
+
+
+FEATURES_OFF = {
+    "the peer watch off": {"FTBRIDGE_PEER_WATCH": "0"},
+    "the ride-through off": {"FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": "0"},
+    "both off": {"FTBRIDGE_PEER_WATCH": "0", "FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": "0"},
+}
+"""The robustness features whose per-step cost the full run attributes (ZeRO-2), by the settings that turn them off."""
+
+
+def _features_off(settings: BenchSettings, root: str, args: List[str], model: dict) -> List[Metric]:
+    """ftbridge ``GROUPS x RANKS``, ZeRO-2, with each of :data:`FEATURES_OFF` / with every feature on.
+
+    Each pair runs back to back in alternating order (fresh runs, none reused), so the ratio is what the
+    feature costs a step: below 1 by that share. Informative, no target.
+    """
+    out = []
+
+    def run(tag: str, env: Dict[str, str], rep: int) -> float:
+        res = run_ftbridge(next_run_dir(root, f"ftbridge_z2_{tag}"), GROUPS, RANKS, args,
+                           timeout_s=settings.timeout_s, env=env)
+        return steady_median(res.step_times_s, settings.warmup_steps)
+
+    for name, env in FEATURES_OFF.items():
+        tag = "both_off" if name == "both off" else f"{name.split()[1]}_off"
+        log.info("overhead: ZeRO-2, ftbridge %dx%d with %s vs every feature on", GROUPS, RANKS, name)
+        cand, base = alternate(settings.reps, functools.partial(run, tag, env), functools.partial(run, "all_on", {}),
+                               log.info)
+        out.append(ratio_metric("overhead", f"step time ZeRO-2, ftbridge {GROUPS}x{RANKS} with {name} / with every "
+                                "feature on", cand, base, baseline_name="ftbridge, every feature on, median step",
+                                extra={"zero_stage": 2, "baseline_unit": "s", "model": model, "env": env,
+                                       "features_off": True}))
+    return out
 
 
 def _one_group(settings: BenchSettings, root: str, args: List[str], plain, model: dict) -> Metric:
