@@ -65,6 +65,35 @@ def _parse(kind: type, raw: str, name: str) -> Any:
         ) from None
 
 
+def _given(kind: Any, value: Any, name: str) -> Any:
+    """An override of setting ``name`` checked against its kind: a ``bool`` or ``int`` setting also takes
+    the strings its environment variable takes (``"2"``, ``"no"``); other kinds pass through to
+    :meth:`FTBridgeConfig.validate`.
+
+    Raises:
+        ValueError: a value of another type, naming the setting and what it takes.
+    """
+    if kind is bool:
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        if isinstance(value, str):
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return low in ("1", "true", "yes", "on")
+        raise ValueError(f"ftbridge setting {name}={value!r} is not a boolean; pass True or False "
+                         "(or 1/0, or one of the strings true/false, yes/no, on/off)")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"ftbridge setting {name}={value!r} is not an integer; pass a whole number such as 2")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class FTBridgeConfig:
     """Settings of one rank of one replica group.
@@ -371,7 +400,7 @@ class FTBridgeConfig:
             if given is not None:
                 if kind == "json" and isinstance(given, str):
                     given = _parse_json_object(given, name)
-                values[name] = _as_timedelta(given, name) if kind in ("s", "ms") else given
+                values[name] = _as_timedelta(given, name) if kind in ("s", "ms") else _given(kind, given, name)
                 continue
             raw = _env(environ, *env_names)
             if raw is None:

@@ -86,6 +86,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.log import log_level
 from ftbridge.processes import (
     find_free_port,
     torchrun_command,
@@ -323,6 +324,7 @@ def _check_config(args: argparse.Namespace, env: Mapping[str, str]) -> None:
         if not (math.isfinite(ms) and ms > 0):
             raise ValueError(f"--heartbeat-interval-ms={ms} must be a positive number of milliseconds")
         overrides["heartbeat_interval"] = timedelta(milliseconds=ms)
+    log_level(env.get("FTBRIDGE_LOG_LEVEL"))  # the ranks' logging starts after DeepSpeed's: check it now
     try:
         FTBridgeConfig.resolve(environ=env, group_rank=0, group_size=args.nproc_per_node, **overrides)
     except ValueError as exc:

@@ -32,12 +32,34 @@ class _IdentityAdapter(logging.LoggerAdapter):
         return f"[{self._who}{step}] {msg}", kwargs
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(raw: Optional[str], group_rank: int = 0) -> str:
+    """The log level ``FTBRIDGE_LOG_LEVEL=raw`` selects (any case), else INFO on group rank 0 and WARNING elsewhere.
+
+    Raises:
+        ValueError: ``raw`` is not one of :data:`LEVELS`, naming the variable and the choices.
+    """
+    if not raw:
+        return "INFO" if group_rank == 0 else "WARNING"
+    level = raw.strip().upper()
+    if level not in LEVELS:
+        raise ValueError(f"FTBRIDGE_LOG_LEVEL={raw!r} is not a log level; set it to one of {', '.join(LEVELS)} "
+                         "(any case) or unset it")
+    return level
+
+
 def setup_logging(group_rank: int) -> None:
-    """Configure the root logger once per process (idempotent)."""
+    """Configure the root logger once per process (idempotent).
+
+    Raises:
+        ValueError: ``FTBRIDGE_LOG_LEVEL`` is set to something else than a level (:func:`log_level`).
+    """
     root = logging.getLogger()
     if getattr(root, "_ftbridge_configured", False):
         return
-    level = os.environ.get("FTBRIDGE_LOG_LEVEL") or ("INFO" if group_rank == 0 else "WARNING")
+    level = log_level(os.environ.get("FTBRIDGE_LOG_LEVEL"), group_rank)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
     root.addHandler(handler)

@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import html
+import http.client
 import json
 import re
 import urllib.error
@@ -228,11 +229,17 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
             error, a redirect included (``urllib.error.URLError`` is an
             ``OSError``).
         StatusFormatError: it answered with something else than torchft 0.2's
-            status fragment, or with more than :data:`MAX_STATUS_BYTES`.
+            status fragment, with more than :data:`MAX_STATUS_BYTES`, or not as an
+            HTTP server at all.
     """
     url = status_url(address)
-    with _OPENER.open(url, timeout=timeout_s) as resp:
-        raw = resp.read(MAX_STATUS_BYTES + 1)
+    try:
+        with _OPENER.open(url, timeout=timeout_s) as resp:
+            raw = resp.read(MAX_STATUS_BYTES + 1)
+    except http.client.HTTPException as exc:  # not an HTTP server: e.g. the lighthouse's gRPC health port
+        raise StatusFormatError(f"{url} did not answer as an HTTP server ({type(exc).__name__}); give the "
+                                "lighthouse's own address (ftbridge-lighthouse serve --bind), not another port "
+                                "of it") from None
     if len(raw) > MAX_STATUS_BYTES:
         raise StatusFormatError(f"the status page at {url} is larger than {MAX_STATUS_BYTES} bytes")
     return parse_status(raw.decode("utf-8", errors="replace"))

@@ -201,6 +201,25 @@ def test_parse_quick_defaults_and_overrides(tmp_path):
         cli.parse(["--reps", "0"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout-s", "nan"], "argument --timeout-s: nan is not a finite number"),
+    (["--steps", "-5"], "argument --steps: -5 is below the smallest allowed value, 1"),
+    (["--warmup-steps", "-1"], "argument --warmup-steps: -1 is below"),
+])
+def test_bad_numbers_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_out_under_a_regular_file_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "report.txt").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        cli.parse(["--out", str(tmp_path / "report.txt" / "bench")])
+    assert exc.value.code == 2
+    assert f"{tmp_path / 'report.txt'} is a file, not a folder" in capsys.readouterr().err
+
+
 def test_main_records_a_failing_benchmark_and_keeps_the_others(tmp_path, monkeypatch):
     def good(settings):
         return [Metric("good", "count", 3.0, "steps", [3.0], target="<= 5", met=True)]

@@ -231,8 +231,12 @@ def test_spare_count_is_validated_before_anything_starts():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--count", "0"], "--count 0: give at least 1 failure"),
+    (["--count", "0"], "argument --count: 0 is below the smallest allowed value, 1"),
     (["--kinds", "kill_group,explode"], "failure kind 'explode': choose from kill_rank"),
+    (["--mtbf", "nan"], "argument --mtbf: nan is not a finite number"),
+    (["--outage-s", "-3"], "argument --outage-s: -3.0 must be above 0"),
+    (["--hang-s", "inf"], "argument --hang-s: inf is not a finite number"),
+    (["--soak-minutes", "0"], "argument --soak-minutes: 0.0 must be above 0"),
 ])
 def test_bad_count_or_kind_is_a_usage_error_before_anything_starts(argv, message, capsys):
     from ftbridge.harness.chaos.cli import parse_args

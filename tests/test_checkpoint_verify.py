@@ -258,3 +258,8 @@ def test_keyed_hmac_detects_a_regenerated_manifest(tmp_path):
     (tmp_path / "short").write_text("abc")
     with pytest.raises(ValueError, match="use at least 16 random bytes"):
         load_key(str(tmp_path / "short"), str(tmp_path / "root"))
+    (tmp_path / "keys").mkdir()
+    with pytest.raises(ValueError, match="keys is a folder; give the path of the file"):
+        load_key(str(tmp_path / "keys"), str(tmp_path / "root"))
+    with pytest.raises(ValueError, match="nokey is missing"):
+        load_key(str(tmp_path / "nokey"), str(tmp_path / "root"))

@@ -408,3 +408,17 @@ def test_derived_timeouts_are_named_and_ordered():
     # The vote and its store calls end before the cross-replica timeout that bounds the other ranks'
     # should_commit meanwhile; torchft's own calls outlast a cross-replica all-reduce with a hung peer.
     assert cfg.vote_timeout < cfg.store_call_timeout < cfg.cross_replica_timeout < cfg.torchft_timeout
+
+
+def test_overrides_are_checked_against_each_settings_kind():
+    # Strings as the environment takes them (a DeepSpeed config written by hand, a CLI value).
+    cfg = FTBridgeConfig.resolve({}, num_replica_groups="2", min_replicas="2", peer_watch="no",
+                                 ride_out_lighthouse_outage=0)
+    assert (cfg.min_replicas, cfg.peer_watch, cfg.ride_out_lighthouse_outage) == (2, False, False)
+    for bad, needle in ((dict(min_replicas=2.5), "min_replicas=2.5 is not an integer"),
+                        (dict(min_replicas=True), "min_replicas=True is not an integer"),
+                        (dict(min_replicas="two"), "min_replicas='two' is not an integer"),
+                        (dict(peer_watch="maybe"), "peer_watch='maybe' is not a boolean"),
+                        (dict(peer_watch=2), "peer_watch=2 is not a boolean")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            FTBridgeConfig.resolve({}, **bad)

@@ -220,6 +220,7 @@ def test_argparse_errors_exit_2(flags, named, script, no_launch, clean_env, caps
     ("TORCHFT_LIGHTHOUSE", "lighthouse:29510", "TORCHFT_LIGHTHOUSE='lighthouse:29510'"),
     ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "soon", "FTBRIDGE_CROSS_REPLICA_TIMEOUT_S='soon'"),
     ("FTBRIDGE_IN_GROUP_TIMEOUT_S", "5", "in_group_timeout=5.0 s"),
+    ("FTBRIDGE_LOG_LEVEL", "verbose", "FTBRIDGE_LOG_LEVEL='verbose' is not a log level"),
 ])
 def test_bad_inherited_environment_exits_2(name, value, named, script, no_launch, clean_env,
                                            monkeypatch, capsys):
@@ -249,3 +250,10 @@ def test_unreachable_lighthouse_is_refused_before_launch(script, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert f"no lighthouse answers at http://127.0.0.1:{port}" in err and "ftbridge-lighthouse serve" in err
+
+
+def test_a_log_level_in_any_case_is_taken():
+    from ftbridge.log import log_level
+
+    assert log_level("debug") == "DEBUG" and log_level(" Warning ") == "WARNING"
+    assert log_level(None, group_rank=0) == "INFO" and log_level("", group_rank=1) == "WARNING"

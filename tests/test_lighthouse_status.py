@@ -108,3 +108,29 @@ def test_fetch_from_a_real_lighthouse_and_cli_status(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lighthouse.cli", "status", f"127.0.0.1:{port}", "--timeout-s", "2"],
                          cwd=REPO, capture_output=True, text=True, timeout=50, check=False)
     assert out.returncode == 1 and "cannot read the status" in out.stderr
+
+
+def test_a_port_that_does_not_speak_http_is_a_format_error_not_a_traceback():
+    import socket
+    import threading
+
+    from lighthouse.status import StatusFormatError, fetch_status
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def answer_garbage():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"\x00\x00\x12\x04not http at all\r\n\r\n")
+
+    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(StatusFormatError, match="did not answer as an HTTP server"):
+            fetch_status(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=5)
+    finally:
+        thread.join(timeout=5)
+        server.close()

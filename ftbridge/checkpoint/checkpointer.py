@@ -333,7 +333,8 @@ def add_arguments(parser: Any) -> None:
     """Add the checkpoint flags to a training script's ``argparse`` parser."""
     g = parser.add_argument_group("checkpoints (fixed-size replica-group checkpoints)")
     g.add_argument("--checkpoint-dir", default=None, help="checkpoint folder shared by all replica groups")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="save every N committed steps (0: never)")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save every N committed steps (0: only on demand and on SIGTERM)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints (0: all)")
     g.add_argument("--checkpoint-async", action="store_true",
                    help="snapshot to CPU at the step boundary and write in the background")

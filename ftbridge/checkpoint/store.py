@@ -302,8 +302,8 @@ def load_key(path: Optional[str], root: str) -> Optional[bytes]:
         root: the checkpoint folder.
 
     Raises:
-        ValueError: the file is inside ``root``, not a regular file, or holds
-            fewer than 16 or more than 4096 bytes.
+        ValueError: the file is inside ``root``, missing, a folder or not a regular
+            file, or holds fewer than 16 or more than 4096 bytes.
         OSError: the file cannot be read.
     """
     if path is None:
@@ -312,6 +312,10 @@ def load_key(path: Optional[str], root: str) -> Optional[bytes]:
     if os.path.commonpath([real, real_root]) == real_root:
         raise ValueError(f"checkpoint key file {path} lies inside the checkpoint folder {root}; keep it outside "
                          "(whoever can rewrite the checkpoint could then rewrite its HMAC too)")
+    if not os.path.isfile(real):
+        what = "a folder" if os.path.isdir(real) else "missing" if not os.path.lexists(path) else "not a regular file"
+        raise ValueError(f"checkpoint key file {path} is {what}; give the path of the file that holds the key "
+                         "(--key-file / --checkpoint-key-file or $FTBRIDGE_CKPT_KEY_FILE)")
     key = mf.read_bounded(real, 4096).strip()
     if len(key) < 16:
         raise ValueError(f"checkpoint key file {path} holds {len(key)} bytes; use at least 16 random bytes, e.g. "

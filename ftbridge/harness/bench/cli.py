@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ftbridge.cli_types import at_least, finite
 from ftbridge.harness.bench import core
 from ftbridge.harness.bench.report import failure, write_report
 
@@ -76,12 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="CI smoke run: 1 repetition, few steps, small models")
     p.add_argument("--only", metavar="NAME[,NAME]", default=None, help="run only these benchmarks, in this order")
     p.add_argument("--out", default=os.path.join("runs", "bench"), help="report folder (default runs/bench)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per configuration (default 3; quick 1)")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--reps", type=at_least(1), default=None, help="repetitions per configuration (default 3; quick 1)")
+    p.add_argument("--steps", type=at_least(1), default=None,
                    help="timed training steps per steady-state run, after warm-up (default 60; quick 6)")
-    p.add_argument("--warmup-steps", type=int, default=None,
+    p.add_argument("--warmup-steps", type=at_least(0), default=None,
                    help="leading steps left out of every step-time median (default 10; quick 3)")
-    p.add_argument("--timeout-s", type=float, default=None,
+    p.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=None,
                    help="wall-clock limit of any one training job, seconds (default 600; quick 300)")
     p.add_argument("--list", action="store_true", help="print the benchmark names and exit")
     return p
@@ -106,9 +107,24 @@ def parse(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, cor
                                       **{**(QUICK if args.quick else {}), **given})
         if settings.timeout_s <= 0:
             raise ValueError(f"--timeout-s {settings.timeout_s}: must be > 0 seconds")
+        blocked = _first_file_on_the_way(args.out)
+        if blocked:
+            raise ValueError(f"--out {args.out}: {blocked} is a file, not a folder; give a folder path")
     except ValueError as exc:
         p.error(str(exc))
     return args, settings, names
+
+
+def _first_file_on_the_way(path: str) -> str:
+    """The first existing non-folder among ``path`` and its parents ("" when the folder can be made there)."""
+    here = os.path.abspath(path)
+    while True:
+        if os.path.exists(here) and not os.path.isdir(here):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return ""
+        here = parent
 
 
 def run_all(settings: core.BenchSettings, names: Sequence[str]

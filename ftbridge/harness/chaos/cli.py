@@ -24,6 +24,10 @@ import sys
 import tempfile
 from typing import List, Optional
 
+from ftbridge.cli_types import at_least, finite
+
+POSITIVE = finite(0.0, strictly_above=True)
+
 TINY = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32", "--micro-batch", "4",
         "--val-every", "0", "--val-batches", "8", "--warmup-steps", "2"]
 
@@ -38,21 +42,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--kinds", default="all",
                    help=f"comma-separated failure kinds or 'all': {', '.join(k.value for k in FailureKind)}")
     p.add_argument("--seed", type=int, default=0, help="seeds the schedule and the targets")
-    p.add_argument("--count", type=int, default=None, help="number of failures (default: each kind once)")
-    p.add_argument("--soak-minutes", type=float, default=None, help="inject failures for this long (soak run)")
-    p.add_argument("--mtbf", type=float, default=10.0, help="mean time between failures, seconds (default 10)")
-    p.add_argument("--hang-s", type=float, default=None,
+    p.add_argument("--count", type=at_least(1), default=None, help="number of failures, at least 1 (default: each kind once)")
+    p.add_argument("--soak-minutes", type=POSITIVE, default=None, help="inject failures for this long (soak run)")
+    p.add_argument("--mtbf", type=POSITIVE, default=10.0, help="mean time between failures, seconds (default 10)")
+    p.add_argument("--hang-s", type=POSITIVE, default=None,
                    help="how long a hang lasts (default: cross-replica timeout + 3 s)")
-    p.add_argument("--outage-s", type=float, default=10.0, help="how long a lighthouse outage lasts (default 10)")
-    p.add_argument("--cross-replica-timeout", type=float, default=5.0, help="seconds (default 5)")
+    p.add_argument("--outage-s", type=POSITIVE, default=10.0, help="how long a lighthouse outage lasts (default 10)")
+    p.add_argument("--cross-replica-timeout", type=POSITIVE, default=5.0, help="seconds (default 5)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
-    p.add_argument("--spares", type=int, default=0, metavar="K",
+    p.add_argument("--spares", type=at_least(0), default=0, metavar="K",
                    help="warm spares (ftbridge-run --spare k, k < K) started once the job runs, 0..--groups "
                         "(default 0); scale_down is then skipped (a spare would take the leaving group's id)")
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the failure-free run (and the final-loss check)")
-    p.add_argument("--loss-tolerance", type=float, default=0.15, help="nats (default 0.15)")
+    p.add_argument("--loss-tolerance", type=finite(0.0), default=0.15, help="nats (default 0.15)")
     p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
     p.add_argument("--workdir", default=None, help="logs and event logs (default: a temporary folder)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after '--': more scripts/train_lm.py arguments")
@@ -67,10 +71,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         validate_spares(args.spares, args.groups)
     except ValueError as e:
         p.error(str(e))
-    if args.mtbf <= 0 or args.cross_replica_timeout <= 0:
-        p.error("--mtbf and --cross-replica-timeout must be positive")
-    if args.count is not None and args.count < 1:
-        p.error(f"--count {args.count}: give at least 1 failure, or leave it out for each kind once")
     from ftbridge.harness.chaos.schedule import parse_kinds
 
     try:
