@@ -28,3 +28,12 @@ def test_every_process_builds_with_this_environments_ninja_whatever_its_path():
     activated = _after_import(os.path.dirname(sys.executable) + ":/usr/bin:/bin").splitlines()
     assert plain[1] == activated[1] == venv_ninja
     assert plain[0] == activated[0] == os.path.join(sys.prefix, "torch_extensions")
+
+
+def test_ftbridge_ckpt_list_and_inspect_import_neither_torch_nor_deepspeed():
+    # `ftbridge-ckpt list` on a login node: no 2.4 s import and no accelerator warning for a folder listing.
+    code = ("import sys, ftbridge.checkpoint.cli as c; "
+            "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -97,10 +97,10 @@ def cmd_inspect(store: CheckpointStore, tag: Optional[str]) -> int:
 
 def _unsafe_files(ckpt: CheckpointInfo) -> List[str]:
     """Load every ``.pt`` of a hash-verified checkpoint with the safe loader; the refusals (imports torch)."""
-    from ftbridge.checkpoint.safe_load import UnsafeCheckpointError, check_files, checkpoint_files
+    from ftbridge.checkpoint.safe_load import UnsafeCheckpointError, check_files  # torch: verify only
 
     problems = []
-    for path in checkpoint_files(ckpt.path):
+    for path in mf.checkpoint_files(ckpt.path):
         try:
             check_files([path])
         except UnsafeCheckpointError as e:

@@ -360,3 +360,9 @@ def update_latest(root: str, tag: str) -> None:
     """Point ``root/latest`` (DeepSpeed's format) at ``tag``, atomically."""
     write_text_atomic(os.path.join(root, LATEST), tag)
     fsync_path(root)
+
+
+def checkpoint_files(ckpt_dir: str) -> List[str]:
+    """The ``.pt`` files directly in ``ckpt_dir`` (not following links), sorted."""
+    with os.scandir(ckpt_dir) as it:
+        return sorted(e.path for e in it if e.name.endswith(".pt") and e.is_file(follow_symlinks=False))

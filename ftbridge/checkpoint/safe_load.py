@@ -49,6 +49,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from ftbridge.checkpoint.async_save import snapshot
+from ftbridge.checkpoint.manifest import checkpoint_files
 from ftbridge.zero.checkpoint_engines import (
     DEEPSPEED_CHECKPOINT_TYPES,
     DelegatingCheckpointEngine,
@@ -115,12 +116,6 @@ def check_files(paths: List[str]) -> Dict[str, Any]:
         UnsafeCheckpointError: the first file that needs a type that is not allowed.
     """
     return {os.path.abspath(p): safe_load(p, "cpu", mmap=zipfile.is_zipfile(p)) for p in paths}
-
-
-def checkpoint_files(ckpt_dir: str) -> List[str]:
-    """The ``.pt`` files directly in ``ckpt_dir`` (not following links), sorted."""
-    with os.scandir(ckpt_dir) as it:
-        return sorted(e.path for e in it if e.name.endswith(".pt") and e.is_file(follow_symlinks=False))
 
 
 _RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:optim|model)_states\.pt$"

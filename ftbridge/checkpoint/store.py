@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from ftbridge.checkpoint import manifest as mf
-from ftbridge.checkpoint.safe_load import checkpoint_files
 
 METADATA = "ftbridge.json"
 TAG_RE = re.compile(r"^global_step(\d+)$")
@@ -149,7 +148,7 @@ class CheckpointInfo:
                 (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`),
                 and their listing, type and size are still checked here.
         """
-        later = [] if hash_torch_files else [os.path.basename(p) for p in checkpoint_files(self.path)]
+        later = [] if hash_torch_files else [os.path.basename(p) for p in mf.checkpoint_files(self.path)]
         problems = mf.verify(self.path, key=self.key, hashed_later=later)
         if problems:
             return problems

@@ -42,7 +42,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--kinds", default="all",
                    help=f"comma-separated failure kinds or 'all': {', '.join(k.value for k in FailureKind)}")
     p.add_argument("--seed", type=int, default=0, help="seeds the schedule and the targets")
-    p.add_argument("--count", type=at_least(1), default=None, help="number of failures, at least 1 (default: each kind once)")
+    p.add_argument("--count", type=at_least(1), default=None,
+                   help="number of failures, at least 1 (default: each kind once)")
     p.add_argument("--soak-minutes", type=POSITIVE, default=None, help="inject failures for this long (soak run)")
     p.add_argument("--mtbf", type=POSITIVE, default=10.0, help="mean time between failures, seconds (default 10)")
     p.add_argument("--hang-s", type=POSITIVE, default=None,
