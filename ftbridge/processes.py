@@ -17,6 +17,7 @@ line with :func:`torchrun_command` and stop it with :func:`stop_process_groups`:
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,6 +34,48 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ephemeral_port_range() -> Tuple[int, int]:
+    """The ports the kernel hands out for ``bind(0)`` and outgoing connections (Linux; else 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = None) -> int:
+    """``P`` such that ports ``P .. P + count - 1`` are all free on ``host`` right now.
+
+    Looks below the kernel's ephemeral range (:func:`ephemeral_port_range`), from 10000 up: the kernel
+    never gives those ports to another process's ``bind(0)`` or outgoing connection, so only a
+    process that asks for one of them by number can take it before the caller binds it (with
+    :func:`find_free_port`, port ``P + 1`` of an ephemeral ``P`` was once an outgoing connection's).
+
+    Raises:
+        ValueError: ``count`` < 1. RuntimeError: no free run found in 500 tries.
+    """
+    if count < 1:
+        raise ValueError(f"count={count}: ask for at least 1 port")
+    rng = random.Random(seed)
+    top = ephemeral_port_range()[0] - count
+    for _ in range(500):
+        first = rng.randrange(10000, max(10001, top))
+        socks = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                socks.append(s)
+                s.bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host} below the ephemeral range")
 
 
 def pid_alive(pid: int) -> bool:

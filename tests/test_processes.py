@@ -76,3 +76,25 @@ def test_stop_ends_a_group_that_honours_sigterm_without_sigkill():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_free_port_run_lies_below_the_ephemeral_range_and_is_bindable():
+    import socket
+
+    from ftbridge.processes import ephemeral_port_range, find_free_port_run
+
+    first = find_free_port_run(3, host="127.0.0.1", seed=1)
+    assert 10000 <= first and first + 2 < ephemeral_port_range()[0]
+    socks = [socket.socket() for _ in range(3)]
+    try:
+        for i, s in enumerate(socks):
+            s.bind(("127.0.0.1", first + i))
+    finally:
+        for s in socks:
+            s.close()
+    held = socket.socket()
+    held.bind(("127.0.0.1", first + 1))  # the run it found is taken now: another seed-1 draw must skip it
+    try:
+        assert find_free_port_run(3, host="127.0.0.1", seed=1) != first
+    finally:
+        held.close()

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ftbridge.harness.local_job import GroupProcess
-from ftbridge.processes import find_free_port, pid_alive, signal_group, signal_pids, stop_process_groups
+from ftbridge.processes import find_free_port_run, pid_alive, signal_group, signal_pids, stop_process_groups
 from tests.conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,7 +72,7 @@ def _stop(proc: subprocess.Popen, job) -> None:
 @pytest.mark.timeout(300)
 def test_torchx_local_run_group_killed_heals_and_job_ends_identical(local_job):
     job = local_job(2, 2, [])  # only its event-log readers are used: torchx run starts every process
-    proc = _torchx_run(job, find_free_port())
+    proc = _torchx_run(job, find_free_port_run(3))  # the lighthouse, its health (+1) and status (+2)
     try:
         job.wait_until(lambda: any(e["participants"] == 2 and e["committed"] for e in job.steps(1)), 150,
                        "both replica groups to train together")
