@@ -129,6 +129,8 @@ class FaultProxy:
         self._peer[client], self._peer[server] = server, client
 
     def _relay(self, sock: socket.socket) -> None:
+        if not self._reads(self._server_side[sock]):  # the mode changed since this select: keep the bytes
+            return
         other = self._peer[sock]
         try:
             data = sock.recv(CHUNK)
