@@ -48,14 +48,17 @@ def _env(environ: Mapping[str, str], *names: str) -> Optional[str]:
     return None
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+"""How a boolean setting is spelt in the environment or as a string override (any case)."""
+
+
 def _parse(kind: type, raw: str, name: str) -> Any:
     try:
         if kind is bool:
             low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
+            if low in TRUE_WORDS + FALSE_WORDS:
+                return low in TRUE_WORDS
             raise ValueError(raw)
         return kind(raw)
     except ValueError:
@@ -78,8 +81,8 @@ def _given(kind: Any, value: Any, name: str) -> Any:
             return bool(value)
         if isinstance(value, str):
             low = value.strip().lower()
-            if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return low in ("1", "true", "yes", "on")
+            if low in TRUE_WORDS + FALSE_WORDS:
+                return low in TRUE_WORDS
         raise ValueError(f"ftbridge setting {name}={value!r} is not a boolean; pass True or False "
                          "(or 1/0, or one of the strings true/false, yes/no, on/off)")
     if kind is int:

@@ -86,18 +86,25 @@ def test_spare_replaces_a_killed_group(local_job, nproc):
     assert not [p for p in pids if pid_alive(p)]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_group_paused_past_the_heartbeat_timeout_leaves_when_it_finds_the_spare_in_its_place(local_job):
-    """SIGSTOP group 1 until the spare has taken its place; on SIGCONT it must not train as a second group 1."""
-    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=1,
-                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
+def _two_groups_and_a_spare_standing_by(local_job, **job_kw):
+    """2 groups x 1 rank until a stop file, started with spare 0; returns once both commit together and the
+    spare stands by (``restart_peer_wait`` 3 s: how long a standing-by spare waits after the last live group)."""
+    job = local_job(2, 1, [*TINY, "--steps", "100000"],
+                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"}, **job_kw)
     job.script_args += ["--stop-file", f"{job.workdir}/stop"]
     job.start()
     job.start_spare(0)
     job.wait_until(lambda: job.spare_ready(0) and all(
         any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)), 180,
         "both groups to commit together and the spare to stand by")
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_group_paused_past_the_heartbeat_timeout_leaves_when_it_finds_the_spare_in_its_place(local_job):
+    """SIGSTOP group 1 until the spare has taken its place; on SIGCONT it must not train as a second group 1."""
+    job = _two_groups_and_a_spare_standing_by(local_job, max_restarts=1)
     pause = time.time()
     paused = job.kill_workers(1, sig=signal.SIGSTOP)
     try:
@@ -132,14 +139,7 @@ def test_a_paused_lighthouse_does_not_make_the_spare_join_a_full_job(local_job):
     With the settle rule switched off (``VacancyWatch.observe`` acting on the first read after failed ones)
     this passed 3 runs of 3 here: the groups' queued heartbeats reached the resumed lighthouse before the
     spare's next read. The rule is guarded by ``tests/test_spare.py``; this checks the outcome end to end."""
-    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, lighthouse_process=True,
-                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
-    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
-    job.start()
-    job.start_spare(0)
-    job.wait_until(lambda: job.spare_ready(0) and all(
-        any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)), 180,
-        "both groups to commit together and the spare to stand by")
+    job = _two_groups_and_a_spare_standing_by(local_job, max_restarts=0, lighthouse_process=True)
     pid = job.lighthouse_pid
     os.kill(pid, signal.SIGSTOP)
     paused = time.time()
