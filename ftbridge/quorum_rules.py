@@ -198,3 +198,53 @@ def lacks_majority(previous_members: Sequence[str], members: Sequence[str]) -> b
     now = {replica_group_of(m) for m in members}
     return 2 * len(before & now) <= len(before)
 
+
+class RestartMajority:
+    """After a lighthouse restart, which quorums may commit: one group's state (pure; the clock is passed in).
+
+    From a detected restart until this group *commits* again, every quorum must
+    hold more than half of the groups that last held the job's history with it
+    (:func:`lacks_majority`); a quorum that lacks them is discarded. Seeing a
+    quorum that holds them is not enough: if nothing commits there (a member
+    errs, or this group's heal does not apply while the others commit), the
+    next quorum may be this group alone at an older step, and the job's
+    history before the restart no longer vouches for it (a restarted
+    lighthouse numbers quorums anew, so the continuity of quorum ids does not
+    reach back past it).
+
+    Args:
+        wait_s: seconds after the restart past which a lacking quorum sets :attr:`expired` (the group stops
+            rather than train on a minority that may fork the job).
+    """
+
+    def __init__(self, wait_s: float) -> None:
+        if wait_s < 0:
+            raise ValueError(f"wait_s={wait_s} must be >= 0")
+        self.wait_s = wait_s
+        self.pending: Optional[Tuple[Tuple[str, ...], float]] = None
+        """``(replica ids before the restart, monotonic s of the restart)`` while a majority is needed."""
+        self.expired = False
+        """The last quorum lacked the majority and the wait has passed."""
+
+    def restarted(self, before: Sequence[str], now: float) -> None:
+        """A lighthouse restart was detected at ``now``; ``before``: the replica ids that last held the job's
+        history with this group (empty: no history, nothing is required)."""
+        if self.pending is None and before:
+            self.pending = (tuple(before), now)
+
+    def lacks(self, members: Sequence[str], now: float) -> bool:
+        """Whether the quorum of ``members`` must be discarded; updates :attr:`expired`."""
+        if self.pending is None:
+            return False
+        before, since = self.pending
+        if not lacks_majority(before, members):
+            self.expired = False
+            return False
+        self.expired = now - since >= self.wait_s
+        return True
+
+    def committed(self) -> None:
+        """The group committed a step (necessarily on a quorum that did not lack the majority): the requirement
+        is met; from here the agreement's continuity of this lighthouse's quorum ids takes over."""
+        self.pending, self.expired = None, False
+

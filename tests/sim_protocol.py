@@ -46,9 +46,9 @@ from ftbridge.manager.outage import OutageRider
 from ftbridge.quorum_rules import (
     VOTE_SKIP_WINDOW_S,
     QuorumSeen,
+    RestartMajority,
     decide_reconfigure,
     detect_lighthouse_restart,
-    lacks_majority,
     vote_needed,
 )
 
@@ -83,6 +83,9 @@ class Faults:
     restart: FrozenSet[int] = frozenset()
     rank_error: FrozenSet[Tuple[int, int]] = frozenset()
     heal_fail: FrozenSet[Tuple[int, int]] = frozenset()
+    late_error: FrozenSet[Tuple[int, int]] = frozenset()
+    """An error recorded on the rank after its gradient all-reduces ran (the peer watch finding the process was
+    frozen and left out, or any check of the step that fails late): its row still joins the agreement."""
     stale: FrozenSet[int] = frozenset()
     corrupt: FrozenSet[int] = frozenset()
 
@@ -107,6 +110,12 @@ class Revert:
     """A lighthouse call that never answers is waited for forever (no deadline, no ride)."""
     continuity: bool = False
     """A quorum that follows quorums none of its members took part in commits like any other."""
+    majority_on_sight: bool = False
+    """After a lighthouse restart, seeing a quorum that holds most groups of the one before ends the requirement,
+    even if nothing commits there."""
+    certify_on_agreement: bool = False
+    """A member certifies a quorum whose agreement passed even if its group discards there (a healer whose heal
+    did not apply, a group the guard outvoted): it vouches for a history it does not hold."""
     agreement_watch: bool = False
     """The peer watch cuts the agreement's wait short when the lighthouse holds a member dead (that member, cut
     off from the lighthouse but not from its peers, completes the agreement and commits)."""
@@ -262,8 +271,7 @@ class SimGroup:
         self.last_quorum_round: Optional[int] = None  # the round its last quorum call returned
         self.rode_since = False  # rode on its last quorum since then
         self.votes_skipped = 0
-        self.need_majority: Optional[Tuple[Tuple[str, ...], int]] = None
-        self.majority_expired = False
+        self.majority = RestartMajority(MAJORITY_WAIT)
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
@@ -470,8 +478,8 @@ class Sim:
         q: Quorum = result
         restarted, own, voting = owns[g.gid]
         before = g.ranks[0].rider.certified_members()
-        if restarted and g.need_majority is None and (before or g.seen is not None):
-            g.need_majority = (before or g.seen.members, self.now)
+        if restarted:
+            g.majority.restarted(before or (g.seen.members if g.seen is not None else ()), self.now)
         g.seen = QuorumSeen(q.quorum_id, tuple(sorted(q.replica_ids)))
         votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids)
                  if m is not None and m.gid in owns and owns[m.gid][2]]
@@ -488,14 +496,12 @@ class Sim:
             r.tf.participants, r.tf.participating = len(at_max), g.replica_id in at_max
             if q.steps[g.replica_id] < q.max_step:
                 r.tf._healing, r.healed_from = True, at_max[0]
-        if g.need_majority is not None:
-            before, since = g.need_majority
-            if not lacks_majority(before, q.replica_ids):
-                g.need_majority, g.majority_expired = None, False
-            else:
-                g.majority_expired = self.now - since >= MAJORITY_WAIT
-                for r in g.ranks:
-                    r.tf.report_error(RuntimeError("no majority of the groups after a lighthouse restart"))
+        if not g.majority.lacks(q.replica_ids, self.now):
+            if self.revert.majority_on_sight:
+                g.majority.committed()
+        else:
+            for r in g.ranks:
+                r.tf.report_error(RuntimeError("no majority of the groups after a lighthouse restart"))
 
     def _fetch_heal(self, g: SimGroup, donors: Dict[str, str], steps: Dict[str, int]) -> None:
         for i, r in enumerate(g.ranks):
@@ -561,12 +567,14 @@ class Sim:
         owns: Dict[Tuple[int, int], Optional[List[float]]] = {}
         for g in stepping:
             for i, r in enumerate(g.ranks):
+                if (g.gid, i) in self.faults.late_error and r.tf.error is None:
+                    r.tf.report_error(RuntimeError("late error in this step"))
                 due = r.guard.due(r.tf.step)
                 own = r.rider.own_row(r.params if due else None, self._empty(g))
                 if own is not None and self.revert.participation_view:
                     own[8] = own[9] = 0.0
                 if own is not None and self.revert.continuity:
-                    own[17] = own[18] = own[19] = 0.0
+                    own[17] = own[18] = own[19] = own[22] = 0.0
                 owns[(g.gid, i)] = own
                 if own is not None:
                     rows.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = own
@@ -596,7 +604,7 @@ class Sim:
             flags.append(encode_flags(rank_flags(step=r.tf.step, errored=r.tf.error is not None,
                                                  agreement=r.agreement, healing=healing, heal_ready=ready,
                                                  replica_group=g.gid, stop=stop,
-                                                 gap_stop=(r.rider.gap_expired or g.majority_expired)
+                                                 gap_stop=(r.rider.gap_expired or g.majority.expired)
                                                  and not self.revert.continuity)))
         decisions = ([decide_group([row]) for row in flags] if self.revert.group_decision
                      else [decide_group(flags)] * len(g.ranks))
@@ -619,6 +627,8 @@ class Sim:
             g.heals += 1
         committed = g.alive and all(r.tf.error is None for r in g.ranks)  # torchft's should_commit: an AND
         g.commit_failures = 0 if committed else g.commit_failures + 1
+        if committed:
+            g.majority.committed()
         for r, d in zip(g.ranks, decisions):
             if committed:
                 corrupt = g.gid in f.corrupt
@@ -628,7 +638,9 @@ class Sim:
                 if corrupt or before in self.tainted:
                     self.tainted.add(r.params)
                 r.tf.step += 1
-            r.rider.after_commit(committed, committed and d.ride_next)
+            r.rider.after_commit(committed, committed and d.ride_next, d.nobody_commits)
+            if self.revert.certify_on_agreement and r.agreement is not None and r.agreement.continuous:
+                r.rider._held, r.rider._missed_here = True, False
         r0 = g.ranks[0]
         return Record(g.gid, g.launch, step_before, committed, r0.tf.participants, r0.params, r0.rider.riding)
 

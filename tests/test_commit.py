@@ -12,6 +12,7 @@ from ftbridge.manager.commit import (
     Flags,
     QuorumWait,
     View,
+    continuous,
     decide_group,
     decide_ride,
     encode_flags,
@@ -172,3 +173,25 @@ def test_a_lighthouse_call_is_waited_for_until_a_ride_or_its_deadline():
     assert no_ride.poll(100.2, False) == w.WAIT and no_ride.poll(131.0, False) == w.EXPIRED
     with pytest.raises(ValueError):
         QuorumWait(started=0.0, deadline_s=0.0, may_ride=True)
+
+
+def test_continuity_counts_quorums_a_member_stayed_behind_in_and_the_committers_that_vouch_for_a_gap():
+    # (certified, dead ends, committers) per member
+    assert continuous(5, [(4, None, 2)]) is None                       # follows the certified quorum
+    assert continuous(7, [(4, None, 2), (-1, (5, 6), 0)]) is None      # 5 and 6 dead ends of a member
+    assert continuous(7, [(4, None, 2), (-1, (5, 5), 0)]) == 6         # 6: nobody here took part
+    assert continuous(7, [(4, None, 1)]) is None                       # the only committer of 4 is here
+    assert continuous(7, [(4, None, 2), (3, None, 2)]) == 5            # one of 4's two committers is missing
+    assert continuous(7, [(4, None, 2), (4, None, 2)]) is None         # both are here
+    assert continuous(5, [(3, None, 1)], missed=4) == 4                # a member discarded where others committed
+    assert continuous(7, [(3, None, 1), (5, None, 1)], missed=4) is None  # ... a member holds a later history
+    assert continuous(2, [(-1, None, 0)], missed=1) == 1               # even with nothing certified
+
+
+def test_judge_reads_missed_and_committers_from_the_rows():
+    a = encode_view(View(0, 7, D1, 10, 1, True, True, False, certified=4, committers=1))
+    assert judge([a], a, riding=False).commit
+    b = encode_view(View(0, 7, D1, 10, 1, True, True, False, certified=4, committers=2))
+    assert "follows quorum 5" in judge([b], b, riding=False).reason
+    c = encode_view(View(0, 7, D1, 10, 1, True, True, False, certified=4, committers=1, missed=6))
+    assert "follows quorum 6" in judge([c], c, riding=False).reason

@@ -26,7 +26,7 @@ RECOVERY = QUORUM_TIMEOUT + HEARTBEAT_TIMEOUT + JOIN_WAIT + RESTART_PEER_WAIT + 
 """Quiet rounds after the last fault within which every live group must commit again."""
 
 KINDS = ("lighthouse_dead", "lighthouse_hung", "lighthouse_restart", "cut_lh", "oneway_lh", "cut_peer", "slow",
-         "hang", "kill", "restart", "rank_error", "heal_fail", "stale")
+         "hang", "kill", "restart", "rank_error", "heal_fail", "late_error", "stale")
 
 
 @st.composite
@@ -45,7 +45,7 @@ def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
         elif kind == "cut_peer":
             h = draw(st.integers(0, groups - 1).filter(lambda x: x != g))
             out["cut_peer"] = frozenset({frozenset((g, h))})
-        elif kind in ("rank_error", "heal_fail"):
+        elif kind in ("rank_error", "heal_fail", "late_error"):
             out[kind] = frozenset({(g, draw(st.integers(0, size - 1)))})
         elif kind == "stale":
             out[kind] = frozenset(range(groups)) if draw(st.booleans()) else frozenset({g})
@@ -285,13 +285,51 @@ def test_steady_quorums_skip_the_reconfigure_vote_and_a_lighthouse_restart_bring
 
 BEHIND_AFTER_RESTART = [Faults(lighthouse="dead"), Faults(cut_lh=frozenset({0})), Faults(kill=frozenset({1})),
                         Faults(restart_lighthouse=True), Faults(lighthouse="dead"), Faults(cut_lh=frozenset({2}))]
-"""Found by the simulation (20,000 schedules), open: group 0 is cut off while groups 1 and 2 commit a step;
-group 1 dies; the lighthouse restarts (continuity's quorum ids start anew); group 0 meets group 2, is told
-to heal, but that step fails; then group 2 is cut off and group 0, alone, commits the step group 2 holds
-with other parameters. A rule that closes it (never commit below the highest step seen in a quorum) also
-stops a two-group job whose donor dies mid-heal: the trade-off is open in issue 24."""
+"""Found by the simulation (20,000 schedules): group 0 is cut off while groups 1 and 2 commit a step; group 1
+dies; the lighthouse restarts (continuity's quorum ids start anew); group 0 meets group 2 in a quorum that
+holds most groups of the one before the restart, but nothing commits there; then group 2 is cut off and
+group 0, alone, committed the step group 2 holds, with other parameters. After a restart a quorum must now
+hold that majority until the group commits, not merely once (:class:`ftbridge.quorum_rules.RestartMajority`)."""
 
 
-@pytest.mark.xfail(strict=True, reason="open: a group behind, alone after a lighthouse restart, forks the job")
 def test_a_group_told_to_heal_never_commits_its_older_step_alone():
     run(3, 1, False, BEHIND_AFTER_RESTART)
+
+
+def test_the_restart_majority_met_on_sight_forks_the_job():
+    with pytest.raises(AssertionError, match="split"):
+        run(3, 1, False, BEHIND_AFTER_RESTART, revert=Revert(majority_on_sight=True))
+
+
+LATE_ERROR = [Faults(late_error=frozenset({(0, 0)}))] + [Faults(cut_lh=frozenset({1}))] * 3
+"""Group 0 records an error after its gradient all-reduces (its row still joins the agreement, which passes):
+it discards while group 1 commits. Group 1 is then cut off from the lighthouse and group 0 gets a quorum
+alone. Group 0 took part in the last quorum and passed its agreement there, so by quorum ids alone it
+followed the job's history, and it committed group 1's step again with other parameters."""
+
+
+def test_a_group_that_discarded_a_step_others_committed_never_commits_it_alone():
+    sim = run(2, 1, False, LATE_ERROR)
+    assert all(g.alive for g in sim.groups)
+
+
+def test_a_discarded_step_counted_as_certified_forks_the_job():
+    with pytest.raises(AssertionError, match="split"):
+        run(2, 1, False, LATE_ERROR, revert=Revert(certify_on_agreement=True))
+
+
+def test_the_only_group_that_committed_goes_on_after_the_one_behind_it_stopped():
+    """Group 1 alone holds the job's last step (group 0 discarded it). Cut off past the gap wait, it comes
+    back to find group 0 stopped: the quorums in between held no member with that step, so nobody can
+    have committed in them, and group 1 trains on."""
+    sim = run(2, 1, True, [Faults(late_error=frozenset({(0, 0)}))] + [Faults(cut_lh=frozenset({1}))] * 6)
+    assert sim.groups[0].exit_reason == "QuorumGap" and sim.groups[1].alive
+
+
+def test_a_rank_whose_row_is_missing_from_its_agreement_leaves_no_quorum_missed():
+    """Found by the simulation: group 1's rank 0 fails its gradient all-reduce, so its row is missing from the
+    rank-0 agreement and every group discards; rank 1's agreement passes with group 2's row ok. Read alone,
+    that row says group 2 may have committed, and both groups waited for a history nobody holds until they
+    stopped (``GroupDecision.nobody_commits``)."""
+    sim = run(3, 2, False, [Faults(kill=frozenset({0})), Faults(rank_error=frozenset({(1, 0)}))])
+    assert sim.groups[1].alive and sim.groups[2].alive

@@ -385,25 +385,47 @@ def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it()
 def test_after_a_restart_the_guard_discards_until_a_majority_is_back_and_stops_past_the_wait(monkeypatch):
     import ftbridge.manager.quorum_guard as manager_module
     from ftbridge.manager.quorum_guard import _QuorumGuard
+    from ftbridge.quorum_rules import RestartMajority
 
     errors = []
     clock = [0.0]
-    guard = SimpleNamespace(_need_majority=(("replica_group_0:a", "replica_group_1:b", "replica_group_2:c"), 0.0),
-                            _majority_wait=30.0, no_majority=0, majority_expired=False,
+    guard = SimpleNamespace(majority=RestartMajority(30.0), no_majority=0,
                             _manager=SimpleNamespace(report_error=errors.append))
+    guard.majority.restarted(("replica_group_0:a", "replica_group_1:b", "replica_group_2:c"), 0.0)
     monkeypatch.setattr(manager_module.time, "monotonic", lambda: clock[0])
     _QuorumGuard._check_majority(guard, 1, ["replica_group_1:b"])   # alone right after the restart
-    assert len(errors) == 1 and "not more than half" in str(errors[0]) and guard._need_majority
+    assert len(errors) == 1 and "not more than half" in str(errors[0]) and guard.majority.pending
     _QuorumGuard._check_majority(guard, 2, ["replica_group_1:b", "replica_group_2:c"])
-    assert len(errors) == 1 and guard._need_majority is None   # a majority: commits again, check done
+    assert len(errors) == 1 and guard.majority.pending           # a majority: may commit; nothing committed yet
     _QuorumGuard._check_majority(guard, 3, ["replica_group_1:b"])
-    assert len(errors) == 1                                     # no restart pending: torchft's rules only
-    guard._need_majority = (("replica_group_0:a", "replica_group_1:b"), 0.0)
-    clock[0] = 31.0                                             # the other never came back within the wait:
-    _QuorumGuard._check_majority(guard, 4, ["replica_group_1:b"])  # it may have trained on, cut off; stop
-    assert len(errors) == 2 and guard.majority_expired
-    _QuorumGuard._check_majority(guard, 5, ["replica_group_0:c", "replica_group_1:b"])
-    assert len(errors) == 2 and not guard.majority_expired and guard._need_majority is None
+    assert len(errors) == 2                                      # alone again before any commit: still discarded
+    _QuorumGuard._check_majority(guard, 4, ["replica_group_1:b", "replica_group_2:c"])
+    guard.majority.committed()                                   # the group committed there: check done
+    _QuorumGuard._check_majority(guard, 5, ["replica_group_1:b"])
+    assert len(errors) == 2                                      # no restart pending: torchft's rules only
+    guard.majority.restarted(("replica_group_0:a", "replica_group_1:b"), 0.0)
+    clock[0] = 31.0                                              # the other never came back within the wait:
+    _QuorumGuard._check_majority(guard, 6, ["replica_group_1:b"])  # it may have trained on, cut off; stop
+    assert len(errors) == 3 and guard.majority.expired
+    _QuorumGuard._check_majority(guard, 7, ["replica_group_0:c", "replica_group_1:b"])
+    assert len(errors) == 3 and not guard.majority.expired and guard.majority.pending
+
+
+def test_the_restart_majority_is_met_only_by_a_commit():
+    from ftbridge.quorum_rules import RestartMajority
+
+    m = RestartMajority(5.0)
+    m.restarted((), 0.0)
+    assert m.pending is None and not m.lacks(["replica_group_0:x"], 1.0)  # no history before: nothing required
+    m.restarted(("replica_group_0:a", "replica_group_1:b"), 0.0)
+    m.restarted(("replica_group_0:a",), 1.0)                               # the first restart's view stands
+    assert m.lacks(["replica_group_0:x"], 4.0) and not m.expired           # 1 of 2 is not more than half
+    assert not m.lacks(["replica_group_0:x", "replica_group_1:y"], 4.5)
+    assert m.lacks(["replica_group_1:y"], 5.0) and m.expired               # past the wait, still lacking
+    m.committed()
+    assert m.pending is None and not m.expired and not m.lacks(["replica_group_1:y"], 6.0)
+    with pytest.raises(ValueError, match="wait_s=-1"):
+        RestartMajority(-1)
 
 
 def test_a_donor_serves_its_heal_state_as_soon_as_the_quorum_names_it():

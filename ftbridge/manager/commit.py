@@ -109,7 +109,7 @@ class QuorumWait:
 
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
-ROW = 22
+ROW = 24
 """float64 values per member in the agreement (see :func:`encode_view`)."""
 
 
@@ -136,6 +136,13 @@ class View:
         empty: this member was restarted with nothing to start from (it holds none of the job's state).
         num_groups: the job's replica groups (``num_replica_groups``); a quorum holding all of them
             follows the job's history whatever its ids (nobody outside it can have trained).
+        missed: the latest earlier quorum id (this lighthouse's lifetime) whose agreement passed while this
+            member's group discarded its last such step there (others may have committed it; this member
+            stayed behind), unless a later quorum certified it since (-1: none).
+        committers: on the step that certified ``certified``, how many members of that quorum (this one
+            included) reported ok; every other member discarded that step (0: nothing certified). When that
+            many members certified the quorum and all are here, nobody else holds its history, and no quorum
+            without them can have committed after it.
     """
 
     replica_group: int
@@ -151,6 +158,8 @@ class View:
     dead_ends: Optional[Tuple[int, int]] = None
     empty: bool = False
     num_groups: int = 0
+    missed: int = -1
+    committers: int = 0
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -172,7 +181,7 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first dead end
-    + 1, last dead end + 1, empty, num groups]`` (0 where none).
+    + 1, last dead end + 1, empty, num groups, missed + 1, committers]`` (0 where none).
 
     Raises:
         ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
@@ -184,7 +193,8 @@ def encode_view(v: View) -> List[float]:
     first, last = v.dead_ends if v.dead_ends is not None else (-1, -1)
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
-            *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty), float(v.num_groups)]
+            *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty), float(v.num_groups),
+            float(v.missed + 1), float(v.committers)]
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,9 @@ class Agreement:
         reason: why not ``commit`` ("" when it holds).
         guard: the divergence guard's verdict when fingerprints were reported, else ``None``.
         all_empty: ``consistent`` and every member was restarted with nothing: none holds the job's state.
+        shared: every member of this process group reaches this same verdict: it was judged on the complete
+            summed tensor, or this member could not put its row in (each other member then finds it
+            missing). A failed all-reduce is not shared: another member may have completed it.
     """
 
     consistent: bool
@@ -252,6 +265,7 @@ class Agreement:
     guard: Optional[GuardVerdict] = None
     continuous: bool = False
     all_empty: bool = False
+    shared: bool = False
 
 
 def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool) -> Agreement:
@@ -284,14 +298,16 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
                                               f"{int(key[6])}: the members disagree on who heals")
     guard_rows = [row for row in rows if row[9] == 1.0 and row[12] == 1.0]
     guard = judge_guard({int(row[1]) - 1: _digest(row[13:17]) for row in guard_rows}) if guard_rows else None
-    histories = [(int(row[17]) - 1, (int(row[18]) - 1, int(row[19]) - 1) if row[18] else None) for row in rows]
+    histories = [(int(row[17]) - 1, (int(row[18]) - 1, int(row[19]) - 1) if row[18] else None, int(row[23]))
+                 for row in rows]
     empty = all(row[20] == 1.0 for row in rows)
     if any(row[21] != own[21] for row in rows):
         return Agreement(False, False, False, f"the members disagree on the job's number of replica groups "
                                               f"({sorted({int(row[21]) for row in rows})})")
     groups = {int(row[1]) - 1 for row in rows}
     whole = own[21] > 0 and groups >= set(range(int(own[21])))  # every group of the job: nobody else trained
-    gap = None if whole else continuous(int(key[0]), histories)
+    missed = max(int(row[22]) - 1 for row in rows)
+    gap = None if whole else continuous(int(key[0]), histories, missed)
     if gap is not None:
         return Agreement(True, False, False, f"quorum {int(key[0])} follows quorum {gap}, in which none of its "
                                              "members took part: others may have committed steps there", guard,
@@ -304,29 +320,42 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     return Agreement(True, True, not any(row[11] for row in rows), "", guard, True, empty)
 
 
-def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int, int]]]]) -> Optional[int]:
+def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int, int]], int]],
+               missed: int = -1) -> Optional[int]:
     """The first earlier quorum id that none of this quorum's members can account for, or ``None`` (pure).
 
     A group cut off from the lighthouse is dropped from its quorums while the others train on; if the
     others are then cut off in turn and the first group comes back alone, the lighthouse gives it a quorum
     of its own at its old step, and it would commit steps the others already committed, with other
-    parameters. Every quorum id between the newest one some member certified (an agreement there passed,
-    so it holds that quorum's history or heals from it) and this one must therefore be a dead end some
-    member took part in (no agreement there passed, so nobody committed there). :func:`judge` skips the
-    check for a quorum that holds every replica group of the job: nobody outside it can have trained.
+    parameters. Every quorum id between the newest one some member certified (its group committed there
+    on a passing agreement, so it holds that quorum's history) and this one must therefore be a dead end
+    some member took part in (no agreement there passed, so nobody committed there). Likewise a member that
+    discarded where an agreement passed (a late error, a heal that did not apply, the guard outvoting it)
+    stayed behind while others may have committed: until some member certified a later quorum, nobody here
+    holds that history. When every member that committed in the newest certified quorum is here
+    (:attr:`View.committers` of them certified it), they vouch for every id after it: no quorum without
+    them holds that history, so nobody can have committed there. :func:`judge` skips the check for a
+    quorum that holds every replica group of the job: nobody outside it can have trained.
 
     Args:
         quorum_id: this quorum's id.
-        histories: per member, ``(certified, dead_ends)`` as in :class:`View`.
+        histories: per member, ``(certified, dead_ends, committers)`` as in :class:`View`.
+        missed: the newest :attr:`View.missed` among the members (-1: none).
 
     Returns:
-        ``None`` when continuous: no member has a history (the job's or the lighthouse's first quorum),
-        or every id after the newest certified one is covered by some member's dead ends.
+        ``None`` when continuous: no member has a history (the job's or the lighthouse's first quorum), or
+        every id after the newest certified one is covered by some member's dead ends and no member missed a
+        quorum after it. Else the first id nobody here can account for.
     """
-    certified = [c for c, _ in histories if c >= 0]
+    certified = [c for c, _, _ in histories if c >= 0]
+    if missed > max(certified, default=-1):
+        return missed
     if not certified:
         return None
-    runs = sorted(d for _, d in histories if d is not None)
+    holders = [k for c, _, k in histories if c == max(certified)]
+    if len(holders) >= max(holders):
+        return None
+    runs = sorted(d for _, d, _ in histories if d is not None)
     want = max(certified) + 1
     for first, last in runs:
         if want >= quorum_id:
@@ -338,7 +367,7 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int
 
 # -- DECIDE: one in-group exchange per step -----------------------------------------------------------
 
-FLAGS = 12
+FLAGS = 13
 """float64 values per rank in the in-group exchange (see :func:`encode_flags`)."""
 
 
@@ -359,6 +388,8 @@ class Flags:
         stop: this rank ends its group this step (a restarted group that found no peer to heal from).
         gap_stop: this rank's quorums have followed quorums nobody in them took part in for longer than
             the wait: the group stops rather than fork the job.
+        fails_all: this rank's agreement failed with a shared verdict (:attr:`Agreement.shared`): the same
+            rank of every group of the quorum failed it, so no group commits this step.
     """
 
     step: int
@@ -372,6 +403,7 @@ class Flags:
     guard_tie: bool = False
     stop: bool = False
     gap_stop: bool = False
+    fails_all: bool = False
 
 
 def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
@@ -393,15 +425,16 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
                  all_unreachable=bool(agreement and agreement.all_unreachable), healing=healing,
                  heal_ready=heal_ready, guard_mismatch=bool(g and not g.ok),
                  guard_differs=bool(g and replica_group in g.differing), guard_tie=bool(g and g.tie), stop=stop,
-                 gap_stop=gap_stop)
+                 gap_stop=gap_stop,
+                 fails_all=bool(agreement and agreement.shared and not agreement.commit))
 
 
 def encode_flags(f: Flags) -> List[float]:
     """One rank's row of the in-group exchange: ``[1, step, errored, agreement, all unreachable, healing,
-    heal ready, guard mismatch, guard differs, guard tie, stop, gap stop]`` (exact in float64)."""
+    heal ready, guard mismatch, guard differs, guard tie, stop, gap stop, fails all]`` (exact in float64)."""
     return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.all_unreachable),
             float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
-            float(f.guard_tie), float(f.stop), float(f.gap_stop)]
+            float(f.guard_tie), float(f.stop), float(f.gap_stop), float(f.fails_all)]
 
 
 @dataclass(frozen=True)
@@ -418,6 +451,8 @@ class GroupDecision:
         stop: a rank of the group ends it (no peer to heal from): every rank raises.
         gap_stop: a rank waited past its bound for a quorum that follows the job's history: every rank raises.
         reason: why not ``commit`` ("" when it holds).
+        nobody_commits: a rank's agreement failed with a shared verdict, so every group of the quorum
+            discards this step (what another member's ok row on another rank says about it does not hold).
     """
 
     commit: bool
@@ -429,6 +464,7 @@ class GroupDecision:
     stop: bool
     gap_stop: bool
     reason: str
+    nobody_commits: bool = False
 
 
 def decode_flags(row: Sequence[float]) -> Flags:
@@ -475,4 +511,5 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
     commit = not reasons
     tie = any(f.guard_tie for f in flags)
     return GroupDecision(commit, drop_heal, any(f.guard_mismatch for f in flags) or differs or tie, differs, tie,
-                         commit and all(f.all_unreachable for f in flags), stop, gap_stop, "; ".join(reasons))
+                         commit and all(f.all_unreachable for f in flags), stop, gap_stop, "; ".join(reasons),
+                         any(f.fails_all for f in flags))

@@ -40,7 +40,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -159,7 +159,14 @@ class OutageRider:
         self._epoch = 0  # lighthouse restarts seen: a late answer from before one is not this history
         self._history_lock = threading.Lock()
         self._certified_members: Tuple[str, ...] = ()
-        self._passed = False  # an agreement of the current quorum passed continuity
+        self._missed = -1  # View.missed
+        self._passed = False  # an agreement of the current quorum passed continuity (certified_members)
+        self._held = False  # the group committed in the current quorum, and not discarded a later step there that
+        self._missed_here = False  # ... another member may have committed (its row was ok): then this is set
+        self._agreed = False  # this step's agreement passed continuity
+        self._oks = self._others_ok = 0  # ... and this many members' rows were ok (the others discard), not this one
+        self._committers = 0  # View.committers of the current quorum, if held; of the certified one after remember
+        self._certified_committers = 0
         self._gap_wait, self._clock = gap_wait.total_seconds(), clock
         self._gap_since: Optional[float] = None
         self.gap_expired = False
@@ -207,12 +214,15 @@ class OutageRider:
             with self._history_lock:
                 if detect_lighthouse_restart(QuorumSeen(last.quorum_id, self._members), qid, members):
                     self._certified, self._dead, self._epoch = -1, set(), self._epoch + 1  # ids start anew
-                elif self._passed:
-                    self._certified = last.quorum_id
+                    self._missed, self._certified_committers = -1, 0  # RestartMajority holds the history across it
+                elif self._held:
+                    self._certified, self._missed, self._certified_committers = last.quorum_id, -1, self._committers
                     self._dead = {k for k in self._dead if k > last.quorum_id}
+                elif self._missed_here:
+                    self._missed = last.quorum_id  # others may have committed there; this group stayed behind
                 else:
-                    self._dead.add(last.quorum_id)
-            self._passed = False
+                    self._dead.add(last.quorum_id)  # nobody committed there
+            self._passed = self._held = self._missed_here = False
         self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
                                               int(result.replica_world_size)), members
 
@@ -433,15 +443,27 @@ class OutageRider:
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
                                 guard if participating else None, self._certified, self._dead_ends(), empty,
-                                self.num_groups))
+                                self.num_groups, self._missed, self._certified_committers))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
-        does not commit records an error with torchft (this group discards)."""
+        does not commit records an error with torchft (this group discards).
+
+        A quorum becomes this rank's certified one (:attr:`View.certified`) only if its group committed
+        there on a continuous verdict and did not discard a later step there that another member may have
+        committed (its row ok; :meth:`after_commit`). A group that discarded such a step (a late error, a
+        heal that did not apply, the guard outvoting it) stayed at its older step: it reports the quorum as
+        missed (:attr:`View.missed`) instead of vouching for it. A quorum where neither happened is a dead
+        end: nobody committed there.
+        """
         m, last = self._manager, self.last
-        verdict = (judge(rows, own, riding=self.riding) if own is not None and rows is not None
-                   else Agreement(False, False, False, failure))
+        verdict = (replace(judge(rows, own, riding=self.riding), shared=True) if own is not None and rows is not None
+                   else Agreement(False, False, False, failure, shared=own is None))
         self._passed |= verdict.continuous
+        self._agreed = verdict.continuous
+        if verdict.continuous and rows is not None and last is not None:
+            self._oks = sum(row[10] == 1.0 for row in rows)
+            self._others_ok = self._oks - (rows[last.replica_rank][10] == 1.0)
         if verdict.consistent and not verdict.continuous:
             now = self._clock()
             self._gap_since = now if self._gap_since is None else self._gap_since
@@ -471,14 +493,21 @@ class OutageRider:
         except Exception as exc:  # noqa: BLE001 - a member died or hung: discard, back to the lighthouse
             return None, f"agreement all-reduce failed: {type(exc).__name__}: {exc}"
 
-    def after_commit(self, committed: bool, ride_next: bool) -> None:
+    def after_commit(self, committed: bool, ride_next: bool, nobody_commits: bool = False) -> None:
         """Record the group's decision for the next step's (the same on every rank of the group).
 
         Args:
             committed: the group committed this step.
             ride_next: it committed on an agreement in which no member, on any rank, heard the lighthouse.
+            nobody_commits: a rank of the group failed its agreement with a shared verdict
+                (:attr:`~ftbridge.manager.commit.GroupDecision.nobody_commits`): no group commits this step.
         """
         self._last_committed = committed
+        if self._agreed and committed:
+            self._held, self._missed_here, self._committers = True, False, self._oks
+        elif self._agreed and self._others_ok and not nobody_commits:
+            self._held, self._missed_here = False, True
+        self._agreed, self._oks, self._others_ok = False, 0, 0
         self._rode_last = self.riding
         if self.riding and committed:
             self.ride_commits += 1

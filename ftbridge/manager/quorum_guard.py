@@ -34,10 +34,10 @@ from ftbridge.manager.store_probe import call_bounded
 from ftbridge.quorum_rules import (
     GroupSizeMismatch,
     QuorumSeen,
+    RestartMajority,
     decide_reconfigure,
     detect_lighthouse_restart,
     group_size_conflict,
-    lacks_majority,
     rendezvous_namespace,
     vote_needed,
 )
@@ -89,12 +89,10 @@ class _QuorumGuard:
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
-        self._majority_wait = majority_wait.total_seconds()
-        self._need_majority: Optional[Tuple[Tuple[str, ...], float]] = None  # (members before, since monotonic)
+        self.majority = RestartMajority(majority_wait.total_seconds())
+        """Which quorums may commit after a lighthouse restart (told of commits by the replica manager)."""
         self.no_majority = 0
         """Steps discarded because a quorum after a lighthouse restart lacked a majority of the groups before it."""
-        self.majority_expired = False
-        """A quorum after a lighthouse restart has lacked that majority for longer than the wait."""
         self.quorum_timeout = timedelta(seconds=30)
         """torchft's quorum timeout (``FTBridgeConfig.quorum_timeout``), named in the error when it expires."""
         self.rider: Optional[OutageRider] = None
@@ -128,8 +126,7 @@ class _QuorumGuard:
             self._on_restart(self.seen.quorum_id if self.seen else -1, quorum_id)
             before = (self.rider.certified_members() if self.rider is not None else ()) or (
                 self.seen.members if self.seen is not None else ())
-            if self._need_majority is None and before:
-                self._need_majority = (before, time.monotonic())
+            self.majority.restarted(before, time.monotonic())
         self._check_majority(quorum_id, members)
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
@@ -160,28 +157,31 @@ class _QuorumGuard:
             self.rider.remember(view, members)
         return view
 
-    def _check_majority(self, quorum_id: int, members: List[str]) -> None:
-        """After a lighthouse restart, discard steps until a quorum holds most groups of the last one before it.
+    @property
+    def majority_expired(self) -> bool:
+        """A quorum after a lighthouse restart has lacked the majority for longer than the wait."""
+        return self.majority.expired
 
-        See :func:`ftbridge.quorum_rules.lacks_majority`. The error recorded
-        here (on torchft's quorum thread, after ``start_quorum`` cleared the
-        last one) makes ``should_commit`` discard this step; the next step asks
-        again. Past ``majority_wait`` (``FTBridgeConfig.restart_peer_wait``)
-        :attr:`majority_expired` is set: the group stops (its decision's ``gap_stop``)
-        rather than train on a minority that may fork the job.
+    def _check_majority(self, quorum_id: int, members: List[str]) -> None:
+        """After a lighthouse restart, discard steps on quorums that lack most groups of the last one before it,
+        until the group commits (:class:`ftbridge.quorum_rules.RestartMajority`).
+
+        The error recorded here (on torchft's quorum thread, after
+        ``start_quorum`` cleared the last one) makes ``should_commit`` discard
+        this step; the next step asks again. Past ``majority_wait``
+        (``FTBridgeConfig.restart_peer_wait``) :attr:`majority_expired` is set:
+        the group stops (its decision's ``gap_stop``) rather than train on a
+        minority that may fork the job.
         """
-        if self._need_majority is None:
+        was_expired, now = self.majority.expired, time.monotonic()
+        if not self.majority.lacks(members, now):
             return
-        before, since = self._need_majority
-        if not lacks_majority(before, members):
-            self._need_majority, self.majority_expired = None, False
-            return
-        waited = time.monotonic() - since
-        if waited >= self._majority_wait and not self.majority_expired:
+        assert self.majority.pending is not None
+        before, since = self.majority.pending
+        if self.majority.expired and not was_expired:
             logger.error("quorum %d after a lighthouse restart holds %d of the %d groups of the last quorum before "
                          "it, %.0f s after the restart: stopping rather than fork the job",
-                         quorum_id, len(members), len(before), waited)
-            self.majority_expired = True
+                         quorum_id, len(members), len(before), now - since)
         self.no_majority += 1
         self._manager.report_error(RuntimeError(
             f"quorum {quorum_id} after a lighthouse restart holds {sorted(members)}, not more than half of the "

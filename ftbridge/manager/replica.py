@@ -388,7 +388,11 @@ class ReplicaManager:
                 "if the ranks are only slow, raise FTBRIDGE_CROSS_REPLICA_TIMEOUT_S") from exc
         if self.outage is not None:
             verdict = self.verdict
-            self.outage.after_commit(committed, bool(verdict and verdict.decision.ride_next))
+            decision = verdict.decision if verdict is not None else None
+            self.outage.after_commit(committed, bool(decision and decision.ride_next),
+                                     bool(decision and decision.nobody_commits))
+        if committed and self.quorum_guard is not None:
+            self.quorum_guard.majority.committed()
         return committed
 
     def errored(self) -> Optional[Exception]:
