@@ -59,9 +59,16 @@ def test_a_group_failing_during_the_outage_stops_the_others_until_the_lighthouse
     codes = job.wait(timeout_s=60)  # group 2's launcher too: its only rank was killed, torchrun gives up
     assert codes[0] == 0 and codes[1] == 0 and codes[2] != 0, job.tails()
 
-    assert not after_kill, f"a survivor committed without the lighthouse after its peer died: {after_kill}"
+    # The step in flight at the kill may still commit: group 2 can have added its row to that step's agreement
+    # before it died (its all-reduce then completes for the others). No step after it may.
+    in_flight = {e["step"] for e in after_kill}
+    assert len(in_flight) <= 1 and len(after_kill) <= 2, (
+        f"a survivor committed without the lighthouse after its peer died: {after_kill}")
     resumed = [e for g in (0, 1) for e in job.steps(g) if e["committed"] and e["time"] > restarted]
-    assert resumed and all(not e.get("rode_out_outage") and e["participants"] == 2 for e in resumed)
+    # If only one survivor completed that in-flight step, the other heals from it at the first quorum.
+    heals = {e["step"] for e in resumed if e["healed"]}
+    odd = [e for e in resumed if e.get("rode_out_outage") or (e["participants"] != 2 and e["step"] not in heals)]
+    assert resumed and not odd and len(heals) <= 1, f"after the lighthouse came back: {odd or resumed[:4]}"
     finals = [e for e in job.events() if e.get("event") == "final"]
     assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals
     launchers = [gp.proc.pid for launches in job.groups.values() for gp in launches]
