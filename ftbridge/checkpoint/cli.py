@@ -123,8 +123,8 @@ def cmd_verify(store: CheckpointStore, tag: Optional[str]) -> int:
     return 1 if bad else 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``ftbridge-ckpt``; returns the exit code (see the module docstring)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ftbridge-ckpt``: one subcommand per action (``list``, ``inspect``, ``verify``)."""
     p = argparse.ArgumentParser(prog="ftbridge-ckpt", description="List, inspect and verify ftbridge checkpoints.")
     p.add_argument("--key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"),
                    help="checkpoint key: check every manifest's HMAC (default $FTBRIDGE_CKPT_KEY_FILE)")
@@ -135,7 +135,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         sp.add_argument("dir")
         sp.add_argument("tag", nargs="?", default=None, help="e.g. global_step100 (inspect: default latest; "
                                                              "verify: default all)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``ftbridge-ckpt``; returns the exit code (see the module docstring)."""
+    args = build_parser().parse_args(argv)
     if not os.path.isdir(args.dir):
         what = "no such folder" if not os.path.lexists(args.dir) else "not a folder"
         print(f"ftbridge-ckpt: {args.dir}: {what}", file=sys.stderr)

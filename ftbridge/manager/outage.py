@@ -161,11 +161,12 @@ class OutageRider:
         self._certified_members: Tuple[str, ...] = ()
         self._missed = -1  # View.missed
         self._passed = False  # an agreement of the current quorum passed continuity (certified_members)
-        self._held = False  # the group committed in the current quorum, and not discarded a later step there that
-        self._missed_here = False  # ... another member may have committed (its row was ok): then this is set
+        # In the current quorum, the latest step whose agreement passed and that anyone may have committed:
+        self._held = False  # ... this group committed it
+        self._missed_here = False  # ... this group discarded it while another member's row was ok
         self._agreed = False  # this step's agreement passed continuity
-        self._oks = self._others_ok = 0  # ... and this many members' rows were ok (the others discard), not this one
-        self._committers = 0  # View.committers of the current quorum, if held; of the certified one after remember
+        self._oks = self._others_ok = 0  # rows ok in it (members whose row was not ok discard): all, all but own
+        self._committers = 0  # _oks of the step that set _held (View.committers once the quorum is certified)
         self._certified_committers = 0
         self._gap_wait, self._clock = gap_wait.total_seconds(), clock
         self._gap_since: Optional[float] = None

@@ -32,7 +32,8 @@ TINY = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--context", "32",
         "--val-every", "0", "--val-batches", "8", "--warmup-steps", "2"]
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ftbridge-chaos`` (values checked across flags by :func:`parse_args`)."""
     from ftbridge.harness.chaos.schedule import FailureKind
 
     p = argparse.ArgumentParser(prog="ftbridge-chaos", description=__doc__.split("\n\n")[0],
@@ -61,6 +62,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
     p.add_argument("--workdir", default=None, help="logs and event logs (default: a temporary folder)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after '--': more scripts/train_lm.py arguments")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The checked arguments of ``ftbridge-chaos`` (exit 2 with a message naming the flag on a bad value)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.groups < 2:
         p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
