@@ -247,6 +247,14 @@ def test_bad_count_or_kind_is_a_usage_error_before_anything_starts(argv, message
     assert message in capsys.readouterr().err
 
 
+def test_ranks_and_timeout_take_ftbridge_runs_spelling_and_the_old_one():
+    from ftbridge.harness.chaos.cli import parse_args
+
+    new = parse_args(["--nproc-per-node", "3", "--cross-replica-timeout-s", "7"])
+    old = parse_args(["--nproc", "3", "--cross-replica-timeout", "7"])
+    assert (new.nproc, new.cross_replica_timeout) == (old.nproc, old.cross_replica_timeout) == (3, 7.0)
+
+
 def test_targets_are_the_processes_holding_a_group_id_not_the_standing_by_spares():
     from ftbridge.harness.chaos import spares
 

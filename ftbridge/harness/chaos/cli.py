@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftbridge-chaos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=3, help="planned replica groups (default 3)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks per replica group (default 2)")
+    p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=int, default=2,
+                   help="ranks per replica group, as ftbridge-run's flag (default 2; --nproc is the old spelling)")
     p.add_argument("--kinds", default="all",
                    help=f"comma-separated failure kinds or 'all': {', '.join(k.value for k in FailureKind)}")
     p.add_argument("--seed", type=int, default=0, help="seeds the schedule and the targets")
@@ -50,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-s", type=POSITIVE, default=None,
                    help="how long a hang lasts (default: cross-replica timeout + 3 s)")
     p.add_argument("--outage-s", type=POSITIVE, default=10.0, help="how long a lighthouse outage lasts (default 10)")
-    p.add_argument("--cross-replica-timeout", type=POSITIVE, default=5.0, help="seconds (default 5)")
+    p.add_argument("--cross-replica-timeout-s", "--cross-replica-timeout", dest="cross_replica_timeout",
+                   type=POSITIVE, default=5.0,
+                   help="seconds, as ftbridge-run's flag (default 5; --cross-replica-timeout is the old spelling)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
-    p.add_argument("--spares", type=at_least(0), default=0, metavar="K",
+    p.add_argument("--spares", type=at_least(0), default=0, metavar="COUNT",
                    help="warm spares (ftbridge-run --spare k, k < K) started once the job runs, 0..--groups "
                         "(default 0); scale_down is then skipped (a spare would take the leaving group's id)")
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
@@ -72,7 +75,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.groups < 2:
         p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
     if args.nproc < 1:
-        p.error(f"--nproc {args.nproc}: must be at least 1")
+        p.error(f"--nproc-per-node {args.nproc}: must be at least 1")
     from ftbridge.harness.chaos.spares import validate_spares
 
     try:
