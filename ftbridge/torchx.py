@@ -118,8 +118,10 @@ def job(
     _validate(groups=groups, nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=gpus, min_replicas=min_replicas,
               max_restarts=max_restarts, max_retries=max_retries, lighthouse=lighthouse,
               ports={"lighthouse_port": lighthouse_port, "rdzv_port": rdzv_port}, metrics_port=metrics_port,
-              lighthouse_idle_exit_s=lighthouse_idle_exit_s)
+              lighthouse_idle_exit_s=lighthouse_idle_exit_s, lighthouse_min_replicas=lighthouse_min_replicas,
+              lighthouse_heartbeat_timeout_ms=lighthouse_heartbeat_timeout_ms, heal_bind=heal_bind)
     nproc = nproc_per_node or gpus or 1
+    _check_settings(env or {}, groups=groups, nproc=nproc, min_replicas=min_replicas)
     roles: List[specs.Role] = []
     if not lighthouse:
         roles.append(_lighthouse_role(image, lighthouse_port, lighthouse_min_replicas,
@@ -194,7 +196,8 @@ def _escape(text: str) -> str:
 
 def _validate(*, groups: int, nnodes: int, nproc_per_node: int, gpus: int, min_replicas: int, max_restarts: int,
               max_retries: int, lighthouse: str, ports: Dict[str, int], metrics_port: int,
-              lighthouse_idle_exit_s: int) -> None:
+              lighthouse_idle_exit_s: int, lighthouse_min_replicas: int, lighthouse_heartbeat_timeout_ms: int,
+              heal_bind: str) -> None:
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ValueError(msg)
@@ -206,8 +209,34 @@ def _validate(*, groups: int, nnodes: int, nproc_per_node: int, gpus: int, min_r
     need(max_restarts >= 0 and max_retries >= 0,
          f"max_restarts={max_restarts}, max_retries={max_retries}: must be >= 0")
     need(lighthouse_idle_exit_s >= 0, f"lighthouse_idle_exit_s={lighthouse_idle_exit_s}: must be >= 0 (0: never)")
+    need(1 <= lighthouse_min_replicas <= groups,
+         f"lighthouse_min_replicas={lighthouse_min_replicas} must be between 1 and groups={groups}")
+    need(lighthouse_heartbeat_timeout_ms > 0,
+         f"lighthouse_heartbeat_timeout_ms={lighthouse_heartbeat_timeout_ms}: must be a positive number of ms")
+    need(bool(heal_bind.strip()) and not any(c.isspace() for c in heal_bind),
+         f"heal_bind={heal_bind!r}: give auto or one address (the node's address its peers dial)")
     for key, port in ports.items():
         need(0 < port < 65534, f"{key}={port} is not a fixed port; give one in 1-65533")
     need(-1 <= metrics_port < 65536, f"metrics_port={metrics_port}: -1 (off), 0 (free port) or a port")
     need(not lighthouse or lighthouse.startswith(("http://", "https://")),
          f"lighthouse={lighthouse!r} is not an address like http://HOST:PORT; leave it empty to run one in the job")
+
+
+def _check_settings(env: Dict[str, str], *, groups: int, nproc: int, min_replicas: int) -> None:
+    """Resolve ftbridge's settings as each group's rank 0 will, so a value the ranks would refuse after
+    scheduling (``env={"FTBRIDGE_PEER_WATCH": "maybe"}``) is refused now.
+
+    Raises:
+        ValueError: naming the setting, its value and the fix.
+    """
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.log import log_level
+
+    settings = {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": str(groups),
+                "FTBRIDGE_MIN_REPLICAS": str(min_replicas), **env}
+    try:
+        log_level(settings.get("FTBRIDGE_LOG_LEVEL"))
+        FTBridgeConfig.resolve(environ=settings, group_rank=0, group_size=nproc)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (from env= or the component's arguments: every rank would refuse it once "
+                         "scheduled)") from None

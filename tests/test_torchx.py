@@ -51,6 +51,13 @@ def test_appdef_roles_ports_env_and_restart_policy():
     (dict(groups=0), "groups=0"), (dict(nnodes=0), "nnodes=0"), (dict(min_replicas=3), "min_replicas=3"),
     (dict(lighthouse_port=0), "lighthouse_port=0"), (dict(lighthouse="10.0.0.5:29510"), "http://HOST:PORT"),
     (dict(metrics_port=-2), "metrics_port=-2"), (dict(max_restarts=-1), "max_restarts=-1"),
+    (dict(lighthouse_min_replicas=3), "lighthouse_min_replicas=3"),
+    (dict(lighthouse_heartbeat_timeout_ms=0), "lighthouse_heartbeat_timeout_ms=0"),
+    (dict(heal_bind="10.0.0.1 10.0.0.2"), "heal_bind="),
+    # Settings the ranks resolve: refused when the job is described, not after it was scheduled.
+    (dict(env={"FTBRIDGE_PEER_WATCH": "maybe"}), "FTBRIDGE_PEER_WATCH='maybe' is not a valid bool"),
+    (dict(env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": "abc"}), "FTBRIDGE_CROSS_REPLICA_TIMEOUT_S='abc'"),
+    (dict(env={"FTBRIDGE_LOG_LEVEL": "chatty"}), "FTBRIDGE_LOG_LEVEL"),
 ])
 def test_bad_job_description_is_refused(kw, match):
     with pytest.raises(ValueError, match=match):
