@@ -41,11 +41,13 @@ def _train(section: Dict[str, Any], comm_hook: Optional[Callable]) -> None:
                  "zero_optimization": {"stage": 2}, "ftbridge": section}
     engine, *_ = ftbridge.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
                                      config=ds_config, comm_hook=comm_hook)
-    group = engine.cfg.replica_group_id
+    cfg = engine.cfg
+    group, dp_rank = cfg.replica_group_id, cfg.replica_group_id * cfg.group_size + cfg.group_rank
     target = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) / 8
-    data = torch.Generator().manual_seed(100 + group)   # each group reads its own data
     while engine.global_steps < STEPS:
-        x = torch.randn(16, 64, generator=data)
+        # Each step's batch is a function of the step and the data-parallel rank (docs/your-script.md): a
+        # discarded step is retried on the same data, a healed group resumes where its peers are.
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(engine.global_steps * 1009 + dp_rank))
         loss = torch.nn.functional.mse_loss(engine(x), torch.tanh(x @ target))
         engine.backward(loss)
         engine.step()

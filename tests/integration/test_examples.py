@@ -1,0 +1,43 @@
+"""The runnable examples, run as a user would: ``examples/minimal.py`` (docs/your-script.md) under two replica
+groups, one of them killed and restarted partway."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ftbridge.processes import pid_alive
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MINIMAL = os.path.join(ROOT, "examples", "minimal.py")
+
+
+@pytest.mark.slow  # ~1 min: the survivor must still train when the restarted group is back (2000 steps)
+@pytest.mark.timeout(300)
+def test_the_minimal_script_survives_a_killed_group_and_ends_identical(local_job):
+    job = local_job(2, 1, [], script=MINIMAL, max_restarts=1, env={"STEPS": "2000"})
+    job.start()
+    job.wait_until(lambda: any(e["committed"] and e["step"] >= 10 for e in job.steps(1)), 150,
+                   "group 1 to commit step 10")
+    killed = job.kill_workers(1)
+    codes = job.wait(timeout_s=240)
+    assert codes == {0: 0, 1: 0}, job.tails()
+    assert not any(pid_alive(p) for p in killed)
+    last = {g: [e for e in job.steps(g) if e["committed"]][-1] for g in (0, 1)}
+    assert last[0]["step"] == last[1]["step"] == 2000, last
+    assert last[0]["param_checksum"] == last[1]["param_checksum"], last
+    assert any(e["healed"] for e in job.steps(1)), "the restarted group healed from the survivor"
+
+
+@pytest.mark.timeout(420)
+def test_the_minimal_script_runs_itself_as_a_local_job():
+    # The script's own LocalJob waits at most 300 s and then ends every process it started; this bound is
+    # longer, so that cleanup always runs first.
+    out = subprocess.run([sys.executable, MINIMAL], check=False, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[replica")]
+    assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 60", "[replica 1 rank 0] step 60"]
