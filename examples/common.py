@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from typing import Any, Callable, Dict, Optional
 
 STEPS = 30
@@ -63,15 +62,7 @@ def _train(section: Dict[str, Any], comm_hook: Optional[Callable]) -> None:
 
 def _launch(script: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ftbridge.harness.local_job import LocalJob
+    from ftbridge.harness.local_job import run_script_locally
 
-    with tempfile.TemporaryDirectory(prefix="ftbridge_example_") as wd, \
-            LocalJob(wd, 2, 1, [], script=os.path.abspath(script), min_replicas=2, lighthouse_min_replicas=2,
-                     env={"OMP_NUM_THREADS": "1"}) as job:
-        job.start()
-        codes = job.wait(timeout_s=300)
-        for g in (0, 1):
-            lines = [line for line in job.log_text(g).splitlines() if line.startswith("[replica")]
-            print(lines[-1] if lines else f"replica group {g} printed nothing:\n{job.tails()}")
-        if codes != {0: 0, 1: 0}:
-            raise SystemExit(f"exit codes {codes}\n{job.tails()}")
+    if run_script_locally(script) != 0:
+        raise SystemExit(1)

@@ -60,29 +60,11 @@ def train() -> None:
     engine.shutdown()
 
 
-def launch_locally() -> int:
-    """Run this script as a whole job on this machine: a lighthouse and 2 replica groups x 1 rank."""
-    import tempfile
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ftbridge.harness.local_job import LocalJob
-
-    with tempfile.TemporaryDirectory(prefix="ftbridge_minimal_") as wd, \
-            LocalJob(wd, 2, 1, [], script=os.path.abspath(__file__), min_replicas=2, lighthouse_min_replicas=2,
-                     env={"OMP_NUM_THREADS": "1"}) as job:
-        job.start()
-        codes = job.wait(timeout_s=300)
-        for g in (0, 1):
-            lines = [line for line in job.log_text(g).splitlines() if line.startswith("[replica")]
-            print(lines[-1] if lines else f"replica group {g} printed nothing")
-        if codes != {0: 0, 1: 0}:
-            print(f"exit codes {codes}\n{job.tails()}", file=sys.stderr)
-            return 1
-    return 0
-
-
 if __name__ == "__main__":
     if "RANK" in os.environ:  # started by ftbridge-run (torchrun)
         train()
-    else:
-        sys.exit(launch_locally())
+    else:  # a whole local job: a lighthouse and 2 replica groups x 1 rank, each running this file
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from ftbridge.harness.local_job import run_script_locally
+
+        sys.exit(run_script_locally(__file__))

@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -488,6 +489,35 @@ class LocalJob:
                 out.append(f"--- {gp.log_path}: failures noted earlier ({len(marks)} lines) ---\n{''.join(marks)}"
                            f"--- {gp.log_path}: last {lines} lines ---\n{''.join(text[-lines:])}")
         return "\n".join(out)
+
+
+def run_script_locally(script: str, groups: int = 2, nproc: int = 1, prefix: str = "[replica",
+                       timeout_s: float = 300.0) -> int:
+    """Run ``script`` as a whole job on this machine (a lighthouse and ``groups`` x ``nproc`` ranks, all
+    groups required for a quorum) and print each group's last line starting with ``prefix``.
+
+    What the examples do when started without ``ftbridge-run`` (``python examples/minimal.py``).
+
+    Returns:
+        0 when every group exited 0; else 1, after printing the exit codes and the log tails to stderr.
+        A job still running after ``timeout_s`` is ended (every process, by PID) and counts as failed.
+    """
+    with tempfile.TemporaryDirectory(prefix="ftbridge_local_") as wd, \
+            LocalJob(wd, groups, nproc, [], script=os.path.abspath(script), min_replicas=groups,
+                     lighthouse_min_replicas=groups, env={"OMP_NUM_THREADS": "1"}) as job:
+        job.start()
+        try:
+            codes: Dict[int, int] = job.wait(timeout_s=timeout_s)
+        except TimeoutError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        for g in range(groups):
+            lines = [line for line in job.log_text(g).splitlines() if line.startswith(prefix)]
+            print(lines[-1] if lines else f"replica group {g} printed nothing", flush=True)
+        if codes != {g: 0 for g in range(groups)}:
+            print(f"exit codes {codes}\n{job.tails()}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def started_by(pid: int, when: float) -> bool:
