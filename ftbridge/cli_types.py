@@ -45,3 +45,21 @@ def finite(minimum: float = -math.inf, *, strictly_above: bool = False) -> Calla
 
     parse.__name__ = f"finite number {'>' if strictly_above else '>='} {minimum:g}"
     return parse
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` that also refuses an empty value written ``--flag=--``.
+
+    argparse drops a ``--`` given as a flag's value and stores an empty list instead, which the
+    tools' checks then trip over with a traceback. Every ftbridge command-line tool builds its parser
+    (and, through ``add_subparsers``, its subcommands') from this class.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.option_strings and action.nargs is None and isinstance(value, list) \
+                    and not isinstance(action.default, list):
+                self.error(f"argument {'/'.join(action.option_strings)}: expected one value, got none")
+        return parsed, extras

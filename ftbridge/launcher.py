@@ -85,6 +85,7 @@ from datetime import timedelta
 from typing import Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
+from ftbridge.cli_types import ArgumentParser
 from ftbridge.config import FTBridgeConfig
 from ftbridge.log import log_level
 from ftbridge.processes import (
@@ -114,7 +115,7 @@ _OPTIONAL_SETTINGS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the launcher's own flags (everything before ``--``)."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="ftbridge-run",
         usage="ftbridge-run (--replica-group-id I | --spare K) --num-replica-groups N --nproc-per-node M "
               "[options] -- SCRIPT [ARGS...]",

@@ -43,7 +43,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ftbridge.cli_types import at_least, finite
+from ftbridge.cli_types import ArgumentParser, at_least, finite
 from lighthouse import checks, server
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ftbridge.config import FTBridgeConfig
 
     defaults = FTBridgeConfig()
-    parser = argparse.ArgumentParser(prog="ftbridge-lighthouse", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="ftbridge-lighthouse", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the lighthouse (with health and status endpoints) until SIGTERM/SIGINT")
     serve.add_argument("--bind", default=server.DEFAULT_BIND,

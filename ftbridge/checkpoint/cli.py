@@ -28,6 +28,7 @@ from typing import List, Optional
 
 from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.store import CheckpointInfo, CheckpointStore, load_key
+from ftbridge.cli_types import ArgumentParser
 
 
 def _pick(store: CheckpointStore, tag: Optional[str]) -> Optional[CheckpointInfo]:
@@ -125,7 +126,7 @@ def cmd_verify(store: CheckpointStore, tag: Optional[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``ftbridge-ckpt``: one subcommand per action (``list``, ``inspect``, ``verify``)."""
-    p = argparse.ArgumentParser(prog="ftbridge-ckpt", description="List, inspect and verify ftbridge checkpoints.")
+    p = ArgumentParser(prog="ftbridge-ckpt", description="List, inspect and verify ftbridge checkpoints.")
     p.add_argument("--key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"),
                    help="checkpoint key: check every manifest's HMAC (default $FTBRIDGE_CKPT_KEY_FILE)")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ftbridge.cli_types import at_least, finite
+from ftbridge.cli_types import ArgumentParser, at_least, finite
 from ftbridge.events import tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
 from ftbridge.harness.models import GPTConfig, build_model
@@ -27,7 +27,7 @@ from ftbridge.harness.models import GPTConfig, build_model
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of the main job."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Train a char-level GPT with DeepSpeed ZeRO across ftbridge replica groups.")
     p.add_argument("--steps", type=at_least(1), default=200, help="optimizer steps to train (committed steps)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ftbridge.cli_types import at_least, finite
+from ftbridge.cli_types import ArgumentParser, at_least, finite
 from ftbridge.harness.bench import core
 from ftbridge.harness.bench.report import failure, write_report
 
@@ -73,7 +73,7 @@ def select(only: Optional[str], available: Sequence[str]) -> List[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of ``ftbridge-bench``."""
-    p = argparse.ArgumentParser(prog="ftbridge-bench", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="ftbridge-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke run: 1 repetition, few steps, small models")
     p.add_argument("--only", metavar="NAME[,NAME]", default=None, help="run only these benchmarks, in this order")
     p.add_argument("--out", default=os.path.join("runs", "bench"), help="report folder (default runs/bench)")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from typing import List, Optional
 
-from ftbridge.cli_types import at_least, finite
+from ftbridge.cli_types import ArgumentParser, at_least, finite
 
 POSITIVE = finite(0.0, strictly_above=True)
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``ftbridge-chaos`` (values checked across flags by :func:`parse_args`)."""
     from ftbridge.harness.chaos.schedule import FailureKind
 
-    p = argparse.ArgumentParser(prog="ftbridge-chaos", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="ftbridge-chaos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=3, help="planned replica groups (default 3)")
     p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=int, default=2,
