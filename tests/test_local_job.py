@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 
 import pytest
 
-from ftbridge.harness.local_job import started_by
+from ftbridge.harness.local_job import _last_committed_step, started_by
 
 
 @pytest.mark.timeout(30)
@@ -23,3 +24,22 @@ def test_started_by_tells_a_recorded_rank_from_a_later_process_with_its_pid():
         proc.kill()
         proc.wait()
     assert not started_by(proc.pid, after), "a PID that is gone"
+
+
+def _write_events(path, records, tail=""):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        f.write(tail)
+def test_the_last_committed_step_from_the_end_of_the_log(tmp_path):
+    p = tmp_path / "events_0_0.jsonl"
+    assert _last_committed_step(str(p)) == 0  # no log yet
+    _write_events(p, [{"step": s, "committed": True} for s in range(1, 6)]
+           + [{"step": 6, "committed": False}, {"event": "heal", "step": 6}], tail='{"step": 7, "comm')
+    assert _last_committed_step(str(p)) == 5  # a discarded step, another event and a line being written
+
+
+def test_a_long_log_whose_end_holds_no_commit_is_read_whole(tmp_path):
+    p = tmp_path / "events_0_0.jsonl"
+    _write_events(p, [{"step": 41, "committed": True}] + [{"event": "noise", "pad": "x" * 200}] * 1000)
+    assert p.stat().st_size > 65536 and _last_committed_step(str(p)) == 41

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -461,8 +462,21 @@ class LocalJob:
         return path
 
     def max_step(self) -> int:
-        """Highest committed step of any rank so far."""
-        return max((e["step"] for e in self.events() if "event" not in e and e["committed"]), default=0)
+        """Highest committed step of any rank so far.
+
+        Reads only the end of each rank's event log (the last 64 KiB), so the answer is a few
+        milliseconds old even when the logs are long and the machine is busy: a stop step computed
+        from it (:meth:`stop_soon`) is still ahead of every group when they read it. A log whose end
+        holds no committed step is read whole.
+        """
+        return max((_last_committed_step(self.event_log(g, r))
+                    for g in range(self.num_groups) for r in range(self.group_size(g))), default=0)
+
+    def stop_soon(self, margin: int = 3) -> int:
+        """Make every group stop at ``max_step() + margin`` (the ``stop`` file of ``--stop-file``); returns it."""
+        target = self.max_step() + margin
+        self.write_file("stop", str(target))
+        return target
 
     def log_text(self, group: int) -> str:
         """Everything the launches of ``group`` printed so far."""
@@ -489,6 +503,29 @@ class LocalJob:
                 out.append(f"--- {gp.log_path}: failures noted earlier ({len(marks)} lines) ---\n{''.join(marks)}"
                            f"--- {gp.log_path}: last {lines} lines ---\n{''.join(text[-lines:])}")
         return "\n".join(out)
+
+
+def _last_committed_step(path: str, tail_bytes: int = 65536) -> int:
+    """The step of the last committed step record in the JSON-lines event log ``path`` (0: none, or no file)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            chunk = f.read()
+    except FileNotFoundError:
+        return 0
+    lines = chunk.splitlines()[1:] if size > tail_bytes else chunk.splitlines()  # the first may be cut
+    for line in reversed(lines):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line still being written
+        if isinstance(e, dict) and "event" not in e and e.get("committed"):
+            return int(e["step"])
+    if size > tail_bytes:
+        return max((e["step"] for e in read_events([path]) if "event" not in e and e.get("committed")), default=0)
+    return 0
 
 
 def run_script_locally(script: str, groups: int = 2, nproc: int = 1, prefix: str = "[replica",

@@ -28,8 +28,7 @@ def _launches(job, group, rank=0):
 
 
 def _finish(job, groups, extra=5, timeout_s=240):
-    target = job.max_step() + extra
-    job.write_file("stop", str(target))
+    target = job.stop_soon(extra)
     codes = job.wait(timeout_s=timeout_s)
     assert codes == {g: 0 for g in groups}, job.tails()
     finals = [e for e in job.events() if e.get("event") == "final"]

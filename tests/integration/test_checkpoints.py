@@ -131,7 +131,7 @@ def test_writer_group_killed_before_scheduled_save_other_group_writes_it_once(lo
     job.wait_until(lambda: faults.fired(str(tmp_path / "faults"), "in_allreduce"), 120, "the fault to fire")
     fault_step = int(re.search(r"after joining the quorum of step (\d+)", job.log_text(0)).group(1))
     job.wait_step(1, fault_step + 3, timeout_s=120)
-    job.write_file("stop", str(job.max_step() + 1))
+    job.stop_soon(1)
     assert job.wait(timeout_s=120, groups=[1]) == {1: 0}, job.tails()
 
     saves = [e for e in job.events() if e.get("event") == "checkpoint_saved"]
@@ -213,7 +213,7 @@ def test_restarted_group_loads_checkpoint_then_heals_from_live_peer_ahead(local_
     kill_time = job.events()[-1]["time"]
     job.kill_workers(1)  # torchrun restarts group 1 with --resume; group 0 trains on alone
     job.wait_heal(1, kill_time, 180, "restarted group 1 to heal")
-    job.write_file("stop", str(job.max_step() + 3))
+    job.stop_soon()
     assert job.wait(timeout_s=180) == {0: 0, 1: 0}, job.tails()
 
     loaded = [e for e in job.events(1, 0) if e.get("event") == "checkpoint_loaded" and e["time"] > kill_time]

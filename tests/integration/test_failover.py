@@ -33,8 +33,7 @@ def _start_staggered(local_job, stage=2, env=None, extra=()):
 
 
 def _finish(job, extra_steps=10):
-    target = job.max_step() + extra_steps
-    job.write_file("stop", str(target))
+    target = job.stop_soon(extra_steps)
     codes = job.wait(timeout_s=180)
     assert codes == {0: 0, 1: 0}, job.tails()
     return target

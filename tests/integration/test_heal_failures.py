@@ -39,8 +39,7 @@ def test_donor_killed_mid_transfer_joiner_heals_from_another_group(local_job, tm
     # torchrun restarts the donor's group, which heals too: end the run only once it is back.
     job.wait_heal(donor, t_join, 180, f"the donor's group {donor} to restart and heal")
 
-    target = job.max_step() + 5
-    job.write_file("stop", str(target))
+    target = job.stop_soon(5)
     codes = job.wait(timeout_s=240)
     assert codes == {0: 0, 1: 0, 2: 0}, job.tails()
 

@@ -55,7 +55,7 @@ def test_a_group_failing_during_the_outage_stops_the_others_until_the_lighthouse
     # Groups 0 and 1 wait for the lighthouse, then go on together in a new quorum.
     job.wait_until(lambda: _together(job, (0, 1), 1, since=restarted), 90,
                    "groups 0 and 1 to commit together after the lighthouse is back")
-    job.write_file("stop", str(job.max_step() + 2))
+    job.stop_soon(2)
     codes = job.wait(timeout_s=60)  # group 2's launcher too: its only rank was killed, torchrun gives up
     assert codes[0] == 0 and codes[1] == 0 and codes[2] != 0, job.tails()
 
@@ -96,8 +96,7 @@ def test_a_group_starting_during_the_outage_joins_only_after_it(local_job):
     restarted = time.time()
 
     job.wait_until(lambda: _together(job, (0, 1, 2), 1, since=restarted), 120, "all three groups together")
-    target = job.max_step() + 3
-    job.write_file("stop", str(target))
+    target = job.stop_soon()
     codes = job.wait(timeout_s=120)
     assert codes == {0: 0, 1: 0, 2: 0}, job.tails()
 

@@ -75,8 +75,7 @@ def test_job_survives_a_10s_lighthouse_outage_and_status_lists_members(local_job
     after = fetch_status(address)
     assert sorted(m.replica_group for m in after.members) == [0, 1], after
 
-    target = job.max_step() + 3
-    job.write_file("stop", str(target))
+    target = job.stop_soon()
     codes = job.wait(timeout_s=120)
     assert codes == {0: 0, 1: 0}, job.tails()
 

@@ -52,7 +52,7 @@ def test_survivor_commits_again_within_the_heartbeat_timeout_of_a_hang(local_job
         os.kill(pid, signal.SIGCONT)
     t_cont = time.time()
     job.wait_heal(1, t_cont, 120, "the hung group to rejoin by healing")
-    job.write_file("stop", str(job.max_step() + 3))
+    job.stop_soon()
     codes = job.wait(timeout_s=120)
     check_recovered(job.events(), codes, groups=(0, 1), ranks=1, what="hang run")
     assert invariants.check_all(job.events()) == []

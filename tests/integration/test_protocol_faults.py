@@ -84,7 +84,7 @@ def test_a_hung_lighthouse_blackholed_links_and_a_one_way_cut_cost_no_wedge_and_
     print(f"one-way cut: group 0 committed {len(_commits(job, 0, t0, t1))} steps during it, group 1 "
           f"{len(_commits(job, 1, t0, t1))}")
 
-    job.write_file("stop", str(job.max_step() + 2))
+    job.stop_soon(2)
     codes = job.wait(timeout_s=120)
     assert codes == {0: 0, 1: 0}, job.tails()
     finals = [e for e in job.events() if e.get("event") == "final"]
@@ -142,7 +142,7 @@ def test_a_group_restarted_after_the_job_ended_does_not_train_a_second_model(loc
     os.kill(agent, signal.SIGSTOP)  # group 1's torchrun cannot restart it until the others have finished
     try:
         job.kill_workers(1)
-        job.write_file("stop", str(job.max_step() + 5))  # group 0 ends the job alone
+        job.stop_soon(5)  # group 0 ends the job alone
         assert job.wait(timeout_s=180, groups=[0]) == {0: 0}, job.tails()
         t_restart = time.time()
     finally:

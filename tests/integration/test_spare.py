@@ -57,8 +57,7 @@ def test_spare_replaces_a_killed_group(local_job, nproc):
     demoted = [job.event_log(2 + 3, r) for r in range(nproc)]  # id N + index of restarted group 1 (spare N + 1)
     job.wait_until(lambda: all(any(e.get("event") == "spare_ready" for e in read_events([p])) for p in demoted),
                    120, "group 1's torchrun restart to stand by as a spare")
-    target = job.max_step() + 3
-    job.write_file("stop", str(target))
+    target = job.stop_soon()
     assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()  # group 1's launcher: its stand-by exited 0
     assert job.wait_spare(0, 120) == 0, job.tails()
     starts_after_kill = [e for e in job.events(1, 0) if e.get("event") == "start" and e["time"] > kill_time]
@@ -116,7 +115,7 @@ def test_group_paused_past_the_heartbeat_timeout_leaves_when_it_finds_the_spare_
     demoted = job.event_log(2 + 3, 0)
     job.wait_until(lambda: any(e.get("event") == "spare_ready" for e in read_events([demoted])), 120,
                    "the resumed group 1 to leave and stand by as a spare after its restart")
-    job.write_file("stop", str(job.max_step() + 3))
+    job.stop_soon()
     assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()
     assert job.wait_spare(0, 120) == 0, job.tails()
     assert "another member holds replica group 1" in job.log_text(1)
@@ -156,6 +155,6 @@ def test_a_paused_lighthouse_does_not_make_the_spare_join_a_full_job(local_job):
     joins = [e for e in [*job.events(), *job.spare_events()] if e.get("event") == "spare_join"]
     assert not joins, f"the spare joined a full job after the lighthouse's pause: {joins}"
     assert job.spares[0].proc.poll() is None, f"the spare left\n{job.tails()}"
-    job.write_file("stop", str(job.max_step() + 3))
+    job.stop_soon()
     assert job.wait(timeout_s=120) == {0: 0, 1: 0}, job.tails()
     job.stop()

@@ -81,8 +81,7 @@ def test_torchx_local_run_group_killed_heals_and_job_ends_identical(local_job):
         assert pids and not any(pid_alive(p) for p in pids)
         job.wait_heal(1, kill_time, 120, "group 1, restarted inside its TorchX role, to heal")
         assert proc.poll() is None, "the job ended when one group failed"
-        target = job.max_step() + 5
-        job.write_file("stop", str(target))
+        target = job.stop_soon(5)
         assert proc.wait(timeout=120) == 0, job.tails()
         output = job.log_text(0)
         assert "Job finished: SUCCEEDED" in output, job.tails()
