@@ -1,0 +1,86 @@
+"""Every ftbridge command line in the README and docs/ parses with the tool's real parser.
+
+Lines of shell code blocks that call ``ftbridge-run``, ``ftbridge-lighthouse``, ``ftbridge-chaos``,
+``ftbridge-bench`` or ``ftbridge-ckpt`` (after any ``VAR=value`` assignments, ``.venv/bin/`` or ``exec``),
+joined across ``\\`` continuations and cut at ``&``, ``|``, ``;``, ``>`` or ``#``. A line holding a
+placeholder (``N``, ``HOST:PORT``, ``<...>``, ``...``, a shell variable) is a template, not a command, and is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PLACEHOLDER = re.compile(r"(^|[\s=:/])([A-Z]{1,4}|HOST|PORT|DIR|SCRIPT|ARGS|PATH|FILE|REGISTRY|TAG)(?=$|[\s:,./\]])"
+                         r"|<[^>]*>|\.\.\.|…|\{[a-z_]+\}|\$")
+
+
+def _parsers() -> Dict[str, Callable[[List[str]], object]]:
+    from ftbridge import launcher
+    from ftbridge.checkpoint.cli import build_parser as ckpt
+    from ftbridge.harness.bench.cli import parse as bench
+    from ftbridge.harness.chaos.cli import parse_args as chaos
+    from lighthouse.cli import build_parser as lighthouse
+
+    return {"ftbridge-run": launcher.parse_args, "ftbridge-lighthouse": lighthouse().parse_args,
+            "ftbridge-chaos": chaos, "ftbridge-bench": bench, "ftbridge-ckpt": ckpt().parse_args}
+
+
+def _commands() -> List[Tuple[str, int, str, List[str]]]:
+    """``(page, line number, tool, argv)`` of every documented command line."""
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        in_block, shell, i = False, False, 0
+        while i < len(lines):
+            line = lines[i]
+            if line.lstrip().startswith("```"):
+                lang = line.strip()[3:].strip()
+                in_block, shell = (not in_block), lang in ("", "bash", "sh", "shell", "console")
+                i += 1
+                continue
+            start = i
+            while in_block and line.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i].strip()
+            i += 1
+            if not (in_block and shell):
+                continue
+            text = re.split(r"\s(?:&|\||;|>|#|&&)\s|\s&$|\s2>", line.strip().lstrip("$ "))[0]
+            try:
+                words = shlex.split(text)
+            except ValueError:
+                continue
+            while words and (re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]) or words[0] in ("exec", "env")):
+                words = words[1:]
+            if not words:
+                continue
+            tool = words[0].rsplit("/", 1)[-1]
+            if tool.startswith("ftbridge-") and not PLACEHOLDER.search(text):
+                out.append((page.name, start + 1, tool, words[1:]))
+    return out
+
+
+COMMANDS = _commands()
+
+
+def test_the_docs_show_commands_of_every_tool():
+    assert {tool for _, _, tool, _ in COMMANDS} >= {"ftbridge-run", "ftbridge-lighthouse", "ftbridge-chaos",
+                                                     "ftbridge-bench", "ftbridge-ckpt"}, COMMANDS
+
+
+@pytest.mark.parametrize("page, line, tool, argv", COMMANDS, ids=[f"{p}:{n}" for p, n, _, _ in COMMANDS])
+def test_a_documented_command_parses(page, line, tool, argv, capsys):
+    parse = _parsers()[tool]
+    try:
+        parse(argv)
+    except SystemExit as exc:
+        assert exc.code == 0, f"{page}:{line}: {tool} {shlex.join(argv)}\n{capsys.readouterr().err}"
+    except ValueError as exc:
+        pytest.fail(f"{page}:{line}: {tool} {shlex.join(argv)}: {exc}")
