@@ -26,8 +26,9 @@ Invariants (checked after every transition of the simulation):
   needs every member of the step's process group to report the same quorum,
   membership, step and participation view (who averages, by what divisor),
   and a quorum that follows quorums none of its members took part in (where
-  others may have committed steps), or holds a member that discarded a step
-  others may have committed, commits nothing (:func:`continuous`);
+  others may have committed steps), or a member that discarded a step others
+  may have committed and no member holding that step, commits nothing
+  (:func:`continuous`);
 * every rank of a group takes the same decision: the decision is a function
   of the in-group exchange, which every rank sees whole;
 * no committed step is lost: a group only ever discards its own step;
