@@ -59,7 +59,7 @@ class ArgumentParser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
             value = getattr(parsed, action.dest, None)
-            if action.option_strings and action.nargs is None and isinstance(value, list) \
-                    and not isinstance(action.default, list):
+            if isinstance(action, argparse._StoreAction) and action.option_strings and action.nargs is None \
+                    and isinstance(value, list) and not isinstance(action.default, list):
                 self.error(f"argument {'/'.join(action.option_strings)}: expected one value, got none")
         return parsed, extras

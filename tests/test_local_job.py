@@ -43,3 +43,18 @@ def test_a_long_log_whose_end_holds_no_commit_is_read_whole(tmp_path):
     p = tmp_path / "events_0_0.jsonl"
     _write_events(p, [{"step": 41, "committed": True}] + [{"event": "noise", "pad": "x" * 200}] * 1000)
     assert p.stat().st_size > 65536 and _last_committed_step(str(p)) == 41
+
+
+def test_stop_soon_leads_the_job_by_a_second_of_its_steps_or_the_margin(tmp_path):
+    from ftbridge.harness.local_job import LocalJob
+
+    job = LocalJob(str(tmp_path), 2, 1, [])
+    fast = [{"step": s, "committed": True, "time": 1000.0 + s / 100} for s in range(1, 101)]  # 100 steps/s
+    _write_events(tmp_path / "events_0_0.jsonl", fast)
+    _write_events(tmp_path / "events_1_0.jsonl", fast[:-1])  # one step behind
+    assert job.max_step() == 100
+    assert job.stop_soon() == 200 and (tmp_path / "stop").read_text() == "200"
+    slow = [{"step": s, "committed": True, "time": 1000.0 + s} for s in range(1, 11)]  # 1 step/s
+    _write_events(tmp_path / "events_0_0.jsonl", slow)
+    _write_events(tmp_path / "events_1_0.jsonl", slow)
+    assert job.stop_soon() == 13

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.events import read_events
 from ftbridge.harness.netfault import FaultProxy
@@ -469,14 +470,27 @@ class LocalJob:
         from it (:meth:`stop_soon`) is still ahead of every group when they read it. A log whose end
         holds no committed step is read whole.
         """
-        return max((_last_committed_step(self.event_log(g, r))
-                    for g in range(self.num_groups) for r in range(self.group_size(g))), default=0)
+        return max((s for g, r in self._ranks() for s, _ in _tail_commits(self.event_log(g, r))[-1:]), default=0)
 
-    def stop_soon(self, margin: int = 3) -> int:
-        """Make every group stop at ``max_step() + margin`` (the ``stop`` file of ``--stop-file``); returns it."""
-        target = self.max_step() + margin
+    def stop_soon(self, margin: int = 3, lead_s: float = 1.0) -> int:
+        """Make every group stop at one step still ahead of all of them (the ``stop`` file of ``--stop-file``).
+
+        The target is :meth:`max_step` plus ``margin`` steps, or plus the steps the job commits in
+        ``lead_s`` seconds at its recent rate if more: every group must read the file before it reaches
+        the target, or one stops there while another, which read it a step later, trains on alone.
+
+        Returns:
+            The target step.
+        """
+        tails = [_tail_commits(self.event_log(g, r)) for g, r in self._ranks()]
+        best = max((t[-1][0] for t in tails if t), default=0)
+        rate = max((_rate(t) for t in tails), default=0.0)
+        target = best + max(margin, math.ceil(rate * lead_s))
         self.write_file("stop", str(target))
         return target
+
+    def _ranks(self) -> List[Tuple[int, int]]:
+        return [(g, r) for g in range(self.num_groups) for r in range(self.group_size(g))]
 
     def log_text(self, group: int) -> str:
         """Everything the launches of ``group`` printed so far."""
@@ -507,6 +521,22 @@ class LocalJob:
 
 def _last_committed_step(path: str, tail_bytes: int = 65536) -> int:
     """The step of the last committed step record in the JSON-lines event log ``path`` (0: none, or no file)."""
+    commits = _tail_commits(path, tail_bytes)
+    return commits[-1][0] if commits else 0
+
+
+def _rate(commits: List[Tuple[int, float]]) -> float:
+    """Committed steps per second over ``commits`` (``(step, time)``, oldest first); 0 with fewer than 2."""
+    if len(commits) < 2 or commits[-1][1] <= commits[0][1]:
+        return 0.0
+    return (commits[-1][0] - commits[0][0]) / (commits[-1][1] - commits[0][1])
+
+
+def _tail_commits(path: str, tail_bytes: int = 65536) -> List[Tuple[int, float]]:
+    """``(step, time)`` of the committed step records at the end of the event log ``path``, oldest first.
+
+    Reads the last ``tail_bytes`` (a log whose end holds no commit is read whole); ``[]`` with no file.
+    """
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -514,18 +544,20 @@ def _last_committed_step(path: str, tail_bytes: int = 65536) -> int:
             f.seek(max(0, size - tail_bytes))
             chunk = f.read()
     except FileNotFoundError:
-        return 0
+        return []
     lines = chunk.splitlines()[1:] if size > tail_bytes else chunk.splitlines()  # the first may be cut
-    for line in reversed(lines):
+    out = []
+    for line in lines:
         try:
             e = json.loads(line)
         except ValueError:
             continue  # a line still being written
         if isinstance(e, dict) and "event" not in e and e.get("committed"):
-            return int(e["step"])
-    if size > tail_bytes:
-        return max((e["step"] for e in read_events([path]) if "event" not in e and e.get("committed")), default=0)
-    return 0
+            out.append((int(e["step"]), float(e.get("time", 0.0))))
+    if not out and size > tail_bytes:
+        out = [(int(e["step"]), float(e.get("time", 0.0))) for e in read_events([path])
+               if "event" not in e and e.get("committed")]
+    return out
 
 
 def run_script_locally(script: str, groups: int = 2, nproc: int = 1, prefix: str = "[replica",

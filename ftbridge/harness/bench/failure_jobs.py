@@ -172,7 +172,7 @@ def ftbridge_hang_run(workdir: str, settings: BenchSettings, peer_watch: bool,
         cont_time = time.time()
         job.wait_heal(1, cont_time, t_out, "the hung group 1 to heal")
         job.wait_step(1, job.max_step() + 2, t_out, since=cont_time)
-        job.write_file("stop", str(job.max_step() + 1))
+        job.stop_soon()
         codes = job.wait(t_out)
         events = job.events()
         check_recovered(events, codes, groups=(0, 1), ranks=RANKS_PER_GROUP, what=f"hang run in {workdir}")
@@ -344,5 +344,5 @@ def kill_group_1_and_heal(job: Any, warm: int, t_out: float) -> float:
     job.kill_workers(1)
     job.wait_heal(1, kill_time, t_out, "restarted group 1 to heal")
     job.wait_step(1, job.max_step() + 2, t_out, since=kill_time)
-    job.write_file("stop", str(job.max_step() + 1))
+    job.stop_soon()
     return kill_time

@@ -95,7 +95,7 @@ def outage_run(workdir: str, settings: BenchSettings, ride: bool, kind: str = "d
         job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["time"] > t_up
                                        and not e.get("rode_out_outage") for e in job.steps(g)) for g in (0, 1)),
                        t_out, "both groups to commit together in a new quorum")
-        job.write_file("stop", str(job.max_step() + 2))
+        job.stop_soon()
         codes = job.wait(t_out)
         events = job.events()
     failure_jobs.check_recovered(events, codes, groups=(0, 1), ranks=1, what=f"outage run in {workdir}")

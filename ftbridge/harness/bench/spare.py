@@ -135,7 +135,7 @@ def spare_kill_run(workdir: str, settings: BenchSettings) -> failure_jobs.KillRu
                        and e["participants"] == 2 and not e["healed"]) >= 2
 
         job.wait_until(full_twice, t_out, "the spare to commit twice at full capacity")
-        job.write_file("stop", str(job.max_step() + 1))
+        job.stop_soon()
         codes = {0: job.wait(t_out, groups=[0])[0], 1: job.wait_spare(0, t_out)}
         events = job.events()
         failure_jobs.check_recovered(events, codes, groups=(0, 1), ranks=failure_jobs.RANKS_PER_GROUP,

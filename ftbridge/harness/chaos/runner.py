@@ -51,7 +51,7 @@ class ChaosSettings:
         heartbeat_timeout_ms: the lighthouse's heartbeat timeout.
         join_timeout_ms: the lighthouse's join timeout.
         recovery_timeout_s: longest wait for the job to recover from one failure.
-        tail_steps: steps trained after the last failure.
+        tail_steps: steps trained after the last failure, at least (more if the job commits more in 1 s).
         checkpoint_every: save a checkpoint every N steps (0: none; a
             ``kill_in_checkpoint`` failure turns it on at 20).
         baseline: also train a failure-free run of the same length to compare the final loss.
@@ -249,8 +249,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
             if progress is not None:
                 progress.update(1)
         active, stopped = _stop_standing_by(job, sorted(alive), settings.recovery_timeout_s)
-        final_step = job.max_step() + settings.tail_steps
-        job.write_file("stop", str(final_step))
+        final_step = job.stop_soon(settings.tail_steps)
         _wait_launches(job, active, settings.recovery_timeout_s)
     finally:
         job.stop()
