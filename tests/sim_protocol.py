@@ -83,6 +83,8 @@ class Faults:
     restart: FrozenSet[int] = frozenset()
     rank_error: FrozenSet[Tuple[int, int]] = frozenset()
     heal_fail: FrozenSet[Tuple[int, int]] = frozenset()
+    crash: FrozenSet[int] = frozenset()
+    """The group dies right after its agreement, before its decision: the others' agreements counted its row."""
     late_error: FrozenSet[Tuple[int, int]] = frozenset()
     """An error recorded on the rank after its gradient all-reduces ran (the peer watch finding the process was
     frozen and left out, or any check of the step that fails late): its row still joins the agreement."""
@@ -398,7 +400,10 @@ class Sim:
             self._fetch_heal(g, donors, steps)
         self._gradients(stepping)
         self._agree(stepping)
-        records = [self._decide_and_commit(g) for g in stepping]
+        for g in stepping:
+            if g.gid in f.crash:
+                g.alive, g.exit_reason = False, "killed"
+        records = [self._decide_and_commit(g) for g in stepping if g.alive]
         self.history.append(records)
         self.check(records)
         return records
@@ -638,7 +643,7 @@ class Sim:
                 if corrupt or before in self.tainted:
                     self.tainted.add(r.params)
                 r.tf.step += 1
-            r.rider.after_commit(committed, committed and d.ride_next, d.nobody_commits)
+            r.rider.after_commit(committed, committed and d.ride_next, d.nobody_commits, d.agreed)
             if self.revert.certify_on_agreement and r.agreement is not None and r.agreement.continuous:
                 r.rider._held, r.rider._missed_here = True, False
         r0 = g.ranks[0]

@@ -26,7 +26,7 @@ RECOVERY = QUORUM_TIMEOUT + HEARTBEAT_TIMEOUT + JOIN_WAIT + RESTART_PEER_WAIT + 
 """Quiet rounds after the last fault within which every live group must commit again."""
 
 KINDS = ("lighthouse_dead", "lighthouse_hung", "lighthouse_restart", "cut_lh", "oneway_lh", "cut_peer", "slow",
-         "hang", "kill", "restart", "rank_error", "heal_fail", "late_error", "stale")
+         "hang", "kill", "crash", "restart", "rank_error", "heal_fail", "late_error", "stale")
 
 
 @st.composite

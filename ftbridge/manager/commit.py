@@ -455,6 +455,9 @@ class GroupDecision:
         reason: why not ``commit`` ("" when it holds).
         nobody_commits: a rank's agreement failed with a shared verdict, so every group of the quorum
             discards this step (what another member's ok row on another rank says about it does not hold).
+        agreed: every rank's agreement passed: a discard is this group's own decision (an error late in the
+            step, a heal a rank lacks, the guard), not the failure of a collective another member may have
+            died in.
     """
 
     commit: bool
@@ -467,6 +470,7 @@ class GroupDecision:
     gap_stop: bool
     reason: str
     nobody_commits: bool = False
+    agreed: bool = False
 
 
 def decode_flags(row: Sequence[float]) -> Flags:
@@ -514,4 +518,4 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
     tie = any(f.guard_tie for f in flags)
     return GroupDecision(commit, drop_heal, any(f.guard_mismatch for f in flags) or differs or tie, differs, tie,
                          commit and all(f.all_unreachable for f in flags), stop, gap_stop, "; ".join(reasons),
-                         any(f.fails_all for f in flags))
+                         any(f.fails_all for f in flags), all(f.agreement for f in flags))

@@ -494,7 +494,8 @@ class OutageRider:
         except Exception as exc:  # noqa: BLE001 - a member died or hung: discard, back to the lighthouse
             return None, f"agreement all-reduce failed: {type(exc).__name__}: {exc}"
 
-    def after_commit(self, committed: bool, ride_next: bool, nobody_commits: bool = False) -> None:
+    def after_commit(self, committed: bool, ride_next: bool, nobody_commits: bool = False,
+                     group_agreed: bool = True) -> None:
         """Record the group's decision for the next step's (the same on every rank of the group).
 
         Args:
@@ -502,11 +503,15 @@ class OutageRider:
             ride_next: it committed on an agreement in which no member, on any rank, heard the lighthouse.
             nobody_commits: a rank of the group failed its agreement with a shared verdict
                 (:attr:`~ftbridge.manager.commit.GroupDecision.nobody_commits`): no group commits this step.
+            group_agreed: every rank of the group passed its agreement
+                (:attr:`~ftbridge.manager.commit.GroupDecision.agreed`). Only then is a discard the group's
+                own, and the step one it *missed*; a rank's failed all-reduce is most often a member dying
+                in it, which then holds no history anyone could fork from.
         """
         self._last_committed = committed
         if self._agreed and committed:
             self._held, self._missed_here, self._committers = True, False, self._oks
-        elif self._agreed and self._others_ok and not nobody_commits:
+        elif self._agreed and self._others_ok and group_agreed and not nobody_commits:
             self._held, self._missed_here = False, True
         self._agreed, self._oks, self._others_ok = False, 0, 0
         self._rode_last = self.riding

@@ -390,7 +390,8 @@ class ReplicaManager:
             verdict = self.verdict
             decision = verdict.decision if verdict is not None else None
             self.outage.after_commit(committed, bool(decision and decision.ride_next),
-                                     bool(decision and decision.nobody_commits))
+                                     bool(decision and decision.nobody_commits),
+                                     bool(decision is None or decision.agreed))
         if committed and self.quorum_guard is not None:
             self.quorum_guard.majority.committed()
         return committed
