@@ -194,4 +194,4 @@ def test_judge_reads_missed_and_committers_from_the_rows():
     b = encode_view(View(0, 7, D1, 10, 1, True, True, False, certified=4, committers=2))
     assert "follows quorum 5" in judge([b], b, riding=False).reason
     c = encode_view(View(0, 7, D1, 10, 1, True, True, False, certified=4, committers=1, missed=6))
-    assert "follows quorum 6" in judge([c], c, riding=False).reason
+    assert "discarded a step of quorum 6" in judge([c], c, riding=False).reason

@@ -311,9 +311,11 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     missed = max(int(row[22]) - 1 for row in rows)
     gap = None if whole else continuous(int(key[0]), histories, missed)
     if gap is not None:
-        return Agreement(True, False, False, f"quorum {int(key[0])} follows quorum {gap}, in which none of its "
-                                             "members took part: others may have committed steps there", guard,
-                         all_empty=empty)
+        why = (f"a member discarded a step of quorum {gap} that others may have committed, and no member here "
+               "holds it" if gap == missed else
+               f"quorum {int(key[0])} follows quorum {gap}, in which none of its members took part: others may "
+               "have committed steps there")
+        return Agreement(True, False, False, why, guard, all_empty=empty)
     if riding:
         for rank, row in enumerate(rows):
             if row[10] != 1.0:
