@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ftbridge.harness.local_job import _last_committed_step, started_by
+from ftbridge.harness.local_job import _tail_commits, started_by
 
 
 @pytest.mark.timeout(30)
@@ -33,16 +33,16 @@ def _write_events(path, records, tail=""):
         f.write(tail)
 def test_the_last_committed_step_from_the_end_of_the_log(tmp_path):
     p = tmp_path / "events_0_0.jsonl"
-    assert _last_committed_step(str(p)) == 0  # no log yet
+    assert _tail_commits(str(p)) == []  # no log yet
     _write_events(p, [{"step": s, "committed": True} for s in range(1, 6)]
            + [{"step": 6, "committed": False}, {"event": "heal", "step": 6}], tail='{"step": 7, "comm')
-    assert _last_committed_step(str(p)) == 5  # a discarded step, another event and a line being written
+    assert _tail_commits(str(p))[-1][0] == 5  # a discarded step, another event and a line being written
 
 
 def test_a_long_log_whose_end_holds_no_commit_is_read_whole(tmp_path):
     p = tmp_path / "events_0_0.jsonl"
     _write_events(p, [{"step": 41, "committed": True}] + [{"event": "noise", "pad": "x" * 200}] * 1000)
-    assert p.stat().st_size > 65536 and _last_committed_step(str(p)) == 41
+    assert p.stat().st_size > 65536 and _tail_commits(str(p))[-1][0] == 41
 
 
 def test_stop_soon_leads_the_job_by_a_second_of_its_steps_or_the_margin(tmp_path):

@@ -519,12 +519,6 @@ class LocalJob:
         return "\n".join(out)
 
 
-def _last_committed_step(path: str, tail_bytes: int = 65536) -> int:
-    """The step of the last committed step record in the JSON-lines event log ``path`` (0: none, or no file)."""
-    commits = _tail_commits(path, tail_bytes)
-    return commits[-1][0] if commits else 0
-
-
 def _rate(commits: List[Tuple[int, float]]) -> float:
     """Committed steps per second over ``commits`` (``(step, time)``, oldest first); 0 with fewer than 2."""
     if len(commits) < 2 or commits[-1][1] <= commits[0][1]:
