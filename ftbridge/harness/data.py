@@ -101,7 +101,10 @@ class CharTokenizer:
         if not text:
             raise ValueError("CharTokenizer needs a non-empty text to build its vocabulary")
         self.chars: list[str] = sorted(set(text))
-        self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.int64)
+        codepoints = np.array([ord(c) for c in self.chars], dtype=np.int64)
+        # Lookup table codepoint -> id (-1 outside the vocabulary): at most 0x110000 entries (4.4 MB).
+        self._ids = np.full(int(codepoints.max()) + 1, -1, dtype=np.int32)
+        self._ids[codepoints] = np.arange(len(self.chars), dtype=np.int32)
 
     @property
     def vocab_size(self) -> int:
@@ -114,17 +117,16 @@ class CharTokenizer:
         Raises:
             ValueError: ``text`` has a character outside the vocabulary.
         """
-        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
-        ids = np.searchsorted(self._codepoints, cps)
-        ids = np.minimum(ids, len(self.chars) - 1)
-        bad = self._codepoints[ids] != cps
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = self._ids[np.minimum(cps, len(self._ids) - 1)]
+        bad = (ids < 0) | (cps >= len(self._ids))
         if bad.any():
             ch = chr(int(cps[bad.argmax()]))
             raise ValueError(
                 f"character {ch!r} is not in the vocabulary of {self.vocab_size} characters; "
                 f"build the tokenizer from a text that contains it"
             )
-        return torch.from_numpy(ids)
+        return torch.from_numpy(ids.astype(np.int64))
 
     def decode(self, ids: Union[torch.Tensor, Sequence[int]]) -> str:
         """Decode a 1-D tensor or sequence of ids back to a string."""
