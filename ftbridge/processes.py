@@ -78,6 +78,16 @@ def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = 
     raise RuntimeError(f"no {count} consecutive free ports on {host} below the ephemeral range")
 
 
+def cpu_seconds(pid: int) -> Optional[float]:
+    """CPU time ``pid`` has used so far (user + system, seconds, all its threads); ``None`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

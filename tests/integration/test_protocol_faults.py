@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ftbridge.harness.local_job import parent_pid
-from ftbridge.processes import pid_alive
+from ftbridge.processes import cpu_seconds, pid_alive
 from tests.conftest import TINY
 
 FAULT_S = 6.0
@@ -97,12 +97,6 @@ def test_a_hung_lighthouse_blackholed_links_and_a_one_way_cut_cost_no_wedge_and_
     assert not split, f"groups committed one step with different parameters: {split}"
 
 
-def _cpu_s(pid):
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.timeout(300)
 def test_a_lone_group_under_min_replicas_exits_at_the_quorum_timeout_without_spinning(local_job):
     job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, lighthouse_min_replicas=2,
@@ -114,10 +108,9 @@ def test_a_lone_group_under_min_replicas_exits_at_the_quorum_timeout_without_spi
     t_kill, samples = time.time(), []
 
     def ended():
-        try:
-            samples.append((time.monotonic(), _cpu_s(pid)))
-        except OSError:
-            pass
+        used = cpu_seconds(pid)
+        if used is not None:
+            samples.append((time.monotonic(), used))
         return not pid_alive(pid)
 
     job.wait_until(ended, 90, "group 0's rank to exit on its quorum timeout")
