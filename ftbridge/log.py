@@ -82,3 +82,26 @@ def get_logger(name: str, cfg: Any, step_fn: Optional[Callable[[], int]] = None)
     """
     setup_logging(cfg.group_rank)
     return _IdentityAdapter(logging.getLogger(name), cfg.replica_group_id, cfg.group_rank, step_fn)
+
+
+class RepeatLimit:
+    """At most one line per ``every_s`` for a message that can repeat every step (a link that flaps).
+
+    ``allow(key, now)`` returns ``None`` for a line to hold back, else how many lines of ``key`` were
+    held back since the last one logged (add it to the line: nothing is hidden without a count).
+
+    Args:
+        every_s: seconds between two lines of one key.
+    """
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._last: dict = {}  # key -> (monotonic time logged, lines held back since)
+
+    def allow(self, key: str, now: float) -> Optional[int]:
+        logged, held = self._last.get(key, (None, 0))
+        if logged is not None and now - logged < self.every_s:
+            self._last[key] = (logged, held + 1)
+            return None
+        self._last[key] = (now, 0)
+        return held

@@ -47,6 +47,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
+from ftbridge.log import RepeatLimit
 from ftbridge.manager.commit import (
     ROW,
     Agreement,
@@ -146,6 +147,7 @@ class OutageRider:
                  gap_wait: timedelta = timedelta(seconds=30), clock: Callable[[], float] = time.monotonic) -> None:
         self._manager = manager
         self._who = f"[replica {replica_group_id} rank {group_rank}]"
+        self._repeats = RepeatLimit()
         self.replica_group_id, self.num_groups = replica_group_id, num_groups
         self.enabled = enabled
         self._lighthouse = lighthouse
@@ -303,13 +305,13 @@ class OutageRider:
                            last_committed=self._last_committed, rode_last=self._rode_last,
                            last_all_unreachable=self._last_all_unreachable, lighthouse_answers=answers)
         if ride and not self._rode_last:
-            logger.warning("%s lighthouse %s does not answer: committing on the last quorum (id %d, %d members) "
-                           "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
-                           last.world_size if last else 0)
+            self._warn("ride", "%s lighthouse %s does not answer: committing on the last quorum (id %d, %d members) "
+                       "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
+                       last.world_size if last else 0)
         elif self._rode_last and not ride:
-            logger.warning("%s back to the lighthouse (%d steps without it so far) on quorum %d (%s)", self._who,
-                           self.rides, last.quorum_id if last else -1,
-                           "a member hears it again" if self._last_committed else "a riding step failed")
+            self._warn("back", "%s back to the lighthouse (%d steps without it so far) on quorum %d (%s)", self._who,
+                       self.rides, last.quorum_id if last else -1,
+                       "a member hears it again" if self._last_committed else "a riding step failed")
         return ride, (answers is True) if ride else True
 
     def _share(self, ride: bool, seen: bool) -> Tuple[bool, bool]:
@@ -375,14 +377,22 @@ class OutageRider:
             if action == QuorumWait.RIDE:
                 self._publish(b"rode")
                 self._left(future)
-                logger.warning("%s lighthouse %s does not answer a quorum call in flight: leaving it and committing "
-                               "on the last quorum (id %d)", self._who, self._lighthouse,
-                               self.last.quorum_id if self.last else -1)
+                self._warn("leave", "%s lighthouse %s does not answer a quorum call in flight: leaving it and "
+                           "committing on the last quorum (id %d)", self._who, self._lighthouse,
+                           self.last.quorum_id if self.last else -1)
                 return self.leave_call()
             if action == QuorumWait.EXPIRED:
                 self._publish(b"failed")
                 raise QuorumTimeout(f"{self._who} the lighthouse call did not end within "
                                     f"{wait.deadline_s:g} s (quorum timeout + connect timeout + 5 s)")
+
+    def _warn(self, key: str, msg: str, *args: Any) -> None:
+        """A ride transition's warning, at most one per ``key`` every 30 s (a flapping link would log every
+        step); the next line says how many were held back."""
+        held = self._repeats.allow(key, time.monotonic())
+        if held is not None:
+            logger.warning(msg + (f" ({held} more like this in the last {self._repeats.every_s:g} s)" if held else ""),
+                           *args)
 
     def _publish(self, outcome: bytes) -> None:
         if self._group_size > 1:
