@@ -205,6 +205,12 @@ def test_outage_pause_counts_the_longest_gap_in_steps_and_the_report_shows_it():
     assert waited.committed == 1 and waited.pause_s == pytest.approx(10.3)
     assert waited.steps_lost == pytest.approx(102.0) and waited.reference_s == pytest.approx(0.1)
     assert inv.outage_pause(recs(before), 10.0, 20.0) is None  # nothing after the outage: not judged
+    # Rode it out, then stalled 2.5 s on the way back after the first commit past it: only settle_s sees it.
+    back = recs(before + [10.0 + 0.1 * i for i in range(100)] + [20.0, 22.5, 22.6, 23.5])
+    assert inv.outage_pause(back, 10.0, 20.0).pause_s == pytest.approx(0.1)
+    settled = inv.outage_pause(back, 10.0, 20.0, settle_s=3.0)
+    assert settled.pause_s == pytest.approx(2.5) and settled.committed == 100
+    assert inv.outage_pause(back, 10.0, 20.0, settle_s=3.0 + 0.7) is None  # nothing after the settling time
     result = _result([], [])
     failure = Failure(0, FailureKind.LIGHTHOUSE_OUTAGE, 1.0, duration_s=10.0)
     result.outcomes.append(Outcome(Injected(failure, 10.0, [], [], "down", ended=20.0), True, None, [], waited))
@@ -323,3 +329,13 @@ def test_a_paused_groups_late_commit_after_the_spares_start_is_its_own_launch():
     assert inv.commits_never_repeat_or_go_back(ev) == []
     ev.append(dict(_rec(1, 5, 4, checksum="c4"), pid=200))  # the spare itself going back is still caught
     assert [v.invariant for v in inv.commits_never_repeat_or_go_back(ev)] == ["monotonic commits"]
+
+
+def test_a_rank_burning_cpu_without_stepping_is_a_spin_and_a_stepping_or_idle_one_is_not():
+    events = [{**_rec(0, 10.5, 5), "pid": 100}, {**_rec(1, 10.6, 5, committed=False), "pid": 200}]
+    used = {100: 9.0, 200: 9.0, 300: 9.0, 400: 1.0}  # 10 s window: 300 stepped never, at 90 % of a core
+    spins = inv.spinning_ranks(used, events, 10.0, 20.0)
+    assert [str(v) for v in spins] == ["no rank spins: pid 300 used 9.0 s of CPU in 10.0 s without writing a "
+                                       "step record"]
+    assert inv.spinning_ranks(used, events, 12.0, 22.0)[0].detail.startswith("pid 100")  # its record is outside
+    assert inv.spinning_ranks({}, events, 10.0, 20.0) == []

@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-minutes", type=POSITIVE, default=None, help="inject failures for this long (soak run)")
     p.add_argument("--mtbf", type=POSITIVE, default=10.0, help="mean time between failures, seconds (default 10)")
     p.add_argument("--hang-s", type=POSITIVE, default=None,
-                   help="how long a hang lasts (default: cross-replica timeout + 3 s)")
-    p.add_argument("--outage-s", type=POSITIVE, default=10.0, help="how long a lighthouse outage lasts (default 10)")
+                   help="how long a hang or a slowed group lasts (default: cross-replica timeout + 3 s)")
+    p.add_argument("--outage-s", type=POSITIVE, default=10.0,
+                   help="how long a lighthouse outage or hang, or a partition or lossy link lasts (default 10)")
     p.add_argument("--cross-replica-timeout-s", "--cross-replica-timeout", dest="cross_replica_timeout",
                    type=POSITIVE, default=5.0,
                    help="seconds, as ftbridge-run's flag (default 5; --cross-replica-timeout is the old spelling)")

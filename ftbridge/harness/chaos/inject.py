@@ -20,10 +20,14 @@ from ftbridge import faults
 from ftbridge.harness.chaos.schedule import Failure, FailureKind
 from ftbridge.harness.chaos.spares import SCALE_DOWN_WITH_SPARES
 from ftbridge.harness.local_job import LocalJob
-from ftbridge.processes import pid_alive
+from ftbridge.processes import pid_alive, signal_pids
 
-_KILLS = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
-          FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT}
+_TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
+          FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT, FailureKind.PARTITION_LIGHTHOUSE,
+          FailureKind.LOSSY_LINK}
+"""Kinds that take a group out of the job for a while: another group with state must be running."""
+SLOW_PERIOD_S = 0.2
+"""A slowed group's ranks are stopped for the first half of every period of this length."""
 
 
 @dataclass
@@ -85,7 +89,7 @@ class Injector:
         rng = random.Random(f"{self.seed}:{failure.index}")
         kind = failure.kind
         need = 3 if kind == FailureKind.KILL_DONOR_IN_HEAL else 2
-        if kind in _KILLS and len(self.alive) < need:
+        if kind in _TAKE_A_GROUP_OUT and len(self.alive) < need:
             return Injected(failure, time.time(), skipped=f"only {len(self.alive)} replica groups running, "
                                                           f"{kind.value} needs {need}")
         handler = {
@@ -98,6 +102,12 @@ class Injector:
             FailureKind.LIGHTHOUSE_OUTAGE: self._lighthouse_outage,
             FailureKind.SCALE_DOWN: self._scale_down,
             FailureKind.SCALE_UP: self._scale_up,
+            FailureKind.LIGHTHOUSE_HANG: self._lighthouse_hang,
+            FailureKind.LIGHTHOUSE_RESTART_EMPTY: self._lighthouse_restart_empty,
+            FailureKind.PARTITION_LIGHTHOUSE: self._cut_one,
+            FailureKind.LOSSY_LINK: self._cut_one,
+            FailureKind.PARTITION_ALL: self._partition_all,
+            FailureKind.SLOW_GROUP: self._slow_group,
         }[kind]
         return handler(failure, rng)
 
@@ -195,6 +205,71 @@ class Injector:
         self.job.start_group(g)
         self.alive.add(g)
         return Injected(failure, t, [], [g], f"group {g} joined the job")
+
+
+    def _lighthouse_hang(self, failure: Failure, rng: random.Random) -> Injected:
+        pid = self.job.lighthouse_pid
+        t = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(failure.duration_s)  # the failure itself: a lighthouse frozen for this long
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return Injected(failure, t, [], [], f"lighthouse (pid {pid}) stopped {failure.duration_s:.0f} s",
+                        ended=time.time())
+
+    def _lighthouse_restart_empty(self, failure: Failure, rng: random.Random) -> Injected:
+        pid = self.job.lighthouse_pid
+        t = time.time()
+        self.job.stop_lighthouse()  # SIGKILL; the new one starts with no state on the same address
+        self.job.start_lighthouse()
+        return Injected(failure, t, [], [], f"lighthouse (pid {pid}) killed, a fresh one started at once "
+                                            f"(pid {self.job.lighthouse_pid})", ended=time.time())
+
+    def _cut_one(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        t = time.time()
+        if failure.kind == FailureKind.PARTITION_LIGHTHOUSE:
+            self._link_fault([g], "blackhole", failure.duration_s)
+            # The others drop the group after the heartbeat timeout; it heals back unless nobody went on
+            # without it.
+            return Injected(failure, t, [g], [g], f"group {g} cut off from the lighthouse "
+                                                  f"{failure.duration_s:.0f} s", heal_optional=True)
+        self._link_fault([g], "oneway", failure.duration_s)
+        # Its heartbeats still arrive, so it may stay in the quorum and commit with the others throughout.
+        return Injected(failure, t, [], [g], f"group {g} deaf to the lighthouse's answers {failure.duration_s:.0f} s",
+                        ended=time.time(), heal_optional=True)
+
+    def _partition_all(self, failure: Failure, rng: random.Random) -> Injected:
+        t = time.time()
+        self._link_fault(sorted(self.alive), "blackhole", failure.duration_s)
+        return Injected(failure, t, [], [], f"every group cut off from the live lighthouse "
+                                            f"{failure.duration_s:.0f} s", ended=time.time())
+
+    def _link_fault(self, groups: List[int], mode: str, duration_s: float) -> None:
+        for g in groups:
+            self.job.proxy(g).set(mode)
+        try:
+            time.sleep(duration_s)  # the failure itself: the links stay broken this long
+        finally:
+            for g in groups:
+                self.job.proxy(g).set("pass")
+
+    def _slow_group(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        pids = sorted(self.job.worker_pids(g).values())
+        t = time.time()
+        end = time.monotonic() + failure.duration_s
+        try:
+            while time.monotonic() < end:  # the failure itself: stopped half of every period
+                signal_pids(pids, signal.SIGSTOP)
+                time.sleep(SLOW_PERIOD_S / 2)
+                signal_pids(pids, signal.SIGCONT)
+                time.sleep(SLOW_PERIOD_S / 2)
+        finally:
+            signal_pids(pids, signal.SIGCONT)
+        return Injected(failure, t, [], [], f"group {g} (pids {', '.join(map(str, pids))}) at half speed "
+                                            f"{failure.duration_s:.0f} s", ended=time.time())
 
 
 def _kill_and_wait(job: LocalJob, pids: List[int], timeout_s: float) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 Record = Dict[str, Any]
 
@@ -298,22 +298,27 @@ class OutagePause:
     reference_s: Optional[float]
 
 
-def outage_pause(records: Sequence[Record], t_down: float, t_up: float) -> Optional[OutagePause]:
+def outage_pause(records: Sequence[Record], t_down: float, t_up: float, settle_s: float = 0.0
+                 ) -> Optional[OutagePause]:
     """How long one survivor rank went without a commit around a lighthouse outage (pure).
 
     Args:
         records: that rank's step records (``time``, ``committed``, ``step_time_s``), any order.
         t_down, t_up: when the lighthouse stopped and started again (s since the epoch).
+        settle_s: also count the gaps in this long after ``t_up`` (seconds): the way back to the
+            lighthouse (a new quorum, a rebuilt process group) can stall the job after its first
+            commit past the outage.
 
     Returns:
-        :class:`OutagePause`, or ``None`` when there is no commit before the outage or none after it.
+        :class:`OutagePause`, or ``None`` when there is no commit before the outage or none after
+        ``t_up + settle_s``.
     """
     commits = sorted(r["time"] for r in records if r.get("committed"))
     before = [t for t in commits if t < t_down]
-    after = [t for t in commits if t >= t_up]
+    after = [t for t in commits if t >= t_up + settle_s]
     if not before or not after:
         return None
-    window = [before[-1]] + [t for t in commits if t_down <= t < t_up] + [after[0]]
+    window = [before[-1]] + [t for t in commits if t_down <= t < t_up + settle_s] + [after[0]]
     pause = max(b - a for a, b in zip(window, window[1:]))
     times = [r["step_time_s"] for r in sorted(records, key=lambda r: r["time"])
              if r.get("committed") and r["time"] < t_down and r.get("step_time_s") is not None]
@@ -321,7 +326,32 @@ def outage_pause(records: Sequence[Record], t_down: float, t_up: float) -> Optio
     ref = [t for t in before if t >= t_down - (t_up - t_down)]
     reference = max((b - a for a, b in zip(ref, ref[1:])), default=None)
     return OutagePause(pause, step_s, max(0.0, pause / step_s - 1.0) if step_s > 0 else 0.0,
-                       len(window) - 2, reference)
+                       sum(1 for t in commits if t_down <= t < t_up), reference)
+
+
+SPIN_CPU_SHARE = 0.5
+"""A rank that writes no step record may use at most this share of one core while it waits."""
+
+
+def spinning_ranks(cpu_s: Mapping[int, float], events: Sequence[Record], start: float, end: float
+                   ) -> List[Violation]:
+    """Ranks that burned CPU without stepping between ``start`` and ``end`` (pure).
+
+    A rank waiting for a quorum, a peer or the lighthouse must wait, not poll in a tight loop: one
+    that wrote no step record (committed or discarded) in the window may use at most
+    :data:`SPIN_CPU_SHARE` of a core.
+
+    Args:
+        cpu_s: PID -> CPU seconds it used between ``start`` and ``end`` (PIDs alive at both ends only:
+            a process started or ended in the window is doing something else).
+        events: merged records; step records carry the writer's ``pid``.
+        start, end: the window, seconds since the epoch.
+    """
+    wall = end - start
+    stepped = {e.get("pid") for e in _step_records(events) if start <= e["time"] <= end}
+    return [Violation("no rank spins", f"pid {pid} used {used:.1f} s of CPU in {wall:.1f} s without writing a "
+                                       "step record")
+            for pid, used in sorted(cpu_s.items()) if wall > 0 and pid not in stepped and used > SPIN_CPU_SHARE * wall]
 
 
 def final_loss_close(chaos_loss: Optional[float], baseline_loss: Optional[float], tolerance: float

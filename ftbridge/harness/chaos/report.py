@@ -9,13 +9,16 @@ from typing import Any, Dict, List
 from ftbridge.harness.chaos import invariants, spares
 from ftbridge.harness.chaos.invariants import Stats
 from ftbridge.harness.chaos.runner import ChaosResult
-from ftbridge.harness.chaos.schedule import FailureKind
+from ftbridge.harness.chaos.schedule import LIGHTHOUSE_FAULTS, FailureKind
 
 _COLORS = {
     FailureKind.KILL_RANK: "tab:red", FailureKind.KILL_GROUP: "darkred", FailureKind.HANG: "tab:orange",
     FailureKind.KILL_JOINER_IN_HEAL: "tab:purple", FailureKind.KILL_DONOR_IN_HEAL: "magenta",
     FailureKind.KILL_IN_CHECKPOINT: "tab:brown", FailureKind.LIGHTHOUSE_OUTAGE: "black",
     FailureKind.SCALE_DOWN: "tab:gray", FailureKind.SCALE_UP: "tab:blue",
+    FailureKind.LIGHTHOUSE_HANG: "dimgray", FailureKind.LIGHTHOUSE_RESTART_EMPTY: "darkslategray",
+    FailureKind.PARTITION_LIGHTHOUSE: "tab:cyan", FailureKind.PARTITION_ALL: "teal",
+    FailureKind.LOSSY_LINK: "tab:olive", FailureKind.SLOW_GROUP: "gold",
 }
 
 
@@ -98,11 +101,13 @@ def table(result: ChaosResult) -> str:
                      f"{len(result.spare_pids)} standing-by ranks stopped at the end")
     lines += [f"skipped: failure {o.injected.failure.index} ({o.injected.failure.kind.value}): {o.injected.skipped}"
               for o in result.outcomes if o.injected.skipped]
-    outage = by_kind(result).get(FailureKind.LIGHTHOUSE_OUTAGE.value)
-    if outage and outage["outage_steps_lost"]:
-        lines.append(f"lighthouse outages, worst survivor (min / median / max): steps lost "
-                     f"{Stats(outage['outage_steps_lost']).text()}, longest pause between commits "
-                     f"{Stats(outage['outage_pause_s']).text()} s")
+    rows = by_kind(result)
+    for kind in sorted(LIGHTHOUSE_FAULTS, key=lambda k: k.value):
+        outage = rows.get(kind.value)
+        if outage and outage["outage_steps_lost"]:
+            lines.append(f"{kind.value}, worst survivor (min / median / max): steps lost "
+                         f"{Stats(outage['outage_steps_lost']).text()}, longest pause between commits "
+                         f"{Stats(outage['outage_pause_s']).text()} s")
     if s["orphan_commits"]:
         lines.append(f"orphan commits (a group committed a step the others discarded, then died before any other "
                      f"group held it; torchft commits per group): {len(s['orphan_commits'])} "

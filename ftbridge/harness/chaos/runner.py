@@ -24,14 +24,14 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.faults import ENV_DIR
 from ftbridge.harness.chaos import invariants, spares
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
-from ftbridge.harness.chaos.schedule import Failure, FailureKind
+from ftbridge.harness.chaos.schedule import LIGHTHOUSE_FAULTS, LIGHTHOUSE_PROCESS, PROXIED, Failure, FailureKind
 from ftbridge.harness.local_job import GroupProcess, LocalJob, started_by
-from ftbridge.processes import pid_alive, stop_process_groups
+from ftbridge.processes import cpu_seconds, pid_alive, stop_process_groups
 
 logger = logging.getLogger("ftbridge.harness.chaos")
 
@@ -76,6 +76,12 @@ class ChaosSettings:
     spares: int = 0
 
     @property
+    def settle_s(self) -> float:
+        """How long after a fault with an end the job's pauses still count against it, seconds: the
+        lighthouse's heartbeat and join timeouts, in which the way back to it forms a new quorum."""
+        return (self.heartbeat_timeout_ms + self.join_timeout_ms) / 1000
+
+    @property
     def recovery_bound_s(self) -> float:
         """Longest survivor stall the configured timeouts allow, plus slack for this machine.
 
@@ -97,6 +103,8 @@ class Outcome:
     violations: List[str] = field(default_factory=list)
     outage: Optional[invariants.OutagePause] = None
     """For a lighthouse outage: the survivor that lost the most steps (:func:`invariants.outage_pause`)."""
+    spins: List[str] = field(default_factory=list)
+    """Ranks that burned CPU without stepping from the injection to the recovery (:func:`invariants.spinning_ranks`)."""
 
     def to_json(self) -> Dict[str, Any]:
         rec = self.recovery
@@ -105,7 +113,7 @@ class Outcome:
                 "rejoin_s": rec.rejoin_s if rec else None, "discarded": rec.discarded if rec else None,
                 "outage_steps_lost": self.outage.steps_lost if self.outage else None,
                 "outage_pause_s": self.outage.pause_s if self.outage else None,
-                "violations": self.violations}
+                "violations": self.violations, "spins": self.spins}
 
 
 @dataclass
@@ -139,13 +147,14 @@ def _final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
     return statistics.fmean(finals) if finals else None
 
 
-def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int]
+def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int], settle_s: float
                   ) -> Optional[invariants.OutagePause]:
-    """For a lighthouse outage, the worst survivor's pause around it (``None`` for other failures)."""
-    if inj.failure.kind != FailureKind.LIGHTHOUSE_OUTAGE or inj.ended is None:
+    """For a lighthouse fault, the worst survivor's pause around it and ``settle_s`` after it (``None`` for
+    other failures)."""
+    if inj.failure.kind not in LIGHTHOUSE_FAULTS or inj.ended is None:
         return None
     pauses = [invariants.outage_pause([e for e in events if "event" not in e and e["replica_group"] == g
-                                       and e["group_rank"] == 0], inj.time, inj.ended) for g in alive]
+                                       and e["group_rank"] == 0], inj.time, inj.ended, settle_s) for g in alive]
     return max((p for p in pauses if p is not None), key=lambda p: p.steps_lost, default=None)
 
 
@@ -157,8 +166,11 @@ def _all_together(job: LocalJob, alive: Sequence[int], since: float) -> bool:
     return True
 
 
-def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_s: float) -> bool:
+def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_s: float, settle_s: float) -> bool:
+    """Wait until the hit groups are back and every running group commits together; after a fault with an
+    end (a lighthouse or link fault, a slowed group), together again ``settle_s`` after that end."""
     deadline = time.monotonic() + timeout_s
+    since = inj.time if inj.ended is None else inj.ended + settle_s
     try:
         for g in inj.rejoin:
             if inj.heal_optional:  # a hang: heal if the others went on, else commit with them again
@@ -166,7 +178,7 @@ def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_
                                max(1.0, deadline - time.monotonic()), f"replica group {g} to rejoin")
             else:
                 job.wait_heal(g, inj.time, max(1.0, deadline - time.monotonic()), f"replica group {g} to heal back")
-        job.wait_until(lambda: _all_together(job, alive, inj.time), max(1.0, deadline - time.monotonic()),
+        job.wait_until(lambda: _all_together(job, alive, since), max(1.0, deadline - time.monotonic()),
                        f"replica groups {list(alive)} to commit together")
         return True
     except TimeoutError as e:
@@ -175,12 +187,14 @@ def _wait_recovered(job: LocalJob, inj: Injected, alive: Sequence[int], timeout_
         return False
 
 
-def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool = False) -> LocalJob:
+def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool = False,
+         kinds: AbstractSet[FailureKind] = frozenset()) -> LocalJob:
     job = LocalJob(os.path.join(settings.workdir, name), settings.groups, settings.nproc,
                    [*settings.script_args, "--steps", str(10**9)], max_restarts=1000,
                    lighthouse_min_replicas=settings.groups if together else None,
                    heartbeat_timeout_ms=settings.heartbeat_timeout_ms, join_timeout_ms=settings.join_timeout_ms,
-                   env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s), **env})
+                   env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s), **env},
+                   lighthouse_process=bool(kinds & LIGHTHOUSE_PROCESS), proxies=bool(kinds & PROXIED))
     job.script_args += ["--stop-file", os.path.join(job.workdir, "stop")]
     return job
 
@@ -203,7 +217,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     spares.validate_spares(settings.spares, settings.groups)
     t_start = time.time()
     fault_dir = os.path.join(settings.workdir, "faults")
-    job = _job(settings, "chaos", {ENV_DIR: fault_dir})
+    job = _job(settings, "chaos", {ENV_DIR: fault_dir}, kinds={f.kind for f in schedule})
     ckpt_dir = os.path.join(job.workdir, "checkpoints")
     every = settings.checkpoint_every or (20 if any(f.kind == FailureKind.KILL_IN_CHECKPOINT for f in schedule) else 0)
     if every:
@@ -228,6 +242,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
         injector = Injector(job, alive, fault_dir, settings.seed, spares=settings.spares)
         for failure in schedule:
             time.sleep(max(0.0, t0 + failure.at_s - time.time()))  # the schedule is in wall time
+            t_before, cpu_before = time.time(), _cpu(job.all_worker_pids())
             inj = injector.inject(failure)
             alive = injector.alive
             if inj.skipped:
@@ -235,14 +250,18 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                 outcomes.append(Outcome(inj, recovered=True))
             else:
                 logger.info("failure %d: %s: %s", failure.index, failure.kind.value, inj.target)
-                ok = _wait_recovered(job, inj, sorted(alive), settings.recovery_timeout_s)
+                ok = _wait_recovered(job, inj, sorted(alive), settings.recovery_timeout_s, settings.settle_s)
+                t_after, cpu_after = time.time(), _cpu(list(cpu_before))
                 events = job.events()
+                used = {p: cpu_after[p] - c for p, c in cpu_before.items() if p in cpu_after}
+                spins = [str(v) for v in invariants.spinning_ranks(used, events, t_before, t_after)]
                 rec = invariants.recovery(events, inj.ended or inj.time, inj.hit, rejoin=inj.rejoin,
                                           heal_optional=inj.heal_optional)
                 found = [str(v) for v in invariants.check_all(events)]
                 new = [v for v in found if all(v not in o.violations for o in outcomes)]
-                outcomes.append(Outcome(inj, ok, rec, new, _outage_pause(events, inj, sorted(alive))))
-                for v in new:
+                outcomes.append(Outcome(inj, ok, rec, new, _outage_pause(events, inj, sorted(alive), settings.settle_s),
+                                        spins))
+                for v in new + spins:
                     logger.error("invariant broken after failure %d: %s", failure.index, v)
                 if not ok:
                     break
@@ -275,6 +294,12 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
 
 def _loss_text(loss: Optional[float]) -> str:
     return "none" if loss is None else f"{loss:.4f}"
+
+
+def _cpu(pids: Sequence[int]) -> Dict[int, float]:
+    """CPU seconds so far of each of ``pids`` still running."""
+    found = {p: cpu_seconds(p) for p in pids}
+    return {p: c for p, c in found.items() if c is not None}
 
 
 def _start_spares(job: LocalJob, count: int, timeout_s: float) -> None:
@@ -365,6 +390,11 @@ def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outco
         "recovered from every failure", f"{len(injected)} failures injected",
         [V("recovery", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}) not recovered from")
          for o in injected if not o.recovered]))
+    checks.append(invariants.Check(
+        "no rank spins", f"{len(injected)} failure windows, at most {invariants.SPIN_CPU_SHARE:g} of a core "
+                         "for a rank that does not step",
+        [V("no rank spins", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): {s}")
+         for o in injected for s in o.spins]))
     timed = [(o, o.recovery.survivors_s) for o in injected
              if o.recovery is not None and o.recovery.survivors_s is not None]
     checks.append(invariants.Check(

@@ -36,10 +36,31 @@ class FailureKind(str, enum.Enum):
     """A replica group leaves for good (its launcher is stopped; no restart)."""
     SCALE_UP = "scale_up"
     """A replica group that was not running joins mid-run."""
+    LIGHTHOUSE_HANG = "lighthouse_hang"
+    """SIGSTOP the lighthouse's process for a set time, then SIGCONT (hung, not dead: connects still succeed)."""
+    LIGHTHOUSE_RESTART_EMPTY = "lighthouse_restart_empty"
+    """SIGKILL the lighthouse and start a fresh one at once on the same address (no state: quorum ids from 0)."""
+    PARTITION_LIGHTHOUSE = "partition_lighthouse"
+    """Blackhole one group's link to the lighthouse for a set time (its peers still reach it and the group)."""
+    PARTITION_ALL = "partition_all"
+    """Blackhole every group's link to a live lighthouse for a set time."""
+    LOSSY_LINK = "lossy_link"
+    """Cut one group's link to the lighthouse one way for a set time: its requests arrive, no answer returns."""
+    SLOW_GROUP = "slow_group"
+    """Duty-cycle one group's ranks (stopped half of every 200 ms) for a set time: slow, never dead."""
 
 
-MIN_GROUPS = {FailureKind.KILL_DONOR_IN_HEAL: 3, FailureKind.SCALE_DOWN: 2}
+MIN_GROUPS = {FailureKind.KILL_DONOR_IN_HEAL: 3, FailureKind.SCALE_DOWN: 2, FailureKind.PARTITION_LIGHTHOUSE: 2,
+              FailureKind.LOSSY_LINK: 2}
 """Fewest planned replica groups a kind needs: with fewer, no group with state would survive it."""
+
+LIGHTHOUSE_PROCESS = {FailureKind.LIGHTHOUSE_HANG, FailureKind.LIGHTHOUSE_RESTART_EMPTY}
+"""Kinds that need the lighthouse in a process of its own (to stop or kill it)."""
+PROXIED = {FailureKind.PARTITION_LIGHTHOUSE, FailureKind.PARTITION_ALL, FailureKind.LOSSY_LINK}
+"""Kinds that need each group's lighthouse link through a fault proxy (:mod:`ftbridge.harness.netfault`)."""
+LIGHTHOUSE_FAULTS = {FailureKind.LIGHTHOUSE_OUTAGE, FailureKind.LIGHTHOUSE_HANG, FailureKind.LIGHTHOUSE_RESTART_EMPTY,
+                     FailureKind.PARTITION_ALL}
+"""Kinds that take the lighthouse from every group at once: the groups ride them out (steps lost are measured)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +72,8 @@ class Failure:
         kind: what to inject.
         at_s: earliest injection time, seconds after the run's first commit.
             The runner also waits for the previous failure to be recovered from.
-        duration_s: how long a hang or a lighthouse outage lasts (seconds); 0 for the other kinds.
+        duration_s: how long a hang, a slowed group, a lighthouse outage or hang, or a link fault
+            lasts (seconds); 0 for the other kinds.
     """
 
     index: int
@@ -105,9 +127,10 @@ def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, c
         duration_s: if given, failures are drawn until ``at_s`` would pass it
             (soak runs), at least ``len(kinds)`` of them.
         mtbf_s: mean time between failures, seconds.
-        hang_s: how long a :attr:`FailureKind.HANG` lasts, seconds (make it
-            longer than the cross-replica timeout).
-        outage_s: how long a :attr:`FailureKind.LIGHTHOUSE_OUTAGE` lasts, seconds.
+        hang_s: how long a :attr:`FailureKind.HANG` or a :attr:`FailureKind.SLOW_GROUP`
+            lasts, seconds (make it longer than the cross-replica timeout).
+        outage_s: how long a lighthouse outage or hang, or a link fault (partition, lossy link)
+            lasts, seconds.
         first_at_s: offset of the first failure, seconds.
 
     Returns:
@@ -145,7 +168,8 @@ def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, c
         if duration_s is not None and count is None and i >= len(order) and t > duration_s:
             break
         kind = FailureKind(order[i] if i < len(order) else rng.choice(list(kinds)))
-        lasts = {FailureKind.HANG: hang_s, FailureKind.LIGHTHOUSE_OUTAGE: outage_s}.get(kind, 0.0)
+        lasts = hang_s if kind in (FailureKind.HANG, FailureKind.SLOW_GROUP) else (
+            outage_s if kind in (LIGHTHOUSE_FAULTS | PROXIED) - {FailureKind.LIGHTHOUSE_RESTART_EMPTY} else 0.0)
         out.append(Failure(i, kind, round(t, 3), lasts))
         t += max(1.0, rng.expovariate(1.0 / mtbf_s))
     return out
