@@ -214,11 +214,12 @@ class FTBridgeConfig:
     process group (:mod:`ftbridge.manager.commit`)."""
 
     lighthouse_probe_timeout: timedelta = timedelta(milliseconds=100)
-    """A lighthouse that has not answered ``GET /status`` within this long
+    """A lighthouse that gives no answer to ``GET /status`` within this long
     counts as not answering, and a quorum call in flight is left for a ride
     on the last quorum (``FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS``). A connect
     that succeeds proves nothing: a hung lighthouse, or a proxy in front of a
-    dead one, accepts connections. Too short on a loaded machine costs a
+    dead one, accepts connections. An answer that arrives late because this
+    process was paused still counts. Too short on a loaded machine costs a
     discarded step now and then, never a split; a hung lighthouse costs
     about this long plus one step."""
 

@@ -85,7 +85,7 @@ def test_a_real_http_server_that_is_not_a_lighthouse_does_not_count():
         server.shutdown()
 
 
-def test_only_a_probe_started_since_counts_and_one_runs_at_a_time():
+def test_only_a_probe_started_since_counts_one_runs_at_a_time_and_a_late_answer_counts():
     release = threading.Event()
 
     def probe(address, timeout_s):
@@ -96,12 +96,14 @@ def test_only_a_probe_started_since_counts_and_one_runs_at_a_time():
     assert m.answers(since=100.0) is None and m.probes == 1
     assert m.answers(since=100.0) is None and m.probes == 1  # one in flight: no second probe
     clock[0] = 101.5
-    assert m.answers(since=100.0) is False                    # in flight past its deadline
+    assert m.answers(since=100.0) is None   # past its deadline: its own timeout ends it, or its answer comes
+    clock[0] = 102.0
+    assert m.answers(since=100.0) is False  # still in flight at twice its deadline
     release.set()
     deadline = time.monotonic() + 5
     while m._inflight is not None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert m.answers(since=100.0) is False  # it answered, but after its deadline
+    assert m.answers(since=100.0) is True   # it answered late (this process paused): the lighthouse is up
     assert m.answers(since=101.0) is None and m.probes == 2  # older than ``since``: a new probe
 
 
@@ -408,6 +410,27 @@ def test_a_group_that_asked_the_lighthouse_runs_the_riders_collectives_and_commi
     assert [r.riding for r in riders] == [True, False, True]
     assert tfs[0]._pg.sizes == tfs[1]._pg.sizes == tfs[2]._pg.sizes == [3 * ROW]  # the gradients: Phase, not SimPG
     assert [tf.step for tf in tfs] == [11, 11, 11]
+
+
+def test_after_going_back_a_probe_from_the_outage_does_not_send_the_group_riding_again():
+    riders, tfs, monitors = _riders(2, [10, 10])
+    alive = {0, 1}
+    for _ in range(2):
+        assert _run_step(StepPlan(False, set(), set(), set(), set()), riders, tfs, monitors, alive) == {0: True,
+                                                                                                         1: True}
+    assert _run_step(StepPlan(False, {1}, set(), set(), set()), riders, tfs, monitors, alive) == {0: True, 1: True}
+    # Group 0's last probe started during the outage and failed; group 1 heard the lighthouse, so both go
+    # back and commit on its quorum.
+    probe_started = time.monotonic()
+
+    class Stale:
+        def answers(self, since):
+            return False if since <= probe_started else None  # only that old probe has finished
+
+    riders[0]._monitor = Stale()
+    both = StepPlan(False, set(), set(), set(), set(), asks={0, 1})
+    assert _run_step(both, riders, tfs, monitors, alive) == {0: True, 1: True}
+    assert riders[0].reuse() is None  # asks the lighthouse instead of riding alone on the stale probe
 
 
 def test_riders_with_the_ride_off_still_agree_every_step():

@@ -34,7 +34,7 @@ class LighthouseMonitor:
 
     Args:
         address: the lighthouse (``http://HOST:PORT``).
-        deadline: a probe that has not answered after this long counts as "does not answer".
+        deadline: a probe's timeout: one that gets no answer within it counts as "does not answer".
         probe: ``probe(address, timeout_s)``, returns on an answer, raises otherwise
             (default :func:`probe_status`); a seam for tests.
         clock: monotonic seconds.
@@ -54,8 +54,13 @@ class LighthouseMonitor:
         """The lighthouse's state from a probe started at or after ``since`` (monotonic s).
 
         Starts such a probe when none is in flight. Returns ``True`` once it
-        answered within the deadline, ``False`` once it failed or has run past
-        the deadline, ``None`` while it is too early to say.
+        got an answer, ``False`` once it failed (no answer within the deadline,
+        its socket timeout: a hung or unreachable lighthouse) or is still in
+        flight at twice the deadline, ``None`` while it is too early to say.
+        An answer that arrives after the deadline counts: when this process was
+        paused (a SIGSTOP, a VM or GC pause) the reply waits in its socket and
+        the probe thread reads it as soon as it runs again, while a probe of a
+        lighthouse that does not answer ends with its own timeout.
         """
         with self._lock:
             now = self._clock()
@@ -64,7 +69,7 @@ class LighthouseMonitor:
             if self._inflight is None:
                 self._start(now)
                 return None
-            if now - self._inflight >= self._deadline:
+            if now - self._inflight >= 2 * self._deadline:  # its own timeout should have ended it long ago
                 return False
             return None
 
@@ -80,7 +85,6 @@ class LighthouseMonitor:
                 logger.debug("lighthouse probe of %s failed: %s: %s", self._address, type(exc).__name__, exc)
                 ok = False
             with self._lock:
-                ok = ok and self._clock() - now <= self._deadline
                 self._last, self._inflight = (now, ok), None
 
         threading.Thread(target=run, name="ftbridge-lighthouse-probe", daemon=True).start()

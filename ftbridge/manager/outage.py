@@ -148,6 +148,7 @@ class OutageRider:
         self._manager = manager
         self._who = f"[replica {replica_group_id} rank {group_rank}]"
         self._repeats = RepeatLimit()
+        self._back_at = float("-inf")  # monotonic time this group last went back to the lighthouse
         self.replica_group_id, self.num_groups = replica_group_id, num_groups
         self.enabled = enabled
         self._lighthouse = lighthouse
@@ -299,7 +300,10 @@ class OutageRider:
     def _decide(self) -> Tuple[bool, bool]:
         """Group rank 0: ``(ride, lighthouse seen)`` for this step."""
         last = self.last
-        answers = self._monitor.answers(since=time.monotonic() - FRESH.total_seconds()) if self.may_ride() else None
+        # A probe from before the group went back to the lighthouse was overruled by the member that heard it:
+        # riding again alone on it would leave the others on a new quorum for a cross-replica timeout.
+        since = max(time.monotonic() - FRESH.total_seconds(), self._back_at)
+        answers = self._monitor.answers(since=since) if self.may_ride() else None
         ride = decide_ride(enabled=self.enabled, has_last=last is not None,
                            same_process_group=last is not None and int(self._manager._quorum_id) == last.quorum_id,
                            last_committed=self._last_committed, rode_last=self._rode_last,
@@ -309,6 +313,7 @@ class OutageRider:
                        "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
                        last.world_size if last else 0)
         elif self._rode_last and not ride:
+            self._back_at = time.monotonic()
             self._warn("back", "%s back to the lighthouse (%d steps without it so far) on quorum %d (%s)", self._who,
                        self.rides, last.quorum_id if last else -1,
                        "a member hears it again" if self._last_committed else "a riding step failed")
