@@ -79,12 +79,13 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
 
 def table(result: ChaosResult) -> str:
     """A text table: failures by kind, survived, recovery min/median/max, steps discarded, heals."""
-    head = (f"{'failure kind':<20} {'injected':>8} {'survived':>8} {'survivors commit again (s)':>27} "
+    w = max(len(k.value) for k in FailureKind)
+    head = (f"{'failure kind':<{w}} {'injected':>8} {'survived':>8} {'survivors commit again (s)':>27} "
             f"{'rejoined (s)':>21} {'discarded':>9}")
     lines = ["min / median / max seconds after the injection", head, "-" * len(head)]
     for kind, row in by_kind(result).items():
         skipped = f" ({row['skipped']} skipped)" if row["skipped"] else ""
-        lines.append(f"{kind:<20} {row['injected']:>8} {row['survived']:>8} {Stats(row['survivors_s']).text():>27} "
+        lines.append(f"{kind:<{w}} {row['injected']:>8} {row['survived']:>8} {Stats(row['survivors_s']).text():>27} "
                      f"{Stats(row['rejoin_s']).text():>21} {row['discarded']:>9}{skipped}")
     s = summary(result)
     lines.append("-" * len(head))
