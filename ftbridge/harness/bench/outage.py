@@ -15,7 +15,8 @@ once more with it off (every step waits for the lighthouse), in alternating
 order. From each group's event log (:func:`ftbridge.harness.chaos.invariants.outage_pause`):
 
 * **pause**: the longest time between two consecutive commits from the last
-  commit before the outage to the first commit after it;
+  commit before the outage until both groups commit together in a quorum from
+  the lighthouse again (the way back counts);
 * **steps lost**: ``pause / median step - 1`` (a pause of one ordinary step
   loses nothing); the worse of the two groups counts.
 
@@ -95,13 +96,15 @@ def outage_run(workdir: str, settings: BenchSettings, ride: bool, kind: str = "d
         job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 and e["time"] > t_up
                                        and not e.get("rode_out_outage") for e in job.steps(g)) for g in (0, 1)),
                        t_out, "both groups to commit together in a new quorum")
+        settle_s = time.time() - t_up  # the way back to the lighthouse counts too
         job.stop_soon()
         codes = job.wait(t_out)
         events = job.events()
     failure_jobs.check_recovered(events, codes, groups=(0, 1), ranks=1, what=f"outage run in {workdir}")
     pauses = []
     for g in (0, 1):
-        p = outage_pause([e for e in events if "event" not in e and e["replica_group"] == g], t_down, t_up)
+        p = outage_pause([e for e in events if "event" not in e and e["replica_group"] == g], t_down, t_up,
+                         settle_s)
         if p is None:
             raise ValueError(f"group {g} has no commit before or after the outage in {workdir}")
         pauses.append(p)
