@@ -396,8 +396,7 @@ class OutageRider:
         step); the next line says how many were held back."""
         held = self._repeats.allow(key, time.monotonic())
         if held is not None:
-            logger.warning(msg + (f" ({held} more like this in the last {self._repeats.every_s:g} s)" if held else ""),
-                           *args)
+            logger.warning(msg + (f" ({held} more like this since the last one logged)" if held else ""), *args)
 
     def _publish(self, outcome: bytes) -> None:
         if self._group_size > 1:

@@ -22,9 +22,9 @@ from ftbridge.harness.chaos.spares import SCALE_DOWN_WITH_SPARES
 from ftbridge.harness.local_job import LocalJob
 from ftbridge.processes import pid_alive, signal_pids
 
-_TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG, FailureKind.KILL_JOINER_IN_HEAL,
-          FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT, FailureKind.PARTITION_LIGHTHOUSE,
-          FailureKind.LOSSY_LINK}
+_TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG,
+                     FailureKind.KILL_JOINER_IN_HEAL, FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT,
+                     FailureKind.PARTITION_LIGHTHOUSE, FailureKind.LOSSY_LINK}
 """Kinds that take a group out of the job for a while: another group with state must be running."""
 SLOW_PERIOD_S = 0.2
 """A slowed group's ranks are stopped for the first half of every period of this length."""
@@ -134,11 +134,7 @@ class Injector:
         pids = self.job.worker_pids(g)
         r = rng.choice(sorted(pids))
         t = time.time()
-        os.kill(pids[r], signal.SIGSTOP)
-        try:
-            time.sleep(failure.duration_s)  # the failure itself: a rank frozen for this long
-        finally:
-            os.kill(pids[r], signal.SIGCONT)
+        _stop_for([pids[r]], failure.duration_s)
         # No heal is needed when the others never committed without it (they too waited the hang out).
         return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]}) stopped "
                                               f"{failure.duration_s:.0f} s", heal_optional=True)
@@ -206,15 +202,10 @@ class Injector:
         self.alive.add(g)
         return Injected(failure, t, [], [g], f"group {g} joined the job")
 
-
     def _lighthouse_hang(self, failure: Failure, rng: random.Random) -> Injected:
         pid = self.job.lighthouse_pid
         t = time.time()
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            time.sleep(failure.duration_s)  # the failure itself: a lighthouse frozen for this long
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        _stop_for([pid], failure.duration_s)
         return Injected(failure, t, [], [], f"lighthouse (pid {pid}) stopped {failure.duration_s:.0f} s",
                         ended=time.time())
 
@@ -260,16 +251,20 @@ class Injector:
         pids = sorted(self.job.worker_pids(g).values())
         t = time.time()
         end = time.monotonic() + failure.duration_s
-        try:
-            while time.monotonic() < end:  # the failure itself: stopped half of every period
-                signal_pids(pids, signal.SIGSTOP)
-                time.sleep(SLOW_PERIOD_S / 2)
-                signal_pids(pids, signal.SIGCONT)
-                time.sleep(SLOW_PERIOD_S / 2)
-        finally:
-            signal_pids(pids, signal.SIGCONT)
+        while time.monotonic() < end:  # the failure itself: stopped half of every period
+            _stop_for(pids, SLOW_PERIOD_S / 2)
+            time.sleep(SLOW_PERIOD_S / 2)
         return Injected(failure, t, [], [], f"group {g} (pids {', '.join(map(str, pids))}) at half speed "
                                             f"{failure.duration_s:.0f} s", ended=time.time())
+
+
+def _stop_for(pids: List[int], seconds: float) -> None:
+    """SIGSTOP ``pids``, wait ``seconds`` (the failure itself), SIGCONT them, also if the wait is interrupted."""
+    signal_pids(pids, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal_pids(pids, signal.SIGCONT)
 
 
 def _kill_and_wait(job: LocalJob, pids: List[int], timeout_s: float) -> None:
