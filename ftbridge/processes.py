@@ -78,11 +78,20 @@ def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = 
     raise RuntimeError(f"no {count} consecutive free ports on {host} below the ephemeral range")
 
 
+def _stat_fields(pid: int) -> List[bytes]:
+    """The fields of ``/proc/PID/stat`` after the command name (field 3, the state, first).
+
+    Raises:
+        OSError: no such process (or no ``/proc``). IndexError: an unreadable line.
+    """
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> Optional[float]:
     """CPU time ``pid`` has used so far (user + system, seconds, all its threads); ``None`` once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
+        fields = _stat_fields(pid)
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
@@ -97,8 +106,7 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        return _stat_fields(pid)[0] != b"Z"
     except (OSError, IndexError):
         return True
 
