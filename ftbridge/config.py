@@ -196,11 +196,13 @@ class FTBridgeConfig:
     always safe: the group is one step behind and heals."""
 
     quorum_retries: int = 5
-    """Lighthouse calls group rank 0's torchft manager retries within one
-    quorum call, sleeping ``quorum_timeout / (quorum_retries + 1)`` between
-    tries and reconnecting for up to ``connect_timeout``, so a lighthouse
-    restart does not kill the job; torchft's default 0 does
-    (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
+    """Times one quorum call is tried again: ``quorum_retries + 1`` tries of
+    ``quorum_timeout / (quorum_retries + 1)`` each, one at a time, so a
+    lighthouse restart does not kill the job; torchft's default 0 does.
+    ftbridge makes the tries itself (torchft's manager server then retries
+    nothing: a request it retried could not be taken back); with a torchft
+    ftbridge does not guard, torchft's manager retries as its own
+    ``quorum_retries`` says (``FTBRIDGE_QUORUM_RETRIES`` / ``TORCHFT_QUORUM_RETRIES``)."""
 
     ride_out_lighthouse_outage: bool = True
     """While the lighthouse does not answer (dead, hung, or behind a link that

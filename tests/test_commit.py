@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,12 +31,22 @@ def view(group=0, qid=4, digest=D1, step=100, participants=2, participating=True
     return View(group, qid, digest, step, participants, participating, ok, seen, guard)
 
 
+def test_a_member_still_waiting_on_a_call_it_left_keeps_every_member_riding():
+    """A member whose left lighthouse call is in flight must not see the others go back: its call's request
+    may still reach the lighthouse with an old step, and a quorum formed from it would be one that member never
+    hears (seen with real processes: a 10 s stall after a dead lighthouse came back)."""
+    heard, holding = encode_view(view(0, seen=True)), encode_view(replace(view(1), holding=True))
+    assert not judge([heard, encode_view(view(1))], heard, riding=True).ride_on
+    v = judge([heard, holding], heard, riding=True)
+    assert v.commit and v.ride_on
+
+
 def test_rows_agree_only_on_the_same_quorum_membership_step_and_divisor():
     a, b = encode_view(view(0)), encode_view(view(1))
     assert len(a) == ROW
     v = judge([a, b], a, riding=True)
-    assert v.consistent and v.commit and v.all_unreachable and v.guard is None
-    assert not judge([a, encode_view(view(1, seen=True))], a, riding=True).all_unreachable
+    assert v.consistent and v.commit and v.ride_on and v.guard is None
+    assert not judge([a, encode_view(view(1, seen=True))], a, riding=True).ride_on
     for other in (view(1, qid=5), view(1, digest=D2), view(1, step=99), view(1, participants=1)):
         verdict = judge([a, encode_view(other)], a, riding=False)
         assert not verdict.consistent and not verdict.commit, other
@@ -96,7 +108,7 @@ def rows(*flags):
 
 
 def test_every_rank_ok_commits_and_rides_on_only_if_every_rank_heard_nothing():
-    ok = Flags(step=5, errored=False, agreement=True, all_unreachable=True)
+    ok = Flags(step=5, errored=False, agreement=True, ride_on=True)
     d = decide_group(rows(ok, ok))
     assert d.commit and d.ride_next and not d.drop_heal and d.reason == ""
     assert not decide_group(rows(ok, Flags(step=5, errored=False, agreement=True))).ride_next
@@ -135,7 +147,7 @@ def test_a_missing_or_doubled_rank_is_an_error_not_a_guess():
 
 
 @given(st.lists(st.builds(Flags, step=st.sampled_from([3, 4]), errored=st.booleans(), agreement=st.booleans(),
-                          all_unreachable=st.booleans(), healing=st.booleans(), heal_ready=st.booleans(),
+                          ride_on=st.booleans(), healing=st.booleans(), heal_ready=st.booleans(),
                           guard_mismatch=st.booleans(), guard_differs=st.booleans(), guard_tie=st.booleans(),
                           stop=st.booleans()), min_size=1, max_size=4))
 @settings(max_examples=300, deadline=None)
@@ -153,15 +165,15 @@ def test_the_decision_is_a_function_of_the_whole_group_only(flags):
 # -- QUORUM ----------------------------------------------------------------------------------------------
 def test_ride_needs_a_committed_last_step_and_a_lighthouse_that_does_not_answer():
     base = dict(enabled=True, has_last=True, same_process_group=True, last_committed=True, rode_last=False,
-                last_all_unreachable=False, lighthouse_answers=False)
+                last_ride_on=False, lighthouse_answers=False)
     assert decide_ride(**base)
     for name in ("enabled", "has_last", "same_process_group", "last_committed"):
         assert not decide_ride(**{**base, name: False}), name
     assert not decide_ride(**{**base, "lighthouse_answers": True})
     assert not decide_ride(**{**base, "lighthouse_answers": None})
     # Staying on follows the shared agreement, not this rank's own probe.
-    assert decide_ride(**{**base, "rode_last": True, "last_all_unreachable": True, "lighthouse_answers": True})
-    assert not decide_ride(**{**base, "rode_last": True, "last_all_unreachable": False})
+    assert decide_ride(**{**base, "rode_last": True, "last_ride_on": True, "lighthouse_answers": True})
+    assert not decide_ride(**{**base, "rode_last": True, "last_ride_on": False})
 
 
 def test_a_lighthouse_call_is_waited_for_until_a_ride_or_its_deadline():

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 import torch
@@ -200,7 +200,7 @@ def test_a_call_that_times_out_is_raised_at_once_not_polled_forever():
     and never returned (the min-replicas wedge)."""
     r = _rider(answer=True)
 
-    def call():
+    def call(timeout):
         raise TimeoutError("Timeout expired")
 
     t0 = time.monotonic()
@@ -209,11 +209,136 @@ def test_a_call_that_times_out_is_raised_at_once_not_polled_forever():
     assert time.monotonic() - t0 < 1.0 and not r.riding
 
 
+class Tries:
+    """A lighthouse call whose first ``fail`` tries end by torchft's deadline; records each try's timeout and
+    how many were in flight at once."""
+
+    def __init__(self, fail: int, answer=None) -> None:
+        self.fail, self.answer = fail, answer
+        self.timeouts: List[timedelta] = []
+        self.lock, self.inflight, self.most = threading.Lock(), 0, 0
+
+    def __call__(self, timeout):
+        with self.lock:
+            self.timeouts.append(timeout)
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+            n = len(self.timeouts)
+        try:
+            if n <= self.fail:
+                raise TimeoutError("Timeout expired")
+            return self.answer
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+
+def test_a_call_is_made_in_tries_one_at_a_time_within_the_quorum_timeout():
+    """ftbridge makes the tries torchft's manager server used to retry itself: a request torchft retried could
+    not be taken back and reached a restarted lighthouse with an old step."""
+    r = _rider(answer=True, quorum_timeout=timedelta(seconds=3), tries=3)
+    call = Tries(fail=2, answer=Quorum(2, 0, 2))
+    assert r.quorum(call).quorum_id == 2 and not r.riding
+    assert call.timeouts == [timedelta(seconds=1)] * 3 and call.most == 1
+    r.after_commit(True, False)
+    spent = Tries(fail=3)
+    with pytest.raises(TimeoutError, match="Timeout expired"):
+        r.quorum(spent)
+    assert len(spent.timeouts) == 3
+
+
+def test_a_rank_other_than_0_makes_its_tries_again_while_it_follows():
+    """torchft's manager server sends a try to the lighthouse once every rank of the group made it: a rank that
+    stopped after its first try would leave rank 0's later tries unanswered."""
+    store = Store()
+    kw = dict(answer=True, size=2, store=store, quorum_timeout=timedelta(seconds=3), tries=3)
+    r0, r1 = _rider(rank=0, **kw), _rider(rank=1, **kw)
+    c0, c1 = Tries(fail=2, answer=Quorum(2, 0, 2)), Tries(fail=2, answer=Quorum(2, 1, 2))
+    t = threading.Thread(target=r0.quorum, args=(c0,))
+    t.start()
+    assert r1.quorum(c1).quorum_id == 2
+    t.join(10)
+    assert len(c0.timeouts) == len(c1.timeouts) == 3
+
+
+class StopsAnswering:
+    """A lighthouse that answers the probe at a step's start and none after it."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def answers(self, since):
+        first, self.asked = not self.asked, True
+        return first
+
+
+def test_a_call_left_to_ride_is_held_then_taken_up_never_doubled():
+    """While a call the group left is in flight its row holds every member on the ride; a step that must ask
+    meanwhile waits on that call instead of making a second one (two requests of one group in torchft's manager
+    server: the answer to one goes to the other's caller)."""
+    r = _rider(answer=True)
+    r._monitor = StopsAnswering()
+    hung, calls = threading.Event(), []
+
+    def call(timeout):
+        calls.append(timeout)
+        hung.wait(30)
+        return Quorum(3, 0, 2)
+
+    r.quorum(call)
+    assert r.riding and r.holding()
+    r.after_commit(False, False)  # the riding step failed: the next one must ask
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("q", r.quorum(call)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while r._adopted is None and time.monotonic() < deadline:  # the step took the left call up
+        time.sleep(0.01)
+    hung.set()
+    t.join(10)
+    assert out["q"].quorum_id == 3 and len(calls) == 1 and not r.holding()
+    assert r._dead_ends() is None  # the answer taken up is this step's quorum, not a dead end
+
+
+@dataclass
+class Answer:
+    """A lighthouse answer with the fields the stale-answer rule reads."""
+
+    quorum_id: int
+    max_world_size: int
+    replica_ids: Tuple[str, ...] = ("replica_group_0:a", "replica_group_1:b")
+    heal: bool = False
+    replica_rank: int = 0
+    replica_world_size: int = 2
+
+
+def test_the_first_answer_after_a_clean_ride_that_counts_a_ridden_member_behind_is_asked_again():
+    """Seen with real processes after a hung lighthouse continued: it issued a quorum from the fresh request of
+    one group and a request the other group's earlier try had left there, whose owner no longer waited for it.
+    The first group acted on it alone and waited out the cross-replica timeout (12.7 s)."""
+    r = _rider(answer=True, quorum_timeout=timedelta(seconds=3), tries=3)
+    r.riding = True
+    r.after_commit(True, False)  # a riding step committed; the agreement ended the ride
+    answers = iter([Answer(4, max_world_size=1), Answer(4, max_world_size=2)])
+    calls = []
+
+    def call(timeout):
+        calls.append(timeout)
+        return next(answers)
+
+    assert r.quorum(call).max_world_size == 2 and len(calls) == 2
+    r.riding = True
+    r.after_commit(False, False)  # a riding step failed: a member behind may be real
+    assert r.quorum(lambda timeout: Answer(5, max_world_size=1)).quorum_id == 5
+    r.after_commit(True, False)  # not riding before: the answer stands
+    assert r.quorum(lambda timeout: Answer(6, max_world_size=1)).quorum_id == 6
+
+
 def test_a_call_to_a_lighthouse_that_does_not_answer_is_left_for_a_ride():
     r = _rider(answer=False)
     hung = threading.Event()
     t0 = time.monotonic()
-    result = r.quorum(lambda: hung.wait(30))
+    result = r.quorum(lambda timeout: hung.wait(30))
     assert r.riding and result.quorum_id == 1 and result.max_step == 10 and not result.heal
     assert time.monotonic() - t0 < 10 * POLL.total_seconds()
     hung.set()
@@ -223,7 +348,7 @@ def test_a_call_outliving_its_deadline_fails_when_riding_is_not_possible():
     r = _rider(answer=False, committed=False, quorum_deadline=timedelta(milliseconds=200))
     hung = threading.Event()
     with pytest.raises(QuorumTimeout, match="did not end within 0.2 s"):
-        r.quorum(lambda: hung.wait(30))
+        r.quorum(lambda timeout: hung.wait(30))
     hung.set()
 
 
@@ -234,9 +359,9 @@ def test_a_rank_follows_its_rank_0_even_when_its_own_call_answered():
     r0, r1 = _rider(answer=False, rank=0, size=2, store=store), _rider(answer=True, rank=1, size=2, store=store)
     hung = threading.Event()
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault(0, r0.quorum(lambda: hung.wait(30))))
+    t = threading.Thread(target=lambda: out.setdefault(0, r0.quorum(lambda timeout: hung.wait(30))))
     t.start()
-    out[1] = r1.quorum(lambda: Quorum(2, 0, 2))  # the answer rank 0 left
+    out[1] = r1.quorum(lambda timeout: Quorum(2, 0, 2))  # the answer rank 0 left
     t.join(10)
     assert r0.riding and r1.riding and out[1].quorum_id == out[0].quorum_id == 1
     hung.set()
@@ -245,23 +370,23 @@ def test_a_rank_follows_its_rank_0_even_when_its_own_call_answered():
 def test_a_rank_follows_its_rank_0s_answer_and_its_failure():
     store = Store()
     r0, r1 = _rider(answer=True, rank=0, size=2, store=store), _rider(answer=True, rank=1, size=2, store=store)
-    threading.Thread(target=lambda: r0.quorum(lambda: Quorum(2, 0, 2))).start()
-    assert r1.quorum(lambda: Quorum(2, 1, 2)).quorum_id == 2 and not r1.riding
+    threading.Thread(target=lambda: r0.quorum(lambda timeout: Quorum(2, 0, 2))).start()
+    assert r1.quorum(lambda timeout: Quorum(2, 1, 2)).quorum_id == 2 and not r1.riding
 
-    def fail():
+    def fail(timeout):
         raise TimeoutError("Timeout expired")
 
     r0.after_commit(True, False), r1.after_commit(True, False)
     threading.Thread(target=lambda: pytest.raises(TimeoutError, r0.quorum, fail)).start()
     with pytest.raises(QuorumTimeout, match="rank 0's lighthouse call failed"):
-        r1.quorum(lambda: Quorum(2, 1, 2))
+        r1.quorum(lambda timeout: Quorum(2, 1, 2))
 
 
 def test_a_rank_whose_rank_0_is_gone_stops_with_a_deadline():
     r1 = _rider(rank=1, size=2, store=Store(), quorum_deadline=timedelta(milliseconds=100))
     r1._decision_timeout = timedelta(milliseconds=100)
     with pytest.raises(QuorumTimeout, match="could not share this step's quorum decision"):
-        r1.quorum(lambda: Quorum(2, 1, 2))
+        r1.quorum(lambda timeout: Quorum(2, 1, 2))
 
 
 # -- riders of one quorum, in threads ---------------------------------------------------------------
@@ -371,7 +496,7 @@ def _run_step(plan: StepPlan, riders, tfs, monitors, alive: Set[int]) -> Dict[in
         agree.absent(i)
         committed = tf.error is None
         tf.step += committed
-        riders[i].after_commit(committed, committed and verdict.all_unreachable)
+        riders[i].after_commit(committed, committed and verdict.ride_on)
         out[i] = committed
 
     threads = [threading.Thread(target=one, args=(i,)) for i in riding]
@@ -520,6 +645,6 @@ def test_a_lighthouse_that_stops_answering_while_a_call_waits_is_probed_again():
     r.after_commit(True, False)
     hung = threading.Event()
     t0 = time.monotonic()
-    r.quorum(lambda: hung.wait(30))
+    r.quorum(lambda timeout: hung.wait(30))
     assert r.riding and time.monotonic() - t0 < 5.0
     hung.set()

@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 
 def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last_committed: bool,
-                rode_last: bool, last_all_unreachable: bool, lighthouse_answers: Optional[bool]) -> bool:
+                rode_last: bool, last_ride_on: bool, lighthouse_answers: Optional[bool]) -> bool:
     """Whether this step reuses the last quorum instead of asking the lighthouse (group rank 0 decides).
 
     Args:
@@ -56,7 +56,7 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
         same_process_group: torchft still holds that quorum's process group.
         last_committed: the whole group committed the previous step.
         rode_last: the previous step rode.
-        last_all_unreachable: the previous step's agreement passed with no member hearing the lighthouse.
+        last_ride_on: the previous step's agreement said ride on (:attr:`Agreement.ride_on`).
         lighthouse_answers: whether the lighthouse answered a request within the probe deadline
             (``None``: no recent probe). A TCP connect does not count: a hung lighthouse, or a proxy in
             front of a dead one, accepts connections.
@@ -68,7 +68,7 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
     if not (enabled and has_last and same_process_group and last_committed):
         return False
     if rode_last:
-        return last_all_unreachable
+        return last_ride_on
     return lighthouse_answers is False
 
 
@@ -111,7 +111,7 @@ class QuorumWait:
 
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
-ROW = 24
+ROW = 25
 """float64 values per member in the agreement (see :func:`encode_view`)."""
 
 
@@ -145,6 +145,10 @@ class View:
             included) reported ok; every other member discarded that step (0: nothing certified). When that
             many members certified the quorum and all are here, nobody else holds its history, and no quorum
             without them can have committed after it.
+        holding: a lighthouse call this member's group left to ride is still in flight. torchft's manager
+            server cannot take it back: its request (with the step it was made at) may still reach the
+            lighthouse and its answer may still come, and a second call of the group would receive that
+            answer as its own. While a member holds, every member rides on.
     """
 
     replica_group: int
@@ -162,6 +166,7 @@ class View:
     num_groups: int = 0
     missed: int = -1
     committers: int = 0
+    holding: bool = False
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -183,7 +188,7 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first dead end
-    + 1, last dead end + 1, empty, num groups, missed + 1, committers]`` (0 where none).
+    + 1, last dead end + 1, empty, num groups, missed + 1, committers, holding]`` (0 where none).
 
     Raises:
         ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
@@ -196,7 +201,7 @@ def encode_view(v: View) -> List[float]:
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
             *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty), float(v.num_groups),
-            float(v.missed + 1), float(v.committers)]
+            float(v.missed + 1), float(v.committers), float(v.holding)]
 
 
 @dataclass(frozen=True)
@@ -251,7 +256,8 @@ class Agreement:
             participation view (the count of participating members equals the divisor).
         continuous: ``consistent`` and the quorum follows the job's history (:func:`continuous`).
         commit: ``continuous`` and, in a riding step, every member ok.
-        all_unreachable: ``commit`` and no member heard the lighthouse at this step's start.
+        ride_on: ``commit``, and no member heard the lighthouse at this step's start or a member still
+            waits on a lighthouse call it left (:attr:`View.holding`): the next step rides too.
         reason: why not ``commit`` ("" when it holds).
         guard: the divergence guard's verdict when fingerprints were reported, else ``None``.
         all_empty: ``consistent`` and every member was restarted with nothing: none holds the job's state.
@@ -262,7 +268,7 @@ class Agreement:
 
     consistent: bool
     commit: bool
-    all_unreachable: bool
+    ride_on: bool
     reason: str
     guard: Optional[GuardVerdict] = None
     continuous: bool = False
@@ -321,7 +327,8 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
             if row[10] != 1.0:
                 return Agreement(True, False, False, f"member {rank} recorded an error in this riding step", guard,
                                  True, empty)
-    return Agreement(True, True, not any(row[11] for row in rows), "", guard, True, empty)
+    ride_on = not any(row[11] for row in rows) or any(row[24] for row in rows)
+    return Agreement(True, True, ride_on, "", guard, True, empty)
 
 
 def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int, int]], int]],
@@ -383,7 +390,7 @@ class Flags:
         step: torchft's step on this rank.
         errored: an error is recorded on this rank (a failed collective, a peer lost, a failed heal fetch...).
         agreement: this rank's cross-replica agreement passed (``Agreement.commit``).
-        all_unreachable: it passed with no member hearing the lighthouse.
+        ride_on: it passed and says ride on (:attr:`Agreement.ride_on`).
         healing: this rank heals in this step.
         heal_ready: it holds its complete heal state.
         guard_mismatch: the guard found some member's state differing (this group's or another's).
@@ -399,7 +406,7 @@ class Flags:
     step: int
     errored: bool
     agreement: bool
-    all_unreachable: bool = False
+    ride_on: bool = False
     healing: bool = False
     heal_ready: bool = False
     guard_mismatch: bool = False
@@ -426,7 +433,7 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
     """
     g = agreement.guard if agreement is not None else None
     return Flags(step=step, errored=errored, agreement=agreement.commit if agreement is not None else True,
-                 all_unreachable=bool(agreement and agreement.all_unreachable), healing=healing,
+                 ride_on=bool(agreement and agreement.ride_on), healing=healing,
                  heal_ready=heal_ready, guard_mismatch=bool(g and not g.ok),
                  guard_differs=bool(g and replica_group in g.differing), guard_tie=bool(g and g.tie), stop=stop,
                  gap_stop=gap_stop,
@@ -434,9 +441,9 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
 
 
 def encode_flags(f: Flags) -> List[float]:
-    """One rank's row of the in-group exchange: ``[1, step, errored, agreement, all unreachable, healing,
+    """One rank's row of the in-group exchange: ``[1, step, errored, agreement, ride on, healing,
     heal ready, guard mismatch, guard differs, guard tie, stop, gap stop, fails all]`` (exact in float64)."""
-    return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.all_unreachable),
+    return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.ride_on),
             float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
             float(f.guard_tie), float(f.stop), float(f.gap_stop), float(f.fails_all)]
 
@@ -451,7 +458,7 @@ class GroupDecision:
         guard_mismatch: the guard found some member differing, on any rank of the group.
         guard_differs: the guard outvoted this group: it discards this step and heals next.
         guard_tie: the guard found the groups differing with no majority.
-        ride_next: the group committed on an agreement in which nobody heard the lighthouse.
+        ride_next: the group committed on an agreement that says ride on, on every rank.
         stop: a rank of the group ends it (no peer to heal from): every rank raises.
         gap_stop: a rank waited past its bound for a quorum that follows the job's history: every rank raises.
         reason: why not ``commit`` ("" when it holds).
@@ -519,5 +526,5 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
     commit = not reasons
     tie = any(f.guard_tie for f in flags)
     return GroupDecision(commit, drop_heal, any(f.guard_mismatch for f in flags) or differs or tie, differs, tie,
-                         commit and all(f.all_unreachable for f in flags), stop, gap_stop, "; ".join(reasons),
+                         commit and all(f.ride_on for f in flags), stop, gap_stop, "; ".join(reasons),
                          any(f.fails_all for f in flags), all(f.agreement for f in flags))

@@ -70,6 +70,10 @@ REPROBE = timedelta(milliseconds=500)
 """While a lighthouse call is in flight, a probe older than this is repeated: a lighthouse that answered when the
 call began may hang (or its link drop) while the call waits."""
 
+RETRY_GRACE = timedelta(milliseconds=200)
+"""Pause before a lighthouse call's next try, so that the last try's request in torchft's manager server (whose
+deadline starts a little later than the caller's) has ended before another one starts."""
+
 FRESH = timedelta(seconds=1)
 """At a step's start, a lighthouse probe started this long ago still counts (riding steps probe about this often)."""
 
@@ -132,6 +136,8 @@ class OutageRider:
         group_size: ranks in the replica group.
         decision_timeout: how long a rank other than 0 waits for rank 0's decision or outcome.
         quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
+        quorum_timeout: the time all tries of one lighthouse call take together (:meth:`ask`).
+        tries: tries of one lighthouse call (``quorum_retries + 1``); each may take ``quorum_timeout / tries``.
         monitor: the lighthouse monitor of group rank 0 (default: one with a 100 ms deadline).
         replica_group_id: for logs and the agreement.
         num_groups: the job's replica groups (``num_replica_groups``; 0: unknown, the continuity check always
@@ -143,6 +149,7 @@ class OutageRider:
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
                  decision_timeout: timedelta, quorum_deadline: timedelta = timedelta(seconds=60),
+                 quorum_timeout: timedelta = timedelta(seconds=30), tries: int = 1,
                  monitor: Optional[LighthouseMonitor] = None, replica_group_id: int = 0, num_groups: int = 0,
                  gap_wait: timedelta = timedelta(seconds=30), clock: Callable[[], float] = time.monotonic) -> None:
         self._manager = manager
@@ -155,12 +162,17 @@ class OutageRider:
         self._monitor = monitor or LighthouseMonitor(lighthouse, deadline=timedelta(milliseconds=100))
         self._group_rank, self._group_size = group_rank, group_size
         self._decision_timeout, self._quorum_deadline = decision_timeout, quorum_deadline
+        if tries < 1:
+            raise ValueError(f"tries={tries} must be >= 1 (quorum_retries + 1)")
+        self._tries, self._try_timeout = tries, quorum_timeout / tries
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
         self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
         self._dead: set = set()  # quorum ids after the certified one in which this group committed nothing
         self._epoch = 0  # lighthouse restarts seen: a late answer from before one is not this history
         self._history_lock = threading.Lock()
+        self._left_call: Optional[concurrent.futures.Future] = None  # the last lighthouse call this rank left
+        self._adopted: Optional[concurrent.futures.Future] = None  # ... taken up again as a later step's call
         self._certified_members: Tuple[str, ...] = ()
         self._missed = -1  # View.missed
         self._passed = False  # an agreement of the current quorum passed continuity (certified_members)
@@ -179,7 +191,7 @@ class OutageRider:
         """Whether the current step reuses the last quorum."""
         self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
         self._last_committed = False
-        self._last_all_unreachable = False
+        self._last_ride_on = False
         self._rode_last = False
         self._seq = 0
         self.rides = 0
@@ -199,13 +211,14 @@ class OutageRider:
         return cls(manager, enabled=cfg.ride_out_lighthouse_outage, lighthouse=cfg.lighthouse,
                    group_rank=cfg.group_rank, group_size=cfg.group_size, decision_timeout=cfg.quorum_timeout,
                    quorum_deadline=cfg.quorum_timeout + cfg.connect_timeout + timedelta(seconds=5),
+                   quorum_timeout=cfg.quorum_timeout, tries=cfg.quorum_retries + 1,
                    monitor=monitor, replica_group_id=cfg.replica_group_id, num_groups=cfg.num_replica_groups,
                    gap_wait=cfg.restart_peer_wait)
 
     # -- QUORUM (torchft's quorum thread) --------------------------------------------------------------
-    def quorum(self, call: Callable[[], Any]) -> Any:
-        """This step's quorum: the last one reused (:meth:`reuse`), or ``call()``, the lighthouse call
-        (:meth:`ask`). :attr:`riding` tells which."""
+    def quorum(self, call: Callable[[timedelta], Any]) -> Any:
+        """This step's quorum: the last one reused (:meth:`reuse`), or the lighthouse's answer to
+        ``call(timeout)`` (:meth:`ask`). :attr:`riding` tells which."""
         reused = self.reuse()
         return reused if reused is not None else self.ask(call)
 
@@ -244,16 +257,40 @@ class OutageRider:
         """The group left this lighthouse call and rode: whenever its answer comes, its quorum is a dead end
         (no member of it can complete an agreement there without this group, which never joined it)."""
         epoch = self._epoch
+        self._left_call = future
 
         def note(done: concurrent.futures.Future) -> None:
             if done.cancelled() or done.exception() is not None:
                 return
             qid = int(getattr(done.result(), "quorum_id", -1))
             with self._history_lock:
+                if done is self._adopted:
+                    return
                 if epoch == self._epoch and qid > self._certified and (self.last is None or qid != self.last.quorum_id):
                     self._dead.add(qid)
 
         future.add_done_callback(note)
+
+    def holding(self) -> bool:
+        """Whether a lighthouse call this rank left to ride is still in flight (:attr:`View.holding`).
+
+        torchft's manager server keeps such a call (and its retries) going: its request may still reach
+        the lighthouse with the step it was made at, and its answer would go to the group's next call too.
+        The call ends within torchft's quorum timeout (its deadline); until then the group rides on, or
+        takes the call up again (:meth:`ask`) instead of making a second one.
+        """
+        call = self._left_call
+        return call is not None and not call.done()
+
+    def _take_up_left(self) -> Optional[concurrent.futures.Future]:
+        """The lighthouse call this rank left, if still in flight: this step waits on it instead of a new
+        call (its answer comes to whichever call of the group is waiting). ``None``: make a new call."""
+        with self._history_lock:
+            call = self._left_call
+            if call is None or call.done():
+                return None
+            self._adopted, self._left_call = call, None
+            return call
 
     def certified_members(self) -> Tuple[str, ...]:
         """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none): after a
@@ -307,7 +344,7 @@ class OutageRider:
         ride = decide_ride(enabled=self.enabled, has_last=last is not None,
                            same_process_group=last is not None and int(self._manager._quorum_id) == last.quorum_id,
                            last_committed=self._last_committed, rode_last=self._rode_last,
-                           last_all_unreachable=self._last_all_unreachable, lighthouse_answers=answers)
+                           last_ride_on=self._last_ride_on, lighthouse_answers=answers)
         if ride and not self._rode_last:
             self._warn("ride", "%s lighthouse %s does not answer: committing on the last quorum (id %d, %d members) "
                        "while no group fails", self._who, self._lighthouse, last.quorum_id if last else -1,
@@ -341,39 +378,49 @@ class OutageRider:
                                 f"decision on the group's store ({type(exc).__name__}: {exc}): a rank of the group "
                                 "is gone or hung") from exc
 
-    def ask(self, call: Callable[[], Any]) -> Any:
-        """Run ``call`` (the lighthouse call of a step that does not ride from its start) in a helper thread;
-        ride instead if rank 0 finds the lighthouse not answering while it is in flight.
+    def ask(self, call: Callable[[timedelta], Any]) -> Any:
+        """This step's lighthouse call, in tries: ``call(per_try_timeout)`` runs in a helper thread, one try
+        at a time; rank 0 rides instead if it finds the lighthouse not answering while a try is in flight.
 
-        With riding off, ``call()`` runs as torchft would run it. Otherwise rank 0 publishes the outcome
-        (``asked``, ``rode``, ``failed``) and the other ranks of the group follow it.
+        torchft's manager server makes one lighthouse request per try (ftbridge sets its own retries to 0)
+        and cannot take one back, so this rank never has two in flight: a try it left to ride is taken up
+        by the next step that asks (:meth:`holding`). A try that torchft ends with its ``TimeoutError`` is
+        made again, after :data:`RETRY_GRACE`, up to ``tries`` tries in all (``quorum_timeout`` together).
+
+        With riding on, rank 0 publishes the outcome (``asked``, ``rode``, ``failed``) and the other ranks
+        of the group follow it, making their own tries again as theirs time out (torchft's manager server
+        sends a try to the lighthouse once every rank of the group made it).
 
         Returns:
-            ``call()``'s result, or the reused quorum (then :attr:`riding` is set).
+            The lighthouse's answer, or the reused quorum (then :attr:`riding` is set).
 
         Raises:
-            Whatever ``call`` raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` when
-            the call outlives the quorum deadline, or rank 0's outcome does not come in time.
+            Whatever the last try raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` when
+            the tries outlive the quorum deadline, or rank 0's outcome does not come in time.
         """
-        if not self.enabled:
-            return call()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(call())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name="ftbridge-quorum-call", daemon=True).start()
-        if self._group_rank != 0:
-            return self._follow(future)
+        future = self._take_up_left()
+        if future is not None:
+            self._warn("take-up", "%s a lighthouse call this group left to ride is still in flight: this step "
+                       "waits on it (its request holds the step it was made at) instead of a second call",
+                       self._who)
+        else:
+            future = self._try(call)
+        if self.enabled and self._group_rank != 0:
+            return self._follow(future, call)
         wait = QuorumWait(started=time.monotonic(), deadline_s=self._quorum_deadline.total_seconds(),
-                          may_ride=self.may_ride())
+                          may_ride=self.enabled and self.may_ride())
+        tried = 1
         while True:
             done, _ = concurrent.futures.wait([future], timeout=POLL.total_seconds())
             if done:
-                self._publish(b"asked" if future.exception() is None else b"failed")
+                exc = future.exception()
+                if exc is not None and self._again(exc, tried):
+                    future, tried = self._try(call, after=RETRY_GRACE), tried + 1
+                    continue
+                if exc is None and tried < self._tries and self._stale_answer(future.result()):
+                    future, tried = self._try(call), tried + 1
+                    continue
+                self._publish(b"asked" if exc is None else b"failed")
                 return future.result()
             now = time.monotonic()
             answers = (self._monitor.answers(since=max(wait.started, now - REPROBE.total_seconds()))
@@ -391,6 +438,47 @@ class OutageRider:
                 raise QuorumTimeout(f"{self._who} the lighthouse call did not end within "
                                     f"{wait.deadline_s:g} s (quorum timeout + connect timeout + 5 s)")
 
+    def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0)) -> concurrent.futures.Future:
+        """One try of the lighthouse call in a helper thread, started ``after`` from now."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if after:
+                time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
+            try:
+                future.set_result(call(self._try_timeout))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="ftbridge-quorum-call", daemon=True).start()
+        return future
+
+    def _stale_answer(self, result: Any) -> bool:
+        """Whether the lighthouse's answer, right after a ride this group left cleanly, counts a member of the
+        ridden quorum as behind this group.
+
+        Every member of a ride commits the same steps, and leaves it at the same step with a fresh call (the
+        agreement said so, and no member held a call in flight). A member counted behind was counted from a
+        request of an earlier try torchft's manager server had left at the lighthouse: its owner is not
+        waiting for this answer and would never join its process group. Such an answer is asked again (the
+        lighthouse has dropped that request by issuing the quorum); each rank of the group reads the same
+        answer the same way.
+        """
+        if not (self._rode_last and self._last_committed) or bool(getattr(result, "heal", False)):
+            return False
+        ridden = sum(1 for rid in list(getattr(result, "replica_ids", []) or []) if rid in self._members)
+        stale = int(getattr(result, "max_world_size", ridden)) < ridden
+        if stale:
+            self._warn("stale", "%s the lighthouse's first quorum after the ride (id %s) counts a member of the "
+                       "ridden quorum behind this group: an earlier try's request, whose owner does not wait for "
+                       "it; asking again", self._who, getattr(result, "quorum_id", "?"))
+        return stale
+
+    def _again(self, exc: BaseException, tried: int) -> bool:
+        """Whether a try that raised ``exc`` is made again: torchft's deadline (the builtin ``TimeoutError``)
+        and fewer than ``tries`` made."""
+        return isinstance(exc, TimeoutError) and tried < self._tries
+
     def _warn(self, key: str, msg: str, *args: Any) -> None:
         """A ride transition's warning, at most one per ``key`` every 30 s (a flapping link would log every
         step); the next line says how many were held back."""
@@ -399,18 +487,28 @@ class OutageRider:
             logger.warning(msg + (f" ({held} more like this since the last one logged)" if held else ""), *args)
 
     def _publish(self, outcome: bytes) -> None:
-        if self._group_size > 1:
+        if self.enabled and self._group_size > 1:
             try:
                 self._manager._store.set(f"ftbridge/outage/{self._seq}/outcome", outcome)
             except Exception as exc:  # noqa: BLE001 - the others then time out waiting for it and fail the step
                 logger.error("%s could not publish this step's quorum outcome (%s)", self._who, exc)
 
-    def _follow(self, future: concurrent.futures.Future) -> Any:
-        """A rank other than 0: act on rank 0's outcome of this step, never on its own call alone."""
+    def _follow(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any]) -> Any:
+        """A rank other than 0: act on rank 0's outcome of this step, never on its own call alone; make
+        this rank's try again while rank 0's may be waiting for it (:meth:`ask`)."""
         key = f"ftbridge/outage/{self._seq}/outcome"
         store, bound = self._manager._store, self._quorum_deadline + self._decision_timeout
+        end, tried = time.monotonic() + bound.total_seconds(), 1
         try:
-            store.wait([key], bound)
+            while not store.check([key]):
+                done, _ = concurrent.futures.wait([future], timeout=POLL.total_seconds())
+                exc = future.exception() if done else None
+                if exc is not None and self._again(exc, tried):
+                    future, tried = self._try(call, after=RETRY_GRACE), tried + 1
+                elif done and exc is None and tried < self._tries and self._stale_answer(future.result()):
+                    future, tried = self._try(call), tried + 1
+                elif done or time.monotonic() > end:  # nothing more to try here: wait for rank 0's word
+                    store.wait([key], timedelta(seconds=max(end - time.monotonic(), 0.001)))
             outcome = bytes(store.get(key))
         except Exception as exc:
             raise QuorumTimeout(f"{self._who} replica group rank 0's quorum outcome did not come within "
@@ -420,11 +518,15 @@ class OutageRider:
             return self.leave_call()
         if outcome == b"failed":
             raise QuorumTimeout(f"{self._who} replica group rank 0's lighthouse call failed this step")
-        done, _ = concurrent.futures.wait([future], timeout=self._decision_timeout.total_seconds())
-        if not done:
-            raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum but this rank's call did not end "
-                                f"within {self._decision_timeout.total_seconds():g} s")
-        return future.result()
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=self._decision_timeout.total_seconds())
+            if not done:
+                raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum but this rank's call did not "
+                                    f"end within {self._decision_timeout.total_seconds():g} s")
+            if future.exception() is None and tried < self._tries and self._stale_answer(future.result()):
+                future, tried = self._try(call), tried + 1  # rank 0 asked again too: its try needs this one
+                continue
+            return future.result()
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
     def agree(self, guard: Optional[str] = None, empty: bool = False) -> Agreement:
@@ -458,7 +560,7 @@ class OutageRider:
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
                                 guard if participating else None, self._certified, self._dead_ends(), empty,
-                                self.num_groups, self._missed, self._certified_committers))
+                                self.num_groups, self._missed, self._certified_committers, self.holding()))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
@@ -531,4 +633,4 @@ class OutageRider:
         self._rode_last = self.riding
         if self.riding and committed:
             self.ride_commits += 1
-        self._last_all_unreachable = self.riding and ride_next
+        self._last_ride_on = self.riding and ride_next

@@ -102,10 +102,12 @@ class _QuorumGuard:
         this member votes to rebuild; it cuts the vote's wait short when a member is dead."""
 
     def _quorum(self, **kwargs: Any) -> Any:
-        call = lambda: self._client._quorum(**kwargs)  # noqa: E731
+        def call(timeout: timedelta) -> Any:
+            return self._client._quorum(**{**kwargs, "timeout": timeout})
+
         started = time.monotonic()
-        try:
-            result = self.rider.quorum(call) if self.rider is not None else call()  # lighthouse outage (outage.py)
+        try:  # the rider makes the call's tries and rides out lighthouse outages (outage.py)
+            result = self.rider.quorum(call) if self.rider is not None else self._client._quorum(**kwargs)
         except TimeoutError as exc:  # torchft's quorum timeout (the builtin TimeoutError)
             raise QuorumTimeout(
                 f"no quorum within the quorum timeout ({self.quorum_timeout.total_seconds():g} s, "

@@ -16,12 +16,10 @@ Requires the replica group's own torch.distributed world to be initialised
 first (``MASTER_ADDR``/``MASTER_PORT`` name its TCPStore, which group rank 0
 hosts and the cross-replica process group's rendezvous may use).
 
-Lighthouse restarts are survived by the quorum guard (:mod:`ftbridge.manager.quorum_guard`).
-Riding out an outage needs torchft's own retries: its manager retries a
-failed lighthouse call ``quorum_retries`` times, sleeping
-``quorum_timeout / (quorum_retries + 1)`` between tries and reconnecting with
-backoff for up to ``connect_timeout``, all inside one quorum call that the
-training thread bounds by ``quorum_timeout``. See
+Lighthouse restarts are survived by the quorum guard (:mod:`ftbridge.manager.quorum_guard`);
+its rider (:mod:`ftbridge.manager.outage`) makes each quorum call in
+``quorum_retries + 1`` tries of ``quorum_timeout / (quorum_retries + 1)``,
+one at a time, and torchft's manager server retries nothing. See
 :class:`ftbridge.config.FTBridgeConfig` and ``docs/lighthouse.md`` for the
 defaults and what they survive.
 """
@@ -42,7 +40,7 @@ from torch.distributed import ReduceOp
 from ftbridge.config import FTBridgeConfig
 from ftbridge.device import backend_for, collective_device, group_backend
 from ftbridge.heal import restart_without_peer
-from ftbridge.manager._torchft import DummyWork, Manager
+from ftbridge.manager._torchft import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
 from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider
@@ -97,6 +95,11 @@ class ReplicaManager:
                  max_heal_bytes: Optional[Callable[[], int]] = None) -> None:
         self.cfg = cfg
         _export_torchft_environ(cfg)
+        # Where the quorum guard is installed, its rider makes the lighthouse call's tries itself, one at a
+        # time (ftbridge.manager.outage): torchft's own retries would leave requests in flight it cannot
+        # take back. torchft reads this variable over its constructor argument.
+        server_retries = 0 if installed_version().startswith(TORCHFT_GUARDED_VERSIONS) else cfg.quorum_retries
+        os.environ["TORCHFT_QUORUM_RETRIES"] = str(server_retries)
         # torchft's process groups, but a quorum whose primary (its store) hangs fails configure in time.
         self.backend = backend_for(cfg, on_cuda=use_cuda)  # "nccl" or "gloo"
         pg = (ProbedProcessGroupNCCL(timeout=cfg.cross_replica_timeout) if self.backend == "nccl"
@@ -134,7 +137,7 @@ class ReplicaManager:
             heartbeat_interval=cfg.heartbeat_interval,
             checkpoint_transport=self.transport,
             init_sync=cfg.init_sync,
-            quorum_retries=cfg.quorum_retries,
+            quorum_retries=server_retries,
         )
         self.lighthouse_restarts = 0
         self.quorum_guard = _install_quorum_guard(self._torchft, cfg.vote_timeout, self._on_lighthouse_restart,
