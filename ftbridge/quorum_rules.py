@@ -213,8 +213,10 @@ class RestartMajority:
     reach back past it).
 
     Args:
-        wait_s: seconds after the restart past which a lacking quorum sets :attr:`expired` (the group stops
-            rather than train on a minority that may fork the job).
+        wait_s: seconds past which a lacking quorum sets :attr:`expired` (the group stops rather than train
+            on a minority that may fork the job), counted from the restart, from the last quorum that held
+            the majority, or from the end of a time the lighthouse did not answer (:meth:`unanswered`),
+            whichever is latest: in each the groups before the restart could not come back, or did.
     """
 
     def __init__(self, wait_s: float) -> None:
@@ -232,13 +234,20 @@ class RestartMajority:
         if self.pending is None and before:
             self.pending = (tuple(before), now)
 
+    def unanswered(self, now: float) -> None:
+        """The lighthouse did not answer this group for a while up to ``now`` (a quorum call outlived a try):
+        nobody could join a quorum then, so the groups before the restart get the whole wait again from
+        ``now``. Only delays a stop; what may commit is unchanged."""
+        if self.pending is not None:
+            self.pending = (self.pending[0], now)
+
     def lacks(self, members: Sequence[str], now: float) -> bool:
         """Whether the quorum of ``members`` must be discarded; updates :attr:`expired`."""
         if self.pending is None:
             return False
         before, since = self.pending
-        if not lacks_majority(before, members):
-            self.expired = False
+        if not lacks_majority(before, members):  # they are back: a later quorum without them gets the whole wait
+            self.pending, self.expired = (before, now), False
             return False
         self.expired = now - since >= self.wait_s
         return True

@@ -14,10 +14,11 @@ heartbeat-interval     ERROR    ``heartbeat_timeout_ms`` must exceed 2 x the man
                                 group dead; below 5 x it is a WARNING (a GC pause or a loaded
                                 core can delay several beats)
 quorum-wait            ERROR    ``min(join_timeout_ms, heartbeat_timeout_ms) + quorum_tick_ms``
-                                must be below ``quorum_timeout``: that is how long a quorum can
-                                wait for a straggler or a dead group that still counts as
-                                heartbeating; longer, and every manager's quorum call times out
-                                before the lighthouse answers
+                                must be below one try of a quorum call, ``quorum_timeout /
+                                (quorum_retries + 1)``: that is how long a quorum can wait for a
+                                straggler or a dead group that still counts as heartbeating;
+                                longer, and every try ends before the lighthouse answers (each
+                                try sends the request again, which restarts the straggler wait)
 heal-time              ERROR    ``expected_heal_time`` must be below ``cross_replica_timeout``:
                                 a donor sends its state inside its quorum, while its peers wait
                                 for it in the step's cross-replica all-reduce, bounded by that
@@ -126,12 +127,14 @@ def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding
                            f"heartbeat_interval={_s(mgr.heartbeat_interval)}: a few delayed heartbeats would "
                            "declare a live replica group dead"))
     wait = min(join, hb_timeout) + tick
-    if wait >= mgr.quorum_timeout:
+    one_try = mgr.quorum_timeout / (max(mgr.quorum_retries, 0) + 1)
+    if wait >= one_try:
         out.append(Finding("ERROR", "quorum-wait",
                            f"min(join_timeout_ms={lh.join_timeout_ms}, heartbeat_timeout_ms={lh.heartbeat_timeout_ms})"
-                           f" + quorum_tick_ms={lh.quorum_tick_ms} = {_s(wait)} is not below the managers' "
-                           f"quorum_timeout={_s(mgr.quorum_timeout)}: a quorum waiting for a straggler would outlast "
-                           "every manager's quorum call; lower join_timeout_ms or raise quorum_timeout"))
+                           f" + quorum_tick_ms={lh.quorum_tick_ms} = {_s(wait)} is not below one try of the managers' "
+                           f"quorum call, quorum_timeout={_s(mgr.quorum_timeout)} / (quorum_retries="
+                           f"{mgr.quorum_retries} + 1) = {_s(one_try)}: a quorum waiting for a straggler would outlast "
+                           "every try; lower join_timeout_ms, raise quorum_timeout or lower quorum_retries"))
     if mgr.expected_heal_time >= mgr.cross_replica_timeout:
         out.append(Finding("ERROR", "heal-time",
                            f"expected_heal_time={_s(mgr.expected_heal_time)} is not below cross_replica_timeout="

@@ -18,8 +18,9 @@ One round is one step attempt of every group that runs; the clock counts rounds.
 * links: a group cut off from the lighthouse both ways or one way (its requests and heartbeats arrive, the
   answers do not), two groups whose collectives cannot reach each other, a rank whose all-reduce fails;
 * groups: killed and restarted by torchrun (a new replica id, nothing to start from), slow for a round (it
-  heartbeats but does not ask), hung (no heartbeat either), a heal fetch that fails on one rank, an
-  abandoned request delivered late (torchft's retry re-sends it with its old step), a corrupted update;
+  heartbeats but does not ask), hung (no heartbeat either), a heal fetch that fails on one rank, the
+  request of a try it left delivered late with its old step (a hung lighthouse reading its socket), a
+  corrupted update;
 * a cross-replica collective (one per group rank) completes only when every member of its process group
   runs the round on that same process group and every link between them holds; a rank after an error
   leaves its later collectives out, as torchft does.
@@ -61,6 +62,9 @@ JOIN_WAIT = 1
 """Rounds the lighthouse waits for fresh groups that did not ask before it forms a quorum without them."""
 QUORUM_TIMEOUT = 6
 """Rounds a lighthouse call may stay unanswered before the rank gives up (QuorumWait's deadline)."""
+TRY_ROUNDS = 2
+"""Rounds one try of a lighthouse call lasts (``quorum_timeout / tries``): a try the group left and nobody
+answered by then ends with torchft's ``TimeoutError``, and the group's members stop holding the ride for it."""
 RESTART_PEER_WAIT = 4
 """Rounds a restarted group with nothing waits alone for a peer (``restart_peer_wait``)."""
 MAJORITY_WAIT = 4
@@ -115,6 +119,10 @@ class Revert:
     majority_on_sight: bool = False
     """After a lighthouse restart, seeing a quorum that holds most groups of the one before ends the requirement,
     even if nothing commits there."""
+    majority_clock: bool = False
+    """After a lighthouse restart, the wait for a majority of the groups before it counts from the restart, through
+    time the lighthouse did not answer and past quorums that held the majority (the groups could not come back, or
+    did)."""
     certify_on_agreement: bool = False
     """A member certifies a quorum whose agreement passed even if its group discards there (a healer whose heal
     did not apply, a group the guard outvoted): it vouches for a history it does not hold."""
@@ -274,12 +282,14 @@ class SimGroup:
         self.rode_since = False  # rode on its last quorum since then
         self.votes_skipped = 0
         self.majority = RestartMajority(MAJORITY_WAIT)
+        self.asked_for = 0  # rounds the group's last answered lighthouse call waited
+        self.restart_round = 0  # round of the lighthouse restart whose majority the group waits for
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
         self.lost_answers: Set[int] = set()  # quorum ids issued to this group whose answer it never got
-        self.left_calls: List[List[Any]] = []  # [call the group left, its quorum once formed]: answered once the
-        # link carries answers again (torchft's manager keeps retrying a left call)
+        self.left_calls: List[List[Any]] = []  # [call the group left, its quorum once formed, round it was left]:
+        # answered once the link carries answers again, or ended by its try's deadline (TRY_ROUNDS)
 
     @property
     def replica_id(self) -> str:
@@ -384,10 +394,14 @@ class Sim:
             g.monitor.next_round(f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh)
         for g in runs:  # the answers of calls a group left arrive once its link carries them again
             if f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh:
-                for call, q in g.left_calls:
+                for call, q, _ in g.left_calls:
                     if q is not None:
                         call.set_result(_Result(q, g.replica_id))
                 g.left_calls = [c for c in g.left_calls if c[1] is None]
+            for call, q, left in g.left_calls:  # a try nobody answered ends at its deadline
+                if q is None and self.now - left >= TRY_ROUNDS:
+                    call.set_exception(TimeoutError("Timeout expired"))
+            g.left_calls = [c for c in g.left_calls if not c[0].done()]
         results = self._quorum([g for g in runs if g.gid not in f.slow])
         stepping = [g for g in self.groups if g.gid in results and g.alive]
         self._stepping = {g.gid for g in stepping}
@@ -424,7 +438,7 @@ class Sim:
                 g.request_step = g.ranks[0].tf.step
             if f.lighthouse != "dead" and g.gid not in f.cut_lh:
                 requests[g.replica_id] = (g.request_step, g.commit_failures)
-        for g in self.groups:  # an abandoned call's request, re-sent by torchft's retry, arriving last
+        for g in self.groups:  # a left try's request with its old step, arriving last
             if g.gid in f.stale and g.alive and g.stale_step is not None and f.lighthouse != "dead":
                 requests[g.replica_id] = (g.stale_step, 0)
                 g.stale_step = None
@@ -437,6 +451,7 @@ class Sim:
                 continue
             if q is not None and g.replica_id in q.replica_ids:
                 if g.gid not in f.oneway_lh:
+                    g.asked_for = self.now - int(g.asking.started)
                     g.asking, out[g.gid] = None, q
                     continue
                 g.stale_step = g.request_step  # answered, but the answer is lost on the way back
@@ -448,12 +463,12 @@ class Sim:
             if self.revert.quorum_deadline and action != QuorumWait.RIDE:
                 action = QuorumWait.WAIT
             if action == QuorumWait.RIDE:
-                g.stale_step = g.request_step  # torchft keeps retrying the call the rank left
+                g.stale_step = g.request_step  # the left try's request may still reach the lighthouse
                 call: concurrent.futures.Future = concurrent.futures.Future()
                 for r in g.ranks:
                     r.rider._left(call)  # the call's answer, if it ever comes, is a quorum the group never joined
                     r.rider.leave_call()
-                g.left_calls.append([call, lost])
+                g.left_calls.append([call, lost, self.now])
                 g.asking, out[g.gid] = None, "ride"
             elif action == QuorumWait.EXPIRED:
                 g.alive, g.exit_reason = False, "QuorumTimeout"
@@ -484,7 +499,11 @@ class Sim:
         restarted, own, voting = owns[g.gid]
         before = g.ranks[0].rider.certified_members()
         if restarted:
+            if g.majority.pending is None:
+                g.restart_round = self.now
             g.majority.restarted(before or (g.seen.members if g.seen is not None else ()), self.now)
+        if g.asked_for >= TRY_ROUNDS and not self.revert.majority_clock:  # a try went unanswered (the guard's rule)
+            g.majority.unanswered(self.now)
         g.seen = QuorumSeen(q.quorum_id, tuple(sorted(q.replica_ids)))
         votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids)
                  if m is not None and m.gid in owns and owns[m.gid][2]]
@@ -501,6 +520,8 @@ class Sim:
             r.tf.participants, r.tf.participating = len(at_max), g.replica_id in at_max
             if q.steps[g.replica_id] < q.max_step:
                 r.tf._healing, r.healed_from = True, at_max[0]
+        if self.revert.majority_clock and g.majority.pending is not None:  # the wait counted from the restart
+            g.majority.pending = (g.majority.pending[0], g.restart_round)
         if not g.majority.lacks(q.replica_ids, self.now):
             if self.revert.majority_on_sight:
                 g.majority.committed()

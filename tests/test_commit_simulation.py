@@ -137,7 +137,7 @@ def test_the_quorum_deadline_reverted_wedges_the_lone_group():
 
 STALE = [Faults(oneway_lh=frozenset({0})), Faults(oneway_lh=frozenset({0}), stale=frozenset({0}))]
 """Group 0's answers from the lighthouse are lost: it leaves its call and rides, and commits with group 1. Next step
-torchft's retry of that call (its old step) reaches the lighthouse after group 0's new request: group 1 gets the
+the request of that call (its old step) reaches the lighthouse after group 0's new request: group 1 gets the
 same quorum id with group 0 behind (healing: it divides by 1), while group 0 rides on, dividing by 2."""
 
 
@@ -254,6 +254,32 @@ def test_a_quorum_issued_only_to_calls_the_groups_left_is_no_gap():
     # Three groups, one of them dead: the quorum of the other two is not the whole job, so the check applies.
     sim = run(3, 1, True, [Faults(kill=frozenset({2})), Faults(), Faults(), *LEFT_CALLS])
     assert sim.groups[0].alive and sim.groups[1].alive
+
+
+UNANSWERED_AFTER_RESTART = [Faults(restart_lighthouse=True, cut_lh=frozenset({1})), *[Faults(lighthouse="dead")] * 3,
+                            Faults(cut_lh=frozenset({1}))]
+"""Found by the simulation: riding off, the lighthouse restarts while group 1 is cut off from it, then answers
+nobody for three rounds. Group 0's wait for a majority of the groups before the restart counted those rounds,
+ran out on its next quorum (still without group 1) and stopped the group; group 1, alone after that, stopped too:
+the whole job ended over a lighthouse outage and a partition that both healed."""
+
+
+BACK_THEN_CUT = [Faults(restart_lighthouse=True, cut_lh=frozenset({1})), Faults(lighthouse="dead"),
+                 Faults(rank_error=frozenset({(0, 0)})), Faults(lighthouse="dead"), Faults(cut_lh=frozenset({1}))]
+"""Found by the simulation too: group 1 comes back in a quorum after the restart (nothing commits there: a rank of
+group 0 errs), then is cut off again. Counted from the restart, the wait ran out and both groups stopped in turn."""
+
+
+@pytest.mark.parametrize("schedule", [UNANSWERED_AFTER_RESTART, BACK_THEN_CUT], ids=["unanswered", "back-then-cut"])
+def test_the_wait_for_a_majority_after_a_restart_counts_only_time_the_groups_could_have_come_back(schedule):
+    sim = run(2, 1, False, schedule)
+    assert all(g.alive for g in sim.groups)
+
+
+@pytest.mark.parametrize("schedule", [UNANSWERED_AFTER_RESTART, BACK_THEN_CUT], ids=["unanswered", "back-then-cut"])
+def test_a_majority_wait_counted_from_the_restart_ends_the_job(schedule):
+    with pytest.raises(AssertionError, match="a gap nobody trained in"):
+        run(2, 1, False, schedule, revert=Revert(majority_clock=True))
 
 
 ONE_WAY = [Faults(oneway_lh=frozenset({0}))] * 2 + [Faults(cut_lh=frozenset({0}))] * 3

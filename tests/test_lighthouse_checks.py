@@ -43,6 +43,8 @@ def test_defaults_of_the_lighthouse_and_ftbridge_fit():
     (_lh(heartbeat_timeout_ms=200), _mgr(), ("ERROR", "heartbeat-interval"), "heartbeat_timeout_ms=200"),
     (_lh(heartbeat_timeout_ms=400), _mgr(), ("WARNING", "heartbeat-interval"), "heartbeat_interval=0.1 s"),
     (_lh(join_timeout_ms=60000, heartbeat_timeout_ms=40000), _mgr(), ("ERROR", "quorum-wait"), "quorum_timeout=30 s"),
+    # each try resends the request, which restarts the lighthouse's straggler wait: one try must outlast it
+    (_lh(join_timeout_ms=6000, heartbeat_timeout_ms=8000), _mgr(), ("ERROR", "quorum-wait"), "+ 1) = 5 s"),
     (_lh(), _mgr(expected_heal_time=12 * S), ("ERROR", "heal-time"), "cross_replica_timeout=10 s"),
     (_lh(join_timeout_ms=500), _mgr(expected_heal_time=2 * S), ("WARNING", "heal-join"), "join_timeout_ms=500"),
     (_lh(), _mgr(quorum_retries=0), ("WARNING", "restart-retries"), "quorum_retries=0"),

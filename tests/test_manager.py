@@ -420,8 +420,9 @@ def test_the_restart_majority_is_met_only_by_a_commit():
     m.restarted(("replica_group_0:a", "replica_group_1:b"), 0.0)
     m.restarted(("replica_group_0:a",), 1.0)                               # the first restart's view stands
     assert m.lacks(["replica_group_0:x"], 4.0) and not m.expired           # 1 of 2 is not more than half
-    assert not m.lacks(["replica_group_0:x", "replica_group_1:y"], 4.5)
-    assert m.lacks(["replica_group_1:y"], 5.0) and m.expired               # past the wait, still lacking
+    assert not m.lacks(["replica_group_0:x", "replica_group_1:y"], 4.5)   # they are back: the wait starts again
+    assert m.lacks(["replica_group_1:y"], 5.0) and not m.expired
+    assert m.lacks(["replica_group_1:y"], 9.5) and m.expired               # past the wait, still lacking
     m.committed()
     assert m.pending is None and not m.expired and not m.lacks(["replica_group_1:y"], 6.0)
     with pytest.raises(ValueError, match="wait_s=-1"):
@@ -490,3 +491,17 @@ def test_a_vote_failing_with_an_empty_message_falls_back_instead_of_raising(monk
     (mgr, guard), _ = _members(1, last_ids=[2, 2], qid=2)
     guard._quorum(group_rank=0)
     assert mgr._quorum_id == 2
+
+
+def test_time_the_lighthouse_did_not_answer_gives_the_wait_for_a_majority_again():
+    from ftbridge.quorum_rules import RestartMajority
+
+    m = RestartMajority(5.0)
+    m.unanswered(1.0)
+    assert m.pending is None  # nothing pending: nothing to extend
+    before = ("replica_group_0:a", "replica_group_1:b")
+    m.restarted(before, 0.0)
+    assert m.lacks(["replica_group_0:a"], 4.0) and not m.expired
+    m.unanswered(4.5)  # a try went unanswered up to 4.5 s: the others could not come back before
+    assert m.lacks(["replica_group_0:a"], 6.0) and not m.expired
+    assert m.lacks(["replica_group_0:a"], 9.5) and m.expired

@@ -165,6 +165,8 @@ class OutageRider:
         if tries < 1:
             raise ValueError(f"tries={tries} must be >= 1 (quorum_retries + 1)")
         self._tries, self._try_timeout = tries, quorum_timeout / tries
+        self.unanswered_tries = 0
+        """Tries of this step's lighthouse call that ended by their deadline, unanswered (:meth:`ask`)."""
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
         self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
@@ -274,10 +276,10 @@ class OutageRider:
     def holding(self) -> bool:
         """Whether a lighthouse call this rank left to ride is still in flight (:attr:`View.holding`).
 
-        torchft's manager server keeps such a call (and its retries) going: its request may still reach
-        the lighthouse with the step it was made at, and its answer would go to the group's next call too.
-        The call ends within torchft's quorum timeout (its deadline); until then the group rides on, or
-        takes the call up again (:meth:`ask`) instead of making a second one.
+        torchft's manager server cannot take such a try back: its request may still reach the lighthouse
+        with the step it was made at, and its answer would go to the group's next call too. The try ends
+        by its deadline (``quorum_timeout / tries``); until then the group rides on, or takes the try up
+        again (:meth:`ask`) instead of making a second one.
         """
         call = self._left_call
         return call is not None and not call.done()
@@ -316,7 +318,7 @@ class OutageRider:
         Called once per step on every rank, in torchft's quorum thread, before its lighthouse call.
         """
         self._seq += 1
-        self.riding, self._seen = False, True
+        self.riding, self._seen, self.unanswered_tries = False, True, 0
         if not self.enabled:
             return None
         ride, seen = self._decide() if self._group_rank == 0 else (False, True)
@@ -416,6 +418,7 @@ class OutageRider:
                 exc = future.exception()
                 if exc is not None and self._again(exc, tried):
                     future, tried = self._try(call, after=RETRY_GRACE), tried + 1
+                    self.unanswered_tries += 1
                     continue
                 if exc is None and tried < self._tries and self._stale_answer(future.result()):
                     future, tried = self._try(call), tried + 1
@@ -505,6 +508,7 @@ class OutageRider:
                 exc = future.exception() if done else None
                 if exc is not None and self._again(exc, tried):
                     future, tried = self._try(call, after=RETRY_GRACE), tried + 1
+                    self.unanswered_tries += 1
                 elif done and exc is None and tried < self._tries and self._stale_answer(future.result()):
                     future, tried = self._try(call), tried + 1
                 elif done or time.monotonic() > end:  # nothing more to try here: wait for rank 0's word

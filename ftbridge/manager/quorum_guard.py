@@ -129,6 +129,8 @@ class _QuorumGuard:
             before = (self.rider.certified_members() if self.rider is not None else ()) or (
                 self.seen.members if self.seen is not None else ())
             self.majority.restarted(before, time.monotonic())
+        if self.rider is not None and self.rider.unanswered_tries:  # the lighthouse went unanswered a try or more
+            self.majority.unanswered(time.monotonic())
         self._check_majority(quorum_id, members)
         self.seen = QuorumSeen(quorum_id, tuple(sorted(members)))
         namespace = rendezvous_namespace(members, int(result.max_step))
