@@ -415,15 +415,11 @@ class OutageRider:
         while True:
             done, _ = concurrent.futures.wait([future], timeout=POLL.total_seconds())
             if done:
-                exc = future.exception()
-                if exc is not None and self._again(exc, tried):
-                    future, tried = self._try(call, after=RETRY_GRACE), tried + 1
-                    self.unanswered_tries += 1
+                following = self._next_try(future, call, tried)
+                if following is not None:
+                    future, tried = following
                     continue
-                if exc is None and tried < self._tries and self._stale_answer(future.result()):
-                    future, tried = self._try(call), tried + 1
-                    continue
-                self._publish(b"asked" if exc is None else b"failed")
+                self._publish(b"asked" if future.exception() is None else b"failed")
                 return future.result()
             now = time.monotonic()
             answers = (self._monitor.answers(since=max(wait.started, now - REPROBE.total_seconds()))
@@ -477,10 +473,20 @@ class OutageRider:
                        "it; asking again", self._who, getattr(result, "quorum_id", "?"))
         return stale
 
-    def _again(self, exc: BaseException, tried: int) -> bool:
-        """Whether a try that raised ``exc`` is made again: torchft's deadline (the builtin ``TimeoutError``)
-        and fewer than ``tries`` made."""
-        return isinstance(exc, TimeoutError) and tried < self._tries
+    def _next_try(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any],
+                  tried: int) -> Optional[Tuple[concurrent.futures.Future, int]]:
+        """For a try that ended (``tried`` made so far): ``(next try, tried + 1)`` when it ended by torchft's
+        deadline (the builtin ``TimeoutError``; after :data:`RETRY_GRACE`) or with a stale answer
+        (:meth:`_stale_answer`), while fewer than ``tries`` were made; ``None`` when it is the call's outcome."""
+        if tried >= self._tries:
+            return None
+        exc = future.exception()
+        if exc is not None:
+            if not isinstance(exc, TimeoutError):
+                return None
+            self.unanswered_tries += 1
+            return self._try(call, after=RETRY_GRACE), tried + 1
+        return (self._try(call), tried + 1) if self._stale_answer(future.result()) else None
 
     def _warn(self, key: str, msg: str, *args: Any) -> None:
         """A ride transition's warning, at most one per ``key`` every 30 s (a flapping link would log every
@@ -505,12 +511,9 @@ class OutageRider:
         try:
             while not store.check([key]):
                 done, _ = concurrent.futures.wait([future], timeout=POLL.total_seconds())
-                exc = future.exception() if done else None
-                if exc is not None and self._again(exc, tried):
-                    future, tried = self._try(call, after=RETRY_GRACE), tried + 1
-                    self.unanswered_tries += 1
-                elif done and exc is None and tried < self._tries and self._stale_answer(future.result()):
-                    future, tried = self._try(call), tried + 1
+                following = self._next_try(future, call, tried) if done else None
+                if following is not None:
+                    future, tried = following
                 elif done or time.monotonic() > end:  # nothing more to try here: wait for rank 0's word
                     store.wait([key], timedelta(seconds=max(end - time.monotonic(), 0.001)))
             outcome = bytes(store.get(key))
