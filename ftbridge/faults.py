@@ -1,4 +1,4 @@
-"""Named fault points: SIGKILL this process at a precise place, for chaos runs and tests.
+"""Named fault points: SIGKILL (or freeze) this process at a precise place, for chaos runs and tests.
 
 Some failures cannot be hit reliably from outside by timing a signal: "the
 donor dies half-way through sending its state" lasts milliseconds. The code
@@ -12,9 +12,13 @@ should die:
 * ``"G"``: the first rank of replica group ``G`` to reach it;
 * ``"G R"``: group rank ``R`` of replica group ``G``.
 
+A trigger may end with ``freeze=S``: the process then freezes itself with
+SIGSTOP for ``S`` seconds (a detached ``sleep S; kill -CONT`` resumes it),
+as a rank paused by the OS or a debugger would, instead of dying.
+
 A point fires **once**: the process that fires renames the trigger file to
 ``<name>.fired`` (an atomic rename, so two processes never both fire) and
-appends its identity and the time to it, then kills itself with SIGKILL.
+appends its identity and the time to it, then kills (or freezes) itself.
 With ``FTBRIDGE_FAULT_DIR`` unset, :func:`point` costs one dictionary lookup.
 
 Points in ftbridge:
@@ -26,19 +30,22 @@ Points in ftbridge:
   other groups' cross-replica all-reduce of that step has a participant that never sends (killing
   after the backward races the all-reduce, which may already have completed);
 * ``checkpoint_publish``: the checkpoint writer's group rank 0, with the checkpoint staged and its
-  manifest written, before the atomic publish.
+  manifest written, before the atomic publish;
+* ``in_quorum_call``: a rank whose try of a step's quorum call is still in flight 5 ms after it went out
+  (checked from a timer thread; a try answered sooner leaves the point armed); meant for ``freeze=S``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Optional, Tuple
 
 ENV_DIR = "FTBRIDGE_FAULT_DIR"
-POINTS = ("heal_send", "heal_recv", "first_quorum", "in_allreduce", "checkpoint_publish")
+POINTS = ("heal_send", "heal_recv", "first_quorum", "in_allreduce", "checkpoint_publish", "in_quorum_call")
 """Fault point names that ftbridge's code calls."""
 
 
@@ -58,7 +65,7 @@ def matches(target: str, group: Optional[int], rank: Optional[int]) -> bool:
     Raises:
         ValueError: ``target`` is not empty, ``"G"`` or ``"G R"`` with integers.
     """
-    fields = target.split()
+    fields = [f for f in target.split() if not f.startswith("freeze=")]
     if len(fields) > 2 or not all(f.lstrip("-").isdigit() for f in fields):
         raise ValueError(f"fault trigger {target!r}: write '' (any process), 'G' (replica group G) or "
                          "'G R' (group rank R of replica group G)")
@@ -66,21 +73,46 @@ def matches(target: str, group: Optional[int], rank: Optional[int]) -> bool:
     return all(w == have for w, have in zip(want, (group, rank)))
 
 
-def arm(fault_dir: str, name: str, group: Optional[int] = None, rank: Optional[int] = None) -> str:
-    """Create the trigger for point ``name`` in ``fault_dir`` (atomically); return its path.
+def freeze_seconds(target: str) -> Optional[float]:
+    """The ``freeze=S`` of trigger content ``target`` (seconds), or ``None`` when the point kills.
 
     Raises:
-        ValueError: ``name`` is not a known point, or ``rank`` without ``group``.
+        ValueError: ``S`` is not a positive number.
+    """
+    for f in target.split():
+        if f.startswith("freeze="):
+            try:
+                seconds = float(f[len("freeze="):])
+            except ValueError:
+                seconds = -1.0
+            if not 0 < seconds < 3600:
+                raise ValueError(f"fault trigger {target!r}: freeze=S needs seconds between 0 and 3600")
+            return seconds
+    return None
+
+
+def arm(fault_dir: str, name: str, group: Optional[int] = None, rank: Optional[int] = None,
+        freeze_s: Optional[float] = None) -> str:
+    """Create the trigger for point ``name`` in ``fault_dir`` (atomically); return its path.
+
+    Args:
+        freeze_s: freeze the process this long instead of killing it.
+
+    Raises:
+        ValueError: ``name`` is not a known point, ``rank`` without ``group``, or ``freeze_s`` not in (0, 3600).
     """
     if name not in POINTS:
         raise ValueError(f"fault point {name!r}: choose one of {', '.join(POINTS)}")
     if rank is not None and group is None:
         raise ValueError("a fault target with a group rank needs its replica group too")
+    if freeze_s is not None:
+        freeze_seconds(f"freeze={freeze_s}")
     os.makedirs(fault_dir, exist_ok=True)
     path = os.path.join(fault_dir, name)
     tmp = f"{path}.arming"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(" ".join(str(x) for x in (group, rank) if x is not None))
+        f.write(" ".join([str(x) for x in (group, rank) if x is not None]
+                         + ([f"freeze={freeze_s}"] if freeze_s is not None else [])))
     os.replace(tmp, path)
     return path
 
@@ -104,7 +136,7 @@ def armed(name: str) -> bool:
 
 
 def point(name: str, where: str = "") -> None:
-    """Fault point ``name``: SIGKILL this process here if the run armed it for this process.
+    """Fault point ``name``: SIGKILL (or freeze) this process here if the run armed it for this process.
 
     Args:
         name: one of :data:`POINTS`.
@@ -113,6 +145,11 @@ def point(name: str, where: str = "") -> None:
     if not armed(name):
         return
     path = os.path.join(os.environ[ENV_DIR], name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            freeze_s = freeze_seconds(f.read())
+    except OSError:
+        return
     group, rank = _identity()
     done = f"{path}.fired"
     try:
@@ -122,6 +159,12 @@ def point(name: str, where: str = "") -> None:
     with open(done, "a", encoding="utf-8") as f:
         f.write(f"\nreplica_group={group} group_rank={rank} pid={os.getpid()} time={time.time():.3f}"
                 f"{' where=' + where if where else ''}\n")
-    print(f"FAULT {name}: replica group {group} rank {rank} (pid {os.getpid()}) kills itself"
+    what = f"freezes itself for {freeze_s:g} s" if freeze_s is not None else "kills itself"
+    print(f"FAULT {name}: replica group {group} rank {rank} (pid {os.getpid()}) {what}"
           f"{' ' + where if where else ''}", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    if freeze_s is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {freeze_s:g}; kill -CONT {os.getpid()}"], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.kill(os.getpid(), signal.SIGSTOP)

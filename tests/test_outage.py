@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from ftbridge.manager.commit import ROW
 from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
-from ftbridge.manager.outage import POLL, OutageRider, QuorumTimeout
+from ftbridge.manager.outage import POLL, OutageRider, QuorumAnswerLost, QuorumTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -380,6 +380,67 @@ def test_a_rank_follows_its_rank_0s_answer_and_its_failure():
     threading.Thread(target=lambda: pytest.raises(TimeoutError, r0.quorum, fail)).start()
     with pytest.raises(QuorumTimeout, match="rank 0's lighthouse call failed"):
         r1.quorum(lambda timeout: Quorum(2, 1, 2))
+
+
+def _rank_0_answers_first(store, **kw):
+    """Group rank 0 of a 2-rank group, answered at once; returns once it published its outcome."""
+    r0 = _rider(answer=True, rank=0, size=2, store=store, **kw)
+    r0.quorum(lambda timeout: Quorum(2, 0, 2))
+    return r0
+
+
+def test_a_rank_whose_copy_of_rank_0s_answer_was_lost_discards_the_step_on_the_last_quorum():
+    """Seen with real processes: a rank frozen longer than one try with its try in flight. Rank 0 got the
+    round's answer; this rank's deadline had passed when it woke, and it exited (its group restarted)."""
+    store = Store()
+    _rank_0_answers_first(store)
+    r1 = _rider(answer=True, rank=1, size=2, store=store)
+
+    def lost(timeout):
+        raise TimeoutError("Timeout expired")
+
+    result = r1.quorum(lost)
+    assert result.quorum_id == 1 and r1.lost and not r1.riding and r1.lost_answers == 1
+    assert isinstance(r1._manager.errored(), QuorumAnswerLost)  # the group's decision discards the step
+
+
+def test_a_lost_answer_after_a_second_try_still_ends_the_rank():
+    """A second try of this rank may wait at torchft's manager server for a round rank 0 never joins: the
+    rounds could pair wrongly from then on, so only the restart of the group clears it."""
+    store = Store()
+    _rank_0_answers_first(store, quorum_timeout=timedelta(seconds=3), tries=3)
+    r1 = _rider(answer=True, rank=1, size=2, store=store, quorum_timeout=timedelta(seconds=3), tries=3)
+    made = []
+
+    def lost(timeout):
+        made.append(timeout)
+        r1._made += 1  # as if an earlier try of this call had reached the server too
+        raise TimeoutError("Timeout expired")
+
+    with pytest.raises(TimeoutError):
+        r1.quorum(lost)
+    assert not r1.lost and len(made) == 1  # rank 0 had decided: no try made again
+
+
+def test_a_rank_makes_no_try_again_once_its_rank_0_decided():
+    """A try made after rank 0's outcome would wait at torchft's manager server in a round rank 0 never
+    joins, and pair the group's next rounds wrongly."""
+    store = Store()
+    kw = dict(quorum_timeout=timedelta(seconds=3), tries=3)
+    r0 = _rider(answer=True, rank=0, size=2, store=store, **kw)
+    r1 = _rider(answer=True, rank=1, size=2, store=store, **kw)
+    tried = threading.Event()
+    t = threading.Thread(target=r0.quorum, args=(lambda timeout: tried.wait(10) and Quorum(2, 0, 2),))
+    t.start()
+    made = []
+
+    def lost(timeout):  # rank 0's answer comes within this rank's retry grace
+        made.append(timeout)
+        tried.set()
+        raise TimeoutError("Timeout expired")
+
+    assert r1.quorum(lost).quorum_id == 1 and r1.lost and len(made) == 1
+    t.join(10)
 
 
 def test_a_rank_whose_rank_0_is_gone_stops_with_a_deadline():

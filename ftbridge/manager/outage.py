@@ -47,6 +47,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
+from ftbridge import faults
 from ftbridge.log import RepeatLimit
 from ftbridge.manager.commit import (
     ROW,
@@ -80,6 +81,14 @@ FRESH = timedelta(seconds=1)
 
 class QuorumTimeout(RuntimeError):
     """No quorum within its deadline and riding was not possible: the rank exits, torchrun restarts the group."""
+
+
+class TryNotMade(TimeoutError):
+    """A rank other than group rank 0 did not make a try again: rank 0 had decided the step's call by then."""
+
+
+class QuorumAnswerLost(RuntimeError):
+    """This rank's copy of the quorum its group's rank 0 got was lost: the step is discarded."""
 
 
 class OutageDisagreement(RuntimeError):
@@ -166,6 +175,13 @@ class OutageRider:
             raise ValueError(f"tries={tries} must be >= 1 (quorum_retries + 1)")
         self._tries, self._try_timeout = tries, quorum_timeout / tries
         self.unanswered_tries = 0
+        self.lost_answers = 0
+        """Steps this rank (not group rank 0) discarded because its copy of an answer its rank 0 got was lost
+        (its try's deadline passed first, as in a pause of the process): :meth:`_lost_answer`."""
+        self.lost = False
+        """This step's quorum is the last one again because this rank's answer was lost (:meth:`_lost_answer`):
+        torchft keeps its process group, and the quorum guard treats nothing of it as new."""
+        self._made = 0  # tries of this step's call that reached torchft's manager server (ranks other than 0)
         """Tries of this step's lighthouse call that ended by their deadline, unanswered (:meth:`ask`)."""
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
@@ -318,7 +334,7 @@ class OutageRider:
         Called once per step on every rank, in torchft's quorum thread, before its lighthouse call.
         """
         self._seq += 1
-        self.riding, self._seen, self.unanswered_tries = False, True, 0
+        self.riding, self._seen, self.unanswered_tries, self.lost = False, True, 0, False
         if not self.enabled:
             return None
         ride, seen = self._decide() if self._group_rank == 0 else (False, True)
@@ -401,6 +417,7 @@ class OutageRider:
             the tries outlive the quorum deadline, or rank 0's outcome does not come in time.
         """
         future = self._take_up_left()
+        self._made = int(future is not None)  # a try taken up was made at an earlier step
         if future is not None:
             self._warn("take-up", "%s a lighthouse call this group left to ride is still in flight: this step "
                        "waits on it (its request holds the step it was made at) instead of a second call",
@@ -437,19 +454,32 @@ class OutageRider:
                 raise QuorumTimeout(f"{self._who} the lighthouse call did not end within "
                                     f"{wait.deadline_s:g} s (quorum timeout + connect timeout + 5 s)")
 
-    def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0)) -> concurrent.futures.Future:
-        """One try of the lighthouse call in a helper thread, started ``after`` from now."""
+    def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0),
+             unless: Optional[Callable[[], bool]] = None) -> concurrent.futures.Future:
+        """One try of the lighthouse call in a helper thread, started ``after`` from now; not made when
+        ``unless()`` holds by then (the future ends with :class:`TryNotMade`)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             if after:
                 time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
             try:
+                if unless is not None and unless():
+                    raise TryNotMade("rank 0 of the group decided this step's quorum call first")
+                self._made += 1
                 future.set_result(call(self._try_timeout))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(exc)
 
         threading.Thread(target=run, name="ftbridge-quorum-call", daemon=True).start()
+        if faults.armed("in_quorum_call"):  # chaos and tests: this rank pauses with its try in flight
+            where = f"quorum call {self._seq}"
+
+            def freeze() -> None:
+                if not future.done():
+                    faults.point("in_quorum_call", where)
+
+            threading.Timer(0.005, freeze).start()
         return future
 
     def _stale_answer(self, result: Any) -> bool:
@@ -474,18 +504,20 @@ class OutageRider:
         return stale
 
     def _next_try(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any],
-                  tried: int) -> Optional[Tuple[concurrent.futures.Future, int]]:
+                  tried: int, unless: Optional[Callable[[], bool]] = None
+                  ) -> Optional[Tuple[concurrent.futures.Future, int]]:
         """For a try that ended (``tried`` made so far): ``(next try, tried + 1)`` when it ended by torchft's
         deadline (the builtin ``TimeoutError``; after :data:`RETRY_GRACE`) or with a stale answer
-        (:meth:`_stale_answer`), while fewer than ``tries`` were made; ``None`` when it is the call's outcome."""
+        (:meth:`_stale_answer`), while fewer than ``tries`` were made; ``None`` when it is the call's outcome.
+        ``unless``: see :meth:`_try`."""
         if tried >= self._tries:
             return None
         exc = future.exception()
         if exc is not None:
-            if not isinstance(exc, TimeoutError):
+            if not isinstance(exc, TimeoutError) or isinstance(exc, TryNotMade):
                 return None
             self.unanswered_tries += 1
-            return self._try(call, after=RETRY_GRACE), tried + 1
+            return self._try(call, after=RETRY_GRACE, unless=unless), tried + 1
         return (self._try(call), tried + 1) if self._stale_answer(future.result()) else None
 
     def _warn(self, key: str, msg: str, *args: Any) -> None:
@@ -508,10 +540,14 @@ class OutageRider:
         key = f"ftbridge/outage/{self._seq}/outcome"
         store, bound = self._manager._store, self._quorum_deadline + self._decision_timeout
         end, tried = time.monotonic() + bound.total_seconds(), 1
+
+        def decided() -> bool:  # a try made after rank 0's outcome would wait at torchft's server for a next round
+            return bool(store.check([key]))
+
         try:
             while not store.check([key]):
                 done, _ = concurrent.futures.wait([future], timeout=POLL.total_seconds())
-                following = self._next_try(future, call, tried) if done else None
+                following = self._next_try(future, call, tried, unless=decided) if done else None
                 if following is not None:
                     future, tried = following
                 elif done or time.monotonic() > end:  # nothing more to try here: wait for rank 0's word
@@ -533,7 +569,32 @@ class OutageRider:
             if future.exception() is None and tried < self._tries and self._stale_answer(future.result()):
                 future, tried = self._try(call), tried + 1  # rank 0 asked again too: its try needs this one
                 continue
+            lost = future.exception()
+            if isinstance(lost, TimeoutError) and self._made == 1:
+                return self._lost_answer(lost)
             return future.result()
+
+    def _lost_answer(self, exc: BaseException) -> Any:
+        """Rank 0 got this step's answer, and this rank's copy of it was lost: its one try's deadline passed
+        first (the process paused with the try in flight). Rounds of torchft's manager server stay paired (that
+        try was the round's, and this rank made no other), so this rank discards the step on the quorum torchft
+        already holds, instead of exiting: the error recorded here skips its collectives and the group's
+        decision discards the step on every rank; the next step asks again.
+
+        Raises:
+            QuorumTimeout: this rank holds no quorum torchft still uses (then the rank exits, as before).
+        """
+        last = self.last
+        if last is None or int(self._manager._quorum_id) != last.quorum_id:
+            raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum, this rank's copy of it was lost "
+                                f"({exc}) and it holds no quorum to discard the step on") from exc
+        self.lost_answers += 1
+        logger.warning("%s this rank's copy of the quorum its rank 0 got was lost (%s; a pause of the process "
+                       "longer than one try, %g s?): the group discards this step and asks again", self._who, exc,
+                       self._try_timeout.total_seconds())
+        self._manager.report_error(QuorumAnswerLost(f"{self._who} lost its copy of this step's quorum"))
+        self.lost = True
+        return _Reused(last, int(self._manager.current_step()))
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
     def agree(self, guard: Optional[str] = None, empty: bool = False) -> Agreement:

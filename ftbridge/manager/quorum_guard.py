@@ -116,8 +116,8 @@ class _QuorumGuard:
                 "torchrun restarts its group, which heals from a live peer once there is one") from exc
         returned, since_last = time.monotonic(), started - self._returned
         self._returned = returned
-        if self.rider is not None and self.rider.riding:  # the last quorum again: nothing below applies
-            self._rode = True
+        if self.rider is not None and (self.rider.riding or self.rider.lost):  # the last quorum again
+            self._rode |= self.rider.riding
             return result
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)

@@ -9,6 +9,7 @@ seeded run (test_chaos_run.py).
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -130,6 +131,34 @@ def test_rank_hung_past_the_cross_replica_timeout(local_job):
                                 f"commit-vote bound {bound_s:.0f} s)\n{job.tails()}")
     else:  # a loaded machine kept the others from going on in time; the group still came back by healing
         print(f"hung {hang_s:.1f} s, past the commit-vote bound; group 1 restarts: {len(restarts)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rank_frozen_inside_its_quorum_call_past_one_try_rejoins_without_a_restart(local_job, tmp_path):
+    # A rank frozen with a quorum try in flight for longer than that try's deadline (quorum_timeout / tries,
+    # 5 s here). Most often its group's rank 0 got the lighthouse's answer of that round and this rank's
+    # copy of it is lost to its expired deadline (OutageRider._lost_answer): the group discards that step.
+    # Either way the group must come back without dying and being restarted, as after any pause shorter
+    # than the commit-vote bound (12 s here).
+    fault_dir = str(tmp_path / "faults")
+    job = _job(local_job, 3, 2, env={faults.ENV_DIR: fault_dir, "FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": "6"})
+    job.start()
+    job.wait_until(lambda: any(e["committed"] and e["participants"] == 3 for e in job.steps(0)), 120,
+                   "all groups to commit together")
+    t_arm = time.time()
+    faults.arm(fault_dir, "in_quorum_call", group=1, rank=1, freeze_s=7)
+    job.wait_until(lambda: faults.fired(fault_dir, "in_quorum_call"), 60, "group 1 rank 1 to freeze in a quorum call")
+    t_fired = os.path.getmtime(os.path.join(fault_dir, "in_quorum_call.fired"))
+    job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 3 and e["time"] > t_fired + 7
+                                   for e in job.steps(1, r)) for r in (0, 1)), 120,
+                   "the frozen group to commit with the others again")
+    _finish(job, [0, 1, 2])
+    restarts = [t for r in (0, 1) for t in _launches(job, 1, r) if t > t_arm]
+    assert restarts == [], f"the frozen group was restarted\n{job.tails()}"
+    logs = glob.glob(os.path.join(job.workdir, "group_1.*.log"))
+    lost = sum(open(f, encoding="utf-8", errors="replace").read().count("quorum its rank 0 got was lost") for f in logs)
+    print(f"answers lost to the freeze: {lost}")
 
 
 @pytest.mark.timeout(420)
