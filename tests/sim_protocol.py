@@ -43,7 +43,7 @@ from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import restart_without_peer
 from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
-from ftbridge.manager.outage import OutageRider
+from ftbridge.manager.outage import OutageRider, QuorumTimeout
 from ftbridge.quorum_rules import (
     VOTE_SKIP_WINDOW_S,
     QuorumSeen,
@@ -94,6 +94,9 @@ class Faults:
     frozen and left out, or any check of the step that fails late): its row still joins the agreement."""
     stale: FrozenSet[int] = frozenset()
     corrupt: FrozenSet[int] = frozenset()
+    lost_answer: FrozenSet[Tuple[int, int]] = frozenset()
+    """Group rank ``r >= 1`` of the group loses its copy of the round's answer its rank 0 got (paused past its
+    try's deadline with the try in flight): the real ``OutageRider._lost_answer`` runs on it."""
 
     def quiet(self) -> bool:
         """Nothing is wrong this round."""
@@ -512,7 +515,13 @@ class Sim:
         if voting:
             g.voted = (q.quorum_id, tuple(sorted(q.replica_ids))) if complete else None
         at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
-        for r in g.ranks:
+        for i, r in enumerate(g.ranks):
+            if i > 0 and (g.gid, i) in self.faults.lost_answer:
+                try:
+                    r.rider._lost_answer(TimeoutError("Timeout expired"), OutageRider._asked(_Result(q, g.replica_id)))
+                except QuorumTimeout:
+                    g.alive, g.exit_reason = False, "QuorumTimeout"
+                continue  # torchft keeps this rank's last quorum and process group
             if rebuild:
                 r.tf._quorum_id = q.quorum_id
                 r.tf._pg.ident = (q.epoch, q.quorum_id, tuple(q.replica_ids), self.now)

@@ -26,7 +26,7 @@ RECOVERY = QUORUM_TIMEOUT + HEARTBEAT_TIMEOUT + JOIN_WAIT + RESTART_PEER_WAIT + 
 """Quiet rounds after the last fault within which every live group must commit again."""
 
 KINDS = ("lighthouse_dead", "lighthouse_hung", "lighthouse_restart", "cut_lh", "oneway_lh", "cut_peer", "slow",
-         "hang", "kill", "crash", "restart", "rank_error", "heal_fail", "late_error", "stale")
+         "hang", "kill", "crash", "restart", "rank_error", "heal_fail", "late_error", "stale", "lost_answer")
 
 
 @st.composite
@@ -47,6 +47,9 @@ def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
             out["cut_peer"] = frozenset({frozenset((g, h))})
         elif kind in ("rank_error", "heal_fail", "late_error"):
             out[kind] = frozenset({(g, draw(st.integers(0, size - 1)))})
+        elif kind == "lost_answer":
+            if size > 1:
+                out[kind] = frozenset({(g, draw(st.integers(1, size - 1)))})
         elif kind == "stale":
             out[kind] = frozenset(range(groups)) if draw(st.booleans()) else frozenset({g})
         else:
@@ -359,3 +362,19 @@ def test_a_rank_whose_row_is_missing_from_its_agreement_leaves_no_quorum_missed(
     stopped (``GroupDecision.nobody_commits``)."""
     sim = run(3, 2, False, [Faults(kill=frozenset({0})), Faults(rank_error=frozenset({(1, 0)}))])
     assert sim.groups[1].alive and sim.groups[2].alive
+
+
+@pytest.mark.parametrize("ride", [False, True], ids=["no-ride", "ride"])
+def test_a_rank_that_lost_its_copy_of_the_answer_discards_and_its_group_trains_on(ride):
+    """A rank paused past its try's deadline with the try in flight: its rank 0 got the round's answer, its own
+    copy is lost. The group discards that step (the rank's collectives do not run) on the quorum it holds and
+    commits with the others again; it neither exits nor splits."""
+    sim = Sim(3, 2, ride=ride)
+    for _ in range(3):
+        sim.round(Faults())
+    lost = sim.round(Faults(lost_answer=frozenset({(1, 1)})))
+    assert sim.groups[1].ranks[1].rider.lost_answers == 1
+    assert not any(r.committed for r in lost if r.group == 1)
+    for _ in range(4):
+        records = sim.round(Faults())
+    assert all(g.alive for g in sim.groups) and {r.group for r in records if r.committed} == {0, 1, 2}

@@ -382,10 +382,11 @@ def test_a_rank_follows_its_rank_0s_answer_and_its_failure():
         r1.quorum(lambda timeout: Quorum(2, 1, 2))
 
 
-def _rank_0_answers_first(store, **kw):
-    """Group rank 0 of a 2-rank group, answered at once; returns once it published its outcome."""
+def _rank_0_answers_first(store, answer=None, **kw):
+    """Group rank 0 of a 2-rank group, answered at once (by default the quorum it holds again); returns once it
+    published its outcome."""
     r0 = _rider(answer=True, rank=0, size=2, store=store, **kw)
-    r0.quorum(lambda timeout: Quorum(2, 0, 2))
+    r0.quorum(lambda timeout: answer or Answer(1, 2))
     return r0
 
 
@@ -402,6 +403,22 @@ def test_a_rank_whose_copy_of_rank_0s_answer_was_lost_discards_the_step_on_the_l
     result = r1.quorum(lost)
     assert result.quorum_id == 1 and r1.lost and not r1.riding and r1.lost_answers == 1
     assert isinstance(r1._manager.errored(), QuorumAnswerLost)  # the group's decision discards the step
+
+
+@pytest.mark.parametrize("answer", [Answer(2, 2), Answer(1, 1, ("replica_group_0:a",))], ids=["new-id", "members"])
+def test_a_lost_copy_of_another_quorum_ends_the_rank(answer):
+    """Rank 0 took up a quorum this rank never saw: this rank's quorum history would miss it, and the
+    continuity rule would stop the group for a gap nobody trained in (found by the simulation)."""
+    store = Store()
+    _rank_0_answers_first(store, answer=answer)
+    r1 = _rider(answer=True, rank=1, size=2, store=store)
+
+    def lost(timeout):
+        raise TimeoutError("Timeout expired")
+
+    with pytest.raises(QuorumTimeout, match="not the quorum this rank holds"):
+        r1.quorum(lost)
+    assert not r1.lost
 
 
 def test_a_lost_answer_after_a_second_try_still_ends_the_rank():
@@ -430,7 +447,7 @@ def test_a_rank_makes_no_try_again_once_its_rank_0_decided():
     r0 = _rider(answer=True, rank=0, size=2, store=store, **kw)
     r1 = _rider(answer=True, rank=1, size=2, store=store, **kw)
     tried = threading.Event()
-    t = threading.Thread(target=r0.quorum, args=(lambda timeout: tried.wait(10) and Quorum(2, 0, 2),))
+    t = threading.Thread(target=r0.quorum, args=(lambda timeout: tried.wait(10) and Answer(1, 2),))
     t.start()
     made = []
 

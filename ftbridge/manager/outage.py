@@ -436,7 +436,7 @@ class OutageRider:
                 if following is not None:
                     future, tried = following
                     continue
-                self._publish(b"asked" if future.exception() is None else b"failed")
+                self._publish(self._asked(future.result()) if future.exception() is None else b"failed")
                 return future.result()
             now = time.monotonic()
             answers = (self._monitor.answers(since=max(wait.started, now - REPROBE.total_seconds()))
@@ -520,6 +520,12 @@ class OutageRider:
             return self._try(call, after=RETRY_GRACE, unless=unless), tried + 1
         return (self._try(call), tried + 1) if self._stale_answer(future.result()) else None
 
+    @staticmethod
+    def _asked(result: Any) -> bytes:
+        """Rank 0's outcome ``asked``, with the quorum it got: ``b"asked <quorum id> <membership digest>"``."""
+        ids = list(getattr(result, "replica_ids", []) or [])
+        return f"asked {int(getattr(result, 'quorum_id', -1))} {membership_digest(ids)}".encode()
+
     def _warn(self, key: str, msg: str, *args: Any) -> None:
         """A ride transition's warning, at most one per ``key`` every 30 s (a flapping link would log every
         step); the next line says how many were held back."""
@@ -571,23 +577,31 @@ class OutageRider:
                 continue
             lost = future.exception()
             if isinstance(lost, TimeoutError) and self._made == 1:
-                return self._lost_answer(lost)
+                return self._lost_answer(lost, outcome)
             return future.result()
 
-    def _lost_answer(self, exc: BaseException) -> Any:
-        """Rank 0 got this step's answer, and this rank's copy of it was lost: its one try's deadline passed
-        first (the process paused with the try in flight). Rounds of torchft's manager server stay paired (that
-        try was the round's, and this rank made no other), so this rank discards the step on the quorum torchft
-        already holds, instead of exiting: the error recorded here skips its collectives and the group's
-        decision discards the step on every rank; the next step asks again.
+    def _lost_answer(self, exc: BaseException, outcome: bytes) -> Any:
+        """Rank 0 got this step's answer (``outcome``, :meth:`_asked`), and this rank's copy of it was lost: its
+        one try's deadline passed first (the process paused with the try in flight). Rounds of torchft's
+        manager server stay paired (that try was the round's, and this rank made no other). When rank 0's
+        quorum is the one this rank holds (same id and members: the common case, a pause in steady training),
+        this rank discards the step on it instead of exiting: the error recorded here skips its collectives,
+        the group's decision discards the step on every rank, and the next step asks again. Nothing of the
+        quorum history differs between the group's ranks.
 
         Raises:
-            QuorumTimeout: this rank holds no quorum torchft still uses (then the rank exits, as before).
+            QuorumTimeout: rank 0 got another quorum (this rank's history would miss it, and the continuity
+                rule would then stop the group for a gap) or torchft holds no such quorum: the rank exits,
+                torchrun restarts the group.
         """
-        last = self.last
-        if last is None or int(self._manager._quorum_id) != last.quorum_id:
-            raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum, this rank's copy of it was lost "
-                                f"({exc}) and it holds no quorum to discard the step on") from exc
+        last, words = self.last, outcome.split()
+        same = (last is not None and len(words) == 3 and words[1] == str(last.quorum_id).encode()
+                and words[2] == last.digest.encode() and int(self._manager._quorum_id) == last.quorum_id)
+        if not same:
+            raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum ({outcome.decode(errors='replace')}), "
+                                f"this rank's copy of it was lost ({exc}), and it is not the quorum this rank "
+                                "holds") from exc
+        assert last is not None
         self.lost_answers += 1
         logger.warning("%s this rank's copy of the quorum its rank 0 got was lost (%s; a pause of the process "
                        "longer than one try, %g s?): the group discards this step and asks again", self._who, exc,
