@@ -186,7 +186,8 @@ def test_parse_rejects_unknown_only_before_any_work(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "nope" in err
-    assert "overhead, overlap, failover, heal, heal_100m, restart, rescale, memory, scaling, outage, spare" in err
+    assert ("overhead, overlap, failover, heal, heal_100m, restart, rescale, memory, scaling, outage, spare, "
+            "straggler") in err
 
 
 def test_parse_quick_defaults_and_overrides(tmp_path):
@@ -194,7 +195,7 @@ def test_parse_quick_defaults_and_overrides(tmp_path):
     assert (s.quick, s.reps, s.steps, s.warmup_steps, s.timeout_s) == (True, 1, 4, 3, 300.0)
     assert s.workdir == str(tmp_path / "work") and names == [
         "overhead", "overlap", "failover", "heal", "heal_100m", "restart", "rescale", "memory", "scaling", "outage",
-        "spare"]
+        "spare", "straggler"]
     _, full, _ = cli.parse(["--reps", "2"])
     assert (full.quick, full.reps, full.steps, full.warmup_steps) == (False, 2, 60, 10)
     with pytest.raises(SystemExit):
@@ -266,3 +267,13 @@ def test_wait_stops_at_the_first_failed_group():
         jobs.wait_all_or_first_failure(job(1, None), timeout_s=30)
     with pytest.raises(TimeoutError, match="still running"):
         jobs.wait_all_or_first_failure(job(0, None), timeout_s=0.3, poll_s=0.05)
+
+
+def test_a_window_rate_counts_commits_and_the_share_with_every_group():
+    from ftbridge.harness.bench.straggler import window_rate
+    steps = [{"time": t, "committed": c, "participants": p}
+             for t, c, p in [(0.5, True, 2), (1.0, True, 1), (1.5, False, 2), (2.5, True, 2), (4.0, True, 2)]]
+    assert window_rate(steps, 0.0, 4.0) == {"rate": 0.75, "together": 2 / 3}
+    assert window_rate(steps, 3.0, 3.5) == {"rate": 0.0, "together": 0.0}
+    with pytest.raises(ValueError, match="empty"):
+        window_rate(steps, 2.0, 2.0)

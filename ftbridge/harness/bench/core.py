@@ -135,6 +135,7 @@ MODULES: tuple = (
     "ftbridge.harness.bench.scaling",    # 8. cross-replica cost vs groups and model size
     "ftbridge.harness.bench.outage",     # 9. steps lost to a lighthouse outage, riding it out vs waiting
     "ftbridge.harness.bench.spare",      # 10. warm spare vs cold restart: drop -> full capacity
+    "ftbridge.harness.bench.straggler",  # 11. job step rate with one group at half speed
 )
 
 REGISTRY: Dict[str, BenchFn] = {}

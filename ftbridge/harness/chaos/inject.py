@@ -134,7 +134,7 @@ class Injector:
         pids = self.job.worker_pids(g)
         r = rng.choice(sorted(pids))
         t = time.time()
-        _stop_for([pids[r]], failure.duration_s)
+        stop_for([pids[r]], failure.duration_s)
         # No heal is needed when the others never committed without it (they too waited the hang out).
         return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]}) stopped "
                                               f"{failure.duration_s:.0f} s", heal_optional=True)
@@ -205,7 +205,7 @@ class Injector:
     def _lighthouse_hang(self, failure: Failure, rng: random.Random) -> Injected:
         pid = self.job.lighthouse_pid
         t = time.time()
-        _stop_for([pid], failure.duration_s)
+        stop_for([pid], failure.duration_s)
         return Injected(failure, t, [], [], f"lighthouse (pid {pid}) stopped {failure.duration_s:.0f} s",
                         ended=time.time())
 
@@ -252,13 +252,13 @@ class Injector:
         t = time.time()
         end = time.monotonic() + failure.duration_s
         while time.monotonic() < end:  # the failure itself: stopped half of every period
-            _stop_for(pids, SLOW_PERIOD_S / 2)
+            stop_for(pids, SLOW_PERIOD_S / 2)
             time.sleep(SLOW_PERIOD_S / 2)
         return Injected(failure, t, [], [], f"group {g} (pids {', '.join(map(str, pids))}) at half speed "
                                             f"{failure.duration_s:.0f} s", ended=time.time())
 
 
-def _stop_for(pids: List[int], seconds: float) -> None:
+def stop_for(pids: List[int], seconds: float) -> None:
     """SIGSTOP ``pids``, wait ``seconds`` (the failure itself), SIGCONT them, also if the wait is interrupted."""
     signal_pids(pids, signal.SIGSTOP)
     try:
