@@ -117,7 +117,7 @@ class FTBridgeConfig:
     (``FTBRIDGE_NUM_REPLICA_GROUPS`` / ``NUM_REPLICA_GROUPS``)."""
 
     spare_index: int = -1
-    """-1: an active replica group. ``K >= 0``: a warm spare (``ftbridge-run --spare K``) that initialises
+    """-1: an active replica group. ``K >= 0``: a warm spare (``ftbridge-run --spare-index K``) that initialises
     fully, then stands by outside the quorum until a replica group dies and takes over its id (see
     :mod:`ftbridge.spare`); spare ``K`` acts ``K`` stagger periods after spare 0 (``FTBRIDGE_SPARE_INDEX``)."""
 

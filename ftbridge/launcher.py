@@ -15,7 +15,7 @@ Usage, two groups of two ranks on one machine::
 A warm spare (ready, outside the quorum; it takes over the first group the
 lighthouse drops, see :mod:`ftbridge.spare`)::
 
-    ftbridge-run --spare 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
+    ftbridge-run --spare-index 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
 
 A group on two nodes (run on both; the endpoint is one of them)::
 
@@ -34,7 +34,7 @@ passed through; these win over inherited values):
 * ``REPLICA_GROUP_ID``/``FTBRIDGE_REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``/
   ``FTBRIDGE_NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``/``FTBRIDGE_LIGHTHOUSE``
   (both names, so a stale inherited ``FTBRIDGE_*`` cannot override the flags);
-  ``FTBRIDGE_SPARE_INDEX`` (``K`` for ``--spare K``, else -1); a spare's
+  ``FTBRIDGE_SPARE_INDEX`` (``K`` for ``--spare-index K``, else -1); a spare's
   ``REPLICA_GROUP_ID`` is ``N + K`` until it takes over a group;
 * ``FTBRIDGE_MIN_REPLICAS``, ``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S``,
   ``FTBRIDGE_QUORUM_TIMEOUT_S``, ``FTBRIDGE_HEARTBEAT_INTERVAL_MS``,
@@ -117,14 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of the launcher's own flags (everything before ``--``)."""
     p = ArgumentParser(
         prog="ftbridge-run",
-        usage="ftbridge-run (--replica-group-id I | --spare K) --num-replica-groups N --nproc-per-node M "
+        usage="ftbridge-run (--replica-group-id I | --spare-index K) --num-replica-groups N --nproc-per-node M "
               "[options] -- SCRIPT [ARGS...]",
         description="Run one ftbridge replica group under torchrun (c10d rendezvous, restarts).",
     )
     g = p.add_argument_group("replica group")
-    g.add_argument("--replica-group-id", type=int, default=None, help="id of this group, 0..N-1 (or --spare)")
-    g.add_argument("--spare", type=int, default=None, metavar="K",
-                   help="a warm spare with index K (0, 1, ...) instead of --replica-group-id: it initialises "
+    g.add_argument("--replica-group-id", type=int, default=None,
+                   help="id of this group, 0..N-1 (or --spare-index)")
+    g.add_argument("--spare-index", "--spare", dest="spare", type=int, default=None, metavar="K",
+                   help="a warm spare with index K (0, 1, ...) instead of --replica-group-id (--spare K is the "
+                        "same): it initialises "
                         "fully, stands by outside the quorum and takes over the id of the first replica group "
                         "the lighthouse drops (spare K acts K s after spare 0); see docs/spares.md")
     g.add_argument("--num-replica-groups", type=int, required=True, help="groups the job is planned for")
@@ -234,9 +236,9 @@ def _check_group_args(args: argparse.Namespace) -> None:
          f"--num-replica-groups={args.num_replica_groups} must be at least 1")
     spare = getattr(args, "spare", None)
     need((args.replica_group_id is None) != (spare is None),
-         "give exactly one of --replica-group-id I (an active group) and --spare K (a warm spare); "
-         f"got --replica-group-id={args.replica_group_id}, --spare={spare}")
-    need(spare is None or spare >= 0, f"--spare={spare} is negative; number the spares 0, 1, ...")
+         "give exactly one of --replica-group-id I (an active group) and --spare-index K (a warm spare); "
+         f"got --replica-group-id={args.replica_group_id}, --spare-index={spare}")
+    need(spare is None or spare >= 0, f"--spare-index={spare} is negative; number the spares 0, 1, ...")
     need(spare is not None or 0 <= args.replica_group_id < args.num_replica_groups,
          f"--replica-group-id={args.replica_group_id} is outside 0..{args.num_replica_groups - 1} "
          f"for --num-replica-groups={args.num_replica_groups}; number the groups 0, 1, ..., N-1")

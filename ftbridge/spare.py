@@ -1,6 +1,6 @@
 """Warm spare replica groups: fully initialised, outside the quorum until a group dies.
 
-A spare (``ftbridge-run --spare K``) runs the training script like any
+A spare (``ftbridge-run --spare-index K``) runs the training script like any
 replica group: imports, data, model, ``deepspeed.initialize`` (optimizer and
 ZeRO partitions allocated). Then, in :func:`ftbridge.initialize`, before the
 torchft manager exists, it stands by (:func:`stand_by`): group rank 0 polls
@@ -413,7 +413,7 @@ def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable
         SystemExit: (status 0) the job is over before any group needed replacing.
     """
     if cfg.spare_index < 0:
-        raise ValueError(f"spare_index={cfg.spare_index}: stand_by is for spares (ftbridge-run --spare K)")
+        raise ValueError(f"spare_index={cfg.spare_index}: stand_by is for spares (ftbridge-run --spare-index K)")
     if store is None and cfg.group_size > 1:
         import torch.distributed.distributed_c10d as c10d
 

@@ -3,7 +3,7 @@
 Starts torchft's lighthouse, launches 2 replica groups of 2 ranks (each its
 own ``ftbridge-run`` / torchrun, DeepSpeed ZeRO inside the group) training a
 character-level GPT on Shakespeare, plus one warm spare group
-(``ftbridge-run --spare 0``: initialised, outside the quorum). It SIGKILLs
+(``ftbridge-run --spare-index 0``: initialised, outside the quorum). It SIGKILLs
 every rank of group 1 partway; the spare takes group 1's place as soon as
 the lighthouse drops it, heals from group 0 and trains on. With
 ``--no-spare``, torchrun restarts group 1 instead (a cold start). At the end

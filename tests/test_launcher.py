@@ -174,12 +174,12 @@ BAD = [
     ([*GROUP, "--event-log", "/tmp/{rank}.jsonl"], "--event-log='/tmp/{rank}.jsonl'"),
     ([*GROUP, "--spare", "0"], "give exactly one of --replica-group-id I"),
     (["--num-replica-groups", "2", "--nproc-per-node", "1"], "give exactly one of --replica-group-id I"),
-    (["--spare", "-1", "--num-replica-groups", "2", "--nproc-per-node", "1"], "--spare=-1 is negative"),
+    (["--spare", "-1", "--num-replica-groups", "2", "--nproc-per-node", "1"], "--spare-index=-1 is negative"),
 ]
 
 
 def test_spare_gets_its_index_an_out_of_range_group_id_and_its_own_rendezvous(script):
-    argv, env, _ = build(["--spare", "1", "--num-replica-groups", "2", "--nproc-per-node", "2", "--", script])
+    argv, env, _ = build(["--spare-index", "1", "--num-replica-groups", "2", "--nproc-per-node", "2", "--", script])
     assert env["FTBRIDGE_SPARE_INDEX"] == "1"
     # N + K until it takes over a group: a data shard read before initialize returns would be out of range
     assert env["REPLICA_GROUP_ID"] == env["FTBRIDGE_REPLICA_GROUP_ID"] == "3"

@@ -141,7 +141,7 @@ class LocalJob:
         self._proxies: Optional[Dict[int, FaultProxy]] = {} if proxies else None
         self.groups: Dict[int, List[GroupProcess]] = {}
         self.spares: Dict[int, GroupProcess] = {}
-        """Warm spares by index (``ftbridge-run --spare K``); one that joined trains as a group's id."""
+        """Warm spares by index (``ftbridge-run --spare-index K``); one that joined trains as a group's id."""
 
     # -- lifecycle --------------------------------------------------------
     def start(self, groups: Optional[Sequence[int]] = None) -> None:
@@ -254,7 +254,7 @@ class LocalJob:
         return gp
 
     def start_spare(self, index: int = 0) -> GroupProcess:
-        """Launch warm spare ``index`` (``ftbridge-run --spare index``, :mod:`ftbridge.spare`).
+        """Launch warm spare ``index`` (``ftbridge-run --spare-index index``, :mod:`ftbridge.spare`).
 
         It stands by until the lighthouse drops a group, then trains as that
         group (its event log is that group's). Same ``max_restarts`` as the groups.
@@ -264,7 +264,7 @@ class LocalJob:
         """
         if index in self.spares:
             raise RuntimeError(f"spare {index} already started (pid {self.spares[index].proc.pid})")
-        gp = self._launch(["--spare", str(index)], os.path.join(self.workdir, f"spare_{index}.log"), -1)
+        gp = self._launch(["--spare-index", str(index)], os.path.join(self.workdir, f"spare_{index}.log"), -1)
         self.spares[index] = gp
         return gp
 

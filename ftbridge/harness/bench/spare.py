@@ -7,7 +7,7 @@ both in the same suite invocation, lighthouse heartbeat timeout 2 s:
   process, imports, builds its DeepSpeed engine, joins and heals (the kill
   runs shared with ``failover``, ``heal`` and ``restart``,
   :func:`~ftbridge.harness.bench.failure_jobs.ftbridge_kill_runs`);
-* **warm spare**: a third launch, ``ftbridge-run --spare 0``, has initialised
+* **warm spare**: a third launch, ``ftbridge-run --spare-index 0``, has initialised
   fully and stands by outside the quorum (:mod:`ftbridge.spare`); group 1's
   launcher has no restarts; the spare takes over group 1's id, joins and
   heals (:func:`spare_kill_run`).

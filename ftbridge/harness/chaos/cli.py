@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds, as ftbridge-run's flag (default 5; --cross-replica-timeout is the old spelling)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--spares", type=at_least(0), default=0, metavar="COUNT",
-                   help="warm spares (ftbridge-run --spare k, k < K) started once the job runs, 0..--groups "
+                   help="warm spares (ftbridge-run --spare-index k, k < K) started once the job runs, 0..--groups "
                         "(default 0); scale_down is then skipped (a spare would take the leaving group's id)")
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
     p.add_argument("--no-baseline", action="store_true",

@@ -56,7 +56,7 @@ class ChaosSettings:
             ``kill_in_checkpoint`` failure turns it on at 20).
         baseline: also train a failure-free run of the same length to compare the final loss.
         loss_tolerance: largest accepted |final val loss - failure-free val loss| (nats).
-        spares: warm spares (``ftbridge-run --spare k``) started once the job commits together,
+        spares: warm spares (``ftbridge-run --spare-index k``) started once the job commits together,
             0 to ``groups`` (:func:`ftbridge.harness.chaos.spares.validate_spares`).
     """
 

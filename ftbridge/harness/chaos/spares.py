@@ -1,7 +1,7 @@
 """Warm spares in a chaos run: who holds a group id now, who stands by, how many takeovers.
 
 With ``ChaosSettings.spares = K`` the runner starts spares ``0..K-1``
-(``ftbridge-run --spare k``, :mod:`ftbridge.spare`) once the job commits
+(``ftbridge-run --spare-index k``, :mod:`ftbridge.spare`) once the job commits
 together. From then on a replica group id ``G`` may be held by G's own
 launch, by a spare that took it over, or by G's torchrun restart; the
 process that holds it writes to G's event log and its latest ``start``
