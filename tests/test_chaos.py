@@ -339,3 +339,33 @@ def test_a_rank_burning_cpu_without_stepping_is_a_spin_and_a_stepping_or_idle_on
                                        "step record"]
     assert inv.spinning_ranks(used, events, 12.0, 22.0)[0].detail.startswith("pid 100")  # its record is outside
     assert inv.spinning_ranks({}, events, 10.0, 20.0) == []
+
+
+@pytest.mark.timeout(60)
+def test_half_speed_stops_a_process_in_turns_and_leaves_it_running():
+    import subprocess
+    import threading
+
+    from ftbridge.harness.chaos.inject import half_speed
+
+    proc = subprocess.Popen(["sleep", "30"])
+    states, done = set(), threading.Event()
+
+    def watch():  # the process's state while half_speed runs (bounded by the test's timeout)
+        while not done.is_set():
+            with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+                states.add(f.read().rsplit(")", 1)[1].split()[0])
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        half_speed([proc.pid], 0.5)
+        done.set()
+        t.join(10)
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+            after = f.read().rsplit(")", 1)[1].split()[0]
+        assert "T" in states and after != "T", (states, after)
+    finally:
+        done.set()
+        proc.kill()
+        proc.wait(10)

@@ -5,7 +5,8 @@ commit together. Then, in one job, three windows of :data:`WINDOW_S` seconds:
 
 * **clean**, **slow**, **clean**: during the slow window group 1's ranks are
   stopped (SIGSTOP) for the first half of every :data:`ftbridge.harness.chaos.inject.SLOW_PERIOD_S`
-  period and continued for the second half, as ``ftbridge-chaos``'s ``slow_group`` does;
+  period and continued for the second half (:func:`ftbridge.harness.chaos.inject.half_speed`, as
+  ``ftbridge-chaos``'s ``slow_group``);
   a group that is slow, not dead.
 
 Measured on group 0 (the healthy group), whose rate is the job's: its commits per second in the slow window
@@ -27,7 +28,7 @@ from typing import Any, Dict, List, Sequence
 
 from ftbridge.harness.bench import failure_jobs
 from ftbridge.harness.bench.core import BenchSettings, Metric, benchmark, median
-from ftbridge.harness.chaos.inject import SLOW_PERIOD_S, stop_for
+from ftbridge.harness.chaos.inject import half_speed
 from ftbridge.harness.local_job import LocalJob
 
 NAME = "straggler"
@@ -72,11 +73,7 @@ def straggler_run(workdir: str, settings: BenchSettings, window_s: float = WINDO
         marks = [time.time()]
         time.sleep(window_s)  # the clean window itself
         marks.append(time.time())
-        pids = sorted(job.worker_pids(1).values())
-        end = time.monotonic() + window_s
-        while time.monotonic() < end:  # the slow window: stopped half of every period
-            stop_for(pids, SLOW_PERIOD_S / 2)
-            time.sleep(SLOW_PERIOD_S / 2)
+        half_speed(sorted(job.worker_pids(1).values()), window_s)  # the slow window
         marks.append(time.time())
         time.sleep(window_s)  # the second clean window
         marks.append(time.time())

@@ -250,12 +250,18 @@ class Injector:
         g = self._pick(rng)
         pids = sorted(self.job.worker_pids(g).values())
         t = time.time()
-        end = time.monotonic() + failure.duration_s
-        while time.monotonic() < end:  # the failure itself: stopped half of every period
-            stop_for(pids, SLOW_PERIOD_S / 2)
-            time.sleep(SLOW_PERIOD_S / 2)
+        half_speed(pids, failure.duration_s)
         return Injected(failure, t, [], [], f"group {g} (pids {', '.join(map(str, pids))}) at half speed "
                                             f"{failure.duration_s:.0f} s", ended=time.time())
+
+
+def half_speed(pids: List[int], seconds: float) -> None:
+    """Run ``pids`` at half speed for ``seconds``: stopped (SIGSTOP) for the first half of every
+    :data:`SLOW_PERIOD_S` period, continued for the second (the failure itself)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        stop_for(pids, SLOW_PERIOD_S / 2)
+        time.sleep(SLOW_PERIOD_S / 2)
 
 
 def stop_for(pids: List[int], seconds: float) -> None:
