@@ -211,10 +211,11 @@ def test_a_call_that_times_out_is_raised_at_once_not_polled_forever():
 
 class Tries:
     """A lighthouse call whose first ``fail`` tries end by torchft's deadline; records each try's timeout and
-    how many were in flight at once."""
+    how many were in flight at once. ``made``: an event this call sets when its answering try is made;
+    ``round_made``: an event its answering try waits for (the other rank's try of the same round)."""
 
-    def __init__(self, fail: int, answer=None) -> None:
-        self.fail, self.answer = fail, answer
+    def __init__(self, fail: int, answer=None, round_made=None, made=None) -> None:
+        self.fail, self.answer, self.round_made, self.made = fail, answer, round_made, made
         self.timeouts: List[timedelta] = []
         self.lock, self.inflight, self.most = threading.Lock(), 0, 0
 
@@ -226,6 +227,10 @@ class Tries:
             n = len(self.timeouts)
         try:
             if n <= self.fail:
+                raise TimeoutError("Timeout expired")
+            if self.made is not None:  # this answering try is made: the other rank's may be answered
+                self.made.set()
+            if self.round_made is not None and not self.round_made.wait(timeout.total_seconds()):
                 raise TimeoutError("Timeout expired")
             return self.answer
         finally:
@@ -253,7 +258,9 @@ def test_a_rank_other_than_0_makes_its_tries_again_while_it_follows():
     store = Store()
     kw = dict(answer=True, size=2, store=store, quorum_timeout=timedelta(seconds=3), tries=3)
     r0, r1 = _rider(rank=0, **kw), _rider(rank=1, **kw)
-    c0, c1 = Tries(fail=2, answer=Quorum(2, 0, 2)), Tries(fail=2, answer=Quorum(2, 1, 2))
+    third = threading.Event()  # torchft's manager server answers a round once every rank made its try
+    c1 = Tries(fail=2, answer=Quorum(2, 1, 2), made=third)
+    c0 = Tries(fail=2, answer=Quorum(2, 0, 2), round_made=third)
     t = threading.Thread(target=r0.quorum, args=(c0,))
     t.start()
     assert r1.quorum(c1).quorum_id == 2
