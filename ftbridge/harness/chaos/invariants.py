@@ -13,6 +13,7 @@ Step records (no ``event`` key) carry ``replica_group``, ``group_rank``,
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -352,6 +353,51 @@ def spinning_ranks(cpu_s: Mapping[int, float], events: Sequence[Record], start: 
     return [Violation("no rank spins", f"pid {pid} used {used:.1f} s of CPU in {wall:.1f} s without writing a "
                                        "step record")
             for pid, used in sorted(cpu_s.items()) if wall > 0 and pid not in stepped and used > SPIN_CPU_SHARE * wall]
+
+
+def silent_ranks(events: Sequence[Record], died: Mapping[int, float], bound_s: float) -> List[Violation]:
+    """Ranks that lived on longer than ``bound_s`` without committing (pure).
+
+    A rank that can neither commit nor ride out its lighthouse must exit within its quorum timeout (and
+    torchrun restart it), not wait on. For every process that committed at least once, the longest time
+    without a commit counts: between two of its commits, and from its last commit to its end (its
+    death, or its last record when it lived to the end of the run).
+
+    Args:
+        events: merged records; step records and ``final`` records carry the writer's ``pid``.
+        died: pid -> when it died (seconds since the epoch), for the processes that died.
+        bound_s: the documented limit (the quorum timeout) plus the time the lighthouse and the
+            slowest collective take to notice, seconds.
+    """
+    commits: Dict[int, List[float]] = {}
+    last: Dict[int, float] = {}
+    for e in events:
+        pid = e.get("pid")
+        if pid is None:
+            continue
+        last[pid] = max(last.get(pid, 0.0), e["time"])
+        if "event" not in e and e["committed"]:
+            commits.setdefault(pid, []).append(e["time"])
+    out = []
+    for pid, times in sorted(commits.items()):
+        times.sort()
+        end = died.get(pid, last[pid])
+        gaps = [(b - a, a) for a, b in zip(times, times[1:] + [max(end, times[-1])])]
+        gap, since = max(gaps)
+        if gap > bound_s:
+            g, r = _identity(events, pid)
+            clock = time.strftime("%H:%M:%S", time.localtime(since))
+            out.append(Violation("no rank lives on without committing",
+                                 f"replica group {g} rank {r} (pid {pid}) went {gap:.1f} s without a commit "
+                                 f"from {clock} while alive, above {bound_s:.1f} s"))
+    return out
+
+
+def _identity(events: Sequence[Record], pid: int) -> Tuple[Any, Any]:
+    for e in events:
+        if e.get("pid") == pid:
+            return e.get("replica_group"), e.get("group_rank")
+    return None, None
 
 
 def final_loss_close(chaos_loss: Optional[float], baseline_loss: Optional[float], tolerance: float

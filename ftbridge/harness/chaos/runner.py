@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.faults import ENV_DIR
-from ftbridge.harness.chaos import invariants, spares
+from ftbridge.harness.chaos import deaths, invariants, spares
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
 from ftbridge.harness.chaos.schedule import LIGHTHOUSE_FAULTS, LIGHTHOUSE_PROCESS, PROXIED, Failure, FailureKind
 from ftbridge.harness.local_job import GroupProcess, LocalJob, started_by
@@ -48,6 +48,8 @@ class ChaosSettings:
         script_args: arguments of ``scripts/train_lm.py`` (model size, ZeRO stage ...).
         seed: seeds the schedule and the choice of targets.
         cross_replica_timeout_s: the job's cross-replica timeout (a hang lasts longer).
+        quorum_timeout_s: the job's quorum timeout: a rank that can neither commit nor ride out its
+            lighthouse exits after it.
         heartbeat_timeout_ms: the lighthouse's heartbeat timeout.
         join_timeout_ms: the lighthouse's join timeout.
         recovery_timeout_s: longest wait for the job to recover from one failure.
@@ -66,6 +68,7 @@ class ChaosSettings:
     script_args: Sequence[str] = ()
     seed: int = 0
     cross_replica_timeout_s: float = 5.0
+    quorum_timeout_s: float = 30.0
     heartbeat_timeout_ms: int = 2000
     join_timeout_ms: int = 1000
     recovery_timeout_s: float = 240.0
@@ -92,6 +95,11 @@ class ChaosSettings:
         """
         return (self.heartbeat_timeout_ms + self.join_timeout_ms) / 1000 + self.cross_replica_timeout_s + 10.0
 
+    @property
+    def silence_bound_s(self) -> float:
+        """Longest a live rank may go without a commit: its quorum timeout, then the recovery bound."""
+        return self.quorum_timeout_s + self.recovery_bound_s
+
 
 @dataclass
 class Outcome:
@@ -105,6 +113,8 @@ class Outcome:
     """For a lighthouse outage: the survivor that lost the most steps (:func:`invariants.outage_pause`)."""
     spins: List[str] = field(default_factory=list)
     """Ranks that burned CPU without stepping from the injection to the recovery (:func:`invariants.spinning_ranks`)."""
+    began: Optional[float] = None
+    """When the injection began (seconds since the epoch): a death it explains comes after this."""
 
     def to_json(self) -> Dict[str, Any]:
         rec = self.recovery
@@ -193,7 +203,8 @@ def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool
                    [*settings.script_args, "--steps", str(10**9)], max_restarts=1000,
                    lighthouse_min_replicas=settings.groups if together else None,
                    heartbeat_timeout_ms=settings.heartbeat_timeout_ms, join_timeout_ms=settings.join_timeout_ms,
-                   env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s), **env},
+                   env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s),
+                        "FTBRIDGE_QUORUM_TIMEOUT_S": str(settings.quorum_timeout_s), **env},
                    lighthouse_process=bool(kinds & LIGHTHOUSE_PROCESS), proxies=bool(kinds & PROXIED))
     job.script_args += ["--stop-file", os.path.join(job.workdir, "stop")]
     return job
@@ -260,13 +271,14 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                 found = [str(v) for v in invariants.check_all(events)]
                 new = [v for v in found if all(v not in o.violations for o in outcomes)]
                 outcomes.append(Outcome(inj, ok, rec, new, _outage_pause(events, inj, sorted(alive), settings.settle_s),
-                                        spins))
+                                        spins, t_before))
                 for v in new + spins:
                     logger.error("invariant broken after failure %d: %s", failure.index, v)
                 if not ok:
                     break
             if progress is not None:
                 progress.update(1)
+        t_stop = time.time()
         active, stopped = _stop_standing_by(job, sorted(alive), settings.recovery_timeout_s)
         final_step = job.stop_soon(settings.tail_steps)
         _wait_launches(job, active, settings.recovery_timeout_s)
@@ -278,6 +290,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     leftover = [p for p in pids if pid_alive(p)]
     checks = _end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
                          ckpt_dir if every else None)
+    checks.extend(_death_checks(settings, job, events, outcomes, t_stop))
     final_loss = _final_loss(events)
     chaos_wall_s = time.time() - t_start  # the failure-free run below is not part of the chaos run's time
     baseline_loss = None
@@ -404,6 +417,29 @@ def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outco
                              f"{settings.recovery_bound_s:.1f} s")
          for o, s in timed if s > settings.recovery_bound_s]))
     return checks
+
+
+def _death_checks(settings: ChaosSettings, job: LocalJob, events: Sequence[Dict[str, Any]],
+                  outcomes: Sequence[Outcome], until: float) -> List[invariants.Check]:
+    """No rank died before ``until`` (the run's own stop) unless a failure aimed at its group
+    (:mod:`ftbridge.harness.chaos.deaths`), and none lived on past its quorum timeout without committing
+    (:func:`invariants.silent_ranks`)."""
+    launches = [*(gp for ls in job.groups.values() for gp in ls), *job.spares.values()]
+    logs = {}
+    for gp in launches:
+        with open(gp.log_path, encoding="utf-8", errors="replace") as f:
+            logs[gp.log_path] = f.read()
+    hits = [(o.began, [*o.injected.hit, *o.injected.rejoin]) for o in outcomes
+            if o.began is not None and not o.injected.skipped]
+    year = time.localtime().tm_year
+    died = {d.pid: d.time for text in logs.values() for d in deaths.deaths_in_log(text, year)}
+    collateral = deaths.collateral_in_logs(logs, events, hits, year, until)
+    bound = settings.silence_bound_s
+    return [invariants.Check("no collateral death", f"{len(died)} rank deaths in {len(logs)} launcher logs",
+                             [invariants.Violation("no collateral death", m) for m in collateral]),
+            invariants.Check("no rank lives on without committing",
+                             f"longest time without a commit of every rank that committed, against {bound:.1f} s",
+                             invariants.silent_ranks(events, died, bound))]
 
 
 def _final_state_violations(events: Sequence[Dict[str, Any]], alive: Sequence[int], nproc: int,
