@@ -369,3 +369,23 @@ def test_half_speed_stops_a_process_in_turns_and_leaves_it_running():
         done.set()
         proc.kill()
         proc.wait(10)
+
+
+def test_every_failure_kind_has_a_colour_in_the_plot():
+    from ftbridge.harness.chaos.report import _COLORS
+
+    assert set(_COLORS) == set(FailureKind)
+
+
+def test_a_kind_needing_hosts_of_their_own_is_refused_with_spares_or_without_root_and_left_out_of_all(monkeypatch):
+    from ftbridge.harness import netns
+    from ftbridge.harness.chaos.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--kinds", "partition_peer", "--spares", "1"])
+    assert FailureKind.PARTITION_PEER not in parse_args(["--spares", "1"]).kind_list
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.available() == "network namespaces need root"
+    assert FailureKind.PARTITION_PEER not in parse_args([]).kind_list
+    with pytest.raises(SystemExit):
+        parse_args(["--kinds", "partition_peer,kill_rank"])

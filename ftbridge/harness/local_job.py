@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.events import read_events
 from ftbridge.harness.netfault import FaultProxy
+from ftbridge.harness.netns import GroupHosts
 from ftbridge.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
@@ -110,6 +111,9 @@ class LocalJob:
             test can SIGSTOP (a hung lighthouse) or SIGKILL; default: in this process.
         proxies: each group reaches the lighthouse through a :class:`~ftbridge.harness.netfault.FaultProxy`
             of its own (:meth:`proxy`), whose link a test can blackhole or cut one way.
+        hosts: each group runs on a host of its own (:class:`~ftbridge.harness.netns.GroupHosts`: a network
+            namespace, made when the job starts), so a test can cut it off from its peers (:attr:`group_hosts`);
+            needs root. Warm spares are not run this way.
     """
 
     def __init__(self, workdir: str, num_groups: int, nproc_per_node: int, script_args: Sequence[str], *,
@@ -117,7 +121,7 @@ class LocalJob:
                  max_restarts: int = 3, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000,
                  env: Optional[Dict[str, str]] = None, checksum_every: Optional[int] = 1,
                  group_sizes: Optional[Dict[int, int]] = None, lighthouse_process: bool = False,
-                 proxies: bool = False) -> None:
+                 proxies: bool = False, hosts: bool = False) -> None:
         if num_groups < 1 or nproc_per_node < 1 or any(n < 1 for n in (group_sizes or {}).values()):
             raise ValueError(f"num_groups={num_groups}, nproc_per_node={nproc_per_node}, group_sizes={group_sizes}: "
                              "all must be >= 1")
@@ -139,6 +143,9 @@ class LocalJob:
         self.lighthouse: Any = None
         self.lighthouse_process = lighthouse_process
         self._proxies: Optional[Dict[int, FaultProxy]] = {} if proxies else None
+        self._want_hosts = hosts
+        self.group_hosts: Optional[GroupHosts] = None
+        """The groups' hosts (``hosts=True``, once the job started)."""
         self.groups: Dict[int, List[GroupProcess]] = {}
         self.spares: Dict[int, GroupProcess] = {}
         """Warm spares by index (``ftbridge-run --spare-index K``); one that joined trains as a group's id."""
@@ -146,6 +153,8 @@ class LocalJob:
     # -- lifecycle --------------------------------------------------------
     def start(self, groups: Optional[Sequence[int]] = None) -> None:
         """Start the lighthouse (once) and the given groups (default: all)."""
+        if self._want_hosts and self.group_hosts is None:
+            self.group_hosts = GroupHosts(self.num_groups)
         if self.lighthouse is None:
             self.start_lighthouse()
         for g in range(self.num_groups) if groups is None else groups:
@@ -172,7 +181,7 @@ class LocalJob:
         start = self._lighthouse_child if self.lighthouse_process else start_lighthouse
         while True:
             try:
-                self.lighthouse = start(f"127.0.0.1:{port}", self.lighthouse_min_replicas,
+                self.lighthouse = start(f"{self._lighthouse_host}:{port}", self.lighthouse_min_replicas,
                                         join_timeout_ms=self.join_timeout_ms,
                                         heartbeat_timeout_ms=self.heartbeat_timeout_ms)
                 break
@@ -217,7 +226,8 @@ class LocalJob:
         if self._proxies is None:
             raise RuntimeError("the groups reach the lighthouse directly (LocalJob(..., proxies=True))")
         if group not in self._proxies:
-            self._proxies[group] = FaultProxy(("127.0.0.1", self._lighthouse_port))
+            self._proxies[group] = FaultProxy((self._lighthouse_host, self._lighthouse_port),
+                                              bind_host=self._lighthouse_host)
         return self._proxies[group]
 
     def stop_lighthouse(self) -> None:
@@ -235,7 +245,11 @@ class LocalJob:
         """The lighthouse's address, also while it is stopped (a group may start during an outage)."""
         if self.lighthouse is not None:
             return self.lighthouse.address
-        return f"http://127.0.0.1:{self._lighthouse_port}"
+        return f"http://{self._lighthouse_host}:{self._lighthouse_port}"
+
+    @property
+    def _lighthouse_host(self) -> str:
+        return self.group_hosts.lighthouse_host if self.group_hosts is not None else "127.0.0.1"
 
     def address_for(self, group: int) -> str:
         """The lighthouse address replica group ``group`` dials: its proxy's, or the lighthouse's."""
@@ -264,6 +278,8 @@ class LocalJob:
         """
         if index in self.spares:
             raise RuntimeError(f"spare {index} already started (pid {self.spares[index].proc.pid})")
+        if self._want_hosts:
+            raise RuntimeError("warm spares do not run on hosts of their own (LocalJob(..., hosts=True))")
         gp = self._launch(["--spare-index", str(index)], os.path.join(self.workdir, f"spare_{index}.log"), -1)
         self.spares[index] = gp
         return gp
@@ -278,6 +294,12 @@ class LocalJob:
                *([] if self.lighthouse is not None else ["--no-lighthouse-check"]),  # started during an outage
                "--", self.script, *self.script_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.group_hosts is not None:
+            if not 0 <= group < self.group_hosts.num_groups:
+                raise ValueError(f"replica group {group} has no host: the job's hosts are groups "
+                                 f"0..{self.group_hosts.num_groups - 1}")
+            cmd = [*self.group_hosts.prefix(group), *cmd]
+            env.update(self.group_hosts.env(group))
         log = open(log_path, "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
@@ -338,6 +360,8 @@ class LocalJob:
         self.stop_lighthouse()
         for proxy in (self._proxies or {}).values():
             proxy.close()
+        if self.group_hosts is not None:
+            self.group_hosts.close()
 
     def _launches(self) -> List[List[GroupProcess]]:
         return [*self.groups.values(), *([gp] for gp in self.spares.values())]

@@ -23,7 +23,8 @@ Example (a group's lighthouse address is the proxy's)::
     proxy.close()
 
 By hand, the same faults come from ``tc``/``iptables`` in a network namespace
-(``docs/chaos.md``). Loopback only: the proxy binds 127.0.0.1.
+(``docs/chaos.md``). It binds loopback unless told another local address (the
+lighthouse's, when the groups run on hosts of their own).
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ class FaultProxy:
 
     Args:
         target: ``(host, port)`` of the server.
-        bind_port: the proxy's port on 127.0.0.1 (0: a free one).
+        bind_port: the proxy's port (0: a free one).
+        bind_host: the proxy's address, a local one (default loopback; the groups' side of the link).
 
     Raises:
         OSError: the port cannot be bound.
     """
 
-    def __init__(self, target: Tuple[str, int], bind_port: int = 0) -> None:
+    def __init__(self, target: Tuple[str, int], bind_port: int = 0, bind_host: str = "127.0.0.1") -> None:
         self.target = target
-        self._listener = socket.create_server(("127.0.0.1", bind_port))
+        self.host = bind_host
+        self._listener = socket.create_server((bind_host, bind_port))
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._mode = "pass"
@@ -69,8 +72,8 @@ class FaultProxy:
 
     @property
     def address(self) -> str:
-        """``http://127.0.0.1:PORT``: give it to the replica group as the server's address."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http://HOST:PORT``: give it to the replica group as the server's address."""
+        return f"http://{self.host}:{self.port}"
 
     @property
     def mode(self) -> str:

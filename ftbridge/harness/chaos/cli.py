@@ -89,6 +89,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.kind_list = parse_kinds(args.kinds)
     except ValueError as e:
         p.error(f"--kinds {args.kinds!r}: {e}")
+    from ftbridge.harness.chaos.runner import check_hosted
+
+    try:
+        check_hosted(set(args.kind_list), args.spares)
+    except ValueError as e:
+        if args.kinds.strip() != "all":
+            p.error(f"--kinds {args.kinds!r}: {e}")
+        from ftbridge.harness.chaos.schedule import HOSTED
+
+        args.kind_list = [k for k in args.kind_list if k not in HOSTED]
+        print(f"ftbridge-chaos: 'all' leaves out {', '.join(sorted(k.value for k in HOSTED))}: {e}", file=sys.stderr)
     return args
 
 

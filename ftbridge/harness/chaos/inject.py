@@ -24,7 +24,7 @@ from ftbridge.processes import pid_alive, signal_pids
 
 _TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG,
                      FailureKind.KILL_JOINER_IN_HEAL, FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT,
-                     FailureKind.PARTITION_LIGHTHOUSE, FailureKind.LOSSY_LINK}
+                     FailureKind.PARTITION_LIGHTHOUSE, FailureKind.LOSSY_LINK, FailureKind.PARTITION_PEER}
 """Kinds that take a group out of the job for a while: another group with state must be running."""
 SLOW_PERIOD_S = 0.2
 """A slowed group's ranks are stopped for the first half of every period of this length."""
@@ -108,6 +108,7 @@ class Injector:
             FailureKind.LOSSY_LINK: self._cut_one,
             FailureKind.PARTITION_ALL: self._partition_all,
             FailureKind.SLOW_GROUP: self._slow_group,
+            FailureKind.PARTITION_PEER: self._partition_peer,
         }[kind]
         return handler(failure, rng)
 
@@ -245,6 +246,22 @@ class Injector:
         finally:
             for g in groups:
                 self.job.proxy(g).set("pass")
+
+    def _partition_peer(self, failure: Failure, rng: random.Random) -> Injected:
+        g = self._pick(rng)
+        hosts = self.job.group_hosts
+        if hosts is None:
+            raise RuntimeError("partition_peer needs the groups on hosts of their own (LocalJob(..., hosts=True))")
+        t = time.time()
+        hosts.cut(g)
+        try:
+            time.sleep(failure.duration_s)  # the failure itself: the group stays cut off this long
+        finally:
+            hosts.mend(g)
+        # Its quorum calls still succeed: the others go on without it only while it is busy elsewhere; it
+        # heals back if they committed steps without it, else commits with them again.
+        return Injected(failure, t, [g], [g], f"group {g} cut off from its peers {failure.duration_s:.0f} s",
+                        ended=time.time(), heal_optional=True)
 
     def _slow_group(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)

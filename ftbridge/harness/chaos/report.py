@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 from ftbridge.harness.chaos import invariants, spares
 from ftbridge.harness.chaos.invariants import Stats
 from ftbridge.harness.chaos.runner import ChaosResult
-from ftbridge.harness.chaos.schedule import LIGHTHOUSE_FAULTS, FailureKind
+from ftbridge.harness.chaos.schedule import HOSTED, LIGHTHOUSE_FAULTS, FailureKind
 
 _COLORS = {
     FailureKind.KILL_RANK: "tab:red", FailureKind.KILL_GROUP: "darkred", FailureKind.HANG: "tab:orange",
@@ -18,7 +18,7 @@ _COLORS = {
     FailureKind.SCALE_DOWN: "tab:gray", FailureKind.SCALE_UP: "tab:blue",
     FailureKind.LIGHTHOUSE_HANG: "dimgray", FailureKind.LIGHTHOUSE_RESTART_EMPTY: "darkslategray",
     FailureKind.PARTITION_LIGHTHOUSE: "tab:cyan", FailureKind.PARTITION_ALL: "teal",
-    FailureKind.LOSSY_LINK: "tab:olive", FailureKind.SLOW_GROUP: "gold",
+    FailureKind.LOSSY_LINK: "tab:olive", FailureKind.SLOW_GROUP: "gold", FailureKind.PARTITION_PEER: "tab:green",
 }
 
 
@@ -103,7 +103,7 @@ def table(result: ChaosResult) -> str:
     lines += [f"skipped: failure {o.injected.failure.index} ({o.injected.failure.kind.value}): {o.injected.skipped}"
               for o in result.outcomes if o.injected.skipped]
     rows = by_kind(result)
-    for kind in sorted(LIGHTHOUSE_FAULTS, key=lambda k: k.value):
+    for kind in sorted(LIGHTHOUSE_FAULTS | HOSTED, key=lambda k: k.value):
         outage = rows.get(kind.value)
         if outage and outage["outage_steps_lost"]:
             lines.append(f"{kind.value}, worst survivor (min / median / max): steps lost "

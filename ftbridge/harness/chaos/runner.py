@@ -27,9 +27,17 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.faults import ENV_DIR
+from ftbridge.harness import netns
 from ftbridge.harness.chaos import deaths, invariants, spares
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
-from ftbridge.harness.chaos.schedule import LIGHTHOUSE_FAULTS, LIGHTHOUSE_PROCESS, PROXIED, Failure, FailureKind
+from ftbridge.harness.chaos.schedule import (
+    HOSTED,
+    LIGHTHOUSE_FAULTS,
+    LIGHTHOUSE_PROCESS,
+    PROXIED,
+    Failure,
+    FailureKind,
+)
 from ftbridge.harness.local_job import GroupProcess, LocalJob, started_by
 from ftbridge.processes import cpu_seconds, pid_alive, stop_process_groups
 
@@ -159,12 +167,13 @@ def _final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
 
 def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int], settle_s: float
                   ) -> Optional[invariants.OutagePause]:
-    """For a lighthouse fault, the worst survivor's pause around it and ``settle_s`` after it (``None`` for
-    other failures)."""
-    if inj.failure.kind not in LIGHTHOUSE_FAULTS or inj.ended is None:
+    """For a lighthouse fault or a group cut off from its peers, the worst survivor's pause around it and
+    ``settle_s`` after it (``None`` for other failures). The survivors are the groups it did not hit."""
+    if inj.failure.kind not in LIGHTHOUSE_FAULTS | HOSTED or inj.ended is None:
         return None
     pauses = [invariants.outage_pause([e for e in events if "event" not in e and e["replica_group"] == g
-                                       and e["group_rank"] == 0], inj.time, inj.ended, settle_s) for g in alive]
+                                       and e["group_rank"] == 0], inj.time, inj.ended, settle_s)
+              for g in alive if g not in inj.hit]
     return max((p for p in pauses if p is not None), key=lambda p: p.steps_lost, default=None)
 
 
@@ -205,7 +214,8 @@ def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool
                    heartbeat_timeout_ms=settings.heartbeat_timeout_ms, join_timeout_ms=settings.join_timeout_ms,
                    env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s),
                         "FTBRIDGE_QUORUM_TIMEOUT_S": str(settings.quorum_timeout_s), **env},
-                   lighthouse_process=bool(kinds & LIGHTHOUSE_PROCESS), proxies=bool(kinds & PROXIED))
+                   lighthouse_process=bool(kinds & LIGHTHOUSE_PROCESS), proxies=bool(kinds & PROXIED),
+                   hosts=bool(kinds & HOSTED))
     job.script_args += ["--stop-file", os.path.join(job.workdir, "stop")]
     return job
 
@@ -222,10 +232,13 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
         The :class:`ChaosResult` (the run's processes have all ended).
 
     Raises:
-        ValueError: ``settings.spares`` out of range (before anything starts).
+        ValueError: ``settings.spares`` out of range, or a kind that needs the groups on hosts of their own
+            (:data:`~ftbridge.harness.chaos.schedule.HOSTED`) on a machine or with spares that cannot
+            (before anything starts).
         TimeoutError: the job did not start (no first commit) within the recovery timeout.
     """
     spares.validate_spares(settings.spares, settings.groups)
+    check_hosted({f.kind for f in schedule}, settings.spares)
     t_start = time.time()
     fault_dir = os.path.join(settings.workdir, "faults")
     job = _job(settings, "chaos", {ENV_DIR: fault_dir}, kinds={f.kind for f in schedule})
@@ -303,6 +316,22 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     violations = [str(v) for c in checks for v in c.violations]
     return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
                        leftover, chaos_wall_s, checks, stopped)
+
+
+def check_hosted(kinds: AbstractSet[FailureKind], spares: int) -> None:
+    """Refuse kinds that need each group on a host of its own where that cannot be.
+
+    Raises:
+        ValueError: naming the kinds, the reason (not root, tools missing, warm spares) and the fix.
+    """
+    hosted = sorted(k.value for k in kinds & HOSTED)
+    if not hosted:
+        return
+    why = netns.available() or ("warm spares do not run on hosts of their own" if spares else "")
+    if why:
+        raise ValueError(f"failure kinds {', '.join(hosted)} put each replica group in a network namespace of "
+                         f"its own, and here {why}: run as root with iproute2 and util-linux, without --spares, "
+                         "or drop the kinds")
 
 
 def _loss_text(loss: Optional[float]) -> str:

@@ -48,16 +48,20 @@ class FailureKind(str, enum.Enum):
     """Cut one group's link to the lighthouse one way for a set time: its requests arrive, no answer returns."""
     SLOW_GROUP = "slow_group"
     """Duty-cycle one group's ranks (stopped half of every 200 ms) for a set time: slow, never dead."""
+    PARTITION_PEER = "partition_peer"
+    """Cut one group off from the other groups, both ways, silently, for a set time; it still reaches the lighthouse."""
 
 
 MIN_GROUPS = {FailureKind.KILL_DONOR_IN_HEAL: 3, FailureKind.SCALE_DOWN: 2, FailureKind.PARTITION_LIGHTHOUSE: 2,
-              FailureKind.LOSSY_LINK: 2}
+              FailureKind.LOSSY_LINK: 2, FailureKind.PARTITION_PEER: 2}
 """Fewest planned replica groups a kind needs: with fewer, no group with state would survive it."""
 
 LIGHTHOUSE_PROCESS = {FailureKind.LIGHTHOUSE_HANG, FailureKind.LIGHTHOUSE_RESTART_EMPTY}
 """Kinds that need the lighthouse in a process of its own (to stop or kill it)."""
 PROXIED = {FailureKind.PARTITION_LIGHTHOUSE, FailureKind.PARTITION_ALL, FailureKind.LOSSY_LINK}
 """Kinds that need each group's lighthouse link through a fault proxy (:mod:`ftbridge.harness.netfault`)."""
+HOSTED = {FailureKind.PARTITION_PEER}
+"""Kinds that need each group on a host of its own (a network namespace: :mod:`ftbridge.harness.netns`)."""
 LIGHTHOUSE_FAULTS = {FailureKind.LIGHTHOUSE_OUTAGE, FailureKind.LIGHTHOUSE_HANG, FailureKind.LIGHTHOUSE_RESTART_EMPTY,
                      FailureKind.PARTITION_ALL}
 """Kinds that take the lighthouse from every group at once: the groups ride them out (steps lost are measured)."""
@@ -129,8 +133,8 @@ def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, c
         mtbf_s: mean time between failures, seconds.
         hang_s: how long a :attr:`FailureKind.HANG` or a :attr:`FailureKind.SLOW_GROUP`
             lasts, seconds (make it longer than the cross-replica timeout).
-        outage_s: how long a lighthouse outage or hang, or a link fault (partition, lossy link)
-            lasts, seconds.
+        outage_s: how long a lighthouse outage or hang, or a link fault (partition, lossy link, a group
+            cut off from its peers) lasts, seconds.
         first_at_s: offset of the first failure, seconds.
 
     Returns:
@@ -169,7 +173,8 @@ def make_schedule(*, seed: int, kinds: Sequence[FailureKind], num_groups: int, c
             break
         kind = FailureKind(order[i] if i < len(order) else rng.choice(list(kinds)))
         lasts = hang_s if kind in (FailureKind.HANG, FailureKind.SLOW_GROUP) else (
-            outage_s if kind in (LIGHTHOUSE_FAULTS | PROXIED) - {FailureKind.LIGHTHOUSE_RESTART_EMPTY} else 0.0)
+            outage_s if kind in (LIGHTHOUSE_FAULTS | PROXIED | HOSTED) - {FailureKind.LIGHTHOUSE_RESTART_EMPTY}
+            else 0.0)
         out.append(Failure(i, kind, round(t, 3), lasts))
         t += max(1.0, rng.expovariate(1.0 / mtbf_s))
     return out
