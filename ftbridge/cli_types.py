@@ -48,12 +48,18 @@ def finite(minimum: float = -math.inf, *, strictly_above: bool = False) -> Calla
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` that also refuses an empty value written ``--flag=--``.
+    """``argparse.ArgumentParser`` that refuses an empty value written ``--flag=--`` and flag prefixes.
 
     argparse drops a ``--`` given as a flag's value and stores an empty list instead, which the
-    tools' checks then trip over with a traceback. Every ftbridge command-line tool builds its parser
-    (and, through ``add_subparsers``, its subcommands') from this class.
+    tools' checks then trip over with a traceback. It also takes any unambiguous prefix of a flag
+    (``--spare`` for ``--spare-index``), so a script written against one version means another flag in
+    the next; here only the full names (and the aliases each tool declares) are accepted. Every ftbridge
+    command-line tool builds its parser (and, through ``add_subparsers``, its subcommands') from this class.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, extras = super().parse_known_args(args, namespace)

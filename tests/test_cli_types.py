@@ -43,3 +43,17 @@ def test_lighthouse_serve_refuses_bad_numbers(capsys):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)
         assert e.value.code == 2
+
+
+@pytest.mark.parametrize("prefix", ["--replica-group", "--num-replica", "--nproc-per"])
+def test_ftbridge_run_takes_full_flag_names_only_not_prefixes(capsys, prefix):
+    from ftbridge.launcher import parse_args
+
+    full = {"--replica-group-id": "0", "--num-replica-groups": "2", "--nproc-per-node": "1",
+            "--lighthouse": "http://127.0.0.1:29510"}
+    assert parse_args([*(w for kv in full.items() for w in kv), "--", "train.py"]).nproc_per_node == 1
+    argv = [w for k, v in full.items() for w in ((prefix if k.startswith(prefix) else k), v)]
+    with pytest.raises(SystemExit) as e:
+        parse_args([*argv, "--", "train.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ("unrecognized arguments" in err or "required" in err), err
