@@ -75,3 +75,21 @@ def test_a_rank_silent_past_the_bound_while_alive_is_caught_whether_it_died_or_l
     gap = [_step(1, T0), _step(1, T0 + 9), _step(2, T0 + 100, committed=False)]
     assert [v.detail.split(" went ")[0] for v in inv.silent_ranks(gap, {}, bound_s=5)] == [
         "replica group 1 rank 0 (pid 1)"]
+
+
+def _rec(rank: int, step: int, committed: bool, quorum: int = 3, group: int = 0):
+    return {"replica_group": group, "group_rank": rank, "pid": 10 + rank, "time": float(step) + rank / 10,
+            "step": step, "quorum_id": quorum, "committed": committed}
+
+
+def test_the_ranks_of_a_group_take_the_same_decision_on_every_attempt_they_both_recorded():
+    # Both ranks: step 5 discarded, retried and committed in the same quorum; rank 1 died before its last record.
+    agree = [_rec(0, 5, False), _rec(1, 5, False), _rec(0, 6, True), _rec(1, 6, True), _rec(0, 7, True)]
+    compared, found = inv.group_ranks_agree(agree)
+    assert (compared, found) == (1, [])
+    # Rank 1 discarded the attempt its group-mate committed: a split inside the group.
+    split = [_rec(0, 5, False), _rec(1, 5, False), _rec(0, 6, True), _rec(1, 5, False)]
+    compared, found = inv.group_ranks_agree(split)
+    assert [v.detail for v in found] == ["replica group 0 quorum 3 step 5: committed on ranks [0], discarded on "
+                                         "ranks [1]"]
+    assert "ranks of a group agree" in [c.name for c in inv.log_checks(split) if not c.held]

@@ -425,6 +425,37 @@ class Stats:
                 f"{max(self.values):.1f}")
 
 
+def group_ranks_agree(events: Sequence[Record]) -> Tuple[int, List[Violation]]:
+    """The ranks of a replica group take the same decision on every step they both recorded (pure).
+
+    A step attempt is ``(group, quorum id, step before it)`` (``step - committed``: a commit advances the
+    step, a discard does not); the same attempt may repeat in one quorum (a discard, then the retry). For
+    every attempt, the i-th outcome of each rank that recorded an i-th outcome must be the same: one rank
+    committing a step its group-mate discarded is a split inside the group. A rank that died before it
+    wrote its record leaves a shorter list, which is not a disagreement.
+
+    Returns:
+        (attempts compared on more than one rank, violations).
+    """
+    outcomes: Dict[Tuple[Any, Any, int], Dict[Any, List[bool]]] = {}
+    for e in _step_records(events):
+        key = (e["replica_group"], e.get("quorum_id"), int(e["step"]) - int(bool(e["committed"])))
+        outcomes.setdefault(key, {}).setdefault(e["group_rank"], []).append(bool(e["committed"]))
+    out = []
+    compared = 0
+    for (g, q, step), by_rank in sorted(outcomes.items(), key=lambda kv: str(kv[0])):
+        if len(by_rank) < 2:
+            continue
+        compared += 1
+        for i in range(max(len(v) for v in by_rank.values())):
+            seen = {r: v[i] for r, v in by_rank.items() if i < len(v)}
+            if len(set(seen.values())) > 1:
+                out.append(Violation("ranks of a group agree", f"replica group {g} quorum {q} step {step}: "
+                                     f"committed on ranks {sorted(r for r, c in seen.items() if c)}, discarded "
+                                     f"on ranks {sorted(r for r, c in seen.items() if not c)}"))
+    return compared, out
+
+
 def check_all(events: Sequence[Record]) -> List[Violation]:
     """The invariants that need only the event logs: the violations of :func:`log_checks`."""
     return [v for c in log_checks(events) for v in c.violations]
@@ -433,5 +464,7 @@ def check_all(events: Sequence[Record]) -> List[Violation]:
 def log_checks(events: Sequence[Record]) -> List[Check]:
     """Run the invariants that need only the event logs; each says what it judged."""
     commits = sum(1 for e in _step_records(events) if e["committed"])
+    compared, split = group_ranks_agree(events)
     return [Check("commits monotonic", f"{commits} commits", commits_never_repeat_or_go_back(events)),
-            _no_lost_judged(events), identical_replicas(events)]
+            _no_lost_judged(events), identical_replicas(events),
+            Check("ranks of a group agree", f"{compared} step attempts recorded on several ranks of a group", split)]
