@@ -1,4 +1,4 @@
-"""The donor's heal body, sent straight from its live state while that state may not change (issue #15 item 4).
+"""The donor's heal body, sent straight from its live state while that state may not change.
 
 Before, the donor encoded its whole state into one ``bytes`` (three copies
 through ``safetensors``, into freshly allocated memory) and only then
@@ -23,7 +23,7 @@ function must therefore return tensors nobody writes before the step
 (ftbridge's own do: ZeRO's optimizer state changes only in the step, the
 PowerSGD hook state is a clone).
 
-Where a device-staging step slots in (issue #16):
+Where a device-staging step slots in:
 :func:`ftbridge.wire.tensor_bytes` turns each tensor into the CPU bytes that
 are sent (a view for a contiguous CPU tensor, a copy otherwise); a GPU path
 replaces that copy with one into a pinned buffer, and nothing else changes.

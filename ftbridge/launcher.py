@@ -42,8 +42,8 @@ passed through; these win over inherited values):
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with it, a restarted group gets a
   fresh rendezvous store. Without it (and with torchrun's default rendezvous)
   restarted ranks read stale gloo addresses from the store shared across
-  restart attempts (pytorch/pytorch#135712); measured here, DeepSpeed restarts
-  failed 4/4 without and recovered 3/3 with c10d and this variable;
+  restart attempts (pytorch/pytorch#135712), and a DeepSpeed restart fails to
+  connect its gloo mesh (``docs/troubleshooting.md``);
 * ``RUST_LOG=warn`` unless set (torchft's Rust side logs every quorum at INFO);
 * ``OMP_NUM_THREADS=1`` unless set: two ranks on two cores otherwise stall
   for 1-2.5 s per step;

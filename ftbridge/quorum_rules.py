@@ -17,8 +17,8 @@ only when ``quorum_id != self._quorum_id`` and names the rendezvous keys
 
 The first case is the common one: the group whose retry reaches the new
 lighthouse first gets quorum 1 alone, the other joins at quorum 2, an id
-both had before. Measured here, that step failed after the 10 s
-cross-replica timeout and the job paused for 20 s instead of 10.
+both had before. That step then fails after the cross-replica timeout, and
+the job pauses for twice the timeout instead of once.
 
 :class:`ftbridge.manager.quorum_guard._QuorumGuard` fixes both without touching torchft's code: it wraps the
 manager's client (``Manager._client``, checked against the installed torchft
@@ -46,9 +46,9 @@ version) and, per quorum,
 If the vote cannot complete within ``FTBridgeConfig.vote_timeout`` (a quarter of ``cross_replica_timeout``)
 (a member or the store's host died after the quorum), the rank falls back to
 torchft's own rule: that step fails on the dead member anyway, and the next
-quorum, without it, has a new id, which every member rebuilds for. (Rebuilding
-on a failed vote instead was tried: the rebuild dialled the dead store for
-10 s, the other ranks' ``should_commit`` timed out, and the survivor died.)
+quorum, without it, has a new id, which every member rebuilds for. Rebuilding
+on a failed vote instead would dial the dead store for the whole store timeout,
+longer than the other ranks' ``should_commit`` waits.
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ every rank's shard, a cost that grows with the group size.
 Here each rank reads each file it loads into memory once (bounded by the
 size the manifest gives, never following a link), hashes those bytes, and
 parses the same bytes, once they matched, with
-:func:`ftbridge.checkpoint.safe_load.safe_load`. (Hashing in a second thread
-while the unpickler parses, ``hashlib`` releasing the GIL, was tried: no gain
-with 2 ranks on 2 cores, so it was not kept.)
+:func:`ftbridge.checkpoint.safe_load.safe_load`.
 
 Errors come in two kinds, because the caller treats them differently
 (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`):

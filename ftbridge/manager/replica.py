@@ -196,7 +196,7 @@ class ReplicaManager:
             self._serve_early(joiners, int(result.max_step))
 
     def _serve_early(self, joiners: List[int], step: int) -> None:
-        """Serve this donor's heal state as soon as the quorum names it a donor (issue #15 item 4).
+        """Serve this donor's heal state as soon as the quorum names it a donor.
 
         torchft 0.2 serves only after it has rebuilt the cross-replica
         process group (10-30 ms for gloo here, longer than the 10 MB

@@ -5,9 +5,9 @@ group's store (torchft's ``store_address``), which lives in that group's
 rank 0. When that rank hangs (SIGSTOP, a stuck host), its kernel still accepts
 TCP connections but nothing answers, and c10d's TCPStore client then blocks
 with no timeout: connecting (the validation handshake) and ``delete_key``
-were measured here to block for as long as the hang (over 120 s with a 1 s
-timeout). Any such call made from torchft's quorum thread stalls the whole
-group; its ``should_commit`` then expires and the group dies.
+block for as long as the hang, whatever timeout the client was given. Any
+such call made from torchft's quorum thread stalls the whole group; its
+``should_commit`` then expires and the group dies.
 
 :func:`call_bounded` runs such a call in a helper thread with a deadline, and
 :class:`ProbedProcessGroupGloo` / :class:`ProbedProcessGroupNCCL` check that

@@ -23,7 +23,7 @@ whoever answers the joiner's request can run code on it. This transport
   an HMAC of it (:func:`ftbridge.heal_http.request_mac`); without one, anyone
   who reaches the port can download the state (keep it on a private network).
 
-Speed (issue #15 item 4): the donor encodes nothing up front; it sends the
+Speed: the donor encodes nothing up front; it sends the
 tensors' bytes from the tensors themselves while torchft allows it, and keeps
 a copy only of what responses still in flight lack when
 ``disallow_checkpoint`` comes (:mod:`ftbridge.heal_stream`). The joiner reads

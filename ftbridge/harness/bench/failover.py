@@ -1,4 +1,4 @@
-"""Survivor stall: what a SIGKILL of a whole replica group costs the groups that live on (issue #6 item 3).
+"""Survivor stall: what a SIGKILL of a whole replica group costs the groups that live on.
 
 Two replica groups (:data:`~ftbridge.harness.bench.failure_jobs.RANKS_PER_GROUP`
 ranks each) train until they commit together; every rank of group 1 is then
@@ -24,7 +24,7 @@ Target: stall <= heartbeat timeout + one median step (the lighthouse
 declares the group dead after one heartbeat timeout, then one step runs),
 reported as the ratio stall / bound <= 1.0.
 
-**Hang variant** (issue #15 item 1; full mode only, the quick CI run skips
+**Hang variant** (full mode only; the quick CI run skips
 it): group 1 is SIGSTOPped instead of killed
 (:func:`~ftbridge.harness.bench.failure_jobs.ftbridge_hang_runs`), once with the
 peer watch on (:mod:`ftbridge.manager.quorum_watch`) and once off

@@ -1,4 +1,4 @@
-"""Heal: from a replica group's restart to its first committed step, by phase (issue #6 item 4).
+"""Heal: from a replica group's restart to its first committed step, by phase.
 
 Uses the kill runs of :func:`~ftbridge.harness.bench.failure_jobs.ftbridge_kill_runs`
 (group 1 SIGKILLed, restarted by torchrun, healed from group 0). The

@@ -1,4 +1,4 @@
-"""Benchmark ``memory`` (issue #6 item 7): peak RSS per rank of ftbridge against plain DeepSpeed.
+"""Benchmark ``memory``: peak RSS per rank of ftbridge against plain DeepSpeed.
 
 The same pairs of runs as :mod:`ftbridge.harness.bench.overhead` (ftbridge ``GROUPS``
 x ``RANKS`` against plain DeepSpeed on ``GROUPS * RANKS`` ranks, same model,

@@ -1,4 +1,4 @@
-"""Benchmark ``overhead`` (issue #6 item 1): ftbridge's steady-state step time against plain DeepSpeed.
+"""Benchmark ``overhead``: ftbridge's steady-state step time against plain DeepSpeed.
 
 For each ZeRO stage (1, 2, 3; ``--quick``: 2 only), repetitions alternate
 the order of two runs of the main job, same model, data, ZeRO stage and

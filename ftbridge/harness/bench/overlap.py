@@ -1,4 +1,4 @@
-"""Benchmark ``overlap`` (issue #6 item 2): per-bucket cross-replica all-reduce against one post-backward all-reduce.
+"""Benchmark ``overlap``: per-bucket cross-replica all-reduce against one post-backward all-reduce.
 
 ftbridge runs of the same job (``GROUPS`` replica groups x 1 rank,
 ZeRO-2), repetitions rotating their order:

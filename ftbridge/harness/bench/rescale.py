@@ -1,4 +1,4 @@
-"""Scale change: resume at another size, ftbridge against DeepSpeed's universal checkpoint (issue #6 item 6).
+"""Scale change: resume at another size, ftbridge against DeepSpeed's universal checkpoint.
 
 A job of 2·M ranks resumes on M ranks (M = 2; 1 in quick mode), same model
 (main job's; tiny in quick mode), ZeRO-2:

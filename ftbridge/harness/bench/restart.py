@@ -1,4 +1,4 @@
-"""ftbridge against plain DeepSpeed with torchrun restarts from checkpoints (issue #6 item 5).
+"""ftbridge against plain DeepSpeed with torchrun restarts from checkpoints.
 
 The same failure (SIGKILL of a training process) handled two ways:
 

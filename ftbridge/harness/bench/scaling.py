@@ -1,4 +1,4 @@
-"""Benchmark ``scaling`` (issue #6 item 8): how the per-step cross-replica cost grows with groups and model size.
+"""Benchmark ``scaling``: how the per-step cross-replica cost grows with groups and model size.
 
 **Cross-replica cost** of a configuration (G replica groups x 1 rank, one
 model) is the median step time of the ftbridge job minus the median step

@@ -1,4 +1,4 @@
-"""Warm spare against a cold restart: full capacity back after the lighthouse drops a dead group (issue #15 item 3).
+"""Warm spare against a cold restart: full capacity back after the lighthouse drops a dead group.
 
 Two ways to replace group 1 of 2 replica groups x 1 rank after its SIGKILL,
 both in the same suite invocation, lighthouse heartbeat timeout 2 s:

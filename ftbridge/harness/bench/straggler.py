@@ -1,4 +1,4 @@
-"""A straggler: the job's step rate while one replica group runs at half speed (issue #26 item 5).
+"""A straggler: the job's step rate while one replica group runs at half speed.
 
 Two replica groups (1 rank each, ZeRO-2, the main job's model) train until they
 commit together. Then, in one job, three windows of :data:`WINDOW_S` seconds:
