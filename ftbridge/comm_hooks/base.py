@@ -16,7 +16,7 @@ and implement :meth:`commit`, :meth:`discard`, :meth:`state_dict` and
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch.distributed import ReduceOp
@@ -179,8 +179,3 @@ def wait_result(work: Any, tensor: torch.Tensor) -> bool:
         if not same:
             tensor.copy_(value.reshape(tensor.shape))
     return True
-
-
-def flat_views(tensor: torch.Tensor, spans: List[Any]) -> List[torch.Tensor]:
-    """Views of 1-D ``tensor`` at ``(offset, numel)`` spans."""
-    return [tensor.narrow(0, off, n) for off, n in spans]

@@ -39,8 +39,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Tuple
 
-import torch
-
 
 @dataclass(frozen=True)
 class Fragment:
@@ -140,8 +138,3 @@ def layout_from_shapes(shapes: Sequence[Sequence[int]]) -> PartitionLayout:
         frags.append(Fragment(offset, n, tuple(s)))
         offset += n
     return PartitionLayout(offset, frags)
-
-
-def flat_numel(tensors: Sequence[torch.Tensor]) -> int:
-    """Total elements of ``tensors``."""
-    return sum(t.numel() for t in tensors)
