@@ -67,3 +67,16 @@ def test_a_cut_group_reaches_the_lighthouse_but_not_its_peers_until_mended():
             lighthouse.close()
     assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                              check=True).stdout.split() if ns.startswith(f"ftn{hosts.tag}")]
+
+
+@pytest.mark.timeout(60)
+def test_hosts_left_by_a_run_that_died_are_removed_by_the_next_one():
+    with open("/proc/sys/kernel/pid_max", encoding="ascii") as f:
+        dead = str(int(f.read()) + 1)  # no process can have it
+    subprocess.run(["ip", "netns", "add", f"ftn{dead}g0"], check=True, timeout=10)
+    subprocess.run(["ip", "link", "add", f"ftb{dead}", "type", "bridge"], check=True, timeout=10)
+    with netns.GroupHosts(1) as hosts:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+        assert f"ftn{dead}g0" not in names and f"ftb{dead}" not in links
+        assert hosts.namespace(0) in names  # its own are there

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import subprocess
 from typing import Dict, List
@@ -56,6 +57,40 @@ def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+
+
+_OURS = re.compile(r"^ft[nbpl](\d+)(g\d+)?(@\S*)?:?$")
+
+
+def clear_stale() -> List[str]:
+    """Remove the namespaces, links and hosts files left by a harness process that died (its PID, the
+    names' tag, is gone); returns what was removed. A run killed with SIGKILL cannot clean up itself."""
+    from ftbridge.processes import pid_alive
+
+    def stale(name: str) -> bool:
+        m = _OURS.match(name)
+        return m is not None and not pid_alive(int(m.group(1)))
+
+    out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    removed = []
+    for name in (line.split()[0] for line in out.stdout.splitlines() if line.strip()):
+        if stale(name):
+            _ip("netns", "del", name)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+            removed.append(name)
+    links = subprocess.run(["ip", "-o", "link"], check=True, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    for line in links.stdout.splitlines():
+        parts = line.split()
+        name = parts[1].rstrip(":").split("@")[0] if len(parts) > 1 else ""
+        if stale(name):
+            try:
+                _ip("link", "del", name)
+            except RuntimeError:  # its peer's removal took it first
+                continue
+            removed.append(name)
+    if removed:
+        logger.warning("removed group hosts left by a run that died: %s", ", ".join(removed))
+    return removed
 
 
 def _free_subnet() -> int:
@@ -94,8 +129,9 @@ class GroupHosts:
         why = available()
         if why:
             raise RuntimeError(f"replica groups on hosts of their own: {why}")
+        clear_stale()
         self.num_groups = num_groups
-        self.tag = f"{os.getpid() % 100000}"
+        self.tag = f"{os.getpid()}"
         self.net = _free_subnet()
         self.bridge = f"ftb{self.tag}"
         self._made: List[str] = []
