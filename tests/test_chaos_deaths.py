@@ -45,13 +45,14 @@ def test_deaths_are_read_from_torchruns_lines_with_time_code_and_the_launchs_own
     assert second.startswith("exitcode 1: ") and "TimeoutError: Timeout expired" in second
 
 
-def test_a_death_is_collateral_unless_a_failure_aimed_at_its_group_began_in_that_launch():
+def test_a_death_is_collateral_unless_it_falls_in_a_failure_aimed_at_its_group():
     events = [_start(100, 1, T0), _start(200, 1, T0 + 11)]
     found = deaths.deaths_in_log(LOG, 2026)
-    aimed = [(T0 + 9.5, [1]), (T0 + 20.5, [1])]
-    assert deaths.collateral(found, events, aimed) == []
-    # A failure at the other group explains nothing; one at this group before the launch neither.
-    missed = [(T0 + 9.5, [1]), (T0 + 20.5, [0])]
+    # One failure that killed the launch and, in its heal, the restart (a joiner killed mid-heal).
+    one = [(T0 + 9.5, T0 + 30, [1])]
+    assert deaths.collateral(found, events, one) == []
+    # A failure at the other group explains nothing; one at this group that was over before the death neither.
+    missed = [(T0 + 9.5, T0 + 12, [1]), (T0 + 20.5, T0 + 25, [0])]
     assert [(d.pid, g, r) for d, g, r in deaths.collateral(found, events, missed)] == [(200, 1, 0)]
     lines = deaths.collateral_in_logs({"group_1.log": LOG}, events, missed, year=2026)
     assert len(lines) == 1 and "replica group 1 rank 0 (pid 200)" in lines[0] and "exitcode 1" in lines[0]

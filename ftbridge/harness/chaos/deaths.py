@@ -78,18 +78,24 @@ def launches(events: Sequence[Record]) -> Dict[int, Tuple[int, int, float]]:
     return out
 
 
-def collateral(deaths: Sequence[Death], events: Sequence[Record], hits: Sequence[Tuple[float, Sequence[int]]],
+Hit = Tuple[float, float, Sequence[int]]
+"""An injected failure: (when it began, when the job had recovered from it, the groups it hit or brought back)."""
+
+
+def collateral(deaths: Sequence[Death], events: Sequence[Record], hits: Sequence[Hit],
                slack_s: float = 1.0, until: float = float("inf")) -> List[Tuple[Death, int, int]]:
     """The deaths no injected failure explains: ``(death, replica group, group rank)`` for each.
 
-    A death of a rank of group ``g`` is explained when a failure that hit ``g`` began between the rank's
-    launch and its death (``slack_s`` for the log's times). A process with no ``start`` record (it died
-    before it began training: a restart that could not start) is not judged here.
+    A death of a rank of group ``g`` is explained when it falls between the beginning of a failure that hit
+    ``g`` and the job's recovery from it (``slack_s`` either side, for the log's times): one failure may
+    kill a group's launch and then the launch torchrun restarted (a joiner killed in its heal). A process
+    with no ``start`` record (it died before it began training: a restart that could not start) is not
+    judged here.
 
     Args:
         deaths: from :func:`deaths_in_log`.
         events: the run's merged event records.
-        hits: ``(time the failure began, groups it hit or brought back)`` for each injected failure.
+        hits: the injected failures (:data:`Hit`).
         slack_s: tolerance on the times, seconds.
         until: deaths from this time on are not judged (the run's own stop: stand-by spares and restarts
             that hold no group are ended then).
@@ -99,14 +105,14 @@ def collateral(deaths: Sequence[Death], events: Sequence[Record], hits: Sequence
     for d in deaths:
         if d.pid not in starts or d.time >= until:
             continue
-        g, r, t0 = starts[d.pid]
-        if not any(g in groups and t0 - slack_s <= t <= d.time + slack_s for t, groups in hits):
+        g, r, _ = starts[d.pid]
+        if not any(g in groups and began - slack_s <= d.time <= done + slack_s for began, done, groups in hits):
             out.append((d, g, r))
     return out
 
 
 def collateral_in_logs(logs: Mapping[str, str], events: Sequence[Record],
-                       hits: Sequence[Tuple[float, Sequence[int]]], year: Optional[int] = None,
+                       hits: Sequence[Hit], year: Optional[int] = None,
                        until: float = float("inf")) -> List[str]:
     """One line per collateral death in the launcher logs ``{path: text}``, with its signature
     (:func:`collateral`'s arguments)."""

@@ -123,6 +123,8 @@ class Outcome:
     """Ranks that burned CPU without stepping from the injection to the recovery (:func:`invariants.spinning_ranks`)."""
     began: Optional[float] = None
     """When the injection began (seconds since the epoch): a death it explains comes after this."""
+    done: Optional[float] = None
+    """When the runner judged the job recovered from it, or gave up (seconds since the epoch)."""
 
     def to_json(self) -> Dict[str, Any]:
         rec = self.recovery
@@ -284,7 +286,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                 found = [str(v) for v in invariants.check_all(events)]
                 new = [v for v in found if all(v not in o.violations for o in outcomes)]
                 outcomes.append(Outcome(inj, ok, rec, new, _outage_pause(events, inj, sorted(alive), settings.settle_s),
-                                        spins, t_before))
+                                        spins, t_before, t_after))
                 for v in new + spins:
                     logger.error("invariant broken after failure %d: %s", failure.index, v)
                 if not ok:
@@ -458,8 +460,8 @@ def _death_checks(settings: ChaosSettings, job: LocalJob, events: Sequence[Dict[
     for gp in launches:
         with open(gp.log_path, encoding="utf-8", errors="replace") as f:
             logs[gp.log_path] = f.read()
-    hits = [(o.began, [*o.injected.hit, *o.injected.rejoin]) for o in outcomes
-            if o.began is not None and not o.injected.skipped]
+    hits = [(o.began, o.done, [*o.injected.hit, *o.injected.rejoin]) for o in outcomes
+            if o.began is not None and o.done is not None and not o.injected.skipped]
     year = time.localtime().tm_year
     died = {d.pid: d.time for text in logs.values() for d in deaths.deaths_in_log(text, year)}
     collateral = deaths.collateral_in_logs(logs, events, hits, year, until)
