@@ -184,6 +184,7 @@ def test_negative_controls_fail_the_comparison(local_job, tmp_path, bf16):
         assert worst > 5 * _atol(bf16), f"{name}: within {worst} of plain DeepSpeed, the comparison cannot see it"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_without_cross_replica_sync_replicas_diverge(local_job, tmp_path):
     args = [*_args(2, 1, False, False), "--no-cross-replica-sync"]

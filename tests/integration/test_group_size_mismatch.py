@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import TINY
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_group_of_another_size_is_refused_and_the_primary_trains_on(local_job):
     job = local_job(2, 1, [*TINY, "--steps", "100000"], group_sizes={1: 2}, max_restarts=0)

@@ -69,6 +69,7 @@ def _stop(proc: subprocess.Popen, job) -> None:
     job.groups.clear()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchx_local_run_group_killed_heals_and_job_ends_identical(local_job):
     job = local_job(2, 2, [])  # only its event-log readers are used: torchx run starts every process
