@@ -172,6 +172,15 @@ class FTBridgeConfig:
     alone from step 0 would make a second, different model; resume from a
     checkpoint instead. Ignored with ``num_replica_groups`` 1."""
 
+    stand_aside: timedelta = timedelta(seconds=30)
+    """The first pause of a replica group cut off from its peers but not from the
+    lighthouse: when group rank 0 finds the quorum's store silent in two
+    quorums in a row, the group stops heartbeating for this long so that the
+    others get quorums without it, then comes back and heals; the pause
+    doubles each time until the group commits again, up to 8x
+    (:class:`ftbridge.manager.commit.StandAside`;
+    ``FTBRIDGE_STAND_ASIDE_S``; 0: never stand aside)."""
+
     peer_watch: bool = True
     """Cut a hung peer off when the lighthouse declares it dead, instead of
     waiting out :attr:`cross_replica_timeout`: a cross-replica wait longer
@@ -357,6 +366,7 @@ class FTBridgeConfig:
         "peer_watch_poll": ("ms", ("FTBRIDGE_PEER_WATCH_POLL_MS",)),
         "peer_watch_freeze_discard": ("ms", ("FTBRIDGE_PEER_WATCH_FREEZE_DISCARD_MS",)),
         "restart_peer_wait": ("s", ("FTBRIDGE_RESTART_PEER_WAIT_S",)),
+        "stand_aside": ("s", ("FTBRIDGE_STAND_ASIDE_S",)),
         "ride_out_lighthouse_outage": (bool, ("FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE",)),
         "lighthouse_probe_timeout": ("ms", ("FTBRIDGE_LIGHTHOUSE_PROBE_TIMEOUT_MS",)),
         "manager_port": (int, ("FTBRIDGE_MANAGER_PORT", "TORCHFT_MANAGER_PORT")),

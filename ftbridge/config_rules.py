@@ -88,6 +88,9 @@ def check_timeouts(cfg: FTBridgeConfig) -> None:
           "(FTBRIDGE_HEAL_TIMEOUT_S) must be positive; unset it to use twice the cross-replica timeout")
     _need(cfg.restart_peer_wait.total_seconds() >= 0,
           f"restart_peer_wait={cfg.restart_peer_wait.total_seconds()} s must be 0 (never wait) or positive")
+    _need(cfg.stand_aside.total_seconds() >= 0,
+          f"stand_aside={cfg.stand_aside.total_seconds()} s (FTBRIDGE_STAND_ASIDE_S) must be 0 (never stand "
+          "aside) or positive")
     cross = cfg.cross_replica_timeout.total_seconds()
     _need(cfg.heartbeat_interval < cfg.cross_replica_timeout,
           f"heartbeat_interval={cfg.heartbeat_interval.total_seconds()} s must be below "

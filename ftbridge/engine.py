@@ -336,6 +336,9 @@ class FaultTolerantEngine:
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
                    rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
         self.events.write(**rec)
+        aside = getattr(m, "stood_aside", None)
+        if aside is not None:  # ftbridge.manager.commit.StandAside: the group left the quorums after this step
+            self.events.write(event="stand_aside", time=aside[0], step=step, seconds=aside[1])
         if rec["healed"] and self.manager.transport.last_recv:
             # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.harness.bench.heal).
             self.events.write(event="heal_transfer", step=step, **{k if k != "end" else "time": v for k, v in

@@ -41,7 +41,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import restart_without_peer
-from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
+from ftbridge.manager.commit import Agreement, QuorumWait, StandAside, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
 from ftbridge.quorum_rules import (
@@ -69,6 +69,8 @@ RESTART_PEER_WAIT = 4
 """Rounds a restarted group with nothing waits alone for a peer (``restart_peer_wait``)."""
 MAJORITY_WAIT = 4
 """Rounds a quorum after a lighthouse restart waits for a majority of the groups before it."""
+STAND_ASIDE = HEARTBEAT_TIMEOUT + 2
+"""Rounds of a group's first stand-aside (:class:`ftbridge.manager.commit.StandAside`'s ``base_s``)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Revert:
     agreement_watch: bool = False
     """The peer watch cuts the agreement's wait short when the lighthouse holds a member dead (that member, cut
     off from the lighthouse but not from its peers, completes the agreement and commits)."""
+    stand_aside: bool = False
+    """A group whose rank 0 cannot reach the quorum's store stays in every quorum (it never stands aside)."""
 
 
 def H(*parts: Any) -> str:
@@ -222,6 +226,8 @@ class SimRank:
         self.contribution: Optional[Tuple[Any, ...]] = None
         self.healed_from: Optional[str] = None
         self.agreement: Optional[Agreement] = None
+        self.store_unreachable = False  # this round's configure found the quorum's store silent (group rank 0)
+        self.aside = StandAside(base_s=float(STAND_ASIDE))
 
 
 class _NoEvents:
@@ -290,6 +296,7 @@ class SimGroup:
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
+        self.aside_until = 0  # the group stands aside (no heartbeat, no request) until this round
         self.lost_answers: Set[int] = set()  # quorum ids issued to this group whose answer it never got
         self.left_calls: List[List[Any]] = []  # [call the group left, its quorum once formed, round it was left]:
         # answered once the link carries answers again, or ended by its try's deadline (TRY_ROUNDS)
@@ -390,7 +397,7 @@ class Sim:
                 g.launch += 1
                 g.start()
                 g.started_round = self.now
-        runs = [g for g in self.groups if g.alive and g.gid not in f.hang]
+        runs = [g for g in self.groups if g.alive and g.gid not in f.hang and g.aside_until <= self.now]
         for g in runs:  # heartbeats travel group -> lighthouse (a one-way cut lets them through)
             if f.lighthouse == "up" and g.gid not in f.cut_lh:
                 lh.beats[g.replica_id] = self.now
@@ -525,6 +532,10 @@ class Sim:
             if rebuild:
                 r.tf._quorum_id = q.quorum_id
                 r.tf._pg.ident = (q.epoch, q.quorum_id, tuple(q.replica_ids), self.now)
+                store = self.group(at_max[0])  # torchft: group rank 0's store is the first member at the max step
+                if i == 0 and store is not None and frozenset((g.gid, store.gid)) in self.faults.cut_peer:
+                    r.store_unreachable = True  # the probe before configure finds it silent
+                    r.tf.report_error(RuntimeError("the quorum's store did not answer"))
             r.rider.remember(_Result(q, g.replica_id), q.replica_ids)
             r.tf.participants, r.tf.participating = len(at_max), g.replica_id in at_max
             if q.steps[g.replica_id] < q.max_step:
@@ -640,7 +651,9 @@ class Sim:
                                                  agreement=r.agreement, healing=healing, heal_ready=ready,
                                                  replica_group=g.gid, stop=stop,
                                                  gap_stop=(r.rider.gap_expired or g.majority.expired)
-                                                 and not self.revert.continuity)))
+                                                 and not self.revert.continuity,
+                                                 store_unreachable=r.store_unreachable)))
+            r.store_unreachable = False
         decisions = ([decide_group([row]) for row in flags] if self.revert.group_decision
                      else [decide_group(flags)] * len(g.ranks))
         if decisions[0].stop:
@@ -674,6 +687,10 @@ class Sim:
                     self.tainted.add(r.params)
                 r.tf.step += 1
             r.rider.after_commit(committed, committed and d.ride_next, d.nobody_commits, d.agreed)
+            pause = r.aside.step(quorum_id=r.tf._quorum_id, store_unreachable=d.store_unreachable,
+                                 committed=committed)
+            if pause and not self.revert.stand_aside:
+                g.aside_until = self.now + 1 + int(pause)  # every rank decides alike: the same pause
             if self.revert.certify_on_agreement and r.agreement is not None and r.agreement.continuous:
                 r.rider._held, r.rider._missed_here = True, False
         r0 = g.ranks[0]

@@ -13,6 +13,7 @@ from ftbridge.manager.commit import (
     ROW,
     Flags,
     QuorumWait,
+    StandAside,
     View,
     continuous,
     decide_group,
@@ -149,7 +150,7 @@ def test_a_missing_or_doubled_rank_is_an_error_not_a_guess():
 @given(st.lists(st.builds(Flags, step=st.sampled_from([3, 4]), errored=st.booleans(), agreement=st.booleans(),
                           ride_on=st.booleans(), healing=st.booleans(), heal_ready=st.booleans(),
                           guard_mismatch=st.booleans(), guard_differs=st.booleans(), guard_tie=st.booleans(),
-                          stop=st.booleans()), min_size=1, max_size=4))
+                          stop=st.booleans(), store_unreachable=st.booleans()), min_size=1, max_size=4))
 @settings(max_examples=300, deadline=None)
 def test_the_decision_is_a_function_of_the_whole_group_only(flags):
     """Every rank sees the same rows (the exchange), so every rank takes the same decision; and a commit
@@ -160,6 +161,33 @@ def test_the_decision_is_a_function_of_the_whole_group_only(flags):
     if d.commit:
         assert all(not f.errored and f.agreement and not f.guard_differs and not f.stop for f in flags)
         assert len({f.step for f in flags}) == 1
+    assert d.store_unreachable == any(f.store_unreachable for f in flags)
+
+
+# -- ASIDE -----------------------------------------------------------------------------------------------
+def test_a_group_stands_aside_after_two_silent_quorums_and_the_pause_doubles_until_it_commits():
+    rule = StandAside(base_s=30.0)
+    assert rule.step(quorum_id=5, store_unreachable=True, committed=False) == 0.0
+    assert rule.step(quorum_id=5, store_unreachable=True, committed=False) == 0.0, "one quorum is no evidence"
+    assert rule.step(quorum_id=6, store_unreachable=True, committed=False) == 30.0
+    pauses = [rule.step(quorum_id=q, store_unreachable=True, committed=False) for q in range(7, 17)]
+    assert [p for p in pauses if p] == [60.0, 120.0, 240.0, 240.0, 240.0], "doubling, capped at 8 x"
+    assert rule.step(quorum_id=17, store_unreachable=False, committed=True) == 0.0
+    rule.step(quorum_id=18, store_unreachable=True, committed=False)
+    assert rule.step(quorum_id=19, store_unreachable=True, committed=False) == 30.0, "a commit resets the pause"
+
+
+def test_a_reachable_store_or_a_commit_between_silences_breaks_the_run():
+    rule = StandAside(base_s=1.0)
+    for between in (dict(store_unreachable=False, committed=False), dict(store_unreachable=True, committed=True)):
+        assert rule.step(quorum_id=1, store_unreachable=True, committed=False) == 0.0
+        assert rule.step(quorum_id=2, **between) == 0.0
+        assert rule.step(quorum_id=3, store_unreachable=True, committed=False) == 0.0
+        rule.step(quorum_id=4, store_unreachable=False, committed=True)
+    with pytest.raises(ValueError, match="after=0"):
+        StandAside(after=0, base_s=1.0)
+    with pytest.raises(ValueError, match="base_s=0"):
+        StandAside(base_s=0)
 
 
 # -- QUORUM ----------------------------------------------------------------------------------------------

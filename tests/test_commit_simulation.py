@@ -15,6 +15,7 @@ from tests.sim_protocol import (
     JOIN_WAIT,
     QUORUM_TIMEOUT,
     RESTART_PEER_WAIT,
+    STAND_ASIDE,
     Faults,
     Revert,
     Sim,
@@ -72,7 +73,9 @@ def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0
     assert sim.committing() == set(range(groups)), "the warm-up must commit everywhere"
     for f in schedule:
         sim.round(f)
-    for _ in range(RECOVERY):
+    end = sim.now + RECOVERY
+    while sim.now < end:  # a group standing aside is back within its pause, then recovers like any other
+        end = max(end, max(g.aside_until for g in sim.groups) + RECOVERY)
         sim.round(Faults())
         ahead = max((r.step_before + 1 for rounds in sim.history for r in rounds if r.committed), default=0)
         for g in sim.groups:
@@ -378,3 +381,43 @@ def test_a_rank_that_lost_its_copy_of_the_answer_discards_and_its_group_trains_o
     for _ in range(4):
         records = sim.round(Faults())
     assert all(g.alive for g in sim.groups) and {r.group for r in records if r.committed} == {0, 1, 2}
+
+
+# -- a group cut off from its peers but not from the lighthouse stands aside -------------------------------------
+CUT = 40
+"""Rounds of the peer partition in the stand-aside scenarios."""
+
+
+def _cut_off(groups, size, cut, revert=None):
+    return run(groups, size, True, [Faults(cut_peer=frozenset(frozenset((a, b)) for a in cut
+                                                             for b in range(groups) if b not in cut))] * CUT,
+               revert=revert)
+
+
+def _commits_during_cut(sim):
+    return {g: sum(r.committed and r.group == g for rounds in sim.history[3 + 10:3 + CUT] for r in rounds)
+            for g in range(len(sim.groups))}
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_group_cut_off_from_its_only_peer_stands_aside_and_the_other_trains_on(size):
+    """Two groups that both reach the lighthouse but not each other: neither could get a quorum alone (the
+    lighthouse's majority rule counts the other's heartbeats); the one whose rank 0 cannot reach the quorum's
+    store leaves for a pause and the other commits; afterwards both commit together (``run`` checks)."""
+    sim = _cut_off(2, size, {1})
+    commits = _commits_during_cut(sim)
+    assert max(commits.values()) >= (CUT - 10) // 2, f"commits per group in the last {CUT - 10} cut rounds: {commits}"
+    assert min(commits.values()) == 0, "the two sides never commit together while cut"
+
+
+def test_the_stand_aside_reverted_stalls_two_groups_for_the_whole_cut():
+    sim = _cut_off(2, 1, {1}, revert=Revert(stand_aside=True))
+    assert sum(_commits_during_cut(sim).values()) == 0
+
+
+def test_with_three_groups_the_cut_off_one_stands_aside_unless_it_holds_the_store():
+    rest = _commits_during_cut(_cut_off(3, 2, {2}))
+    assert rest[0] >= (CUT - 10) // 2 and rest[1] >= (CUT - 10) // 2 and rest[2] == 0, rest
+    primary_cut = _commits_during_cut(_cut_off(3, 1, {0}))  # group 0 holds the store: the others stand aside
+    assert primary_cut[0] >= (CUT - 10) // 2, primary_cut
+    assert STAND_ASIDE > 2, "a pause shorter than the heartbeat timeout would not let a quorum form without it"

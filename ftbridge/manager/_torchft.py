@@ -22,7 +22,9 @@ and the outage rider are built only then):
 
 * :class:`DummyWork` (``torchft.work._DummyWork``), the placeholder work after an error;
 * ``Manager._client``, ``_quorum_id``, ``_healing``, ``_pending_state_dict``, ``_pg``,
-  ``_store``; the process group wrapper's ``_pg``; ``_ManagedWork._work``.
+  ``_store``; the process group wrapper's ``_pg``; ``_ManagedWork._work``;
+* ``Manager._manager`` (its ``ManagerServer``), shut down and rebuilt by
+  :func:`pause_manager_server` while a replica group stands aside.
 """
 
 from __future__ import annotations
@@ -30,9 +32,14 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from datetime import timedelta
+from typing import Callable
+
 from torchft import Manager
+from torchft._torchft import ManagerServer
 from torchft.checkpointing.transport import CheckpointTransport
 from torchft.coordination import LighthouseServer
+from torchft.manager import REPLICA_ID_KEY
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 from torchft.work import _DummyWork as DummyWork
 
@@ -47,6 +54,7 @@ __all__ = [
     "create_store_client",
     "installed_version",
     "internals_supported",
+    "pause_manager_server",
 ]
 
 TORCHFT_GUARDED_VERSIONS = ("0.2.",)
@@ -73,3 +81,37 @@ def internals_supported(manager: Any) -> bool:
     """
     return (installed_version().startswith(TORCHFT_GUARDED_VERSIONS)
             and all(hasattr(manager, a) for a in _GUARDED_FIELDS))
+
+
+def pause_manager_server(manager: Any, *, lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta,
+                         connect_timeout: timedelta, quorum_retries: int) -> Callable[[], None]:
+    """Shut down group rank 0's torchft manager server (its heartbeats to the lighthouse stop with it).
+
+    Args:
+        manager: group rank 0's :class:`Manager`.
+        lighthouse_addr, hostname, heartbeat_interval, connect_timeout, quorum_retries: what the manager
+            was built with.
+
+    Returns:
+        ``resume()``: builds a new server on the same port with the same replica id (the group's other ranks'
+        clients reconnect to it) and installs it in ``manager``. Until then the group must not call torchft.
+
+    Raises:
+        AttributeError: ``manager`` holds no manager server (not group rank 0).
+    """
+    server = manager._manager
+    if server is None:
+        raise AttributeError("only group rank 0's torchft Manager holds a manager server")
+    port = int(server.address().rsplit(":", 1)[1])
+    replica_id = manager._store.get(REPLICA_ID_KEY).decode("utf-8")
+    store_addr = f"{manager._store.host}:{manager._store.port}"
+    world_size = manager._group_world_size
+    server.shutdown()
+
+    def resume() -> None:
+        manager._manager = ManagerServer(
+            replica_id=replica_id, lighthouse_addr=lighthouse_addr, hostname=hostname, bind=f"[::]:{port}",
+            store_addr=store_addr, world_size=world_size, heartbeat_interval=heartbeat_interval,
+            connect_timeout=connect_timeout, quorum_retries=quorum_retries)
+
+    return resume

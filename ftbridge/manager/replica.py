@@ -31,7 +31,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,21 @@ from torch.distributed import ReduceOp
 from ftbridge.config import FTBridgeConfig
 from ftbridge.device import backend_for, collective_device, group_backend
 from ftbridge.heal import restart_without_peer
-from ftbridge.manager._torchft import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
-from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
+from ftbridge.manager._torchft import (
+    TORCHFT_GUARDED_VERSIONS,
+    DummyWork,
+    Manager,
+    installed_version,
+    pause_manager_server,
+)
+from ftbridge.manager.commit import (
+    Agreement,
+    GroupDecision,
+    StandAside,
+    decide_group,
+    encode_flags,
+    rank_flags,
+)
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider
 from ftbridge.manager.quorum_guard import _install_quorum_guard
@@ -152,6 +165,13 @@ class ReplicaManager:
         self.quorum_watch = start_watch(cfg, self.quorum_guard, use_cuda, pg)  # cuts a hung peer off (None: off)
         if self.outage is not None:
             self.outage.skipped_collective = self.skipped_collective
+        self._cross_pg = pg
+        self._server_retries = server_retries
+        self._stand_aside = (StandAside(base_s=cfg.stand_aside.total_seconds())
+                             if self.quorum_guard is not None and cfg.stand_aside.total_seconds() > 0 else None)
+        self.stood_aside: Optional[Tuple[float, float]] = None
+        """``(wall-clock start, seconds)`` of the pause the group took after this step's commit vote
+        (:meth:`should_commit`; ``None``: it did not stand aside)."""
         self.verdict: Optional[StepVerdict] = None
         """This step's agreement and group decision (:meth:`decide`), ``None`` before it."""
         self.protocol_s = 0.0
@@ -324,9 +344,10 @@ class ReplicaManager:
         agreement = self.outage.agree(guard, empty) if self.outage is not None else None
         stop = self._restart_rule(agreement, empty, waited_s)
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
+        unreachable = self.cfg.group_rank == 0 and self._cross_pg.take_store_unreachable()
         flags = rank_flags(step=int(tf.current_step()), errored=tf.errored() is not None, agreement=agreement,
                            healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop,
-                           gap_stop=self._gap_expired())
+                           gap_stop=self._gap_expired(), store_unreachable=unreachable)
         decision = decide_group(exchange_in_group(encode_flags(flags), self.cfg.group_size))
         if decision.gap_stop:
             raise QuorumGap(self._gap_message(agreement))
@@ -397,7 +418,43 @@ class ReplicaManager:
                                      bool(decision is None or decision.agreed))
         if committed and self.quorum_guard is not None:
             self.quorum_guard.majority.committed()
+        self.stood_aside = None
+        if self._stand_aside is not None and self.verdict is not None:
+            pause = self._stand_aside.step(quorum_id=int(self._torchft._quorum_id), committed=committed,
+                                           store_unreachable=self.verdict.decision.store_unreachable)
+            if pause > 0:
+                self._stand_aside_for(pause)
         return committed
+
+    def _stand_aside_for(self, pause_s: float) -> None:
+        """Leave the quorums for ``pause_s`` seconds (:class:`ftbridge.manager.commit.StandAside`), on every rank.
+
+        Group rank 0 shuts its torchft manager server down (the lighthouse stops hearing the group and forgets
+        it after its heartbeat timeout), every rank waits out the pause, rank 0 builds the server again on the
+        same port, and one in-group exchange holds the other ranks until it is back. The next step's quorum
+        then holds the group again, behind the others: it heals.
+
+        Raises:
+            RuntimeError: the in-group exchange failed (a rank of the group died meanwhile); the rank must exit.
+        """
+        cfg = self.cfg
+        began = time.time()
+        logger.warning("[replica %d rank %d step %d] the quorum's store did not answer group rank 0 in %d quorums "
+                       "in a row while the lighthouse held its group alive: this group is cut off from its peers. "
+                       "It leaves the quorums for %g s (FTBRIDGE_STAND_ASIDE_S doubles each time), so that the "
+                       "others train on, then comes back and heals", cfg.replica_group_id, cfg.group_rank,
+                       int(self._torchft.current_step()), self._stand_aside.after if self._stand_aside else 0,
+                       pause_s)
+        resume = None
+        if cfg.group_rank == 0:
+            resume = pause_manager_server(self._torchft, lighthouse_addr=cfg.lighthouse, hostname=cfg.heal_bind,
+                                          heartbeat_interval=cfg.heartbeat_interval,
+                                          connect_timeout=cfg.connect_timeout, quorum_retries=self._server_retries)
+        time.sleep(pause_s)  # the pause itself: nothing to wait for, the group is out of the quorums
+        if resume is not None:
+            resume()
+        exchange_in_group([1.0], cfg.group_size)
+        self.stood_aside = (began, pause_s)
 
     def errored(self) -> Optional[Exception]:
         """The error recorded during this step, if any."""

@@ -103,9 +103,20 @@ class _Probed:
         try:
             probe_store(store_addr, self._timeout)
         except Exception:
+            self._store_unreachable = True
             self.abort(errored=False)  # no stale group with the old members survives a failed configure
             raise
         super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+
+    def take_store_unreachable(self) -> bool:
+        """Whether a ``configure`` since the last call found the quorum's store unanswering (then cleared).
+
+        Read on the training thread after the quorum (``Manager.wait_quorum``): the step's ``configure``, run in
+        torchft's quorum thread, has finished by then.
+        """
+        unreachable = getattr(self, "_store_unreachable", False)
+        self._store_unreachable = False
+        return unreachable
 
 
 class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
