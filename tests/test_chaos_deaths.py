@@ -76,6 +76,11 @@ def test_a_rank_silent_past_the_bound_while_alive_is_caught_whether_it_died_or_l
     gap = [_step(1, T0), _step(1, T0 + 9), _step(2, T0 + 100, committed=False)]
     assert [v.detail.split(" went ")[0] for v in inv.silent_ranks(gap, {}, bound_s=5)] == [
         "replica group 1 rank 0 (pid 1)"]
+    # A pause its group announced (it stood aside, cut off from its peers) is its own bounded outcome.
+    aside = steady + [{"event": "stand_aside", "time": T0 + 10, "seconds": 30.0, "pid": 1, "step": 10},
+                      _step(1, T0 + 41)]
+    assert inv.silent_ranks(aside, {}, bound_s=5) == []
+    assert len(inv.silent_ranks(aside + [_step(1, T0 + 60)], {}, bound_s=5)) == 1, "silent after its pause ended"
 
 
 def _rec(rank: int, step: int, committed: bool, quorum: int = 3, group: int = 0):

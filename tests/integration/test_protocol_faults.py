@@ -147,3 +147,46 @@ def test_a_group_restarted_after_the_job_ended_does_not_train_a_second_model(loc
     late = [e for e in job.steps(1) if e["time"] >= t_restart]
     assert late and not any(e["committed"] for e in late), late
     assert any(e.get("event") == "restart_without_peer" and e.get("stopped") for e in job.events(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_group_cut_off_from_its_only_peer_stands_aside_and_the_other_trains_on(local_job):
+    """2 groups on hosts of their own; one is cut off from the other, not from the lighthouse, for 40 s.
+
+    Without the stand-aside rule neither group committed for the whole cut (the lighthouse's majority rule
+    counts the cut-off group's heartbeats). Now the group that cannot reach the quorum's store stands
+    aside, the other trains on, and after the cut both commit together with one model.
+    """
+    from ftbridge.harness import netns
+
+    if netns.available():
+        pytest.skip(netns.available())
+    cut_s = 40.0
+    job = local_job(2, 1, [*TINY, "--steps", "100000"], max_restarts=0, hosts=True,
+                    env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": "3", "FTBRIDGE_STAND_ASIDE_S": "10"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.wait_until(lambda: _together(job, 3), 180, "both groups to commit step 3 together")
+    t0 = time.time()
+    job.group_hosts.cut(1)
+    time.sleep(cut_s)  # the fault itself: it lasts this long (not a synchronisation)
+    t1 = time.time()
+    job.group_hosts.mend(1)
+    job.wait_until(lambda: _together(job, 1, since=t1), 120, "both groups to commit together after the cut")
+    asides = [e for e in job.events() if e.get("event") == "stand_aside" and t0 <= e["time"] <= t1]
+    trained = {g: len(_commits(job, g, t0, t1)) for g in (0, 1)}
+    gaps = {g: _longest_gap(job, g, t0, t1) for g in (0, 1)}
+    print(f"cut {cut_s:g} s: stand-asides {[(e['replica_group'], e['seconds']) for e in asides]}, commits "
+          f"{trained}, longest pause {gaps}")
+    assert asides, "no group stood aside while cut off from its only peer"
+    stood = {e["replica_group"] for e in asides}
+    assert len(stood) == 1, f"both sides stood aside: {asides}"
+    other = 1 - stood.pop()
+    assert trained[other] > 0 and gaps[other] < cut_s - 10, (
+        f"group {other} did not train on while its peer stood aside: {trained}, longest pause {gaps}")
+    job.stop_soon(2)
+    codes = job.wait(timeout_s=120)
+    assert codes == {0: 0, 1: 0}, job.tails()
+    finals = [e for e in job.events() if e.get("event") == "final"]
+    assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals

@@ -361,7 +361,9 @@ def silent_ranks(events: Sequence[Record], died: Mapping[int, float], bound_s: f
     A rank that can neither commit nor ride out its lighthouse must exit within its quorum timeout (and
     torchrun restart it), not wait on. For every process that committed at least once, the longest time
     without a commit counts: between two of its commits, and from its last commit to its end (its
-    death, or its last record when it lived to the end of the run).
+    death, or its last record when it lived to the end of the run). A pause the group announced
+    by a ``stand_aside`` record (:class:`ftbridge.manager.commit.StandAside`, bounded by its own setting) does
+    not count.
 
     Args:
         events: merged records; step records and ``final`` records carry the writer's ``pid``.
@@ -370,6 +372,7 @@ def silent_ranks(events: Sequence[Record], died: Mapping[int, float], bound_s: f
             slowest collective take to notice, seconds.
     """
     commits: Dict[int, List[float]] = {}
+    aside: Dict[int, List[Tuple[float, float]]] = {}
     last: Dict[int, float] = {}
     for e in events:
         pid = e.get("pid")
@@ -378,11 +381,14 @@ def silent_ranks(events: Sequence[Record], died: Mapping[int, float], bound_s: f
         last[pid] = max(last.get(pid, 0.0), e["time"])
         if "event" not in e and e["committed"]:
             commits.setdefault(pid, []).append(e["time"])
+        elif e.get("event") == "stand_aside":
+            aside.setdefault(pid, []).append((e["time"], float(e["seconds"])))
     out = []
     for pid, times in sorted(commits.items()):
         times.sort()
         end = died.get(pid, last[pid])
-        gaps = [(b - a, a) for a, b in zip(times, times[1:] + [max(end, times[-1])])]
+        gaps = [(b - a - sum(s for t, s in aside.get(pid, []) if a <= t <= b), a)
+                for a, b in zip(times, times[1:] + [max(end, times[-1])])]
         gap, since = max(gaps)
         if gap > bound_s:
             g, r = _identity(events, pid)

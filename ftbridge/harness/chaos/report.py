@@ -106,7 +106,8 @@ def table(result: ChaosResult) -> str:
     for kind in sorted(LIGHTHOUSE_FAULTS | HOSTED, key=lambda k: k.value):
         outage = rows.get(kind.value)
         if outage and outage["outage_steps_lost"]:
-            lines.append(f"{kind.value}, worst survivor (min / median / max): steps lost "
+            whose = "the job (its group that lost least)" if kind in HOSTED else "worst survivor"
+            lines.append(f"{kind.value}, {whose} (min / median / max): steps lost "
                          f"{Stats(outage['outage_steps_lost']).text()}, longest pause between commits "
                          f"{Stats(outage['outage_pause_s']).text()} s")
     if s["orphan_commits"]:

@@ -169,14 +169,20 @@ def _final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
 
 def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int], settle_s: float
                   ) -> Optional[invariants.OutagePause]:
-    """For a lighthouse fault or a group cut off from its peers, the worst survivor's pause around it and
-    ``settle_s`` after it (``None`` for other failures). The survivors are the groups it did not hit."""
+    """The pause around a lighthouse fault or a peer partition and ``settle_s`` after it (``None`` for other
+    failures): for a lighthouse fault the worst survivor's (the groups it did not hit); for a group cut off
+    from its peers the job's, the group that lost the fewest steps (either side of the cut may be the one
+    that stands aside, :class:`ftbridge.manager.commit.StandAside`)."""
     if inj.failure.kind not in LIGHTHOUSE_FAULTS | HOSTED or inj.ended is None:
         return None
+    hosted = inj.failure.kind in HOSTED
     pauses = [invariants.outage_pause([e for e in events if "event" not in e and e["replica_group"] == g
                                        and e["group_rank"] == 0], inj.time, inj.ended, settle_s)
-              for g in alive if g not in inj.hit]
-    return max((p for p in pauses if p is not None), key=lambda p: p.steps_lost, default=None)
+              for g in alive if hosted or g not in inj.hit]
+    pauses = [p for p in pauses if p is not None]
+    if not pauses:
+        return None
+    return (min if hosted else max)(pauses, key=lambda p: p.steps_lost)
 
 
 def _all_together(job: LocalJob, alive: Sequence[int], since: float) -> bool:
