@@ -178,7 +178,7 @@ class FTBridgeConfig:
     quorums in a row, the group stops heartbeating for this long so that the
     others get quorums without it, then comes back and heals; the pause
     doubles each time until the group commits again, up to 8x
-    (:class:`ftbridge.manager.commit.StandAside`;
+    (:class:`ftbridge.manager.stand_aside.StandAside`;
     ``FTBRIDGE_STAND_ASIDE_S``; 0: never stand aside)."""
 
     peer_watch: bool = True

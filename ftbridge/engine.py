@@ -337,7 +337,7 @@ class FaultTolerantEngine:
                    rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
         self.events.write(**rec)
         aside = getattr(m, "stood_aside", None)
-        if aside is not None:  # ftbridge.manager.commit.StandAside: the group left the quorums after this step
+        if aside is not None:  # the group left the quorums after this step (ftbridge.manager.stand_aside)
             self.events.write(event="stand_aside", time=aside[0], step=step, seconds=aside[1])
         if rec["healed"] and self.manager.transport.last_recv:
             # Wall times of this heal's fetch, for the heal benchmark's phase split (ftbridge.harness.bench.heal).

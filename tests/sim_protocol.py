@@ -41,9 +41,10 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import restart_without_peer
-from ftbridge.manager.commit import Agreement, QuorumWait, StandAside, decide_group, encode_flags, rank_flags
+from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
+from ftbridge.manager.stand_aside import StandAside
 from ftbridge.quorum_rules import (
     VOTE_SKIP_WINDOW_S,
     QuorumSeen,

@@ -13,7 +13,6 @@ from ftbridge.manager.commit import (
     ROW,
     Flags,
     QuorumWait,
-    StandAside,
     View,
     continuous,
     decide_group,
@@ -23,6 +22,7 @@ from ftbridge.manager.commit import (
     judge,
     membership_digest,
 )
+from ftbridge.manager.stand_aside import StandAside
 
 D1, D2 = "0123456789abcdef", "fedcba9876543210"
 G1, G2 = "1111111111111111", "2222222222222222"

@@ -30,10 +30,8 @@ and the outage rider are built only then):
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
-
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 from torchft import Manager
 from torchft._torchft import ManagerServer

@@ -20,7 +20,7 @@ One step of one rank::
              GroupDecision for the whole group (decide_group).
     COMMIT   torchft's should_commit (an AND over the group), then the next step.
     ASIDE    a group whose rank 0 found the quorum's store silent in consecutive quorums
-             leaves the quorums for a pause (StandAside), then heals.
+             leaves the quorums for a pause (ftbridge.manager.stand_aside), then heals.
 
 Invariants (checked after every transition of the simulation):
 
@@ -405,7 +405,7 @@ class Flags:
             rank of every group of the quorum failed it, so no group commits this step.
         store_unreachable: this is group rank 0 and the quorum's store (the primary group's TCPStore, which
             group rank 0 of every member dials) did not answer its probe within the cross-replica timeout
-            when this step's process group was built (:class:`StandAside`).
+            when this step's process group was built (:class:`ftbridge.manager.stand_aside.StandAside`).
     """
 
     step: int
@@ -477,7 +477,8 @@ class GroupDecision:
         agreed: every rank's agreement passed: a discard is this group's own decision (an error late in the
             step, a heal a rank lacks, the guard), not the failure of a collective another member may have
             died in.
-        store_unreachable: group rank 0 found the quorum's store silent in this step (:class:`StandAside`).
+        store_unreachable: group rank 0 found the quorum's store silent in this step
+            (:class:`ftbridge.manager.stand_aside.StandAside`).
     """
 
     commit: bool
@@ -542,65 +543,3 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
                          any(f.fails_all for f in flags), all(f.agreement for f in flags),
                          any(f.store_unreachable for f in flags))
 
-
-# -- AFTER THE COMMIT VOTE: a group cut off from its peers stands aside ---------------------------------------
-
-
-class StandAside:
-    """Whether a replica group cut off from its peers, but not from the lighthouse, leaves the quorums for a while.
-
-    The lighthouse judges a group by its heartbeats and quorum calls; a group that still reaches the
-    lighthouse but not its peers therefore stays in every quorum, and every step with it fails after the
-    cross-replica timeout. With two groups, the lighthouse's majority rule (more than half of the
-    heartbeating groups must ask) keeps the other group from getting a quorum of its own: the job stops
-    training until the link is back. The group that cannot reach the quorum's store takes itself out: it
-    stops heartbeating (torchft's manager server shut down) for a pause, then comes back and heals.
-
-    The evidence is group rank 0's probe of the quorum's store (group rank 0 of every member rendezvouses on
-    the store of the same primary group): it did not answer within the cross-replica timeout in ``after``
-    consecutive quorums (distinct ids) in which this group committed nothing. A group appears in a quorum only
-    if it asked for it, so the store's group was alive after the first silence: a killed group's store
-    refuses connections (not silence), and a host that vanished misses the next quorum. The pause doubles
-    with each stand-aside until the group commits again, up to ``8 * base_s``; with the primary itself cut
-    off, every other group stands aside and the primary trains alone until they are back.
-
-    Every rank of the group feeds the same inputs (its group decision and torchft's commit vote, an AND over
-    the group), so every rank reaches the same answer.
-
-    Args:
-        after: consecutive silent quorums before standing aside (>= 1).
-        base_s: the first pause (seconds, > 0).
-    """
-
-    MAX_DOUBLINGS = 3
-
-    def __init__(self, *, after: int = 2, base_s: float) -> None:
-        if after < 1:
-            raise ValueError(f"after={after} must be at least 1")
-        if base_s <= 0:
-            raise ValueError(f"base_s={base_s} must be positive")
-        self.after, self.base_s = after, base_s
-        self._silent: List[int] = []  # quorum ids of this run of silent stores
-        self._pauses = 0  # stand-asides since the group last committed
-
-    def step(self, *, quorum_id: int, store_unreachable: bool, committed: bool) -> float:
-        """Feed one step's outcome; the seconds to stand aside now (0.0: stay).
-
-        Args:
-            quorum_id: the step's quorum id.
-            store_unreachable: the group's decision's :attr:`GroupDecision.store_unreachable`.
-            committed: torchft's commit vote for the step.
-        """
-        if committed:
-            self._silent, self._pauses = [], 0
-            return 0.0
-        if not store_unreachable:
-            self._silent = []
-            return 0.0
-        if quorum_id not in self._silent:
-            self._silent.append(quorum_id)
-        if len(self._silent) < self.after:
-            return 0.0
-        self._silent = []
-        self._pauses += 1
-        return self.base_s * 2 ** min(self._pauses - 1, self.MAX_DOUBLINGS)

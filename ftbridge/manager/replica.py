@@ -40,25 +40,13 @@ from torch.distributed import ReduceOp
 from ftbridge.config import FTBridgeConfig
 from ftbridge.device import backend_for, collective_device, group_backend
 from ftbridge.heal import restart_without_peer
-from ftbridge.manager._torchft import (
-    TORCHFT_GUARDED_VERSIONS,
-    DummyWork,
-    Manager,
-    installed_version,
-    pause_manager_server,
-)
-from ftbridge.manager.commit import (
-    Agreement,
-    GroupDecision,
-    StandAside,
-    decide_group,
-    encode_flags,
-    rank_flags,
-)
+from ftbridge.manager._torchft import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
+from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider
 from ftbridge.manager.quorum_guard import _install_quorum_guard
 from ftbridge.manager.quorum_watch import start_watch
+from ftbridge.manager.stand_aside import StandAside, leave_quorums
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
 from ftbridge.manager.transport import SafeHTTPTransport
 from lighthouse.status import replica_group_of
@@ -427,33 +415,17 @@ class ReplicaManager:
         return committed
 
     def _stand_aside_for(self, pause_s: float) -> None:
-        """Leave the quorums for ``pause_s`` seconds (:class:`ftbridge.manager.commit.StandAside`), on every rank.
-
-        Group rank 0 shuts its torchft manager server down (the lighthouse stops hearing the group and forgets
-        it after its heartbeat timeout), every rank waits out the pause, rank 0 builds the server again on the
-        same port, and one in-group exchange holds the other ranks until it is back. The next step's quorum
-        then holds the group again, behind the others: it heals.
-
-        Raises:
-            RuntimeError: the in-group exchange failed (a rank of the group died meanwhile); the rank must exit.
-        """
-        cfg = self.cfg
-        began = time.time()
+        """:func:`ftbridge.manager.stand_aside.leave_quorums` on this rank, logged; sets :attr:`stood_aside`."""
+        cfg, began = self.cfg, time.time()
         logger.warning("[replica %d rank %d step %d] the quorum's store did not answer group rank 0 in %d quorums "
                        "in a row while the lighthouse held its group alive: this group is cut off from its peers. "
                        "It leaves the quorums for %g s (FTBRIDGE_STAND_ASIDE_S doubles each time), so that the "
                        "others train on, then comes back and heals", cfg.replica_group_id, cfg.group_rank,
-                       int(self._torchft.current_step()), self._stand_aside.after if self._stand_aside else 0,
-                       pause_s)
-        resume = None
-        if cfg.group_rank == 0:
-            resume = pause_manager_server(self._torchft, lighthouse_addr=cfg.lighthouse, hostname=cfg.heal_bind,
-                                          heartbeat_interval=cfg.heartbeat_interval,
-                                          connect_timeout=cfg.connect_timeout, quorum_retries=self._server_retries)
-        time.sleep(pause_s)  # the pause itself: nothing to wait for, the group is out of the quorums
-        if resume is not None:
-            resume()
-        exchange_in_group([1.0], cfg.group_size)
+                       int(self._torchft.current_step()), StandAside.AFTER, pause_s)
+        leave_quorums(self._torchft, pause_s=pause_s, group_rank=cfg.group_rank,
+                      barrier=lambda: exchange_in_group([1.0], cfg.group_size), lighthouse_addr=cfg.lighthouse,
+                      hostname=cfg.heal_bind, heartbeat_interval=cfg.heartbeat_interval,
+                      connect_timeout=cfg.connect_timeout, quorum_retries=self._server_retries)
         self.stood_aside = (began, pause_s)
 
     def errored(self) -> Optional[Exception]:

@@ -362,7 +362,7 @@ def silent_ranks(events: Sequence[Record], died: Mapping[int, float], bound_s: f
     torchrun restart it), not wait on. For every process that committed at least once, the longest time
     without a commit counts: between two of its commits, and from its last commit to its end (its
     death, or its last record when it lived to the end of the run). A pause the group announced
-    by a ``stand_aside`` record (:class:`ftbridge.manager.commit.StandAside`, bounded by its own setting) does
+    by a ``stand_aside`` record (:class:`ftbridge.manager.stand_aside.StandAside`, bounded by its own setting) does
     not count.
 
     Args:

@@ -172,7 +172,7 @@ def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequen
     """The pause around a lighthouse fault or a peer partition and ``settle_s`` after it (``None`` for other
     failures): for a lighthouse fault the worst survivor's (the groups it did not hit); for a group cut off
     from its peers the job's, the group that lost the fewest steps (either side of the cut may be the one
-    that stands aside, :class:`ftbridge.manager.commit.StandAside`)."""
+    that stands aside, :class:`ftbridge.manager.stand_aside.StandAside`)."""
     if inj.failure.kind not in LIGHTHOUSE_FAULTS | HOSTED or inj.ended is None:
         return None
     hosted = inj.failure.kind in HOSTED

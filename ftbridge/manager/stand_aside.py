@@ -1,0 +1,112 @@
+"""A replica group cut off from its peers, but not from the lighthouse, leaves the quorums for a while.
+
+:class:`StandAside` is the rule (pure: every rank of a group feeds it the same inputs and gets the same
+answer); :func:`leave_quorums` carries it out on one rank. The reasoning and the measurements are in
+``docs/concepts.md`` (the commit protocol, ASIDE) and ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable, List
+
+from ftbridge.manager._torchft import pause_manager_server
+
+logger = logging.getLogger(__name__)
+
+
+class StandAside:
+    """Whether a replica group cut off from its peers, but not from the lighthouse, leaves the quorums for a while.
+
+    The lighthouse judges a group by its heartbeats and quorum calls; a group that still reaches the
+    lighthouse but not its peers therefore stays in every quorum, and every step with it fails after the
+    cross-replica timeout. With two groups, the lighthouse's majority rule (more than half of the
+    heartbeating groups must ask) keeps the other group from getting a quorum of its own: the job stops
+    training until the link is back. The group that cannot reach the quorum's store takes itself out: it
+    stops heartbeating (torchft's manager server shut down) for a pause, then comes back and heals.
+
+    The evidence is group rank 0's probe of the quorum's store (group rank 0 of every member rendezvouses on
+    the store of the same primary group): it did not answer within the cross-replica timeout in ``after``
+    consecutive quorums (distinct ids) in which this group committed nothing. A group appears in a quorum only
+    if it asked for it, so the store's group was alive after the first silence: a killed group's store
+    refuses connections (not silence), and a host that vanished misses the next quorum. The pause doubles
+    with each stand-aside until the group commits again, up to ``8 * base_s``; with the primary itself cut
+    off, every other group stands aside and the primary trains alone until they are back.
+
+    Every rank of the group feeds the same inputs (its group decision and torchft's commit vote, an AND over
+    the group), so every rank reaches the same answer.
+
+    Args:
+        after: consecutive silent quorums before standing aside (>= 1).
+        base_s: the first pause (seconds, > 0).
+    """
+
+    AFTER = 2
+    """The default ``after``."""
+    MAX_DOUBLINGS = 3
+
+    def __init__(self, *, after: int = AFTER, base_s: float) -> None:
+        if after < 1:
+            raise ValueError(f"after={after} must be at least 1")
+        if base_s <= 0:
+            raise ValueError(f"base_s={base_s} must be positive")
+        self.after, self.base_s = after, base_s
+        self._silent: List[int] = []  # quorum ids of this run of silent stores
+        self._pauses = 0  # stand-asides since the group last committed
+
+    def step(self, *, quorum_id: int, store_unreachable: bool, committed: bool) -> float:
+        """Feed one step's outcome; the seconds to stand aside now (0.0: stay).
+
+        Args:
+            quorum_id: the step's quorum id.
+            store_unreachable: the group's decision's :attr:`GroupDecision.store_unreachable`.
+            committed: torchft's commit vote for the step.
+        """
+        if committed:
+            self._silent, self._pauses = [], 0
+            return 0.0
+        if not store_unreachable:
+            self._silent = []
+            return 0.0
+        if quorum_id not in self._silent:
+            self._silent.append(quorum_id)
+        if len(self._silent) < self.after:
+            return 0.0
+        self._silent = []
+        self._pauses += 1
+        return self.base_s * 2 ** min(self._pauses - 1, self.MAX_DOUBLINGS)
+
+
+def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Callable[[], None],
+                  lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta, connect_timeout: timedelta,
+                  quorum_retries: int) -> None:
+    """Stand aside for ``pause_s`` seconds on this rank; every rank of the group calls it at the same step.
+
+    Group rank 0 shuts its torchft manager server down (the lighthouse stops hearing the group and forgets
+    it after its heartbeat timeout), every rank waits out the pause, rank 0 builds the server again on the
+    same port (:func:`ftbridge.manager._torchft.pause_manager_server`), and ``barrier`` (one in-group
+    exchange) holds the other ranks until it is back. The next quorum holds the group again, behind the
+    others: it heals.
+
+    Args:
+        manager: this rank's torchft ``Manager``.
+        pause_s: seconds out of the quorums (> 0).
+        group_rank: this rank's rank in its replica group.
+        barrier: one collective over the replica group.
+        lighthouse_addr, hostname, heartbeat_interval, connect_timeout, quorum_retries: what group rank 0's
+            manager server was built with.
+
+    Raises:
+        RuntimeError: ``barrier`` failed (a rank of the group died meanwhile); the rank must exit.
+    """
+    resume = None
+    if group_rank == 0:
+        resume = pause_manager_server(manager, lighthouse_addr=lighthouse_addr, hostname=hostname,
+                                      heartbeat_interval=heartbeat_interval, connect_timeout=connect_timeout,
+                                      quorum_retries=quorum_retries)
+    time.sleep(pause_s)  # the pause itself: nothing to wait for, the group is out of the quorums
+    if resume is not None:
+        resume()
+    barrier()
