@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ftbridge import device
+from ftbridge.build_lock import prepare_jit_build
 from ftbridge.config import FTBridgeConfig
 from ftbridge.engine import FaultTolerantEngine
 from ftbridge.manager import ReplicaManager
@@ -64,6 +65,7 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             replica group size — all before the engine is built where possible.
         RuntimeError: an untested DeepSpeed version.
     """
+    prepare_jit_build()
     if ft_config is None and not dist.is_initialized() and not {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
         raise ValueError(
             "RANK, WORLD_SIZE and MASTER_ADDR are not set: launch each replica group with ftbridge-run "

@@ -1,4 +1,17 @@
-"""Clear the build lock of DeepSpeed's JIT op that a killed process left behind.
+"""DeepSpeed's JIT-built op: this environment's cache, one ninja, and the lock a killed process left behind.
+
+:func:`prepare_jit_build` is the one entry: every ftbridge entry point (``ftbridge.initialize``, the CLI
+tools, the main job's script) calls it before DeepSpeed may build or load its op; ``import ftbridge``
+itself changes nothing. It gives the process (and the processes it starts) its own
+``TORCH_EXTENSIONS_DIR`` and this environment's ``ninja``, and clears stale build locks.
+
+DeepSpeed JIT-builds a small op (``deepspeed_shm_comm``, ~30 s) into ``TORCH_EXTENSIONS_DIR``. The shared
+default (``~/.cache/torch_extensions``) is rebuilt whenever another virtual environment built it last (its
+build files hold absolute site-packages paths), so each environment gets its own cache
+(``scripts/setup.sh`` fills it). torch runs the build with the ``ninja`` first on ``PATH``; a virtual
+environment has its own (pip's, a DeepSpeed dependency) besides any system one, and two ninja versions
+read each other's build log as a changed command, so each process whose ``PATH`` found the other one
+rebuilt the op (~35 s behind the lock each time): every process uses this environment's.
 
 torch builds and loads JIT extensions (DeepSpeed's ``deepspeed_shm_comm`` on
 CPU) behind a :class:`torch.utils.file_baton.FileBaton`: the first process
@@ -14,7 +27,7 @@ at 15:50 held every DeepSpeed start of the environment until removed by hand.
 The holder keeps the lock file open until it deletes it, so a lock file that
 no process has open (in two scans, the same file) is stale.
 :func:`clear_stale_build_locks` removes such files, with a warning naming
-each; ftbridge runs it when it is imported, before any DeepSpeed op loads,
+each; :func:`prepare_jit_build` runs it before any DeepSpeed op loads,
 and then every 2 s for 10 minutes in a daemon thread
 (:func:`watch_build_locks`), for a start that was already waiting when the
 holder died. Linux only (``/proc``); it sees the processes of this user, as
@@ -25,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Set, Tuple
@@ -143,3 +158,28 @@ def watch_build_locks(extensions_dir: str, interval_s: float = 2.0, duration_s: 
     thread = threading.Thread(target=run, name="ftbridge-build-lock", daemon=True)
     thread.start()
     return thread
+
+
+_watched: Set[str] = set()
+"""Extensions directories this process already cleared and watches."""
+
+
+def prepare_jit_build() -> str:
+    """Set up this process, and the processes it starts, for DeepSpeed's JIT-built op (idempotent).
+
+    Sets ``TORCH_EXTENSIONS_DIR`` to ``<sys.prefix>/torch_extensions`` unless already set, puts this
+    environment's ``ninja`` first on ``PATH`` when it has one, and, once per process, clears stale build
+    locks and watches for them (:func:`watch_build_locks`).
+
+    Returns:
+        The extensions directory.
+    """
+    ext = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
+    if os.path.exists(ninja) and shutil.which("ninja") != ninja:
+        os.environ["PATH"] = os.path.dirname(ninja) + os.pathsep + os.environ.get("PATH", "")
+    if ext not in _watched:
+        _watched.add(ext)
+        clear_stale_build_locks(ext)
+        watch_build_locks(ext)
+    return ext

@@ -115,9 +115,6 @@ class FaultTolerantEngine:
         self.metrics = metrics.attach(self)  # Prometheus /metrics on group rank 0 when FTBRIDGE_METRICS_PORT is set
         self.guard = DivergenceGuard(self.adapter, replica_group_id=cfg.replica_group_id, every=cfg.guard_every,
                                      action=cfg.guard_action, on_tie=cfg.guard_on_tie, events=self.events)
-        self.sync_scale_once: Optional[float] = None
-        """Testing only: multiply this rank's averaged gradient by this once, at the next optimizer step
-        (a silent divergence for the divergence guard to find)."""
 
         self._in_step = False
         self.cross_replica_wait_s = 0.0
@@ -140,15 +137,6 @@ class FaultTolerantEngine:
                           sync_fallback=getattr(self.sync, "fallback_reason", "") or None,
                           device=str(getattr(engine, "device", "cpu")),
                           cross_replica_backend=getattr(self.manager, "backend", None))
-
-    @property
-    def cross_replica_sync(self) -> bool:
-        """Testing only: ``False`` skips the cross-replica all-reduce (replicas then diverge)."""
-        return self.sync.enabled
-
-    @cross_replica_sync.setter
-    def cross_replica_sync(self, value: bool) -> None:
-        self.sync.enabled = value
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["engine"], name)
@@ -291,10 +279,6 @@ class FaultTolerantEngine:
         t_wait = time.perf_counter()
         self.sync.wait()
         self.cross_replica_wait_s += time.perf_counter() - t_wait
-        if self.sync_scale_once is not None:
-            for t in self.adapter.partition_grads():
-                t.mul_(self.sync_scale_once)
-            self.sync_scale_once = None
         step = self.manager.current_step
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         empty = restart > 0 and self.cfg.num_replica_groups > 1 and step == 0 and self.manager.heals == 0

@@ -85,6 +85,7 @@ from datetime import timedelta
 from typing import Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
+from ftbridge.build_lock import prepare_jit_build
 from ftbridge.cli_types import ArgumentParser
 from ftbridge.config import FTBridgeConfig
 from ftbridge.log import log_level
@@ -412,6 +413,7 @@ def lighthouse_unreachable(url: str, timeout_s: float = 3.0) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``ftbridge-run``; returns the exit code (2: bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prepare_jit_build()  # the group's ranks inherit this environment's op cache and ninja
     try:
         args = parse_args(argv)
         torchrun_argv, env = build_torchrun_command(args)

@@ -21,7 +21,8 @@ import os
 import sys
 import time
 
-from ftbridge.harness import lm_job
+from ftbridge.build_lock import prepare_jit_build
+from ftbridge.harness import control_hooks, lm_job
 
 # Before DeepSpeed is imported: it picks its accelerator (DS_ACCELERATOR) once, at import.
 DEVICE = lm_job.choose_device(sys.argv[1:])
@@ -39,6 +40,7 @@ IMPORTS_DONE = time.time()  # the heal benchmark's "process start" phase ends he
 
 def main(argv: list[str] | None = None) -> int:
     args = lm_job.build_parser().parse_args(argv)
+    prepare_jit_build()
     if args.plain:
         cfg = None
         deepspeed.init_distributed(dist_backend="nccl" if DEVICE.startswith("cuda") else "gloo")
@@ -56,14 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(torch.device(DEVICE))
         model = model.to(DEVICE)
     optimizer = lm_job.build_optimizer(args, model)
-    if cfg and args.test_sync_sum:
-        lm_job.sum_instead_of_average()
     if args.plain:
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args))
     else:
         engine, *_ = ftbridge.initialize(model=model, optimizer=optimizer, config=lm_job.ds_config(args),
-                                         ft_config=cfg)
-        engine.cross_replica_sync = not args.no_cross_replica_sync
+                                         ft_config=cfg, comm_hook=control_hooks.from_args(args))
         engine.sync.order.timing = args.time_cross_replica_wait
         topo = lm_job.topology(engine.cfg)  # after initialize: a warm spare has taken a dead group's id
     plain = lm_job.PlainRun(engine, args, topo) if args.plain else None
@@ -82,11 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                desc=f"replica {topo.replica_group}")
     val_loss = None
     step_times = []
-    corrupt = tuple(int(x) for x in args.corrupt_sync_at.split(":")) if args.corrupt_sync_at else None
     while engine.global_steps < lm_job.target_steps(args) and not (ckpt and ckpt.stopping):
         before = int(engine.global_steps)
-        if corrupt and cfg and corrupt == (topo.replica_group, before + 1):
-            engine.sync_scale_once = 3.0
         t = lm_job.now()
         loss = lm_job.train_step(engine, data, topo, args.grad_accum,
                                  engine.events if cfg and args.log_batches else None)

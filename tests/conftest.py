@@ -14,7 +14,10 @@ import pytest
 import torch.distributed as dist
 
 import ftbridge.harness.local_job as local_job_module
+from ftbridge.build_lock import prepare_jit_build
 from ftbridge.harness.local_job import LocalJob
+
+prepare_jit_build()  # as ftbridge's entry points do; every process a test starts inherits it
 
 # The suite trains on the CPU even on a GPU machine (train_lm.py --device auto keeps a preset CPU
 # accelerator): its multi-rank groups need a GPU per rank otherwise. GPU checks are marked cuda.

@@ -45,7 +45,6 @@ def test_layout_matches_where_deepspeed_puts_each_gradient(stage, bf16):
     from ftbridge.harness.models import GPTConfig, build_model
 
     eng, _ = _engine(stage, "power_sgd", {"start_powerSGD_iter": 0}, bf16=bf16)
-    eng.cross_replica_sync = False
     ref = build_model(GPTConfig(vocab_size=17, context=16, n_layer=1, d_model=32, n_head=2), seed=3)
     if bf16:
         ref = ref.to(torch.bfloat16)

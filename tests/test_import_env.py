@@ -1,4 +1,5 @@
-"""What ``import ftbridge`` sets up for DeepSpeed's JIT-built op: its own cache, and one ninja for every process."""
+"""What ftbridge's entry points set up for DeepSpeed's JIT-built op (its own cache, one ninja for every process),
+and that ``import ftbridge`` itself changes nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 
 
 def _after_import(path: str) -> str:
-    code = "import ftbridge, os, shutil; print(os.environ['TORCH_EXTENSIONS_DIR']); print(shutil.which('ninja'))"
+    code = ("import os, shutil; from ftbridge.build_lock import prepare_jit_build; prepare_jit_build(); "
+            "print(os.environ['TORCH_EXTENSIONS_DIR']); print(shutil.which('ninja'))")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     env["PATH"] = path
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
@@ -37,3 +39,13 @@ def test_ftbridge_ckpt_list_and_inspect_import_neither_torch_nor_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_importing_ftbridge_changes_nothing_in_the_process():
+    code = ("import os, threading; before = (dict(os.environ), threading.active_count()); import ftbridge, "
+            "ftbridge.launcher; print(before == (dict(os.environ), threading.active_count()))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "True", out.stdout + out.stderr

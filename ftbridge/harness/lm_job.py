@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test-sync-sum", action="store_true",
                    help="testing only: sum gradients across replica groups instead of averaging (the negative "
                         "control of the equivalence tests: a missing division by the participants)")
-    p.add_argument("--corrupt-sync-at", default=None, metavar="GROUP:STEP",
+    p.add_argument("--corrupt-sync-at", default=None, metavar="GROUP:STEP", type=_group_step,
                    help="testing only: replica group GROUP triples its averaged gradient at step STEP, a silent "
                         "divergence for the divergence guard (FTBRIDGE_GUARD_EVERY) to find and heal")
     p.add_argument("--result", default=None,
@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="testing only: write a 'batch' event per micro-step (step, dp_rank, dp_world_size, "
                         "checksum of the input ids), so tests can check which data shard a group trained on")
     return p
+
+
+def _group_step(text: str) -> str:
+    """``GROUP:STEP`` with GROUP >= 0 and STEP >= 1 (argparse type of ``--corrupt-sync-at``)."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GROUP:STEP, e.g. 0:40 (a replica group id and a step >= 1)")
+    return text
 
 
 def choose_device(argv: list) -> str:
@@ -138,26 +146,6 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
     return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-
-
-def sum_instead_of_average() -> None:
-    """Testing only (``--test-sync-sum``): every cross-replica ``AVG`` in this process becomes a ``SUM``.
-
-    Patches :meth:`ftbridge.manager.ReplicaManager.allreduce`, the one call
-    the gradient sync averages through (fp32; fp16/bf16 payloads are divided
-    by ftbridge before a ``SUM`` and are left as they are), so the
-    equivalence tests can show that a missing division fails them.
-    """
-    from torch.distributed import ReduceOp
-
-    from ftbridge.manager import ReplicaManager
-
-    real = ReplicaManager.allreduce
-
-    def allreduce(self: Any, tensor: torch.Tensor, reduce_op: Any = ReduceOp.AVG) -> Any:
-        return real(self, tensor, ReduceOp.SUM)
-
-    ReplicaManager.allreduce = allreduce  # type: ignore[method-assign]
 
 
 def ds_config(args: argparse.Namespace) -> Dict[str, Any]:

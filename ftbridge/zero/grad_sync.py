@@ -99,8 +99,6 @@ class GradientSync:
         self.hook = hook or allreduce_hook
         self.hook_state = hook_state if hook_state is not None else CommHookState(manager)
         self._pending: List[Tuple[Any, torch.Tensor, Any]] = []
-        self.enabled = True
-        """Testing only: ``False`` skips the all-reduce, and the replica groups diverge."""
         self.adapter = adapter
         self.order = order if order is not None else StreamOrder(adapter.on_cuda)
         self.mode = mode
@@ -200,7 +198,7 @@ class GradientSync:
         self._armed = False
         if boundary and not no_sync:
             self.order.begin()
-        if self._readiness is None or not boundary or no_sync or not self.enabled:
+        if self._readiness is None or not boundary or no_sync:
             return
         reason = self.adapter.window_not_exact(first)
         if reason:
@@ -258,8 +256,6 @@ class GradientSync:
                 self._issue(k, in_backward=True)
 
     def _issue_rest(self) -> None:
-        if not self.enabled:
-            return
         start = self.issued
         if self._readiness is not None:
             self._readiness.rest()

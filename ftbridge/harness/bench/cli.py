@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ftbridge.build_lock import prepare_jit_build
 from ftbridge.cli_types import ArgumentParser, at_least, finite
 from ftbridge.harness.bench import core
 from ftbridge.harness.bench.report import failure, write_report
@@ -196,6 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n".join(load_benchmarks()))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two processes on two cores stall for seconds otherwise
+    prepare_jit_build()
     # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: jobs stopped, the partial report written.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

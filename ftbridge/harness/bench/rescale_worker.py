@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ftbridge.build_lock import prepare_jit_build
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
@@ -163,6 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--saves", type=int, default=8)
     p.add_argument("model_flags", nargs="*", help="training-job flags after --")
     args = p.parse_args(argv)
+    prepare_jit_build()
     out = os.path.abspath(args.out)
     if args.worker == "stall":
         worker_stall(out, args.saves, args.model_flags)

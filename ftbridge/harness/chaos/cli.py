@@ -24,6 +24,7 @@ import sys
 import tempfile
 from typing import List, Optional
 
+from ftbridge.build_lock import prepare_jit_build
 from ftbridge.cli_types import ArgumentParser, at_least, finite
 
 POSITIVE = finite(0.0, strictly_above=True)
@@ -111,6 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     os.environ.setdefault("RUST_LOG", "warn")
+    prepare_jit_build()
     from tqdm import tqdm
 
     from ftbridge.harness.chaos import report

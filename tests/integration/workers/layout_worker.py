@@ -35,7 +35,6 @@ for stage in (1, 2, 3):
     eng = tiny_engine(stage, model=model, ds={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
                       ft={"group_rank": rank, "group_size": 2, "comm_hook": "power_sgd",
                           "comm_state_option": {"start_powerSGD_iter": 0}})
-    eng.cross_replica_sync = False
     _, loss = eng(x, y)
     eng.backward(loss)
     flat = torch.cat([t.reshape(-1).float() for t in eng.adapter.partition_grads()])
