@@ -28,10 +28,10 @@ class StandAside:
     stops heartbeating (torchft's manager server shut down) for a pause, then comes back and heals.
 
     The evidence is group rank 0's probe of the quorum's store (group rank 0 of every member rendezvouses on
-    the store of the same primary group): it did not answer within the cross-replica timeout in ``after``
-    consecutive quorums (distinct ids) in which this group committed nothing. A group appears in a quorum only
-    if it asked for it, so the store's group was alive after the first silence: a killed group's store
-    refuses connections (not silence), and a host that vanished misses the next quorum. The pause doubles
+    the store of the same primary group): it failed (no answer within the cross-replica timeout, or a
+    refused connection) in ``after`` consecutive quorums (distinct ids) in which this group committed nothing.
+    A group appears in a quorum only if it asked for it, so the store's group was alive after the first
+    failure: a killed or vanished group does not ask for the next quorum. The pause doubles
     with each stand-aside until the group commits again, up to ``8 * base_s``; with the primary itself cut
     off, every other group stands aside and the primary trains alone until they are back.
 
