@@ -177,7 +177,8 @@ class FTBridgeConfig:
     lighthouse: when group rank 0 finds the quorum's store silent in two
     quorums in a row, the group stops heartbeating for this long so that the
     others get quorums without it, then comes back and heals; the pause
-    doubles each time until the group commits again, up to 8x
+    doubles each time until the group commits again, up to 8x and at most
+    half of :attr:`restart_peer_wait`
     (:class:`ftbridge.manager.stand_aside.StandAside`;
     ``FTBRIDGE_STAND_ASIDE_S``; 0: never stand aside)."""
 

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -283,8 +284,8 @@ def _read_heartbeats(address: str, fetch: Callable[..., Any],
 
 
 def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]] = None,
-                     clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep
-                     ) -> Tuple[Optional[int], float]:
+                     clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                     restarted: Optional[bool] = None) -> Tuple[Optional[int], float]:
     """Group rank 0's stand-by loop: poll the lighthouse until a vacancy is taken or the job is over.
 
     Args:
@@ -293,6 +294,9 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         fetch: ``fetch(address, timeout_s=) -> LighthouseStatus``; default
             :func:`lighthouse.status.fetch_status`.
         clock, sleep: wall clock (s) and sleep, for tests.
+        restarted: torchrun restarted this launch (default: ``TORCHELASTIC_RESTART_COUNT`` > 0). Its
+            predecessor ran while the job was live, so the job-over bound counts from now even if no live
+            group is ever seen (a launch restarted after the job ended would otherwise stand by forever).
 
     Returns:
         ``(group id or None when the job is over, wall time the group was first seen vacant)``.
@@ -302,6 +306,10 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
 
         fetch = fetch_status
     watch = VacancyWatch(cfg.num_replica_groups, cfg.spare_index, cfg.restart_peer_wait.total_seconds())
+    if restarted is None:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted:
+        watch.last_live = clock()
     while True:
         now = clock()
         action, group = watch.observe(now, _read_heartbeats(cfg.lighthouse, fetch))

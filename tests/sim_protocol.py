@@ -44,7 +44,7 @@ from ftbridge.heal import restart_without_peer
 from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
-from ftbridge.manager.stand_aside import StandAside
+from ftbridge.manager.stand_aside import StandAside, longest_pause
 from ftbridge.quorum_rules import (
     VOTE_SKIP_WINDOW_S,
     QuorumSeen,
@@ -68,8 +68,9 @@ TRY_ROUNDS = 2
 answered by then ends with torchft's ``TimeoutError``, and the group's members stop holding the ride for it."""
 RESTART_PEER_WAIT = 4
 """Rounds a restarted group with nothing waits alone for a peer (``restart_peer_wait``)."""
-MAJORITY_WAIT = 4
-"""Rounds a quorum after a lighthouse restart waits for a majority of the groups before it."""
+MAJORITY_WAIT = RESTART_PEER_WAIT
+"""Rounds a quorum after a lighthouse restart waits for a majority of the groups before it (``restart_peer_wait``
+too, as in the driver)."""
 STAND_ASIDE = HEARTBEAT_TIMEOUT + 2
 """Rounds of a group's first stand-aside (:class:`ftbridge.manager.commit.StandAside`'s ``base_s``)."""
 
@@ -218,7 +219,7 @@ class SimRank:
         self.rider = OutageRider(self.tf, enabled=ride, lighthouse="sim", group_rank=rank, group_size=group.size,
                                  decision_timeout=timedelta(seconds=1), monitor=group.monitor,
                                  replica_group_id=group.gid, num_groups=group.num_groups,
-                                 gap_wait=timedelta(seconds=RESTART_PEER_WAIT),
+                                 gap_wait=timedelta(seconds=group.peer_wait),
                                  clock=group.clock)
         self.heal = HealAgreement(self.tf)
         self.guard = DivergenceGuard(None, replica_group_id=group.gid, every=group.guard_every, action="heal",
@@ -228,7 +229,7 @@ class SimRank:
         self.healed_from: Optional[str] = None
         self.agreement: Optional[Agreement] = None
         self.store_unreachable = False  # this round's configure found the quorum's store silent (group rank 0)
-        self.aside = StandAside(base_s=float(STAND_ASIDE))
+        self.aside = StandAside(base_s=float(STAND_ASIDE), max_s=longest_pause(STAND_ASIDE, group.peer_wait))
 
 
 class _NoEvents:
@@ -271,7 +272,9 @@ class Quorum:
 
 
 class SimGroup:
-    def __init__(self, gid: int, size: int, ride: bool, guard_every: int, clock: Any, num_groups: int) -> None:
+    def __init__(self, gid: int, size: int, ride: bool, guard_every: int, clock: Any, num_groups: int,
+                 peer_wait: int = RESTART_PEER_WAIT) -> None:
+        self.peer_wait = peer_wait  # restart_peer_wait in rounds: also the majority wait after a lighthouse restart
         self.gid, self.size, self.ride, self.guard_every, self.clock = gid, size, ride, guard_every, clock
         self.num_groups = num_groups
         self.launch = 0
@@ -291,13 +294,14 @@ class SimGroup:
         self.last_quorum_round: Optional[int] = None  # the round its last quorum call returned
         self.rode_since = False  # rode on its last quorum since then
         self.votes_skipped = 0
-        self.majority = RestartMajority(MAJORITY_WAIT)
+        self.majority = RestartMajority(self.peer_wait)
         self.asked_for = 0  # rounds the group's last answered lighthouse call waited
         self.restart_round = 0  # round of the lighthouse restart whose majority the group waits for
         self.started_round = 0
         self.heals = 0
         self.commit_failures = 0
         self.aside_until = 0  # the group stands aside (no heartbeat, no request) until this round
+        self.asides: List[Tuple[int, int]] = []  # (round it stood aside, round it is back), this launch
         self.lost_answers: Set[int] = set()  # quorum ids issued to this group whose answer it never got
         self.left_calls: List[List[Any]] = []  # [call the group left, its quorum once formed, round it was left]:
         # answered once the link carries answers again, or ended by its try's deadline (TRY_ROUNDS)
@@ -366,8 +370,9 @@ class Sim:
     """``groups`` replica groups of ``size`` ranks each, riding on or off, under a schedule of :class:`Faults`."""
 
     def __init__(self, groups: int, size: int, *, ride: bool = True, guard_every: int = 0, min_replicas: int = 1,
-                 revert: Optional[Revert] = None) -> None:
-        self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now), groups) for g in range(groups)]
+                 revert: Optional[Revert] = None, peer_wait: int = RESTART_PEER_WAIT) -> None:
+        self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now), groups, peer_wait)
+                       for g in range(groups)]
         self.lighthouse = SimLighthouse(min_replicas)
         self.guard_every = guard_every
         self.revert = revert or Revert()
@@ -535,7 +540,8 @@ class Sim:
                 r.tf._pg.ident = (q.epoch, q.quorum_id, tuple(q.replica_ids), self.now)
                 store = self.group(at_max[0])  # torchft: group rank 0's store is the first member at the max step
                 if i == 0 and store is not None and frozenset((g.gid, store.gid)) in self.faults.cut_peer:
-                    r.store_unreachable = True  # the probe before configure finds it silent
+                    r.store_unreachable = g.majority.pending is None  # the driver's rule: not while a
+                    # majority after a lighthouse restart is pending
                     r.tf.report_error(RuntimeError("the quorum's store did not answer"))
             r.rider.remember(_Result(q, g.replica_id), q.replica_ids)
             r.tf.participants, r.tf.participating = len(at_max), g.replica_id in at_max
@@ -601,7 +607,7 @@ class Sim:
         waiting step; whether the rank says stop."""
         all_empty = bool(r.agreement and r.agreement.all_empty)
         rule = restart_without_peer(restarted_empty=self._empty(g), all_members_empty=all_empty,
-                                    waited_s=self.now - g.started_round, limit_s=RESTART_PEER_WAIT)
+                                    waited_s=self.now - g.started_round, limit_s=g.peer_wait)
         if rule == "stop" and self.revert.restart_alone:
             return False
         if rule != "go":
@@ -692,6 +698,7 @@ class Sim:
                                  committed=committed)
             if pause and not self.revert.stand_aside:
                 g.aside_until = self.now + 1 + int(pause)  # every rank decides alike: the same pause
+                g.asides.append((self.now, g.aside_until))
             if self.revert.certify_on_agreement and r.agreement is not None and r.agreement.continuous:
                 r.rider._held, r.rider._missed_here = True, False
         r0 = g.ranks[0]

@@ -22,7 +22,7 @@ from ftbridge.manager.commit import (
     judge,
     membership_digest,
 )
-from ftbridge.manager.stand_aside import StandAside
+from ftbridge.manager.stand_aside import StandAside, longest_pause
 
 D1, D2 = "0123456789abcdef", "fedcba9876543210"
 G1, G2 = "1111111111111111", "2222222222222222"
@@ -235,3 +235,10 @@ def test_judge_reads_missed_and_committers_from_the_rows():
     assert "follows quorum 5" in judge([b], b, riding=False).reason
     c = encode_view(View(0, 7, D1, 10, 1, True, True, False, certified=4, committers=1, missed=6))
     assert "discarded a step of quorum 6" in judge([c], c, riding=False).reason
+
+
+def test_no_pause_outlasts_half_of_the_wait_the_others_keep_after_a_lighthouse_restart():
+    assert longest_pause(30.0, 30.0) == 15.0 and longest_pause(5.0, 300.0) == 40.0 and longest_pause(5.0, 0) == 40.0
+    rule = StandAside(base_s=10.0, max_s=longest_pause(10.0, 30.0))
+    pauses = [rule.step(quorum_id=q, store_unreachable=True, committed=False) for q in range(8)]
+    assert [p for p in pauses if p] == [10.0, 15.0, 15.0, 15.0]

@@ -6,6 +6,8 @@ The default suite draws a few hundred schedules; ``-m slow`` draws thousands.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -63,19 +65,30 @@ def scenarios(draw, kinds=KINDS, max_rounds=14):
     groups, size = draw(st.integers(2, 3)), draw(st.integers(1, 2))
     ride = draw(st.booleans())
     schedule = draw(st.lists(faults(groups, size, kinds), min_size=1, max_size=max_rounds))
-    return groups, size, ride, schedule, draw(st.sampled_from([1, 1, 2]))
+    if draw(st.integers(0, 3)) == 0:  # a peer partition lasting several rounds, under the other faults: stand-asides
+        g = draw(st.integers(0, groups - 1))
+        first = draw(st.integers(0, len(schedule) - 1))
+        last = draw(st.integers(first, len(schedule) - 1))
+        cut = frozenset(frozenset((g, h)) for h in range(groups) if h != g)
+        schedule = [replace(f, cut_peer=f.cut_peer | cut) if first <= i <= last else f for i, f in enumerate(schedule)]
+    # restart_peer_wait as short as the others' waits, or at the defaults' ratio to the heartbeat timeout
+    # (pauses then double before the cap, ``stand_aside.longest_pause``)
+    peer_wait = draw(st.sampled_from([RESTART_PEER_WAIT, RESTART_PEER_WAIT, 6 * HEARTBEAT_TIMEOUT]))
+    return groups, size, ride, schedule, draw(st.sampled_from([1, 1, 2])), peer_wait
 
 
-def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0, warm=3):
-    sim = Sim(groups, size, ride=ride, guard_every=guard_every, min_replicas=min_replicas, revert=revert)
+def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0, warm=3, peer_wait=RESTART_PEER_WAIT):
+    sim = Sim(groups, size, ride=ride, guard_every=guard_every, min_replicas=min_replicas, revert=revert,
+              peer_wait=peer_wait)
     for _ in range(warm):
         sim.round(Faults())
     assert sim.committing() == set(range(groups)), "the warm-up must commit everywhere"
     for f in schedule:
         sim.round(f)
-    end = sim.now + RECOVERY
+    recovery = RECOVERY - RESTART_PEER_WAIT + peer_wait
+    end = sim.now + recovery
     while sim.now < end:  # a group standing aside is back within its pause, then recovers like any other
-        end = max(end, max(g.aside_until for g in sim.groups) + RECOVERY)
+        end = max(end, max(g.aside_until for g in sim.groups) + recovery)
         sim.round(Faults())
         ahead = max((r.step_before + 1 for rounds in sim.history for r in rounds if r.committed), default=0)
         for g in sim.groups:
@@ -84,13 +97,18 @@ def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0
                 # Nobody trained beyond it: the stop is spurious unless a group it last agreed with is gone
                 # (then it cannot tell whether that group trained on, cut off, and must not guess), or a quorum
                 # was issued to it whose answer it never got (its members are unknown: a documented limit).
+                # A documented limit too: a group it last agreed with stood aside (cut off from its peers) and
+                # stayed away, while this one, alone, could not tell whether it trained (the real group exits,
+                # torchrun restarts it, and it heals once the other is back; design.md, "Standing aside").
                 by_id = {x.replica_id: x for x in sim.groups}
                 peers = [by_id.get(rid) for rid in g.ranks[0].rider.certified_members()]
+                if any(p is not None and p.asides for p in peers):
+                    continue
                 assert None in peers or not all(p.alive or p.exit_reason == "QuorumGap" for p in peers), (
                     f"group {g.gid} stopped for a quorum gap at step {g.ranks[0].tf.step}, but no group ever "
                     "committed beyond it and every group it last agreed with lives: a gap nobody trained in")
     live = {g.gid for g in sim.groups if g.alive}
-    assert sim.committing() == live, (f"after {RECOVERY} quiet rounds, live groups {sorted(live)} but only "
+    assert sim.committing() == live, (f"after {recovery} quiet rounds, live groups {sorted(live)} but only "
                                       f"{sorted(sim.committing())} commit: " + "; ".join(
                                           f"group {g.gid} {g.exit_reason or 'alive'}" for g in sim.groups))
     return sim
@@ -99,14 +117,14 @@ def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0
 @given(scenarios())
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 def test_no_fault_schedule_splits_desyncs_or_wedges_the_job(scenario):
-    run(*scenario)
+    run(*scenario[:5], peer_wait=scenario[5])
 
 
 @pytest.mark.slow
 @given(scenarios(max_rounds=30))
 @settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_no_fault_schedule_splits_desyncs_or_wedges_the_job_many(scenario):
-    run(*scenario)
+    run(*scenario[:5], peer_wait=scenario[5])
 
 
 # -- scripted scenarios: the findings, and each fix switched off ----------------------------------------------
@@ -389,9 +407,11 @@ CUT = 40
 
 
 def _cut_off(groups, size, cut, revert=None):
+    """``CUT`` rounds of ``cut`` off from the others, with ``restart_peer_wait`` at 6 heartbeat timeouts (the
+    defaults' ratio, 30 s against 5 s), so that a pause (at most half of it) outlasts the lighthouse's memory."""
     return run(groups, size, True, [Faults(cut_peer=frozenset(frozenset((a, b)) for a in cut
                                                              for b in range(groups) if b not in cut))] * CUT,
-               revert=revert)
+               revert=revert, peer_wait=6 * HEARTBEAT_TIMEOUT)
 
 
 def _commits_during_cut(sim):

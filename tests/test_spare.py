@@ -122,6 +122,17 @@ def test_stand_by_exits_0_when_the_job_is_over(monkeypatch):
     assert exc.value.code == 0
 
 
+def test_a_restarted_launch_that_never_sees_a_live_group_exits_after_the_bound():
+    """Found by a chaos soak with spares: a spare's launch restarted after the job ended never saw a live
+    group, so its job-over bound never started and it stood by until it was killed. (A first launch still
+    waits for a live group: test_watch_never_exits_before_it_saw_a_live_group.)"""
+    now = iter(range(1000))
+    group, _ = spare.watch_lighthouse(_cfg(spare_index=0, restart_peer_wait=5), restarted=True,
+                                      fetch=lambda address, timeout_s: SimpleNamespace(heartbeats=[]),
+                                      clock=lambda: float(next(now)), sleep=lambda s: None)
+    assert group is None
+
+
 def test_stand_by_refuses_an_active_group():
     with pytest.raises(ValueError, match="spare_index=-1"):
         spare.stand_by(_cfg())

@@ -46,7 +46,7 @@ from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider
 from ftbridge.manager.quorum_guard import _install_quorum_guard
 from ftbridge.manager.quorum_watch import start_watch
-from ftbridge.manager.stand_aside import StandAside, leave_quorums
+from ftbridge.manager.stand_aside import StandAside, leave_quorums, longest_pause
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
 from ftbridge.manager.transport import SafeHTTPTransport
 from lighthouse.status import replica_group_of
@@ -155,8 +155,9 @@ class ReplicaManager:
             self.outage.skipped_collective = self.skipped_collective
         self._cross_pg = pg
         self._server_retries = server_retries
-        self._stand_aside = (StandAside(base_s=cfg.stand_aside.total_seconds())
-                             if self.quorum_guard is not None and cfg.stand_aside.total_seconds() > 0 else None)
+        base = cfg.stand_aside.total_seconds()
+        self._stand_aside = (StandAside(base_s=base, max_s=longest_pause(base, cfg.restart_peer_wait.total_seconds()))
+                             if self.quorum_guard is not None and base > 0 else None)
         self.stood_aside: Optional[Tuple[float, float]] = None
         """``(wall-clock start, seconds)`` of the pause the group took after this step's commit vote
         (:meth:`should_commit`; ``None``: it did not stand aside)."""
@@ -333,6 +334,8 @@ class ReplicaManager:
         stop = self._restart_rule(agreement, empty, waited_s)
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
         unreachable = self.cfg.group_rank == 0 and self._cross_pg.take_store_unreachable()
+        if self.quorum_guard is not None and self.quorum_guard.majority.pending is not None:
+            unreachable = False  # after a lighthouse restart the group counts towards the majority: it stays
         flags = rank_flags(step=int(tf.current_step()), errored=tf.errored() is not None, agreement=agreement,
                            healing=healing, heal_ready=ready, replica_group=self.cfg.replica_group_id, stop=stop,
                            gap_stop=self._gap_expired(), store_unreachable=unreachable)

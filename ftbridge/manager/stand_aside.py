@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from ftbridge.manager._torchft import pause_manager_server
 
@@ -32,8 +32,13 @@ class StandAside:
     refused connection) in ``after`` consecutive quorums (distinct ids) in which this group committed nothing.
     A group appears in a quorum only if it asked for it, so the store's group was alive after the first
     failure: a killed or vanished group does not ask for the next quorum. The pause doubles
-    with each stand-aside until the group commits again, up to ``8 * base_s``; with the primary itself cut
+    with each stand-aside until the group commits again, up to ``max_s``; with the primary itself cut
     off, every other group stands aside and the primary trains alone until they are back.
+
+    After a lighthouse restart the groups that remain wait at most ``restart_peer_wait`` for a majority of
+    the groups before it (:class:`ftbridge.quorum_rules.RestartMajority`), so a group standing aside must be
+    back within that wait: the driver passes ``max_s`` below it, and reports no failed store while such a
+    wait is pending (the group stays in the quorums: it counts towards the majority).
 
     Every rank of the group feeds the same inputs (its group decision and torchft's commit vote, an AND over
     the group), so every rank reaches the same answer.
@@ -41,18 +46,22 @@ class StandAside:
     Args:
         after: consecutive silent quorums before standing aside (>= 1).
         base_s: the first pause (seconds, > 0).
+        max_s: the longest pause (seconds; default ``8 * base_s``).
     """
 
     AFTER = 2
     """The default ``after``."""
     MAX_DOUBLINGS = 3
 
-    def __init__(self, *, after: int = AFTER, base_s: float) -> None:
+    def __init__(self, *, after: int = AFTER, base_s: float, max_s: Optional[float] = None) -> None:
         if after < 1:
             raise ValueError(f"after={after} must be at least 1")
         if base_s <= 0:
             raise ValueError(f"base_s={base_s} must be positive")
         self.after, self.base_s = after, base_s
+        self.max_s = base_s * 2 ** self.MAX_DOUBLINGS if max_s is None else max_s
+        if self.max_s <= 0:
+            raise ValueError(f"max_s={self.max_s} must be positive")
         self._silent: List[int] = []  # quorum ids of this run of silent stores
         self._pauses = 0  # stand-asides since the group last committed
 
@@ -76,7 +85,7 @@ class StandAside:
             return 0.0
         self._silent = []
         self._pauses += 1
-        return self.base_s * 2 ** min(self._pauses - 1, self.MAX_DOUBLINGS)
+        return min(self.base_s * 2 ** min(self._pauses - 1, self.MAX_DOUBLINGS), self.max_s)
 
 
 def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Callable[[], None],
@@ -110,3 +119,11 @@ def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Cal
     if resume is not None:
         resume()
     barrier()
+
+
+def longest_pause(base_s: float, restart_peer_wait_s: float) -> float:
+    """The longest pause a group may stand aside: ``8 * base_s``, and half of ``restart_peer_wait`` when that
+    wait is on (> 0), so that the group is back before the others stop waiting for it after a lighthouse
+    restart (the other half covers its way back: a heartbeat timeout, a quorum, a heal)."""
+    cap = base_s * 2 ** StandAside.MAX_DOUBLINGS
+    return min(cap, restart_peer_wait_s / 2) if restart_peer_wait_s > 0 else cap
