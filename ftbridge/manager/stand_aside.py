@@ -88,7 +88,7 @@ class StandAside:
         return min(self.base_s * 2 ** min(self._pauses - 1, self.MAX_DOUBLINGS), self.max_s)
 
 
-def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Callable[[], None],
+def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Callable[[], Any],
                   lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta, connect_timeout: timedelta,
                   quorum_retries: int) -> None:
     """Stand aside for ``pause_s`` seconds on this rank; every rank of the group calls it at the same step.

@@ -179,10 +179,10 @@ def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequen
     pauses = [invariants.outage_pause([e for e in events if "event" not in e and e["replica_group"] == g
                                        and e["group_rank"] == 0], inj.time, inj.ended, settle_s)
               for g in alive if hosted or g not in inj.hit]
-    pauses = [p for p in pauses if p is not None]
-    if not pauses:
+    found: List[invariants.OutagePause] = [p for p in pauses if p is not None]
+    if not found:
         return None
-    return (min if hosted else max)(pauses, key=lambda p: p.steps_lost)
+    return (min if hosted else max)(found, key=lambda p: p.steps_lost)
 
 
 def _all_together(job: LocalJob, alive: Sequence[int], since: float) -> bool:
