@@ -37,6 +37,15 @@ def _longest_gap(job, group, start, end):
     return max(b - a for a, b in zip(times, times[1:]))
 
 
+def _stop_with_one_model(job):
+    """Stop both groups; each exits 0 and both end with the same parameters."""
+    job.stop_soon(2)
+    codes = job.wait(timeout_s=120)
+    assert codes == {0: 0, 1: 0}, job.tails()
+    finals = [e for e in job.events() if e.get("event") == "final"]
+    assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals
+
+
 def _fault(job, on, off, what):
     """Apply a fault for :data:`FAULT_S`, then wait until both groups commit together from the lighthouse."""
     t0 = time.time()
@@ -84,11 +93,7 @@ def test_a_hung_lighthouse_blackholed_links_and_a_one_way_cut_cost_no_wedge_and_
     print(f"one-way cut: group 0 committed {len(_commits(job, 0, t0, t1))} steps during it, group 1 "
           f"{len(_commits(job, 1, t0, t1))}")
 
-    job.stop_soon(2)
-    codes = job.wait(timeout_s=120)
-    assert codes == {0: 0, 1: 0}, job.tails()
-    finals = [e for e in job.events() if e.get("event") == "final"]
-    assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals
+    _stop_with_one_model(job)
     by_step = {}
     for e in job.events():
         if e.get("committed") and e.get("param_checksum"):
@@ -185,8 +190,4 @@ def test_a_group_cut_off_from_its_only_peer_stands_aside_and_the_other_trains_on
     other = 1 - stood.pop()
     assert trained[other] > 0 and gaps[other] < cut_s - 10, (
         f"group {other} did not train on while its peer stood aside: {trained}, longest pause {gaps}")
-    job.stop_soon(2)
-    codes = job.wait(timeout_s=120)
-    assert codes == {0: 0, 1: 0}, job.tails()
-    finals = [e for e in job.events() if e.get("event") == "final"]
-    assert len(finals) == 2 and len({f["param_checksum"] for f in finals}) == 1, finals
+    _stop_with_one_model(job)
