@@ -65,7 +65,7 @@ class _FakeClient:
     def _quorum(self, **kwargs):
         return self.result
 
-    def should_commit(self, *args):
+    def should_commit(self, *args, **kwargs):
         return "delegated"
 
 
@@ -151,7 +151,8 @@ def test_member_with_the_repeated_id_rebuilds_when_the_other_does():
     assert guards[1][1].forced == 1 and guards[0][1].forced == 0
     assert views[0].store_address == views[1].store_address
     assert views[0].store_address.startswith(f"127.0.0.1:{store.port}/ftbridge/")
-    assert views[0].replica_rank == 0 and guards[0][1].should_commit() == "delegated"
+    assert views[0].replica_rank == 0
+    assert guards[0][1].should_commit(0, 5, True, timeout=timedelta(seconds=1)) == "delegated"
 
 
 @pytest.mark.timeout(60)
@@ -348,6 +349,30 @@ def test_a_group_of_another_size_leaves_before_reconfigure_or_heal():
     assert guards[1][0]._quorum_id == 1, "the odd member must not be told to reconfigure"
     assert not isinstance(views[0], Exception) and guards[0][1].sizes == [1, 2]
 
+
+
+def test_a_one_rank_group_answers_its_own_commit_vote_and_a_larger_group_asks_its_manager_server():
+    class Server:
+        def __init__(self):
+            self.votes = []
+
+        def should_commit(self, group_rank, step, should_commit, timeout):
+            self.votes.append((group_rank, step, should_commit))
+            return should_commit
+
+    def guard(group_size):
+        server = Server()
+        mgr = SimpleNamespace(_client=server, _quorum_id=3)
+        return server, _QuorumGuard(mgr, timedelta(seconds=10), on_restart=lambda old, new: None,
+                                    group_size=group_size)
+
+    server, one = guard(1)
+    assert one.should_commit(0, 7, True, timeout=timedelta(seconds=1)) is True
+    assert one.should_commit(0, 7, False, timeout=timedelta(seconds=1)) is False
+    assert server.votes == []  # the AND over one rank needs no round trip
+    server, two = guard(2)
+    assert two.should_commit(1, 7, False, timeout=timedelta(seconds=1)) is False
+    assert server.votes == [(1, 7, False)]
 
 
 def test_a_quorum_call_that_times_out_ends_the_rank_naming_the_setting():

@@ -7,7 +7,8 @@ wraps the manager's client (``Manager._client``, installed only where
 detects a restart, runs a vote on the quorum's TCPStore so that every member
 rebuilds the cross-replica process group or none does (skipped on a steady
 quorum, :func:`ftbridge.quorum_rules.vote_needed`), refuses a member of
-another group size, and namespaces the rendezvous keys. The rules, and why,
+another group size, and namespaces the rendezvous keys; a group of one rank answers its own commit
+vote without a round trip to its manager server. The rules, and why,
 are in :mod:`ftbridge.quorum_rules`.
 
 The guard is also where the peer watch (:mod:`ftbridge.manager.quorum_watch`)
@@ -61,7 +62,8 @@ class _QuorumGuard:
 
     Installed as ``Manager._client``; torchft calls ``_quorum`` from its
     quorum thread, then compares ``quorum_id`` with ``Manager._quorum_id`` and
-    reconfigures with ``store_address``. Everything else is delegated. See
+    reconfigures with ``store_address``. A one-rank group's commit vote is
+    answered here (:meth:`should_commit`); everything else is delegated. See
     the module docstring for what it does.
     """
 
@@ -218,6 +220,20 @@ class _QuorumGuard:
                            "rebuilding" if mine else "keeping the process group")
             self._stores = {}
         return decide_reconfigure(mine, votes)
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> Any:
+        """torchft's commit vote of the group: an AND of every group rank's ``should_commit``.
+
+        A group of one rank answers its own vote here, without the round trip to its manager server:
+        the server's handler only collects ``group_size`` votes and returns their AND (torchft
+        ``src/manager.rs``, ``should_commit``), so the answer is the same. Larger groups ask the server.
+
+        Raises:
+            TimeoutError: (larger groups) not every rank voted within ``timeout``.
+        """
+        if self._group_size == 1:
+            return bool(should_commit)
+        return self._client.should_commit(group_rank, step, should_commit, timeout=timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
