@@ -294,7 +294,12 @@ def test_local_job_reads_the_current_holder_and_every_stand_by_log(tmp_path):
     with open(job.event_log(2 * 2 + 1, 0), "w") as f:  # group 1's restart, demoted to spare 2 + 1 -> id 5
         f.write(json.dumps(dict(event="spare_ready", time=3.0, pid=4242, replica_group=5, group_rank=0)) + "\n")
     assert job.worker_pids(1) == {0: me}
+    assert job.holding_pids(1) == [me]
     assert set(job.all_worker_pids()) == {999_999, me, 4242}
+    with open(job.event_log(0, 0), "w") as f:  # group 0: its launch (the parent) and a spare (this process)
+        f.write(json.dumps(dict(_start(0, 2e9), pid=os.getppid())) + "\n")
+        f.write(json.dumps(dict(_start(0, 2e9 + 1), pid=me)) + "\n")
+    assert job.holding_pids(0) == [os.getppid(), me] and job.worker_pids(0) == {0: me}
     assert job.launch_of(me) is None  # no launch of this job runs it
 
 
@@ -318,6 +323,36 @@ def test_with_spares_scale_down_is_skipped_with_its_reason_and_the_report_counts
     assert "0 failures injected (1 skipped) in 12 s (the failure-free run not included)" in text
     summary = report.summary(result)
     assert (summary["spares_started"], summary["takeovers"], summary["standing_by_stopped"]) == (1, 1, [300, 301])
+
+
+def test_a_kill_of_one_of_two_processes_holding_a_group_is_judged_as_a_hang():
+    # A spare took group 1's id while group 1 was cut off from the lighthouse; both still run. The kill hits
+    # the newer holder, and the older one may go on as group 1 with no heal: recovery is "heal or commit with
+    # the others again", as after a hang.
+    import os
+    import signal
+    import subprocess
+    from types import SimpleNamespace
+
+    from ftbridge.harness.chaos.inject import Injector
+    from ftbridge.harness.chaos.schedule import Failure
+
+    victims = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for shared in (False, True):
+            victim = victims[shared]
+            job = SimpleNamespace(worker_pids=lambda g, v=victim: {0: v.pid},
+                                  holding_pids=lambda g, v=victim, s=shared: [os.getpid(), v.pid] if s else [v.pid],
+                                  wait_until=lambda cond, t, what, v=victim: (v.wait(timeout=t), cond()))
+            inj = Injector(job=job, alive={0, 1}, fault_dir="unused", seed=0).inject(
+                Failure(0, FailureKind.KILL_RANK, 1.0))
+            assert victim.poll() == -signal.SIGKILL  # really killed
+            assert inj.heal_optional is shared
+            assert inj.target.endswith(", one of 2 processes holding the group's id") is shared
+    finally:
+        for v in victims:
+            v.kill()
+            v.wait(timeout=10)
 
 
 def test_a_paused_groups_late_commit_after_the_spares_start_is_its_own_launch():

@@ -62,6 +62,20 @@ def test_a_death_is_collateral_unless_it_falls_in_a_failure_aimed_at_its_group()
     assert deaths.collateral(found, [_start(200, 1, T0 + 11)], []) == [(found[1], 1, 0)]
 
 
+def test_a_death_while_another_process_held_the_same_group_rank_is_a_displacement_not_collateral():
+    found = deaths.deaths_in_log(LOG, 2026)  # pid 100 dies at T0 + 10.6, pid 200 at T0 + 21.6
+    spare = [_start(300, 1, T0 + 5), _step(300, T0 + 25)]  # a spare took group 1 at T0 + 5 and lived on
+    events = [_start(100, 1, T0), _start(200, 1, T0 + 11), *spare]
+    assert deaths.collateral(found, events, []) == []
+    # Not when the other holder was already gone (its last record before the death) ...
+    gone = [_start(100, 1, T0), _start(200, 1, T0 + 11), _start(300, 1, T0 + 5), _step(300, T0 + 10)]
+    assert [d.pid for d, _, _ in deaths.collateral(found, gone, [])] == [100, 200]
+    # ... nor a plain restart (it starts after the death), nor a holder of another rank or group.
+    others = [_start(100, 1, T0), _start(200, 1, T0 + 11), _start(301, 1, T0 + 5, rank=1), _step(301, T0 + 25),
+              _start(302, 0, T0 + 5), _step(302, T0 + 25)]
+    assert [d.pid for d, _, _ in deaths.collateral(found, others, [])] == [100, 200]
+
+
 def test_a_rank_silent_past_the_bound_while_alive_is_caught_whether_it_died_or_lived_on():
     steady = [_step(1, T0 + i) for i in range(10)]
     assert inv.silent_ranks(steady, {}, bound_s=5) == []

@@ -421,11 +421,21 @@ class LocalJob:
         """
         pids = {}
         for r in range(self.group_size(group)):
-            starts = [e for e in self.events(group, r) if e.get("event") == "start"]
-            live = [e for e in starts if started_by(e["pid"], e["time"]) and pid_alive(e["pid"])]
+            live = self.holding_pids(group, r)
             if live:
-                pids[r] = live[-1]["pid"]
+                pids[r] = live[-1]
         return pids
+
+    def holding_pids(self, group: int, rank: int = 0) -> List[int]:
+        """PIDs of every live process that started as ``rank`` of ``group``, oldest first.
+
+        More than one while a spare took the id of a group that still runs (paused or cut off from the
+        lighthouse past its heartbeat timeout) and before one of the two left
+        (:class:`ftbridge.spare.DuplicateReplicaGroup`). PIDs reused by another process are left out, as in
+        :meth:`worker_pids`.
+        """
+        starts = [e for e in self.events(group, rank) if e.get("event") == "start"]
+        return [e["pid"] for e in starts if started_by(e["pid"], e["time"]) and pid_alive(e["pid"])]
 
     def spare_events(self) -> List[Dict[str, Any]]:
         """Records of every stand-by event log: launched spares (id ``N + index``) and demoted restarts.

@@ -88,7 +88,8 @@ def collateral(deaths: Sequence[Death], events: Sequence[Record], hits: Sequence
 
     A death of a rank of group ``g`` is explained when it falls between the beginning of a failure that hit
     ``g`` and the job's recovery from it (``slack_s`` either side, for the log's times): one failure may
-    kill a group's launch and then the launch torchrun restarted (a joiner killed in its heal). A process
+    kill a group's launch and then the launch torchrun restarted (a joiner killed in its heal); or when
+    another process held the same rank of ``g`` at that moment (:func:`_displaced`). A process
     with no ``start`` record (it died before it began training: a restart that could not start) is not
     judged here.
 
@@ -101,14 +102,30 @@ def collateral(deaths: Sequence[Death], events: Sequence[Record], hits: Sequence
             that hold no group are ended then).
     """
     starts = launches(events)
+    last_seen: Dict[int, float] = {}
+    for e in events:
+        if "pid" in e:
+            last_seen[int(e["pid"])] = max(last_seen.get(int(e["pid"]), 0.0), float(e["time"]))
     out = []
     for d in deaths:
         if d.pid not in starts or d.time >= until:
             continue
         g, r, _ = starts[d.pid]
-        if not any(g in groups and began - slack_s <= d.time <= done + slack_s for began, done, groups in hits):
+        if any(g in groups and began - slack_s <= d.time <= done + slack_s for began, done, groups in hits):
+            continue
+        if not _displaced(d, (g, r), starts, last_seen):
             out.append((d, g, r))
     return out
+
+
+def _displaced(death: Death, holds: Tuple[int, int], starts: Mapping[int, Tuple[int, int, float]],
+               last_seen: Mapping[int, float]) -> bool:
+    """Another process held the same rank of the same group when ``death`` happened: it had started as it
+    before and wrote a record after. Two holders of one group id (a spare took the id of a group that was
+    paused or cut off from the lighthouse, or a restart came back while the spare held it) is resolved by
+    one of them leaving (:class:`ftbridge.spare.DuplicateReplicaGroup`): that death is by design."""
+    return any(pid != death.pid and (g, r) == holds and began < death.time < last_seen.get(pid, 0.0)
+               for pid, (g, r, began) in starts.items())
 
 
 def collateral_in_logs(logs: Mapping[str, str], events: Sequence[Record],

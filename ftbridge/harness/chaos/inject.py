@@ -116,19 +116,29 @@ class Injector:
     def _pick(self, rng: random.Random) -> int:
         return rng.choice(sorted(self.alive))
 
+    def _shared(self, g: int) -> str:
+        """``""``, or a note when two processes hold group ``g`` (:meth:`LocalJob.holding_pids
+        <ftbridge.harness.local_job.LocalJob.holding_pids>`): a failure then hits the newer one, and the older one
+        may go on as the group without a heal, so the group's recovery is judged as after a hang."""
+        pids = self.job.holding_pids(g)
+        return f", one of {len(pids)} processes holding the group's id" if len(pids) > 1 else ""
+
     def _kill_rank(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)
-        pids = self.job.worker_pids(g)
+        pids, shared = self.job.worker_pids(g), self._shared(g)
         r = rng.choice(sorted(pids))
         t = time.time()
         _kill_and_wait(self.job, [pids[r]], self.timeout_s)
-        return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]})")
+        return Injected(failure, t, [g], [g], f"group {g} rank {r} (pid {pids[r]}){shared}",
+                        heal_optional=bool(shared))
 
     def _kill_group(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)
+        shared = self._shared(g)
         t = time.time()
         pids = self.job.kill_workers(g, timeout_s=self.timeout_s)
-        return Injected(failure, t, [g], [g], f"group {g} (pids {', '.join(map(str, pids))})")
+        return Injected(failure, t, [g], [g], f"group {g} (pids {', '.join(map(str, pids))}){shared}",
+                        heal_optional=bool(shared))
 
     def _hang(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)
