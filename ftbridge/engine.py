@@ -52,9 +52,9 @@ from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
 from ftbridge.heal import NoPeerToHealFrom, lazy_state_bytes
+from ftbridge.heal.wire import size_bound
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
-from ftbridge.wire import size_bound
 from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.engine_points import align_to_window, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
@@ -150,7 +150,7 @@ class FaultTolerantEngine:
             key: unique name.
             state_dict: returns a nested dict of tensors and JSON scalars.
                 A heal sends its tensors from their memory until the
-                optimizer step (:mod:`ftbridge.heal_stream`): return a clone
+                optimizer step (:mod:`ftbridge.heal.stream`): return a clone
                 of any tensor that forward or backward changes.
             load_state_dict: applies a peer's value.
 
@@ -444,7 +444,7 @@ class FaultTolerantEngine:
     def heal_size_bound(self) -> int:
         """Largest heal body this rank accepts from a donor (bytes): its own :meth:`heal_state`'s size,
         plus optimizer state not created yet (:func:`ftbridge.heal.lazy_state_bytes`), plus headers
-        (:func:`ftbridge.wire.size_bound`). Copies no tensor."""
+        (:func:`ftbridge.heal.wire.size_bound`). Copies no tensor."""
         return size_bound(self.heal_state(), extra_bytes=lazy_state_bytes(self.adapter.optimizer))
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ Used at the tensor-to-bytes boundary of the heal (:mod:`ftbridge.manager.transpo
 and of async checkpoint snapshots (:mod:`ftbridge.checkpoint.async_save`):
 
 * **donor**: :class:`StagedBody` serves a state whose tensors live on a GPU in
-  the wire format of :mod:`ftbridge.wire` without a host copy of the whole
+  the wire format of :mod:`ftbridge.heal.wire` without a host copy of the whole
   body: each tensor's bytes go device -> pinned staging buffer -> socket, one
   chunk of at most ``staging_bytes`` at a time. CPU tensors are written from
   their own memory (no copy). The body's length is known up front, so HTTP's
@@ -21,7 +21,7 @@ chunk, and pinned when CUDA is available (pageable otherwise, which the CPU
 tests use). A chunk is copied, then waited for (``synchronize`` on the copy
 stream), then handed to the socket: the buffer is never overwritten while
 its bytes are still being sent. The byte layout is exactly what
-:func:`ftbridge.wire.encode_state` writes, so either side may stage or not.
+:func:`ftbridge.heal.wire.encode_state` writes, so either side may stage or not.
 """
 
 from __future__ import annotations
@@ -177,10 +177,10 @@ _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", t
 
 
 class StagedBody:
-    """A heal body (:mod:`ftbridge.wire` layout) whose tensor bytes are written from the tensors themselves.
+    """A heal body (:mod:`ftbridge.heal.wire` layout) whose tensor bytes are written from the tensors themselves.
 
     Args:
-        head: the JSON header of :func:`ftbridge.wire.encode_state` (key paths to tensor names and scalars).
+        head: the JSON header of :func:`ftbridge.heal.wire.encode_state` (key paths to tensor names and scalars).
         tensors: name -> tensor (any device), in the order their bytes follow.
         staging: the buffer device tensors pass through.
 
@@ -226,9 +226,9 @@ def staged_body(state: Dict[str, Any], staging: Staging, force: bool = False) ->
     """:class:`StagedBody` of ``state`` when it holds a tensor on a GPU (or ``force``), else ``None`` (encode it whole).
 
     Raises:
-        TypeError: as :func:`ftbridge.wire.encode_state` (a leaf that is no tensor or JSON scalar).
+        TypeError: as :func:`ftbridge.heal.wire.encode_state` (a leaf that is no tensor or JSON scalar).
     """
-    from ftbridge.wire import encode_state
+    from ftbridge.heal.wire import encode_state
 
     tensors: Dict[str, torch.Tensor] = {}
     paths: List[Tuple[str, torch.Tensor]] = []
@@ -264,13 +264,13 @@ def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torc
                  staging: Staging) -> Dict[str, torch.Tensor]:
     """Read the safetensors part of a heal body (``size`` bytes) into new tensors on ``device``.
 
-    The header is checked as :mod:`ftbridge.wire` checks it (offsets tile the data exactly, sizes
+    The header is checked as :mod:`ftbridge.heal.wire` checks it (offsets tile the data exactly, sizes
     match dtype and shape) before any tensor is allocated, so at most ``size`` bytes are allocated.
 
     Raises:
         ValueError: a malformed header, a dtype outside the wire format, or a body that ended early.
     """
-    from ftbridge.wire import _ST_DTYPES, ST_MAX_HEADER_BYTES, _json, _st_entries
+    from ftbridge.heal.wire import _ST_DTYPES, ST_MAX_HEADER_BYTES, _json, _st_entries
 
     prefix = bytearray(8)
     if size < 8 or _read_full(read_into, memoryview(prefix)) != 8:

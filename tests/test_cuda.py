@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 def test_staged_heal_body_from_and_to_the_gpu():
     import io
 
-    from ftbridge.wire import decode_parts
+    from ftbridge.heal.wire import decode_parts
 
     state = {"a": torch.randn(1000, device="cuda"), "b": {"c": torch.arange(77, device="cuda")}, "s": 3}
     buf = Staging(4096)

@@ -20,12 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ftbridge import heal_http
 from ftbridge.config import FTBridgeConfig
-from ftbridge.heal import lazy_state_bytes
+from ftbridge.heal import lazy_state_bytes, limits
+from ftbridge.heal.wire import encode_state, size_bound
 from ftbridge.manager import ReplicaManager
 from ftbridge.manager.transport import SafeHTTPTransport
-from ftbridge.wire import encode_state, size_bound
 
 pytestmark = pytest.mark.timeout(30)
 TOKEN = "0123456789abcdef-job-secret"
@@ -166,7 +165,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
 import torch, deepspeed, torch.distributed as dist
 from ftbridge.zero.stages import adapter_for
 from ftbridge.heal import lazy_state_bytes
-from ftbridge.wire import encode_state, size_bound
+from ftbridge.heal.wire import encode_state, size_bound
 dist.init_process_group("gloo")
 for stage, bf16 in ((1, True), (2, False), (3, False)):
     torch.manual_seed(0)
@@ -525,7 +524,7 @@ def test_ftbridge_run_sets_the_token_from_a_file_and_hides_it(tmp_path):
 
 
 def test_mac_compare_is_constant_time_over_bytes():
-    mac = heal_http.request_mac(TOKEN, "http://h:1/heal/", 3)
-    assert heal_http.mac_matches(TOKEN, "http://h:1/heal/", 3, f"FTBridge-HMAC {mac}")
-    assert not heal_http.mac_matches(TOKEN, "http://h:1/heal/", 4, f"FTBridge-HMAC {mac}")
-    assert not heal_http.mac_matches(TOKEN, "http://h:1/heal/", 3, "FTBridge-HMAC \u00e9\u4e00")  # no TypeError
+    mac = limits.request_mac(TOKEN, "http://h:1/heal/", 3)
+    assert limits.mac_matches(TOKEN, "http://h:1/heal/", 3, f"FTBridge-HMAC {mac}")
+    assert not limits.mac_matches(TOKEN, "http://h:1/heal/", 4, f"FTBridge-HMAC {mac}")
+    assert not limits.mac_matches(TOKEN, "http://h:1/heal/", 3, "FTBridge-HMAC \u00e9\u4e00")  # no TypeError

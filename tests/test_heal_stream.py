@@ -1,4 +1,4 @@
-"""The streamed heal body (ftbridge.heal_stream) and the joiner's receive path around it.
+"""The streamed heal body (ftbridge.heal.stream) and the joiner's receive path around it.
 
 Unit tests drive :class:`StreamBody` with an in-memory ``send``; the HTTP
 tests run donor and joiner transports in this process with short timeouts.
@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from ftbridge import heal_stream
-from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody
+from ftbridge.heal import stream
+from ftbridge.heal.stream import BodyAborted, ReceiveBuffer, StreamBody
+from ftbridge.heal.wire import decode_state, encode_state, header_length, plan_body
 from ftbridge.manager import transport as transport_mod
 from ftbridge.manager.transport import SafeHTTPTransport
-from ftbridge.wire import decode_state, encode_state, header_length, plan_body
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,7 +73,7 @@ def assert_states_equal(got, want):
 
 @pytest.mark.parametrize("cap", [1 << 40, 7, 4096])
 def test_streamed_body_is_the_encoded_body_and_decodes_to_the_state(cap, monkeypatch):
-    monkeypatch.setattr(heal_stream, "SEND_CHUNK_BYTES", 24)  # many sends, crossing tensor boundaries
+    monkeypatch.setattr(stream, "SEND_CHUNK_BYTES", 24)  # many sends, crossing tensor boundaries
     state = _state()
     body = StreamBody(plan_body(state))
     wire = _serve(body, sink=Sink(cap))
@@ -107,7 +107,7 @@ def test_halfway_stops_the_first_sends_at_half_the_body():
 # -- the snapshot: disallow_checkpoint freezes the body --------------------------------------------
 
 def test_after_freeze_a_response_in_flight_sends_the_state_as_it_was(monkeypatch):
-    monkeypatch.setattr(heal_stream, "SEND_CHUNK_BYTES", 16)
+    monkeypatch.setattr(stream, "SEND_CHUNK_BYTES", 16)
     state = _state()
     want = encode_state(state)
     body = StreamBody(plan_body(state))
@@ -257,7 +257,7 @@ def test_an_oversize_claim_is_refused_before_any_buffer_is_taken_or_allocated(pa
 
 def test_disallow_during_a_fetch_still_delivers_the_snapshot(pair, monkeypatch):
     donor, joiner = pair
-    monkeypatch.setattr(heal_stream, "SEND_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(stream, "SEND_CHUNK_BYTES", 64 << 10)
     state = {"w": torch.randn(200_000)}
     want = state["w"].clone()
     donor.send_checkpoint([1], 13, state, timedelta(seconds=2))

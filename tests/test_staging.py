@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ftbridge import staging
+from ftbridge.heal.wire import decode_parts, decode_state, encode_state
 from ftbridge.manager import transport
 from ftbridge.staging import Staging, read_tensors, staged_body, staging_size
-from ftbridge.wire import decode_parts, decode_state, encode_state
 
 
 def _state():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from ftbridge.wire import decode_parts, decode_state, encode_state
+from ftbridge.heal.wire import decode_parts, decode_state, encode_state
 
 pytestmark = pytest.mark.timeout(120)
 FUZZ = settings(max_examples=150, deadline=1000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

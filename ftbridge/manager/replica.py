@@ -81,7 +81,7 @@ class ReplicaManager:
         use_cuda: the model is on a GPU: torchft's NCCL group, or gloo with CUDA tensors where groups
             share a GPU (:func:`ftbridge.device.backend_for`); on the CPU always gloo.
         max_heal_bytes: the largest heal body this rank accepts (bytes),
-            e.g. :func:`ftbridge.wire.size_bound` of its own state; called in
+            e.g. :func:`ftbridge.heal.wire.size_bound` of its own state; called in
             torchft's quorum thread before each fetch. ``None``: no bound
             (the body is then allocated as it arrives).
 

@@ -10,23 +10,23 @@ what it receives with ``torch.load(weights_only=False)``, i.e. with pickle:
 whoever answers the joiner's request can run code on it. This transport
 
 * binds only the interface given (``FTBridgeConfig.heal_bind``);
-* sends the pickle-free format of :mod:`ftbridge.wire` (JSON header plus a
+* sends the pickle-free format of :mod:`ftbridge.heal.wire` (JSON header plus a
   safetensors blob), decoded under that module's contract (``ValueError`` or
   a valid state); anything but tensors and JSON scalars in the state is
   refused with ``TypeError`` on the sending side;
-* bounds both ends (:mod:`ftbridge.heal_http`): the joiner refuses a body
+* bounds both ends (:mod:`ftbridge.heal.limits`): the joiner refuses a body
   larger than its own state needs before allocating it, fetches only
   ``http://HOST:PORT/heal/`` from the donor's host, follows no redirect, uses
   no proxy, and stops at one overall deadline; the donor serves a capped
   number of connections, each with a deadline;
 * with a job token (``FTBRIDGE_JOB_TOKEN``), serves only requests that carry
-  an HMAC of it (:func:`ftbridge.heal_http.request_mac`); without one, anyone
+  an HMAC of it (:func:`ftbridge.heal.limits.request_mac`); without one, anyone
   who reaches the port can download the state (keep it on a private network).
 
 Speed: the donor encodes nothing up front; it sends the
 tensors' bytes from the tensors themselves while torchft allows it, and keeps
 a copy only of what responses still in flight lack when
-``disallow_checkpoint`` comes (:mod:`ftbridge.heal_stream`). The joiner reads
+``disallow_checkpoint`` comes (:mod:`ftbridge.heal.stream`). The joiner reads
 the body with one blocking read into memory a restarted rank touched while
 it started up (:meth:`SafeHTTPTransport.prepare_recv`): fresh pages cost
 about 1.7 ms per MB here, more than the loopback transfer itself.
@@ -47,11 +47,19 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, List, Optional, Union, cast
 
 from ftbridge import faults
-from ftbridge.heal_http import AUTH_SCHEME, REAPER, BoundedHTTPServer, check_heal_url, host_of, mac_matches, request_mac
-from ftbridge.heal_stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
+from ftbridge.heal.limits import (
+    AUTH_SCHEME,
+    REAPER,
+    BoundedHTTPServer,
+    check_heal_url,
+    host_of,
+    mac_matches,
+    request_mac,
+)
+from ftbridge.heal.stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
+from ftbridge.heal.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 from ftbridge.manager._torchft import CheckpointTransport
 from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
-from ftbridge.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
 
@@ -87,7 +95,7 @@ def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
     one system call, so this thread takes the GIL back once rather than after
     every partial read (each time up to the 5 ms switch interval while the
     training thread runs). The overall deadline still holds: the
-    :data:`~ftbridge.heal_http.REAPER` shuts the socket down, which ends the
+    :data:`~ftbridge.heal.limits.REAPER` shuts the socket down, which ends the
     read. Returns the bytes read (fewer if the body ended early).
     """
     got = resp.fp.readinto1(view) if len(view) else 0  # bytes buffered with the headers, at most one raw read
@@ -125,7 +133,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     :meth:`disallow_checkpoint`; the joiner fetches ``GET /heal/{step}``. The
     response starts before the snapshot is complete: the body is laid out
     from shapes alone and its tensor bytes are sent as they are copied
-    (:mod:`ftbridge.heal_stream`).
+    (:mod:`ftbridge.heal.stream`).
 
     Args:
         bind: interface address to listen on, e.g. ``"127.0.0.1"``; port is
@@ -139,7 +147,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         token: the job token (``FTBRIDGE_JOB_TOKEN``); ``None`` or empty: no
             authentication, as before.
         max_recv_bytes: returns the largest body this rank accepts (bytes),
-            e.g. :func:`ftbridge.wire.size_bound` of its own state; called at
+            e.g. :func:`ftbridge.heal.wire.size_bound` of its own state; called at
             each fetch. ``None``: no bound, but the body is allocated as it
             arrives, never up front at the claimed size.
         max_connections: requests served at once; more are closed unread.
@@ -222,7 +230,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 # Blocking sends: the whole chunk in one system call rather than one per partial send;
                 # the connection's deadline (REAPER) still ends a stuck send.
                 self.connection.settimeout(None)
-                try:  # no copies of the body: sent from the donor's tensors (heal_stream)
+                try:  # no copies of the body: sent from the donor's tensors (ftbridge.heal.stream)
                     body.serve(self.connection.sendmsg, cut=self._cut, head=head,
                                halfway=(lambda: faults.point("heal_send")) if faults.armed("heal_send") else None)
                 except BodyAborted as e:  # the joiner sees a short body: ConnectionError
@@ -294,11 +302,11 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         calls this), the body being served is kept and nothing is laid out again.
 
         Lays the body out from keys, shapes and dtypes
-        (:func:`ftbridge.wire.plan_body`) and serves it, with Python's GIL
+        (:func:`ftbridge.heal.wire.plan_body`) and serves it, with Python's GIL
         switch interval lowered to :data:`SERVING_SWITCH_INTERVAL_S` until
         :meth:`disallow_checkpoint`: responses write the
         tensors' bytes from the tensors themselves
-        (:class:`ftbridge.heal_stream.StreamBody`), so the tensors in
+        (:class:`ftbridge.heal.stream.StreamBody`), so the tensors in
         ``state_dict`` must not change before :meth:`disallow_checkpoint`
         (torchft calls it right before the donor's optimizer step).
 
@@ -328,8 +336,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         """Stop serving: the donor's state may change from here on.
 
         Responses in flight keep going from a copy of what they have not
-        sent yet (:meth:`ftbridge.heal_stream.StreamBody.freeze`); a response
-        still blocked in a write after ``heal_stream.FREEZE_GRACE_S`` is cut
+        sent yet (:meth:`ftbridge.heal.stream.StreamBody.freeze`); a response
+        still blocked in a write after ``ftbridge.heal.stream.FREEZE_GRACE_S`` is cut
         off. A GPU state (:mod:`ftbridge.staging`) is written from the live
         tensors through the pinned buffer, so this waits until every such
         response has finished (each bounded by the response deadline).
@@ -361,7 +369,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
         Raises:
             ValueError: ``metadata`` is not an allowed heal URL
-                (:func:`ftbridge.heal_http.check_heal_url`), the donor
+                (:func:`ftbridge.heal.limits.check_heal_url`), the donor
                 announces a body above ``max_recv_bytes``, or the body is
                 malformed.
             TimeoutError: the deadline passed.
@@ -443,7 +451,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
         Sized by ``max_recv_bytes`` (nothing without it, nor for a CUDA
         ``device``, whose fetch reads through the pinned staging buffer). The next fetch
-        receives into it if it is large enough (:class:`ftbridge.heal_stream.ReceiveBuffer`),
+        receives into it if it is large enough (:class:`ftbridge.heal.stream.ReceiveBuffer`),
         after waiting for the touch to finish; :meth:`release_recv` drops it
         unused.
 

@@ -5,10 +5,10 @@ through ``safetensors``, into freshly allocated memory) and only then
 served it: at 10 MB the encode took 30 ms of a 44 ms heal, on the joiner's
 critical path. Now :meth:`ftbridge.manager.transport.SafeHTTPTransport.send_checkpoint`
 only lays the body out from keys, shapes and dtypes
-(:func:`ftbridge.wire.plan_body`, well under a millisecond) and a
+(:func:`ftbridge.heal.wire.plan_body`, well under a millisecond) and a
 :class:`StreamBody` sends each tensor's bytes from the tensor itself, in
 chunks of :data:`SEND_CHUNK_BYTES`. The bytes on the wire are those of
-:func:`ftbridge.wire.encode_state`, so the joiner's hostile-input decode is
+:func:`ftbridge.heal.wire.encode_state`, so the joiner's hostile-input decode is
 unchanged.
 
 Why that is a consistent snapshot: torchft calls ``send_checkpoint`` at the
@@ -24,7 +24,7 @@ function must therefore return tensors nobody writes before the step
 PowerSGD hook state is a clone).
 
 Where a device-staging step slots in:
-:func:`ftbridge.wire.tensor_bytes` turns each tensor into the CPU bytes that
+:func:`ftbridge.heal.wire.tensor_bytes` turns each tensor into the CPU bytes that
 are sent (a view for a contiguous CPU tensor, a copy otherwise); a GPU path
 replaces that copy with one into a pinned buffer, and nothing else changes.
 """
@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from ftbridge.wire import BodyPlan, tensor_bytes
+from ftbridge.heal.wire import BodyPlan, tensor_bytes
 
 SEND_CHUNK_BYTES = 32 << 20
 """Most bytes written from the live state in one write (bytes): bounds how long :meth:`StreamBody.freeze` waits."""
@@ -82,7 +82,7 @@ class StreamBody:
     """One heal body: a prefix, then each tensor's bytes, sent from the tensors until :meth:`freeze`.
 
     Args:
-        plan: the body's layout (:func:`ftbridge.wire.plan_body`), whose
+        plan: the body's layout (:func:`ftbridge.heal.wire.plan_body`), whose
             tensors are read while responses are served; or a whole
             encoded body (``bytes``).
 

@@ -102,7 +102,7 @@ def plan_body(state: Dict[str, Any]) -> Optional[BodyPlan]:
 
     The body is the one :func:`encode_state` returns: a sender may write
     ``prefix`` at once and each tensor's bytes as it copies them
-    (:mod:`ftbridge.heal_stream`).
+    (:mod:`ftbridge.heal.stream`).
 
     Args:
         state: as for :func:`encode_state`.

@@ -1,4 +1,11 @@
-"""Healing a replica group: pure rules and bounds.
+"""Healing a replica group from a live peer, in memory.
+
+The package: this module's pure rules and bounds; :mod:`ftbridge.heal.wire`, the
+pickle-free body format and its hostile-input decoder; :mod:`ftbridge.heal.stream`,
+the body sent from the donor's tensors and the joiner's receive buffer;
+:mod:`ftbridge.heal.limits`, deadlines, the bounded server, the URL policy and the
+job-token HMAC. :mod:`ftbridge.manager.transport` plugs them into torchft's
+checkpoint transport.
 
 * :func:`lazy_state_bytes`: how much optimizer state a donor may hold that a
   joiner does not have yet (the joiner's bound on a heal body);
