@@ -4,7 +4,7 @@ A spare (``ftbridge-run --spare-index K``) runs the training script like any
 replica group: imports, data, model, ``deepspeed.initialize`` (optimizer and
 ZeRO partitions allocated). Then, in :func:`ftbridge.initialize`, before the
 torchft manager exists, it stands by (:func:`stand_by`): group rank 0 polls
-the lighthouse's read-only ``GET /status`` (:mod:`lighthouse.status`) every
+the lighthouse's read-only ``GET /status`` (:mod:`ftbridge.manager.lighthouse_status`) every
 :data:`POLL_S` until a replica group of ``0..num_replica_groups-1`` is
 *vacant*, takes over that group's id, and tells its other ranks through the
 group's own TCPStore. ``initialize`` then builds the engine with that id:
@@ -104,13 +104,13 @@ def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
     """The replica groups with a fresh heartbeat, and every group the lighthouse has heard of (pure).
 
     Args:
-        heartbeats: :class:`lighthouse.status.Heartbeat` records (``replica_id``, ``stale``).
+        heartbeats: :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (``replica_id``, ``stale``).
 
     Returns:
         ``(fresh, known)``: sets of ftbridge replica group ids; replica ids not
         named ``replica_group_G...`` are ignored.
     """
-    from lighthouse.status import replica_group_of
+    from ftbridge.manager.lighthouse_status import replica_group_of
 
     fresh, known = set(), set()
     for hb in heartbeats:
@@ -127,13 +127,14 @@ def held_by_another(heartbeats: Sequence[Any], group: int, since_s: float) -> bo
     """Whether a live process other than this one's dead predecessor holds ``replica_group_<group>`` (pure).
 
     Args:
-        heartbeats: :class:`lighthouse.status.Heartbeat` records (``replica_id``, ``age_s``, ``stale``).
+        heartbeats: :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (``replica_id``, ``age_s``,
+            ``stale``).
         group: this restarted group's id.
         since_s: seconds since this process imported ftbridge. The predecessor died before this
             process started, so its last heartbeat is older than that; a live holder's is at most
             one heartbeat interval old.
     """
-    from lighthouse.status import replica_group_of
+    from ftbridge.manager.lighthouse_status import replica_group_of
 
     return any(replica_group_of(h.replica_id) == group and not h.stale and h.age_s < since_s for h in heartbeats)
 
@@ -161,7 +162,7 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
         nobody_heals: every member is at the quorum's highest step (torchft's ``max_world_size`` equals
             ``replica_world_size``).
     """
-    from lighthouse.status import replica_group_of
+    from ftbridge.manager.lighthouse_status import replica_group_of
 
     holders = sorted(r for r in replica_ids if replica_group_of(r) == group)
     if len(holders) <= 1:
@@ -292,7 +293,7 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         cfg: this spare's settings (``lighthouse``, ``num_replica_groups``, ``spare_index``,
             ``restart_peer_wait`` as the job-over bound).
         fetch: ``fetch(address, timeout_s=) -> LighthouseStatus``; default
-            :func:`lighthouse.status.fetch_status`.
+            :func:`ftbridge.manager.lighthouse_status.fetch_status`.
         clock, sleep: wall clock (s) and sleep, for tests.
         restarted: torchrun restarted this launch (default: ``TORCHELASTIC_RESTART_COUNT`` > 0). Its
             predecessor ran while the job was live, so the job-over bound counts from now even if no live
@@ -302,7 +303,7 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         ``(group id or None when the job is over, wall time the group was first seen vacant)``.
     """
     if fetch is None:
-        from lighthouse.status import fetch_status
+        from ftbridge.manager.lighthouse_status import fetch_status
 
         fetch = fetch_status
     watch = VacancyWatch(cfg.num_replica_groups, cfg.spare_index, cfg.restart_peer_wait.total_seconds())
@@ -378,7 +379,7 @@ def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: flo
     taken = False
     if cfg.group_rank == 0:
         if fetch is None:
-            from lighthouse.status import fetch_status
+            from ftbridge.manager.lighthouse_status import fetch_status
 
             fetch = fetch_status
         beats = _read_heartbeats(cfg.lighthouse, fetch)

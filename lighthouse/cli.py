@@ -47,7 +47,7 @@ from ftbridge.cli_types import ArgumentParser, at_least, finite
 from lighthouse import checks, server
 
 if TYPE_CHECKING:
-    from lighthouse.status import LighthouseStatus
+    from ftbridge.manager.lighthouse_status import LighthouseStatus
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [lighthouse] %(message)s"
 HEALTH_PORT_OFFSET = 1
@@ -247,7 +247,8 @@ class IdleTimer:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from lighthouse.status import fetch_status, format_json, format_table
+    from ftbridge.manager.lighthouse_status import fetch_status
+    from lighthouse.status import format_json, format_table
 
     try:
         status = fetch_status(args.address, timeout_s=args.timeout_s)

@@ -3,7 +3,7 @@
 :class:`LighthouseMonitor` probes a lighthouse every ``probe_interval_s``
 with ``GET /status`` (the lighthouse's only read-only route; a gRPC
 ``Heartbeat`` would register a fake replica group, see
-:mod:`lighthouse.status`) and publishes the result twice:
+:mod:`ftbridge.manager.lighthouse_status`) and publishes the result twice:
 
 * a standard gRPC health service (``grpc.health.v1.Health``, from
   ``grpcio-health-checking``) on its own port. Both the overall service
@@ -44,8 +44,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ftbridge.manager.lighthouse_status import LighthouseStatus, fetch_status
 from lighthouse.metrics import registry_for
-from lighthouse.status import LighthouseStatus, fetch_status
 
 logger = logging.getLogger("lighthouse")
 

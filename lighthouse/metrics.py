@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from lighthouse.status import replica_group_of
+from ftbridge.manager.lighthouse_status import replica_group_of
 
 
 class LighthouseCollector(Collector):

@@ -7,7 +7,7 @@ It drives the protocol's real code with fakes for everything it talks to:
   :class:`ftbridge.manager.HealAgreement` (state, settle), over a fake torchft manager (:class:`RankTF`);
 * the pure rules: :class:`~ftbridge.manager.commit.QuorumWait`, :func:`~ftbridge.manager.commit.rank_flags`,
   :func:`~ftbridge.manager.commit.decide_group` (the guard's majority inside ``judge``),
-  :mod:`ftbridge.quorum_rules` (lighthouse restarts, the reconfigure vote, the majority after a restart) and
+  :mod:`ftbridge.manager.quorum_rules` (lighthouse restarts, the reconfigure vote, the majority after a restart) and
   :func:`ftbridge.heal.restart_without_peer`.
 
 One round is one step attempt of every group that runs; the clock counts rounds. What the fakes model:
@@ -44,8 +44,7 @@ from ftbridge.heal import restart_without_peer
 from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
-from ftbridge.manager.stand_aside import StandAside, longest_pause
-from ftbridge.quorum_rules import (
+from ftbridge.manager.quorum_rules import (
     VOTE_SKIP_WINDOW_S,
     QuorumSeen,
     RestartMajority,
@@ -53,6 +52,7 @@ from ftbridge.quorum_rules import (
     detect_lighthouse_restart,
     vote_needed,
 )
+from ftbridge.manager.stand_aside import StandAside, longest_pause
 
 logging.getLogger("ftbridge.manager.outage").setLevel(logging.ERROR)
 logging.getLogger("ftbridge.manager.heal_agreement").setLevel(logging.ERROR)

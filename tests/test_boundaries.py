@@ -102,3 +102,13 @@ def test_the_runtime_and_the_lighthouse_never_import_the_harness():
     bad = {str(p.relative_to(REPO)): sorted(_harness_references(ast.parse(p.read_text(encoding="utf-8"))))
            for p in paths}
     assert not {p: n for p, n in bad.items() if n}, "the runtime and lighthouse/ must not import ftbridge.harness"
+
+
+def test_the_runtime_never_imports_the_lighthouse_service():
+    # The layers go one way: harness -> lighthouse/ -> runtime. The runtime reads a lighthouse through
+    # ftbridge.manager.lighthouse_status and starts none; lighthouse/ builds its service on the runtime's parts.
+    runtime = {p: names for p, names in _imports().items()
+               if p.startswith("ftbridge/") and not p.startswith("ftbridge/harness/")}
+    assert len(runtime) > 40 and "ftbridge/manager/quorum_watch.py" in runtime
+    bad = {p: sorted(n for n in names if n.split(".")[0] == "lighthouse") for p, names in runtime.items()}
+    assert not {p: n for p, n in bad.items() if n}, "the runtime must not import lighthouse/"

@@ -339,7 +339,7 @@ BEHIND_AFTER_RESTART = [Faults(lighthouse="dead"), Faults(cut_lh=frozenset({0}))
 dies; the lighthouse restarts (continuity's quorum ids start anew); group 0 meets group 2 in a quorum that
 holds most groups of the one before the restart, but nothing commits there; then group 2 is cut off and
 group 0, alone, committed the step group 2 holds, with other parameters. After a restart a quorum must now
-hold that majority until the group commits, not merely once (:class:`ftbridge.quorum_rules.RestartMajority`)."""
+hold that majority until the group commits, not merely once (:class:`ftbridge.manager.quorum_rules.RestartMajority`)."""
 
 
 def test_a_group_told_to_heal_never_commits_its_older_step_alone():

@@ -411,7 +411,7 @@ def test_heals_ignore_environment_proxies(proxy, donor):
 
 
 def test_lighthouse_status_ignores_environment_proxies(proxy, raw_donor):
-    from lighthouse.status import StatusFormatError, fetch_status
+    from ftbridge.manager.lighthouse_status import StatusFormatError, fetch_status
 
     lighthouse = raw_donor(lambda d, c: c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello"))
     with pytest.raises(StatusFormatError):  # reached the 'lighthouse' (not a status page), not the proxy
@@ -420,7 +420,7 @@ def test_lighthouse_status_ignores_environment_proxies(proxy, raw_donor):
 
 
 def test_lighthouse_status_follows_no_redirect_and_reads_only_http(raw_donor, tmp_path):
-    from lighthouse.status import fetch_status
+    from ftbridge.manager.lighthouse_status import fetch_status
 
     target = raw_donor(lambda d, c: c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello"))
     lighthouse = raw_donor(lambda d, c: c.sendall(
@@ -435,8 +435,8 @@ def test_lighthouse_status_follows_no_redirect_and_reads_only_http(raw_donor, tm
 
 
 def test_lighthouse_status_reads_a_bounded_page(raw_donor, monkeypatch):
-    from lighthouse import status
-    from lighthouse.status import StatusFormatError, fetch_status
+    from ftbridge.manager import lighthouse_status as status
+    from ftbridge.manager.lighthouse_status import StatusFormatError, fetch_status
 
     monkeypatch.setattr(status, "MAX_STATUS_BYTES", 1000)
     big = raw_donor(lambda d, c: c.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + b"x" * 5000))

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ftbridge.manager.lighthouse_status import Heartbeat, parse_status
 from lighthouse.health import LIGHTHOUSE_SERVICE, LighthouseMonitor, check_health, render_page
 from lighthouse.metrics import registry_for
 from lighthouse.server import start_lighthouse
-from lighthouse.status import Heartbeat, parse_status
 from tests.test_lighthouse_status import FRAGMENT
 
 REPO = Path(__file__).resolve().parents[1]

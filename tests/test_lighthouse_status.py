@@ -1,4 +1,5 @@
-"""Tests of lighthouse/status.py: parsing torchft 0.2's status fragment, the table/JSON output, the CLI."""
+"""Reading a lighthouse (ftbridge/manager/lighthouse_status.py: torchft 0.2's status fragment) and
+``ftbridge-lighthouse status`` (lighthouse/status.py: the table and JSON output, the CLI)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ftbridge.manager.lighthouse_status import StatusFormatError, fetch_status, parse_status, status_url
 from lighthouse.server import start_lighthouse
-from lighthouse.status import StatusFormatError, fetch_status, format_json, format_table, parse_status, status_url
+from lighthouse.status import format_json, format_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,7 +116,7 @@ def test_a_port_that_does_not_speak_http_is_a_format_error_not_a_traceback():
     import socket
     import threading
 
-    from lighthouse.status import StatusFormatError, fetch_status
+    from ftbridge.manager.lighthouse_status import StatusFormatError, fetch_status
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

@@ -116,7 +116,7 @@ def test_a_steady_quorum_skips_the_vote_and_keeps_the_process_group():
 
 @pytest.mark.timeout(60)
 def test_a_member_that_saw_the_lighthouse_stall_votes_even_on_a_quorum_it_voted_in_before(monkeypatch):
-    import ftbridge.quorum_rules as rules
+    import ftbridge.manager.quorum_rules as rules
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     guards = _members(store.port, last_ids=[2, 2], qid=2)
@@ -130,8 +130,8 @@ def test_a_member_that_saw_the_lighthouse_stall_votes_even_on_a_quorum_it_voted_
 
 
 def test_vote_needed_only_a_steady_member_of_a_quorum_it_voted_in_after_a_commit_skips():
-    from ftbridge.quorum_rules import VOTE_SKIP_WINDOW_S as W
-    from ftbridge.quorum_rules import vote_needed
+    from ftbridge.manager.quorum_rules import VOTE_SKIP_WINDOW_S as W
+    from ftbridge.manager.quorum_rules import vote_needed
 
     steady = dict(own=False, same_as_voted=True, rode=False, call_s=0.01, since_last_s=0.1, commit_failures=0)
     assert not vote_needed(**steady)
@@ -394,7 +394,7 @@ def test_a_quorum_call_that_times_out_ends_the_rank_naming_the_setting():
 # -- a majority of the groups before a lighthouse restart -----------------------------------------
 
 def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it():
-    from ftbridge.quorum_rules import lacks_majority
+    from ftbridge.manager.quorum_rules import lacks_majority
 
     before = ["replica_group_0:a", "replica_group_1:b", "replica_group_2:c"]
     assert lacks_majority(before, ["replica_group_1:b"])                       # one group alone, of three
@@ -410,7 +410,7 @@ def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it()
 def test_after_a_restart_the_guard_discards_until_a_majority_is_back_and_stops_past_the_wait(monkeypatch):
     import ftbridge.manager.quorum_guard as manager_module
     from ftbridge.manager.quorum_guard import _QuorumGuard
-    from ftbridge.quorum_rules import RestartMajority
+    from ftbridge.manager.quorum_rules import RestartMajority
 
     errors = []
     clock = [0.0]
@@ -437,7 +437,7 @@ def test_after_a_restart_the_guard_discards_until_a_majority_is_back_and_stops_p
 
 
 def test_the_restart_majority_is_met_only_by_a_commit():
-    from ftbridge.quorum_rules import RestartMajority
+    from ftbridge.manager.quorum_rules import RestartMajority
 
     m = RestartMajority(5.0)
     m.restarted((), 0.0)
@@ -519,7 +519,7 @@ def test_a_vote_failing_with_an_empty_message_falls_back_instead_of_raising(monk
 
 
 def test_time_the_lighthouse_did_not_answer_gives_the_wait_for_a_majority_again():
-    from ftbridge.quorum_rules import RestartMajority
+    from ftbridge.manager.quorum_rules import RestartMajority
 
     m = RestartMajority(5.0)
     m.unanswered(1.0)

@@ -10,6 +10,7 @@ import torch
 from torch.distributed import TCPStore
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.manager.lighthouse_status import Heartbeat, LighthouseStatus, Member
 from ftbridge.manager.quorum_watch import (
     FreezeClock,
     PeerLost,
@@ -20,7 +21,6 @@ from ftbridge.manager.quorum_watch import (
     wait_for_keys,
 )
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo
-from lighthouse.status import Heartbeat, LighthouseStatus, Member
 
 pytestmark = pytest.mark.timeout(60)  # a watch that never ends a wait fails here, not at the suite's 300 s
 

@@ -6,7 +6,7 @@ import pytest
 
 from ftbridge import spare
 from ftbridge.config import FTBridgeConfig
-from lighthouse.status import Heartbeat
+from ftbridge.manager.lighthouse_status import Heartbeat
 
 
 def hb(group, stale=False, uid="u"):

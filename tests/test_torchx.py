@@ -11,9 +11,9 @@ import torchx.specs as specs
 from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
 from torchx.schedulers.slurm_scheduler import SlurmScheduler
 
+from ftbridge.manager.lighthouse_status import Heartbeat, LighthouseStatus
 from ftbridge.torchx import job
 from lighthouse.cli import IdleTimer
-from lighthouse.status import Heartbeat, LighthouseStatus
 
 ARGS = ("--steps", "1000", "--zero-stage", "2")
 

@@ -3,7 +3,7 @@
 A SIGSTOPped (hung) lighthouse, or a proxy or load balancer in front of a dead
 one, accepts TCP connections; only an answer says the lighthouse works. The
 monitor asks for ``GET /status`` (the read-only page of torchft's lighthouse,
-:mod:`lighthouse.status`) in a helper thread, so its caller, the quorum thread
+:mod:`ftbridge.manager.lighthouse_status`) in a helper thread, so its caller, the quorum thread
 of group rank 0, never blocks on it, and one probe runs at a time.
 """
 
@@ -24,7 +24,7 @@ def probe_status(address: str, timeout_s: float) -> None:
     Raises:
         OSError, ValueError: no answer, an HTTP error, or not a lighthouse's page.
     """
-    from lighthouse.status import fetch_status
+    from ftbridge.manager.lighthouse_status import fetch_status
 
     fetch_status(address, timeout_s=timeout_s)
 

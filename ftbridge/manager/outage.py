@@ -60,7 +60,7 @@ from ftbridge.manager.commit import (
     membership_digest,
 )
 from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
-from ftbridge.quorum_rules import QuorumSeen, detect_lighthouse_restart
+from ftbridge.manager.quorum_rules import QuorumSeen, detect_lighthouse_restart
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ wraps the manager's client (``Manager._client``, installed only where
 :func:`ftbridge.manager._torchft.internals_supported` holds) and, per quorum,
 detects a restart, runs a vote on the quorum's TCPStore so that every member
 rebuilds the cross-replica process group or none does (skipped on a steady
-quorum, :func:`ftbridge.quorum_rules.vote_needed`), refuses a member of
+quorum, :func:`ftbridge.manager.quorum_rules.vote_needed`), refuses a member of
 another group size, and namespaces the rendezvous keys; a group of one rank answers its own commit
 vote without a round trip to its manager server. The rules, and why,
-are in :mod:`ftbridge.quorum_rules`.
+are in :mod:`ftbridge.manager.quorum_rules`.
 
 The guard is also where the peer watch (:mod:`ftbridge.manager.quorum_watch`)
 and the outage rider (:mod:`ftbridge.manager.outage`) hook into torchft's quorum call.
@@ -30,9 +30,7 @@ from ftbridge.manager._torchft import (
     internals_supported,
 )
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
-from ftbridge.manager.quorum_watch import wait_for_keys
-from ftbridge.manager.store_probe import call_bounded
-from ftbridge.quorum_rules import (
+from ftbridge.manager.quorum_rules import (
     GroupSizeMismatch,
     QuorumSeen,
     RestartMajority,
@@ -42,6 +40,8 @@ from ftbridge.quorum_rules import (
     rendezvous_namespace,
     vote_needed,
 )
+from ftbridge.manager.quorum_watch import wait_for_keys
+from ftbridge.manager.store_probe import call_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class _QuorumGuard:
         self._returned = float("-inf")  # time.monotonic() when the last quorum call returned
         self._rode = False  # rode on the last quorum since the last quorum from the lighthouse
         self.votes_skipped = 0
-        """Quorums whose reconfigure vote this member skipped (:func:`ftbridge.quorum_rules.vote_needed`)."""
+        """Quorums whose reconfigure vote this member skipped (:func:`ftbridge.manager.quorum_rules.vote_needed`)."""
         self.seen: Optional[QuorumSeen] = None
         self.restarts = 0
         self.forced = 0
@@ -170,7 +170,7 @@ class _QuorumGuard:
 
     def _check_majority(self, quorum_id: int, members: List[str]) -> None:
         """After a lighthouse restart, discard steps on quorums that lack most groups of the last one before it,
-        until the group commits (:class:`ftbridge.quorum_rules.RestartMajority`).
+        until the group commits (:class:`ftbridge.manager.quorum_rules.RestartMajority`).
 
         The error recorded here (on torchft's quorum thread, after
         ``start_quorum`` cleared the last one) makes ``should_commit`` discard

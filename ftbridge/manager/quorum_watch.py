@@ -14,7 +14,7 @@ What this module does
 :class:`QuorumWatch` replaces the blocking wait on each cross-replica
 all-reduce (:class:`WatchedWork`). While a wait lasts longer than
 ``poll`` (``FTBRIDGE_PEER_WATCH_POLL_MS``), the waiting rank reads the
-lighthouse's read-only status page (:mod:`lighthouse.status`) every
+lighthouse's read-only status page (:mod:`ftbridge.manager.lighthouse_status`) every
 ``poll`` and asks :func:`lost_members`: is a member of *this step's* quorum,
 other than this replica group, marked stale (no heartbeat for the
 lighthouse's heartbeat timeout)? If so the rank
@@ -98,7 +98,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed import DistStoreError
 
-from lighthouse.status import LighthouseStatus, fetch_status
+from ftbridge.manager.lighthouse_status import LighthouseStatus, fetch_status
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ def stale_ids(status: LighthouseStatus) -> List[str]:
 
 
 def fetch_status_bounded(address: str, timeout: timedelta) -> LighthouseStatus:
-    """``GET {address}/status`` and parse it: :func:`lighthouse.status.fetch_status` (no proxy, no redirect,
-    at most ``lighthouse.status.MAX_STATUS_BYTES`` read).
+    """``GET {address}/status`` and parse it: :func:`ftbridge.manager.lighthouse_status.fetch_status` (no proxy,
+    no redirect, at most ``ftbridge.manager.lighthouse_status.MAX_STATUS_BYTES`` read).
 
     Raises:
         OSError: unreachable or an HTTP error.

@@ -43,13 +43,13 @@ from ftbridge.heal import restart_without_peer
 from ftbridge.manager._torchft import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
 from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
+from ftbridge.manager.lighthouse_status import replica_group_of
 from ftbridge.manager.outage import OutageRider
 from ftbridge.manager.quorum_guard import _install_quorum_guard
 from ftbridge.manager.quorum_watch import start_watch
 from ftbridge.manager.stand_aside import StandAside, leave_quorums, longest_pause
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
 from ftbridge.manager.transport import SafeHTTPTransport
-from lighthouse.status import replica_group_of
 
 logger = logging.getLogger(__name__)
 

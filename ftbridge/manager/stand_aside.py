@@ -36,7 +36,7 @@ class StandAside:
     off, every other group stands aside and the primary trains alone until they are back.
 
     After a lighthouse restart the groups that remain wait at most ``restart_peer_wait`` for a majority of
-    the groups before it (:class:`ftbridge.quorum_rules.RestartMajority`), so a group standing aside must be
+    the groups before it (:class:`ftbridge.manager.quorum_rules.RestartMajority`), so a group standing aside must be
     back within that wait: the driver passes ``max_s`` below it, and reports no failed store while such a
     wait is pending (the group stays in the quorums: it counts towards the majority).
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from lighthouse.status import fetch_status
+from ftbridge.manager.lighthouse_status import fetch_status
 from tests.conftest import TINY
 
 OUTAGE_S = 10.0

@@ -55,7 +55,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
+
+from ftbridge.manager.lighthouse_status import replica_group_of
 
 
 @dataclass(frozen=True)
@@ -174,11 +176,6 @@ def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def replica_group_of(replica_id: str) -> str:
-    """``replica_group_G`` of a torchft replica id ``replica_group_G:UUID`` (the UUID changes on a restart)."""
-    return replica_id.split(":", 1)[0]
-
-
 def lacks_majority(previous_members: Sequence[str], members: Sequence[str]) -> bool:
     """Whether a quorum after a lighthouse restart holds at most half of the groups of the last quorum before it (pure).
 
@@ -194,9 +191,15 @@ def lacks_majority(previous_members: Sequence[str], members: Sequence[str]) -> b
         previous_members: replica ids of the last quorum before the restart.
         members: replica ids of the new quorum.
     """
-    before = {replica_group_of(m) for m in previous_members}
-    now = {replica_group_of(m) for m in members}
+    before, now = {_group(m) for m in previous_members}, {_group(m) for m in members}
     return 2 * len(before & now) <= len(before)
+
+
+def _group(replica_id: str) -> Union[int, str]:
+    """The replica group of a torchft replica id (:func:`~ftbridge.manager.lighthouse_status.replica_group_of`;
+    the UUID after it changes on a restart); an id of another form counts as a group of its own."""
+    group = replica_group_of(replica_id)
+    return replica_id if group is None else group
 
 
 class RestartMajority:
