@@ -27,7 +27,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
 from ftbridge.config import CROSS_REPLICA_BACKENDS, FTBridgeConfig
 
@@ -135,11 +135,14 @@ def cross_replica_backend(requested: str, *, on_cuda: bool, shared: bool) -> str
 
 
 def is_loopback(host: str) -> bool:
-    """``host`` is a loopback address (``127.0.0.0/8``, ``::1``, ``localhost``)."""
-    if host.strip("[]").lower() == "localhost":
+    """``host`` (an IP literal, bracketed or not, or a name) only reaches this machine: ``127.0.0.0/8``,
+    ``::1``, ``localhost``, ``localhost.localdomain``. Any other name is ``False``: it may resolve to any
+    interface."""
+    bare = host.strip("[]")
+    if bare.lower() in ("localhost", "localhost.localdomain"):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(bare).is_loopback
     except ValueError:
         return False
 
@@ -214,3 +217,34 @@ def group_backend(group: Any = None) -> str:
     import torch.distributed as dist
 
     return str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+
+
+def exchange_in_group(row: List[float], group_size: Optional[int] = None, group: Any = None) -> List[List[float]]:
+    """Every rank's ``row``, by group rank: one SUM all-reduce over the replica group (the default world).
+
+    The one in-group exchange of small values: the commit protocol's flags, the checkpointer's stop and
+    save requests, which ranks found a damaged checkpoint file, group rank 0's resume choice.
+
+    Args:
+        row: this rank's row (float64-exact values: integers below 2**53, flags).
+        group_size: ranks in the group (default: the group's world size); 1 needs no collective.
+        group: the process group (default: the default world, which ftbridge makes the replica group).
+
+    Returns:
+        ``group_size`` rows of ``len(row)`` floats; without an initialised world, ``[row]``.
+
+    Raises:
+        RuntimeError: the all-reduce failed or timed out (the in-group process group's timeout).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [list(row)]
+    size = dist.get_world_size(group) if group_size is None else group_size
+    if size == 1:
+        return [list(row)]
+    rows = torch.zeros(size, len(row), dtype=torch.float64, device=collective_device(group_backend(group)))
+    rows[dist.get_rank(group)] = torch.tensor(row, dtype=torch.float64)
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    return rows.cpu().tolist()

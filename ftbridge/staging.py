@@ -294,12 +294,5 @@ def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torc
     return out
 
 
-def tensor_bytes(state: Any) -> List[int]:
-    """Bytes of every GPU tensor in nested ``state`` (for :func:`staging_size`)."""
-    paths: List[Tuple[str, torch.Tensor]] = []
-    _collect(state, "", paths)
-    return [t.numel() * t.element_size() for _, t in paths if t.device.type != "cpu"]
-
-
 __all__ = ["DEFAULT_STAGING_BYTES", "StagedBody", "Staging", "host_copy", "read_tensors", "staged_body",
-           "staging_size", "synchronize", "tensor_bytes"]
+           "staging_size", "synchronize"]

@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ftbridge.cli_types import ArgumentParser, at_least, finite
+from ftbridge.device import is_loopback
 from lighthouse import checks, server
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
             for name, value in (("--health-bind", health_bind), ("--status-bind", status_bind)):
                 if value is not None:
                     host, _ = server.parse_bind(value)
-                    if not server.is_loopback(host):
+                    if not is_loopback(host):
                         logging.getLogger("lighthouse").warning(
                             "exposed %s=%s: health and status endpoints have no authentication "
                             "(they only read); keep them on a private network", name, value)

@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ftbridge.device import is_loopback
+
 logger = logging.getLogger("lighthouse")
 
 DEFAULT_BIND = "127.0.0.1:29510"
@@ -106,16 +108,6 @@ def parse_bind(bind: str) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"bind={bind!r} has port {port_text!r}; use a number in 0-65535 (0 picks a free port)")
     return host, int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` (an IP literal or ``localhost``) only reaches this machine."""
-    if host.lower() in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname: it may resolve to any interface
 
 
 def _accepts_connections(host: str, port: int) -> bool:

@@ -232,7 +232,7 @@ def test_a_file_that_is_no_torch_file_is_refused(tmp_path):
         safe_load(str(path))
 
 
-def test_resume_broadcasts_its_choice_as_an_int64_tensor(tmp_path, monkeypatch):
+def test_resume_sends_its_choice_through_the_in_group_exchange_not_a_pickle(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     from tests.test_checkpoint import _checkpointer
@@ -240,12 +240,16 @@ def test_resume_broadcasts_its_choice_as_an_int64_tensor(tmp_path, monkeypatch):
     sent = []
 
     def no_pickle(*a, **k):
-        raise AssertionError("broadcast_object_list used")
-    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)  # as if group rank 1 were there
+        raise AssertionError("an object collective used")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # as if group rank 1 were there
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
     monkeypatch.setattr(dist, "broadcast_object_list", no_pickle)
-    monkeypatch.setattr(dist, "broadcast", lambda t, src, **k: sent.append((t.dtype, t.tolist(), src)))
+    monkeypatch.setattr(dist, "all_gather_object", no_pickle)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op, **k: sent.append((t.dtype, t.tolist())))
     assert _checkpointer(tmp_path, grace_s=None).resume() is None  # empty folder: start at step 0
-    assert sent == [(torch.int64, [0, 0], 0)]
+    assert sent == [(torch.float64, [[0.0, 0.0], [0.0, 0.0]])]  # rank 0's (no checkpoint, step 0); rank 1's row
 
 
 def _run_two_ranks(script):
@@ -354,15 +358,20 @@ def test_a_peer_refusing_its_file_stops_this_rank_before_deepspeed(tmp_path, mon
     (tmp_path / "ftbridge_rank_1.pt").write_bytes(b"not parsed by rank 0")
     mf.write_manifest(str(tmp_path))
     reduced = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op, **k: reduced.append(t.tolist()) or t.fill_(1))
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
+    # the exchange of the group: rank 1's row says it refused a file (damaged: no, refused: yes)
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, op, **k: reduced.append(t.tolist()) or t[1].copy_(torch.tensor([0.0, 1.0])))
 
     class NoEngine:
         def __getattr__(self, name):
             raise AssertionError("DeepSpeed reached")
     with pytest.raises(UnsafeCheckpointError, match="group rank 1 refused"):
         load_group_checkpoint(NoEngine(), CheckpointInfo("global_step1", 1, str(tmp_path)))
-    assert reduced == [[2, 2]]  # this rank reported neither a damaged nor a refused file (the group size twice)
+    assert reduced == [[[0.0, 0.0], [0.0, 0.0]]]  # this rank (row 0) reported neither a damaged nor a refused file
 
 
 @pytest.mark.slow

@@ -87,6 +87,8 @@ def test_check_placement():
 def test_is_loopback():
     assert device.is_loopback("127.0.0.1") and device.is_loopback("::1") and device.is_loopback("localhost")
     assert not device.is_loopback("10.1.2.3") and not device.is_loopback("node-7")
+    assert device.is_loopback("[::1]") and device.is_loopback("LOCALHOST.localdomain")
+    assert not device.is_loopback("0.0.0.0")  # every interface, the lighthouse's bind warns about it
 
 
 def test_train_lm_device_cuda_without_gpu_stops_before_work(monkeypatch, capsys):

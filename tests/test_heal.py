@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ftbridge.device import exchange_in_group
 from ftbridge.manager import HealAgreement
 from ftbridge.manager.commit import Flags, decide_group, encode_flags
-from ftbridge.manager.replica import exchange_in_group
 
 pytestmark = pytest.mark.timeout(120)
 

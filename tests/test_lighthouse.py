@@ -102,8 +102,6 @@ def test_parse_bind_accepts_ipv4_ipv6_and_hostnames():
     assert server.parse_bind("127.0.0.1:29510") == ("127.0.0.1", 29510)
     assert server.parse_bind("[::1]:0") == ("::1", 0)
     assert server.parse_bind("localhost:1") == ("localhost", 1)
-    assert server.is_loopback("127.0.0.1") and server.is_loopback("::1") and server.is_loopback("localhost")
-    assert not server.is_loopback("0.0.0.0") and not server.is_loopback("10.0.0.1")
 
 
 @pytest.mark.timeout(60)

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ftbridge.checkpoint.async_save import BackgroundWriter
-from ftbridge.checkpoint.group_io import group_device, load_group_checkpoint, save_group_checkpoint
+from ftbridge.checkpoint.group_io import load_group_checkpoint, save_group_checkpoint
 from ftbridge.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -54,6 +54,7 @@ from ftbridge.checkpoint.store import (
 )
 from ftbridge.checkpoint.verified_read import CorruptFileError
 from ftbridge.checkpoint.writer import is_writer, save_due
+from ftbridge.device import exchange_in_group
 from ftbridge.events import tensor_checksum
 from ftbridge.log import get_logger
 
@@ -148,10 +149,8 @@ class Checkpointer:
 
     def _agree(self) -> tuple[bool, bool]:
         trigger = bool(self.cfg.trigger_file and os.path.exists(self.cfg.trigger_file))
-        flags = torch.tensor([float(self._sigterm), float(self._requested or trigger)], device=group_device())
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        rows = exchange_in_group([float(self._sigterm), float(self._requested or trigger)])
+        return any(r[0] for r in rows), any(r[1] for r in rows)
 
     def _after_step(self, committed: bool) -> None:
         if self._grace is not None:  # the step finished: the group can save and stop in order
@@ -314,7 +313,8 @@ CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
 
 
 def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
-    """Group rank 0's ``(code, step)`` on every rank of the group, as one int64 tensor (no pickle).
+    """Group rank 0's ``(code, step)`` on every rank of the group (:func:`ftbridge.device.exchange_in_group`,
+    no pickle).
 
     Args:
         code: one of the ``CHOICE_*`` values (only group rank 0's counts).
@@ -323,10 +323,8 @@ def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
     Returns:
         Rank 0's ``(code, step)``; a rank alone returns its own.
     """
-    choice = torch.tensor([code, step], dtype=torch.int64, device=group_device())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(choice, src=0)
-    return int(choice[0]), int(choice[1])
+    first = exchange_in_group([float(code), float(step)])[0]
+    return int(first[0]), int(first[1])
 
 
 def add_arguments(parser: Any) -> None:

@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from ftbridge import faults
@@ -45,6 +44,7 @@ from ftbridge.checkpoint.safe_load import (
 )
 from ftbridge.checkpoint.store import METADATA, CheckpointInfo, CheckpointStore, tag_for
 from ftbridge.checkpoint.verified_read import CorruptFileError, load_checked
+from ftbridge.device import exchange_in_group
 from ftbridge.zero.checkpoint_engines import (
     DelegatingCheckpointEngine,
     swapped_checkpoint_engine,
@@ -239,7 +239,7 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
         error = e
     except (OSError, ValueError) as e:  # CorruptFileError, or the manifest itself unreadable
         error = e if isinstance(e, CorruptFileError) else CorruptFileError(f"{ckpt.path}: {e}")
-    corrupt, unsafe = _first_failed_ranks(error, rank, size)
+    corrupt, unsafe = _first_failed_ranks(error, size)
     if error is not None:
         raise error
     if unsafe is not None:
@@ -255,23 +255,13 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
     return preloaded[rank_file]  # parsed from memory of its own: nothing depends on the file
 
 
-def group_device() -> torch.device:
-    """Where tensors for an in-group collective live: the current CUDA device under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _first_failed_ranks(error: Optional[BaseException], rank: int, size: int) -> Tuple[Optional[int], Optional[int]]:
+def _first_failed_ranks(error: Optional[BaseException], size: int) -> Tuple[Optional[int], Optional[int]]:
     """The lowest group ranks that found a damaged file and a refused file (``None``: no rank).
 
-    One int64 all-reduce (MIN) of two entries when ``size > 1``: each rank
-    puts its rank in the entry of its error's kind and ``size`` elsewhere.
+    One in-group exchange (:func:`ftbridge.device.exchange_in_group`) of each rank's two flags.
     """
     unsafe = isinstance(error, UnsafeCheckpointError)
-    flag = torch.tensor([rank if error is not None and not unsafe else size, rank if unsafe else size],
-                        dtype=torch.int64, device=group_device())
-    if size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    corrupt, refused = (int(x) for x in flag.tolist())
-    return (None if corrupt >= size else corrupt), (None if refused >= size else refused)
+    rows = exchange_in_group([float(error is not None and not unsafe), float(unsafe)], size)
+    corrupt = [r for r, row in enumerate(rows) if row[0]]
+    refused = [r for r, row in enumerate(rows) if row[1]]
+    return (corrupt[0] if corrupt else None), (refused[0] if refused else None)

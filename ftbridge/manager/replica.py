@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.device import backend_for, collective_device, group_backend
+from ftbridge.device import backend_for, exchange_in_group
 from ftbridge.heal import restart_without_peer
 from ftbridge.manager._torchft import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
 from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
@@ -498,26 +497,6 @@ class StepVerdict:
 
     agreement: Optional[Agreement]
     decision: GroupDecision
-
-
-def exchange_in_group(row: List[float], group_size: int, group: Any = None) -> List[List[float]]:
-    """Every rank's ``row``, by group rank: one SUM all-reduce over the replica group (the default world).
-
-    Args:
-        row: this rank's row (float64-exact values).
-        group_size: ranks in the group; 1 needs no collective.
-        group: the process group (default: the default world, which ftbridge makes the replica group).
-
-    Raises:
-        RuntimeError: the all-reduce failed or timed out (the in-group process group's timeout).
-    """
-    if group_size == 1 or not dist.is_initialized():
-        return [list(row)]
-    rank = dist.get_rank(group)
-    rows = torch.zeros(group_size, len(row), dtype=torch.float64, device=collective_device(group_backend(group)))
-    rows[rank] = torch.tensor(row, dtype=torch.float64)
-    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
-    return rows.cpu().tolist()
 
 
 def is_dummy_work(work: Any) -> bool:
