@@ -32,11 +32,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, Optional, cast
 
-SYNC_MODES = ("per_bucket", "post_backward")
-CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
-GUARD_ACTIONS = ("heal", "stop")
-GUARD_TIE_ACTIONS = ("stop", "flag")
-MIN_TOKEN_CHARS = 16
+from ftbridge import config_rules
 
 
 def _env(environ: Mapping[str, str], *names: str) -> Optional[str]:
@@ -439,8 +435,6 @@ class FTBridgeConfig:
         Raises:
             ValueError: naming the bad value and how to fix it.
         """
-        from ftbridge import config_rules
-
         config_rules.validate(self)
 
     def event_log_path(self) -> Optional[str]:

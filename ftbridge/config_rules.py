@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import urllib.parse
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from ftbridge.config import (
-    CROSS_REPLICA_BACKENDS,
-    GUARD_ACTIONS,
-    GUARD_TIE_ACTIONS,
-    MIN_TOKEN_CHARS,
-    SYNC_MODES,
-    FTBridgeConfig,
-)
+if TYPE_CHECKING:  # the rules take the config; the config module imports the rules
+    from ftbridge.config import FTBridgeConfig
+
+SYNC_MODES = ("per_bucket", "post_backward")
+"""Where the cross-replica all-reduce of a step starts (``FTBridgeConfig.sync_mode``)."""
+CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
+"""Backends of the cross-replica process group (``FTBridgeConfig.cross_replica_backend``)."""
+GUARD_ACTIONS = ("heal", "stop")
+"""What the divergence guard does with an outvoted group (``FTBridgeConfig.guard_action``)."""
+GUARD_TIE_ACTIONS = ("stop", "flag")
+"""What the divergence guard does without a majority (``FTBridgeConfig.guard_on_tie``)."""
+MIN_TOKEN_CHARS = 16
+"""Shortest job token accepted (``FTBridgeConfig.job_token``)."""
 
 
 def validate(cfg: FTBridgeConfig) -> None:

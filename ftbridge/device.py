@@ -29,7 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
-from ftbridge.config import CROSS_REPLICA_BACKENDS, FTBridgeConfig
+from ftbridge.config import FTBridgeConfig
+from ftbridge.config_rules import CROSS_REPLICA_BACKENDS
 
 DEVICES = ("auto", "cpu", "cuda")
 

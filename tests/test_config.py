@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from ftbridge.config import SYNC_MODES, FTBridgeConfig
+from ftbridge.config import FTBridgeConfig
+from ftbridge.config_rules import SYNC_MODES
 
 
 def resolve(env=None, **kw):

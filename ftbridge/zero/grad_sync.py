@@ -54,7 +54,7 @@ import torch
 
 from ftbridge.comm_hooks.base import CastBackWork, CommHookState, wait_result
 from ftbridge.comm_hooks.default import allreduce_hook
-from ftbridge.config import SYNC_MODES
+from ftbridge.config_rules import SYNC_MODES
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.engine_points import check_accumulation_settings
