@@ -470,7 +470,7 @@ class FTBridgeConfig:
 
         c10d's store client blocks without a timeout on a SIGSTOPped host,
         so such calls run in a helper thread bounded by this
-        (:func:`ftbridge.manager.store_probe.call_bounded`).
+        (:func:`ftbridge.manager.futures.call_bounded`).
         """
         return 2 * self.vote_timeout
 

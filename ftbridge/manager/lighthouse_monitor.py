@@ -15,6 +15,8 @@ import time
 from datetime import timedelta
 from typing import Callable, Optional
 
+from ftbridge.manager.futures import in_thread
+
 logger = logging.getLogger(__name__)
 
 
@@ -77,7 +79,7 @@ class LighthouseMonitor:
         self._inflight = now
         self.probes += 1
 
-        def run() -> None:
+        def run() -> None:  # records its outcome itself: the caller holds the lock while this starts
             try:
                 self._probe(self._address, self._deadline)
                 ok = True
@@ -87,6 +89,6 @@ class LighthouseMonitor:
             with self._lock:
                 self._last, self._inflight = (now, ok), None
 
-        threading.Thread(target=run, name="ftbridge-lighthouse-probe", daemon=True).start()
+        in_thread(run, "ftbridge-lighthouse-probe")
 
 

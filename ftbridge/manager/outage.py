@@ -59,6 +59,7 @@ from ftbridge.manager.commit import (
     judge,
     membership_digest,
 )
+from ftbridge.manager.futures import in_thread
 from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
 from ftbridge.manager.quorum_rules import QuorumSeen, detect_lighthouse_restart
 
@@ -458,20 +459,15 @@ class OutageRider:
              unless: Optional[Callable[[], bool]] = None) -> concurrent.futures.Future:
         """One try of the lighthouse call in a helper thread, started ``after`` from now; not made when
         ``unless()`` holds by then (the future ends with :class:`TryNotMade`)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
+        def run() -> Any:
             if after:
                 time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
-            try:
-                if unless is not None and unless():
-                    raise TryNotMade("rank 0 of the group decided this step's quorum call first")
-                self._made += 1
-                future.set_result(call(self._try_timeout))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(exc)
+            if unless is not None and unless():
+                raise TryNotMade("rank 0 of the group decided this step's quorum call first")
+            self._made += 1
+            return call(self._try_timeout)
 
-        threading.Thread(target=run, name="ftbridge-quorum-call", daemon=True).start()
+        future = in_thread(run, "ftbridge-quorum-call")
         if faults.armed("in_quorum_call"):  # chaos and tests: this rank pauses with its try in flight
             where = f"quorum call {self._seq}"
 

@@ -29,6 +29,7 @@ from ftbridge.manager._torchft import (
     installed_version,
     internals_supported,
 )
+from ftbridge.manager.futures import call_bounded
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
 from ftbridge.manager.quorum_rules import (
     GroupSizeMismatch,
@@ -41,7 +42,6 @@ from ftbridge.manager.quorum_rules import (
     vote_needed,
 )
 from ftbridge.manager.quorum_watch import wait_for_keys
-from ftbridge.manager.store_probe import call_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class _QuorumGuard:
         rank 0 accepts TCP connections but never answers, and c10d's TCPStore
         client then blocks without a timeout (connecting, ``delete_key``), so
         the store calls run in a helper thread bounded by
-        ``FTBridgeConfig.store_call_timeout`` (:func:`ftbridge.manager.store_probe.call_bounded`);
+        ``FTBridgeConfig.store_call_timeout`` (:func:`ftbridge.manager.futures.call_bounded`);
         past it the vote counts as failed.
         """
         base = f"{int(result.quorum_id)}/{namespace}"

@@ -98,6 +98,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed import DistStoreError
 
+from ftbridge.manager.futures import in_thread
 from ftbridge.manager.lighthouse_status import LighthouseStatus, fetch_status
 
 logger = logging.getLogger(__name__)
@@ -293,13 +294,7 @@ class QuorumWatch:
         """
         pending = self._pending
         if pending is None:
-            box: concurrent.futures.Future = concurrent.futures.Future()
-
-            def run() -> None:
-                box.set_result(self.look())  # look() never raises
-
-            self._pending = box
-            threading.Thread(target=run, name="ftbridge-peer-watch-look", daemon=True).start()
+            self._pending = in_thread(self.look, "ftbridge-peer-watch-look")  # look() never raises
             return ()
         if not pending.done():
             return ()

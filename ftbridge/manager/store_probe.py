@@ -9,7 +9,8 @@ block for as long as the hang, whatever timeout the client was given. Any
 such call made from torchft's quorum thread stalls the whole group; its
 ``should_commit`` then expires and the group dies.
 
-:func:`call_bounded` runs such a call in a helper thread with a deadline, and
+:func:`probe_store` makes one request with a deadline
+(:func:`ftbridge.manager.futures.call_bounded`), and
 :class:`ProbedProcessGroupGloo` / :class:`ProbedProcessGroupNCCL` check that
 the store answers before torchft's ``configure`` dials it, so a quorum whose
 primary just hung fails that step (torchft records the error and the step is
@@ -18,48 +19,12 @@ discarded on every replica) instead of blocking until the hang ends.
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, TypeVar
+from typing import Any, Callable
 
 from ftbridge.manager._torchft import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
-
-T = TypeVar("T")
-
-
-def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
-    """Run ``fn()`` in a daemon thread and wait at most ``timeout`` for it.
-
-    Args:
-        fn: the call; it must not mutate shared state (if it overruns, it keeps
-            running until the store answers or dies, and its result is dropped).
-        timeout: the deadline.
-        what: what was called, for the error message.
-
-    Returns:
-        ``fn()``'s result.
-
-    Raises:
-        TimeoutError: ``fn`` did not return within ``timeout``.
-        Exception: whatever ``fn`` raised, re-raised with its traceback.
-    """
-    box: Dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, re-raised there
-            box["error"] = exc
-
-    worker = threading.Thread(target=work, name="ftbridge-store-call", daemon=True)
-    worker.start()
-    worker.join(timeout=timeout.total_seconds())
-    if "error" in box:
-        raise box["error"]
-    if "value" not in box:
-        raise TimeoutError(f"{what} did not answer within {timeout.total_seconds():g} s (its host hung?)")
-    return box["value"]
+from ftbridge.manager.futures import call_bounded
 
 
 def probe_store(store_addr: str, timeout: timedelta) -> None:
