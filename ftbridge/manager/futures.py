@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -57,4 +57,4 @@ def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
     return future.result()
 
 
-__all__: Any = ["call_bounded", "in_thread"]
+__all__ = ["call_bounded", "in_thread"]
