@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -67,3 +68,48 @@ def test_configure_on_a_live_store_builds_the_group():
     pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "replica_group_0", 0, 1)
     assert pg.size() == 1
     pg.shutdown()
+
+
+_RANK_1 = """
+import sys
+import threading
+from datetime import timedelta
+from ftbridge.manager._torchft import ProcessGroupGloo
+pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+pg.configure(sys.argv[1], "replica_group_1", 1, 2)
+print("formed", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def gone_peers_address():
+    """A prefix of a live store under which rank 1 of 2 published its gloo address, then died (SIGKILL):
+    a rendezvous on it finds the address and keeps connecting to a port nobody listens on."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{store.port}/torchft/7/0"
+    peer = subprocess.Popen([sys.executable, "-c", _RANK_1, addr], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=30))
+        pg.configure(addr, "replica_group_0", 0, 2)
+        assert peer.stdout.readline().strip() == "formed"
+        pg.shutdown()
+    finally:
+        peer.kill()
+        peer.wait(timeout=10)
+    yield addr
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_with_a_gone_peer_ends_at_twice_the_timeout_and_installs_nothing_late(gone_peers_address):
+    # Gloo alone keeps connecting for 5 x its timeout (5 s here, 25 s at the default 5 s).
+    pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=1))
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not connect within 2 s \(2 x cross_replica_timeout\)"):
+        pg.configure(gone_peers_address, "replica_group_0", 0, 2)
+    assert time.monotonic() - t < 4
+    for thread in [th for th in threading.enumerate() if th.name == "ftbridge-gloo-rendezvous"]:
+        thread.join(timeout=30)  # gloo gives up on its own; its group must not be installed then
+        assert not thread.is_alive()
+    assert pg._pg is None

@@ -15,16 +15,29 @@ such call made from torchft's quorum thread stalls the whole group; its
 the store answers before torchft's ``configure`` dials it, so a quorum whose
 primary just hung fails that step (torchft records the error and the step is
 discarded on every replica) instead of blocking until the hang ends.
+
+Gloo's rendezvous is bounded too (:class:`ProbedProcessGroupGloo`): when a
+member published its address and then died, gloo's ``connectFullMesh`` keeps
+connecting to it for five times the group's timeout (25 s for the default 5 s
+cross-replica timeout), whatever that timeout says, and the member's quorum
+thread with it. :data:`RENDEZVOUS_BOUND` times the timeout is the most a
+rendezvous may take here (gloo's wait for the peers' addresses, then one
+connect window); past it ``configure`` raises, the step is discarded, and the
+group built late in the abandoned thread is dropped, never installed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 from ftbridge.manager._torchft import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
-from ftbridge.manager.futures import call_bounded
+from ftbridge.manager.futures import call_bounded, in_thread
+
+RENDEZVOUS_BOUND = 2
+"""A gloo rendezvous may take at most this many times the group's timeout (:class:`ProbedProcessGroupGloo`)."""
 
 
 def probe_store(store_addr: str, timeout: timedelta) -> None:
@@ -85,7 +98,28 @@ class _Probed:
 
 
 class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
-    """torchft's ``ProcessGroupGloo`` whose ``configure`` fails within its timeout on a hung store."""
+    """torchft's ``ProcessGroupGloo`` whose ``configure`` fails within its timeout on a hung store, and within
+    :data:`RENDEZVOUS_BOUND` times it when a peer it must connect to is gone."""
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+        """Gloo's rendezvous (torchft's ``_create_pg``), bounded by ``RENDEZVOUS_BOUND x`` the timeout.
+
+        Raises:
+            TimeoutError: the rendezvous did not end within the bound. It keeps running in its daemon
+                thread until gloo gives up; a group it builds then is dropped (``self._pg`` stays ``None``,
+                as ``configure`` left it), so the next ``configure`` starts afresh.
+            RuntimeError: gloo's own failure within the bound (a peer's address never came).
+        """
+        bound = self._timeout * RENDEZVOUS_BOUND
+        build = in_thread(lambda: super(ProbedProcessGroupGloo, self)._create_pg(store, rank, world_size),
+                          "ftbridge-gloo-rendezvous")
+        done, _ = concurrent.futures.wait([build], timeout=bound.total_seconds())
+        if not done:
+            raise TimeoutError(
+                f"the cross-replica process group (rank {rank} of {world_size}) did not connect within "
+                f"{bound.total_seconds():g} s ({RENDEZVOUS_BOUND} x cross_replica_timeout): a member that "
+                "published its address is gone or unreachable; step discarded, the next quorum builds afresh")
+        return build.result()
 
 
 class ProbedProcessGroupNCCL(_Probed, ProcessGroupNCCL):
