@@ -26,16 +26,16 @@ its bytes are still being sent. The byte layout is exactly what
 
 from __future__ import annotations
 
-import json
 import struct
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, cast
 
 import torch
 
+from ftbridge.heal.wire import ST_MAX_HEADER_BYTES, BodyPlan, blob_entries, plan_body
+
 DEFAULT_STAGING_BYTES = 32 << 20
 """Bytes of the pinned staging buffer unless told otherwise (one cross-replica bucket is 25 MiB)."""
-_ALIGN = 8  # safetensors pads its header so that the data starts 8-byte aligned
 
 
 def staging_size(tensor_bytes: List[int], cap_bytes: int = DEFAULT_STAGING_BYTES) -> int:
@@ -171,39 +171,20 @@ def host_copy(storage: Any, pin: Optional[bool] = None) -> Any:
 
 
 # -- the heal body -----------------------------------------------------------------------------------
-_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
-
-
 class StagedBody:
     """A heal body (:mod:`ftbridge.heal.wire` layout) whose tensor bytes are written from the tensors themselves.
 
     Args:
-        head: the JSON header of :func:`ftbridge.heal.wire.encode_state` (key paths to tensor names and scalars).
-        tensors: name -> tensor (any device), in the order their bytes follow.
+        plan: the body laid out by :func:`ftbridge.heal.wire.plan_body` (its prefix, then each tensor's bytes).
         staging: the buffer device tensors pass through.
-
-    Raises:
-        TypeError: a tensor dtype the wire format has no name for.
     """
 
-    def __init__(self, head: bytes, tensors: Dict[str, torch.Tensor], staging: Staging) -> None:
-        self.tensors, self.staging = tensors, staging
-        entries, off = {}, 0
-        for name, t in tensors.items():
-            if t.dtype not in _ST_NAMES:
-                raise TypeError(f"heal state tensor {name} has dtype {t.dtype}, which the wire format cannot carry")
-            n = t.numel() * t.element_size()
-            entries[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-            off += n
-        st_head = json.dumps(entries).encode()
-        st_head += b" " * (-(8 + len(st_head)) % _ALIGN)
-        self.prefix = struct.pack("<Q", len(head)) + head + struct.pack("<Q", len(st_head)) + st_head
-        self.data_bytes = off
+    def __init__(self, plan: BodyPlan, staging: Staging) -> None:
+        self.prefix, self.size, self.staging = plan.prefix, plan.size, staging
+        self.tensors = tuple(t.detach().contiguous() for t in plan.tensors)  # views sharing storage: written twice
 
     def __len__(self) -> int:
-        return len(self.prefix) + self.data_bytes
+        return self.size
 
     def write_to(self, write: Callable[[Any], Any], at_half: Optional[Callable[[], None]] = None) -> None:
         """Write the body with ``write(bytes_like)``; ``at_half()`` once about half of it went (fault tests)."""
@@ -211,7 +192,7 @@ class StagedBody:
         with self.staging.lock:
             write(self.prefix)
             sent = len(self.prefix)
-            for t in self.tensors.values():
+            for t in self.tensors:
                 for view in self.staging.chunks(t):
                     write(view)
                     before, sent = sent, sent + len(view)
@@ -223,41 +204,16 @@ class StagedBody:
 
 
 def staged_body(state: Dict[str, Any], staging: Staging, force: bool = False) -> Optional[StagedBody]:
-    """:class:`StagedBody` of ``state`` when it holds a tensor on a GPU (or ``force``), else ``None`` (encode it whole).
+    """:class:`StagedBody` of ``state`` when it holds a tensor on a GPU (or ``force``), else ``None``: encode it
+    whole (also for a dtype :func:`ftbridge.heal.wire.plan_body` does not lay out; ``safetensors`` writes those).
 
     Raises:
         TypeError: as :func:`ftbridge.heal.wire.encode_state` (a leaf that is no tensor or JSON scalar).
     """
-    from ftbridge.heal.wire import encode_state
-
-    tensors: Dict[str, torch.Tensor] = {}
-    paths: List[Tuple[str, torch.Tensor]] = []
-    _collect(state, "", paths)
-    if not force and not any(t.device.type != "cpu" for _, t in paths):
+    plan = plan_body(state)
+    if plan is None or not (force or any(t.device.type != "cpu" for t in plan.tensors)):
         return None
-    # The JSON header exactly as encode_state writes it: encode the structure with every tensor empty.
-    stub = _replace_tensors(state, lambda t: torch.empty(0, dtype=t.dtype))
-    body = encode_state(stub)
-    (n,) = struct.unpack("<Q", body[:8])
-    head = body[8:8 + n]
-    names = {path: info["t"] for path, info in json.loads(head).items() if "t" in info}
-    for path, t in paths:  # views sharing a storage are simply written twice (no copy needed)
-        tensors[names[path]] = t.detach().contiguous()
-    return StagedBody(head, tensors, staging)
-
-
-def _collect(node: Any, path: str, out: List[Tuple[str, torch.Tensor]]) -> None:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            _collect(v, f"{path}/{k}" if path else str(k), out)
-    elif isinstance(node, torch.Tensor):
-        out.append((path, node))
-
-
-def _replace_tensors(node: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(node, dict):
-        return {k: _replace_tensors(v, fn) for k, v in node.items()}
-    return fn(node) if isinstance(node, torch.Tensor) else node
+    return StagedBody(plan, staging)
 
 
 def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torch.device,
@@ -270,8 +226,6 @@ def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torc
     Raises:
         ValueError: a malformed header, a dtype outside the wire format, or a body that ended early.
     """
-    from ftbridge.heal.wire import _ST_DTYPES, ST_MAX_HEADER_BYTES, _json, _st_entries
-
     prefix = bytearray(8)
     if size < 8 or _read_full(read_into, memoryview(prefix)) != 8:
         raise ValueError(f"heal state tensor blob of {size} bytes is truncated")
@@ -279,15 +233,13 @@ def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torc
     if n > min(ST_MAX_HEADER_BYTES, size - 8):
         raise ValueError(f"safetensors header of {n} bytes does not fit a blob of {size} bytes")
     raw = bytearray(n)
-    if _read_full(read_into, memoryview(raw)) != n or not raw.startswith(b"{"):
-        raise ValueError("safetensors header is truncated or does not start with '{'")
-    entries = _st_entries(_json(bytes(raw), "safetensors header"), size - 8 - n)
+    if _read_full(read_into, memoryview(raw)) != n:
+        raise ValueError("safetensors header is truncated")
+    entries = blob_entries(bytes(raw), size - 8 - n)
     out: Dict[str, torch.Tensor] = {}
     with staging.lock:
-        for name, dtype_name, shape, begin, end in entries:
-            if dtype_name not in _ST_DTYPES:
-                raise ValueError(f"tensor {name!r}: dtype {dtype_name} cannot be received onto {device}")
-            t = torch.empty(shape, dtype=_ST_DTYPES[dtype_name], device=device)
+        for name, dtype, shape, begin, end in entries:
+            t = torch.empty(shape, dtype=dtype, device=device)
             if staging.fill(t, read_into) != end - begin:
                 raise ConnectionError(f"heal state ended inside tensor {name!r} (the donor died?)")
             out[name] = t

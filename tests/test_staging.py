@@ -57,13 +57,17 @@ def test_staged_body_is_the_wire_format_through_one_small_buffer():
     data = b"".join(bytes(v) for v in out)
     assert len(data) == len(body)
     _assert_same(decode_state(data), state)
-    expected = sum(-(-t.numel() * t.element_size() // 24) for t in body.tensors.values())
+    expected = sum(-(-t.numel() * t.element_size() // 24) for t in body.tensors)
     assert buf.chunks_moved == expected > len(body.tensors)
     assert buf.buffer().numel() == 24, "the staging buffer grew"
     # Same bytes as the unstaged encoder's tensors: safetensors itself loads the blob.
     n = int.from_bytes(data[:8], "little")
     _assert_same(decode_parts(data[8:8 + n], bytes(data[8 + n:])), state)
+    assert data == encode_state(state), "the staged body is byte for byte the encoder's"
     assert staged_body(state, buf) is None, "a CPU-only state is encoded whole, as before"
+    odd = {"w": torch.zeros(4, dtype=torch.float8_e4m3fn)}  # safetensors writes those: the whole body, encoded
+    assert staged_body(odd, buf, force=True) is None
+    assert decode_state(encode_state(odd))["w"].dtype == torch.float8_e4m3fn
 
 
 def test_read_tensors_chunks_into_device_tensors_and_refuses_bad_bodies():
@@ -83,6 +87,10 @@ def test_read_tensors_chunks_into_device_tensors_and_refuses_bad_bodies():
         read_tensors(io.BytesIO(bytes(bad)).readinto, len(bad), torch.device("cpu"), buf)
     with pytest.raises(ValueError, match="does not fit"):
         read_tensors(io.BytesIO(blob).readinto, 12, torch.device("cpu"), buf)
+    odd = encode_state({"w": torch.zeros(4, dtype=torch.float8_e4m3fn)})
+    n = int.from_bytes(odd[:8], "little")
+    with pytest.raises(ValueError, match="dtype F8_E4M3 is not one the heal can receive onto a device"):
+        read_tensors(io.BytesIO(odd[8 + n:]).readinto, len(odd) - 8 - n, torch.device("cpu"), buf)
 
 
 def test_host_copy_of_a_storage():

@@ -280,6 +280,28 @@ def _st_entries(header: Any, size: int) -> List[Tuple[str, str, List[int], int, 
     return entries
 
 
+def blob_entries(raw_header: bytes, data_size: int) -> List[Tuple[str, torch.dtype, List[int], int, int]]:
+    """``(name, dtype, shape, begin, end)`` per tensor of a safetensors blob header, checked as
+    :func:`decode_parts` checks it: for a receiver that reads the data itself (``ftbridge.staging``).
+
+    Args:
+        raw_header: the blob's JSON header (after its 8-byte length), at most :data:`ST_MAX_HEADER_BYTES`.
+        data_size: bytes of tensor data that follow the header.
+
+    Raises:
+        ValueError: a malformed header, offsets that do not tile ``data_size`` exactly, or a dtype outside
+            the wire format's zero-copy set (its name in the message).
+    """
+    if not raw_header.startswith(b"{"):
+        raise ValueError("safetensors header does not start with '{'")
+    entries = []
+    for name, dtype_name, shape, begin, end in _st_entries(_json(raw_header, "safetensors header"), data_size):
+        if dtype_name not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype_name} is not one the heal can receive onto a device")
+        entries.append((name, _ST_DTYPES[dtype_name], shape, begin, end))
+    return entries
+
+
 def _view_blob(blob: bytearray) -> Dict[str, torch.Tensor]:
     """Tensors of a safetensors blob as views of ``blob`` (no copy; they keep it alive and may write to it).
 
