@@ -51,7 +51,7 @@ from ftbridge import comm_hooks, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
-from ftbridge.heal import NoPeerToHealFrom, lazy_state_bytes
+from ftbridge.heal import NoPeerToHealFrom, joined_empty, lazy_state_bytes
 from ftbridge.heal.wire import size_bound
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
@@ -131,6 +131,8 @@ class FaultTolerantEngine:
         self._first_step_checked = False
         self._heal_first = False  # a restarted group before its first commit (_prepare_heal_receive)
         self._launched = time.time()
+        self._joined_empty = joined_empty(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                          spare_index=cfg.spare_index, num_replica_groups=cfg.num_replica_groups)
         self._prepare_heal_receive()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
@@ -280,8 +282,7 @@ class FaultTolerantEngine:
         self.sync.wait()
         self.cross_replica_wait_s += time.perf_counter() - t_wait
         step = self.manager.current_step
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        empty = restart > 0 and self.cfg.num_replica_groups > 1 and step == 0 and self.manager.heals == 0
+        empty = self._joined_empty and step == 0 and self.manager.heals == 0
         verdict = self.manager.decide(guard=self.guard.digest(step), empty=empty,  # the group's one decision
                                       waited_s=time.time() - self._launched)
         if verdict.decision.stop:
@@ -409,15 +410,15 @@ class FaultTolerantEngine:
 
     # -- heal -------------------------------------------------------------
     def _prepare_heal_receive(self) -> None:
-        """A restarted group heals first: map its receive buffer while it starts up, drop it at the first commit.
+        """A group that joined with nothing (restarted, or a spare) heals first: map its receive buffer while it
+        starts up, drop it at the first commit.
 
         Until that commit, each step waits for its quorum (and so for the
         heal fetch) before its forward: the forward of a step that heals is
         discarded, and run beside the fetch it only takes CPU from it.
         """
         transport: Any = getattr(self.manager, "transport", None)
-        if (self.cfg.num_replica_groups > 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-                and hasattr(transport, "prepare_recv")):
+        if self._joined_empty and hasattr(transport, "prepare_recv"):
             transport.prepare_recv()
             self._heal_first = True
 

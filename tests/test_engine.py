@@ -357,12 +357,16 @@ def test_a_restart_without_peer_is_judged_on_the_first_committed_step(monkeypatc
     assert len(lonely) == (0 if heal_retried else 1), lonely
 
 
-def test_a_restarted_group_alone_past_the_wait_stops_instead_of_training_a_second_model(monkeypatch, tmp_path):
+@pytest.mark.parametrize("joined", ["restart", "spare"])
+def test_a_group_that_joined_empty_alone_past_the_wait_stops_instead_of_training_a_second_model(
+        monkeypatch, tmp_path, joined):
+    # A torchrun restart, or a warm spare that took a vacant group's id (its first launch): neither holds state.
     from ftbridge.heal import NoPeerToHealFrom
 
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1" if joined == "restart" else "0")
     log = tmp_path / "events.jsonl"
-    eng = _engine(2, ft=dict(event_log=str(log), num_replica_groups=2, restart_peer_wait=3600.0))
+    eng = _engine(2, ft=dict(event_log=str(log), num_replica_groups=2, restart_peer_wait=3600.0,
+                             spare_index=0 if joined == "spare" else -1))
     _train(eng, [0])                                    # alone at step 0: discarded while a peer may come
     assert eng.manager.step == 0 and eng.last_committed is False
     eng._launched -= 3600.0                             # the wait is over and still nobody to heal from

@@ -9,8 +9,10 @@ checkpoint transport.
 
 * :func:`lazy_state_bytes`: how much optimizer state a donor may hold that a
   joiner does not have yet (the joiner's bound on a heal body);
-* :func:`restart_without_peer`: whether a restarted group with nothing to
-  start from waits for a live peer, or stops, instead of training from scratch.
+* :func:`joined_empty`: whether this launch joined a running job with nothing
+  of its state (a torchrun restart, or a warm spare that took a group's id);
+* :func:`restart_without_peer`: whether such a group waits for a live peer, or
+  stops, instead of training from scratch.
 
 The agreement that all ranks of a group apply a heal together or not at all
 touches torchft's internals and lives behind the manager
@@ -60,20 +62,37 @@ def lazy_state_bytes(optimizer: Any) -> int:
 
 
 class NoPeerToHealFrom(RuntimeError):
-    """A restarted replica group with nothing to start from found no live peer to heal from in time."""
+    """A replica group that joined with nothing to start from (restarted, or a spare) found no live peer to heal
+    from in time."""
+
+
+def joined_empty(*, restart_count: int, spare_index: int, num_replica_groups: int) -> bool:
+    """Whether this launch joined a running job holding none of its state (pure).
+
+    True for a launch torchrun restarted (``restart_count`` > 0) and for a warm spare that took a vacant
+    group's id (``spare_index`` >= 0; :mod:`ftbridge.spare` takes an id only while another group lives).
+    Until it heals or commits, such a group must not train alone (:func:`restart_without_peer`). A job of
+    one replica group has nobody to heal from: its restart starts over or resumes from a checkpoint.
+
+    Args:
+        restart_count: ``TORCHELASTIC_RESTART_COUNT``.
+        spare_index: ``FTBridgeConfig.spare_index`` (-1: not a spare).
+        num_replica_groups: ``FTBridgeConfig.num_replica_groups``.
+    """
+    return num_replica_groups > 1 and (restart_count > 0 or spare_index >= 0)
 
 
 def restart_without_peer(*, restarted_empty: bool, all_members_empty: bool, waited_s: float, limit_s: float) -> str:
-    """What a replica group that torchrun restarted with nothing to start from does in a step (pure).
+    """What a replica group that joined with nothing to start from does in a step (pure).
 
-    A restarted group with nothing to start from (torchft step 0, never healed, nothing resumed) heals
+    A group that joined with nothing (:func:`joined_empty`: torchft step 0, never healed, nothing resumed) heals
     from a member that holds the job's state. If no member of its quorum holds any (it is alone, or
     every member was restarted with nothing: right after a lighthouse restart, after the others finished,
     after every group died), training would start the job again from its initial model: a second,
     different model. It discards such steps while a peer may still come, and past the limit stops.
 
     Args:
-        restarted_empty: this group was restarted by torchrun and has nothing to start from.
+        restarted_empty: this group joined with nothing (:func:`joined_empty`) and has not healed or committed.
         all_members_empty: no member of this step's quorum holds the job's state (each was restarted with
             nothing; a group alone counts).
         waited_s: seconds since this launch's engine started.
