@@ -8,7 +8,7 @@ It drives the protocol's real code with fakes for everything it talks to:
 * the pure rules: :class:`~ftbridge.manager.commit.QuorumWait`, :func:`~ftbridge.manager.commit.rank_flags`,
   :func:`~ftbridge.manager.commit.decide_group` (the guard's majority inside ``judge``),
   :mod:`ftbridge.manager.quorum_rules` (lighthouse restarts, the reconfigure vote, the majority after a restart) and
-  :func:`ftbridge.heal.restart_without_peer`.
+  :func:`ftbridge.heal.joined_empty` and :func:`ftbridge.heal.restart_without_peer`.
 
 One round is one step attempt of every group that runs; the clock counts rounds. What the fakes model:
 
@@ -21,6 +21,10 @@ One round is one step attempt of every group that runs; the clock counts rounds.
   heartbeats but does not ask), hung (no heartbeat either), a heal fetch that fails on one rank, the
   request of a try it left delivered late with its old step (a hung lighthouse reading its socket), a
   corrupted update;
+* warm spares (:mod:`ftbridge.spare`): a spare stands by until the lighthouse has dropped a group it heard of
+  while another group lives (:func:`~ftbridge.spare.vacancies`' rule), then takes that group's id with nothing
+  to start from, while the group it replaces may still run (cut off or hung); a member that heals into a
+  quorum where another holds its id leaves (:func:`~ftbridge.spare.must_leave`);
 * a cross-replica collective (one per group rank) completes only when every member of its process group
   runs the round on that same process group and every link between them holds; a rank after an error
   leaves its later collectives out, as torchft does.
@@ -40,7 +44,7 @@ from datetime import timedelta
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
-from ftbridge.heal import restart_without_peer
+from ftbridge.heal import joined_empty, restart_without_peer
 from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
@@ -53,6 +57,7 @@ from ftbridge.manager.quorum_rules import (
     vote_needed,
 )
 from ftbridge.manager.stand_aside import StandAside, longest_pause
+from ftbridge.spare import must_leave
 
 logging.getLogger("ftbridge.manager.outage").setLevel(logging.ERROR)
 logging.getLogger("ftbridge.manager.heal_agreement").setLevel(logging.ERROR)
@@ -77,7 +82,8 @@ STAND_ASIDE = HEARTBEAT_TIMEOUT + 2
 
 @dataclass(frozen=True)
 class Faults:
-    """What is wrong during one round (group ids; ``(group, rank)`` for rank faults)."""
+    """What is wrong during one round, by process key (``(key, rank)`` for rank faults): a group started with the
+    job is keyed by its replica group id, spare ``k`` by ``groups + k`` (whichever id it holds)."""
 
     lighthouse: str = "up"
     """``up``, ``dead`` (refuses) or ``hung`` (accepts, answers nothing; requests wait)."""
@@ -138,6 +144,9 @@ class Revert:
     off from the lighthouse but not from its peers, completes the agreement and commits)."""
     stand_aside: bool = False
     """A group whose rank 0 cannot reach the quorum's store stays in every quorum (it never stands aside)."""
+    spare_holds_state: bool = False
+    """A spare that took a group's id counts as holding the job's state (it is not ``empty``), like a group at the
+    job's start: alone in a quorum, it trains a second model from step 0."""
 
 
 def H(*parts: Any) -> str:
@@ -273,13 +282,15 @@ class Quorum:
 
 class SimGroup:
     def __init__(self, gid: int, size: int, ride: bool, guard_every: int, clock: Any, num_groups: int,
-                 peer_wait: int = RESTART_PEER_WAIT) -> None:
+                 peer_wait: int = RESTART_PEER_WAIT, spare: bool = False, key: Optional[int] = None) -> None:
         self.peer_wait = peer_wait  # restart_peer_wait in rounds: also the majority wait after a lighthouse restart
         self.gid, self.size, self.ride, self.guard_every, self.clock = gid, size, ride, guard_every, clock
+        self.key = gid if key is None else key  # the process (faults name it): gid, or groups + k for spare k
+        self.spare = spare  # started as a warm spare: it stands by until it takes a vacant group's id
         self.num_groups = num_groups
         self.launch = 0
-        self.alive = True
-        self.exit_reason = ""
+        self.alive = not spare
+        self.exit_reason = "standby" if spare else ""
         self.start()
 
     def start(self) -> None:
@@ -308,7 +319,7 @@ class SimGroup:
 
     @property
     def replica_id(self) -> str:
-        return f"replica_group_{self.gid}:launch{self.launch}"
+        return f"replica_group_{self.gid}:{'spare' if self.spare else 'launch'}{self.key}.{self.launch}"
 
 
 class SimLighthouse:
@@ -359,6 +370,9 @@ class Record:
 
     group: int
     launch: int
+    key: int
+    empty: bool
+    """The process holds nothing of the job's state: restarted or a spare, and it has not healed or committed."""
     step_before: int
     committed: bool
     participants: int
@@ -370,9 +384,11 @@ class Sim:
     """``groups`` replica groups of ``size`` ranks each, riding on or off, under a schedule of :class:`Faults`."""
 
     def __init__(self, groups: int, size: int, *, ride: bool = True, guard_every: int = 0, min_replicas: int = 1,
-                 revert: Optional[Revert] = None, peer_wait: int = RESTART_PEER_WAIT) -> None:
+                 revert: Optional[Revert] = None, peer_wait: int = RESTART_PEER_WAIT, spares: int = 0) -> None:
         self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now), groups, peer_wait)
                        for g in range(groups)]
+        self.groups += [SimGroup(-1, size, ride, guard_every, lambda: float(self.now), groups, peer_wait, spare=True,
+                                 key=groups + k) for k in range(spares)]
         self.lighthouse = SimLighthouse(min_replicas)
         self.guard_every = guard_every
         self.revert = revert or Revert()
@@ -396,20 +412,21 @@ class Sim:
         if f.restart_lighthouse:
             lh.restart()
         for g in self.groups:
-            if g.gid in f.kill and g.alive:
+            if g.key in f.kill and (g.alive or g.exit_reason == "standby"):
                 g.alive, g.exit_reason = False, "killed"
-            elif g.gid in f.restart and not g.alive and g.exit_reason == "killed":
+            elif g.key in f.restart and not g.alive and g.exit_reason == "killed" and g.gid >= 0:
                 g.alive, g.exit_reason = True, ""
                 g.launch += 1
                 g.start()
                 g.started_round = self.now
-        runs = [g for g in self.groups if g.alive and g.gid not in f.hang and g.aside_until <= self.now]
+        self._spares_take_vacancies()
+        runs = [g for g in self.groups if g.alive and g.key not in f.hang and g.aside_until <= self.now]
         for g in runs:  # heartbeats travel group -> lighthouse (a one-way cut lets them through)
-            if f.lighthouse == "up" and g.gid not in f.cut_lh:
+            if f.lighthouse == "up" and g.key not in f.cut_lh:
                 lh.beats[g.replica_id] = self.now
-            g.monitor.next_round(f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh)
+            g.monitor.next_round(f.lighthouse == "up" and g.key not in f.cut_lh and g.key not in f.oneway_lh)
         for g in runs:  # the answers of calls a group left arrive once its link carries them again
-            if f.lighthouse == "up" and g.gid not in f.cut_lh and g.gid not in f.oneway_lh:
+            if f.lighthouse == "up" and g.key not in f.cut_lh and g.key not in f.oneway_lh:
                 for call, q, _ in g.left_calls:
                     if q is not None:
                         call.set_result(_Result(q, g.replica_id))
@@ -418,12 +435,14 @@ class Sim:
                 if q is None and self.now - left >= TRY_ROUNDS:
                     call.set_exception(TimeoutError("Timeout expired"))
             g.left_calls = [c for c in g.left_calls if not c[0].done()]
-        results = self._quorum([g for g in runs if g.gid not in f.slow])
-        stepping = [g for g in self.groups if g.gid in results and g.alive]
-        self._stepping = {g.gid for g in stepping}
-        owns = {g.gid: self._own_rebuild(g, results[g.gid]) for g in stepping if results[g.gid] != "ride"}
+        results = self._quorum([g for g in runs if g.key not in f.slow])
+        stepping = [g for g in self.groups if g.key in results and g.alive]
+        self._stepping = {g.key for g in stepping}
+        owns = {g.key: self._own_rebuild(g, results[g.key]) for g in stepping if results[g.key] != "ride"}
         for g in stepping:
-            self._apply_quorum(g, results[g.gid], owns)
+            self._apply_quorum(g, results[g.key], owns)
+        stepping = [g for g in stepping if g.alive]  # a holder of a duplicated id left (must_leave)
+        self._stepping = {g.key for g in stepping}
         donors = {g.replica_id: g.ranks[0].params for g in stepping}
         steps = {g.replica_id: g.ranks[0].tf.step for g in stepping}
         for g in stepping:
@@ -431,12 +450,35 @@ class Sim:
         self._gradients(stepping)
         self._agree(stepping)
         for g in stepping:
-            if g.gid in f.crash:
+            if g.key in f.crash:
                 g.alive, g.exit_reason = False, "killed"
         records = [self._decide_and_commit(g) for g in stepping if g.alive]
         self.history.append(records)
         self.check(records)
         return records
+
+    def _spares_take_vacancies(self) -> None:
+        """Each standing-by spare that reads the lighthouse this round takes the smallest vacant group id
+        (:func:`ftbridge.spare.vacancies`: heard of, every heartbeat stale, while another group is fresh); spare
+        ``k`` waits until the id has been vacant for ``k`` rounds (``STAGGER_S``). It starts with nothing."""
+        f, lh = self.faults, self.lighthouse
+        taken: Set[int] = set()
+        for g in self.groups:
+            if g.exit_reason != "standby" or f.lighthouse != "up" or g.key in f.cut_lh | f.oneway_lh | f.hang:
+                continue
+            ages: Dict[int, int] = {}
+            for rid, t in lh.beats.items():
+                gid = int(rid.split(":")[0].rsplit("_", 1)[1])
+                ages[gid] = min(ages.get(gid, self.now), self.now - t)
+            fresh = {gid for gid, age in ages.items() if age < HEARTBEAT_TIMEOUT}
+            vacant = sorted(gid for gid, age in ages.items() if gid not in fresh and gid not in taken
+                            and age - HEARTBEAT_TIMEOUT >= g.key - g.num_groups)
+            if not fresh or not vacant:
+                continue
+            g.gid, g.alive, g.exit_reason = vacant[0], True, ""
+            g.start()  # its ranks, rider and guard under the id it takes
+            g.started_round = self.now
+            taken.add(g.gid)
 
     def _quorum(self, runs: List[SimGroup]) -> Dict[int, Any]:
         """QUORUM: ride, or ask the lighthouse and wait; returns {group: quorum or 'ride'} for the groups that step."""
@@ -446,16 +488,16 @@ class Sim:
             if g.asking is None:
                 reused = [r.rider.reuse() for r in g.ranks]  # rank 0 first: the others read its decision
                 if reused[0] is not None:
-                    out[g.gid] = "ride"
+                    out[g.key] = "ride"
                     g.rode_since = True
                     continue
                 g.asking = QuorumWait(started=float(self.now), deadline_s=float(QUORUM_TIMEOUT),
                                       may_ride=g.ranks[0].rider.may_ride())
                 g.request_step = g.ranks[0].tf.step
-            if f.lighthouse != "dead" and g.gid not in f.cut_lh:
+            if f.lighthouse != "dead" and g.key not in f.cut_lh:
                 requests[g.replica_id] = (g.request_step, g.commit_failures)
         for g in self.groups:  # a left try's request with its old step, arriving last
-            if g.gid in f.stale and g.alive and g.stale_step is not None and f.lighthouse != "dead":
+            if g.key in f.stale and g.alive and g.stale_step is not None and f.lighthouse != "dead":
                 requests[g.replica_id] = (g.stale_step, 0)
                 g.stale_step = None
         q = self.lighthouse.form(self.now, requests) if f.lighthouse == "up" else None
@@ -466,9 +508,9 @@ class Sim:
             if g.asking is None:
                 continue
             if q is not None and g.replica_id in q.replica_ids:
-                if g.gid not in f.oneway_lh:
+                if g.key not in f.oneway_lh:
                     g.asked_for = self.now - int(g.asking.started)
-                    g.asking, out[g.gid] = None, q
+                    g.asking, out[g.key] = None, q
                     continue
                 g.stale_step = g.request_step  # answered, but the answer is lost on the way back
                 g.lost_answers.add(q.quorum_id)
@@ -485,7 +527,7 @@ class Sim:
                     r.rider._left(call)  # the call's answer, if it ever comes, is a quorum the group never joined
                     r.rider.leave_call()
                 g.left_calls.append([call, lost, self.now])
-                g.asking, out[g.gid] = None, "ride"
+                g.asking, out[g.key] = None, "ride"
             elif action == QuorumWait.EXPIRED:
                 g.alive, g.exit_reason = False, "QuorumTimeout"
         return out
@@ -512,7 +554,7 @@ class Sim:
                 r.tf.participants, r.tf.participating = r.rider.last.world_size, True
             return
         q: Quorum = result
-        restarted, own, voting = owns[g.gid]
+        restarted, own, voting = owns[g.key]
         before = g.ranks[0].rider.certified_members()
         if restarted:
             if g.majority.pending is None:
@@ -521,15 +563,19 @@ class Sim:
         if g.asked_for >= TRY_ROUNDS and not self.revert.majority_clock:  # a try went unanswered (the guard's rule)
             g.majority.unanswered(self.now)
         g.seen = QuorumSeen(q.quorum_id, tuple(sorted(q.replica_ids)))
-        votes = [owns[m.gid][1] for m in map(self.group, q.replica_ids)
-                 if m is not None and m.gid in owns and owns[m.gid][2]]
+        votes = [owns[m.key][1] for m in map(self.group, q.replica_ids)
+                 if m is not None and m.key in owns and owns[m.key][2]]
         complete = len(votes) == len(q.replica_ids)
         rebuild = decide_reconfigure(own, votes if complete else None) if voting else False
         if voting:
             g.voted = (q.quorum_id, tuple(sorted(q.replica_ids))) if complete else None
         at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
+        if must_leave(q.replica_ids, g.gid, q.steps[g.replica_id] < q.max_step, g.replica_id,
+                      len(at_max) == len(q.replica_ids)):
+            g.alive, g.exit_reason = False, "DuplicateReplicaGroup"  # before torchft heals (ReplicaManager._on_quorum)
+            return
         for i, r in enumerate(g.ranks):
-            if i > 0 and (g.gid, i) in self.faults.lost_answer:
+            if i > 0 and (g.key, i) in self.faults.lost_answer:
                 try:
                     r.rider._lost_answer(TimeoutError("Timeout expired"), OutageRider._asked(_Result(q, g.replica_id)))
                 except QuorumTimeout:
@@ -539,7 +585,7 @@ class Sim:
                 r.tf._quorum_id = q.quorum_id
                 r.tf._pg.ident = (q.epoch, q.quorum_id, tuple(q.replica_ids), self.now)
                 store = self.group(at_max[0])  # torchft: group rank 0's store is the first member at the max step
-                if i == 0 and store is not None and frozenset((g.gid, store.gid)) in self.faults.cut_peer:
+                if i == 0 and store is not None and frozenset((g.key, store.key)) in self.faults.cut_peer:
                     r.store_unreachable = g.majority.pending is None  # the driver's rule: not while a
                     # majority after a lighthouse restart is pending
                     r.tf.report_error(RuntimeError("the quorum's store did not answer"))
@@ -562,8 +608,8 @@ class Sim:
             if not tf._healing:
                 continue
             src = r.healed_from or ""
-            cut = self.group(src) is not None and frozenset((g.gid, self.group(src).gid)) in self.faults.cut_peer
-            if src not in donors or (g.gid, i) in self.faults.heal_fail or cut:
+            cut = self.group(src) is not None and frozenset((g.key, self.group(src).key)) in self.faults.cut_peer
+            if src not in donors or (g.key, i) in self.faults.heal_fail or cut:
                 tf.report_error(RuntimeError("heal fetch failed"))
                 continue
             tf._pending_state_dict = {"params": donors[src], "torchft": {"step": steps[src], "batches_committed": 0}}
@@ -576,31 +622,37 @@ class Sim:
             return False
         for rid in ident[2]:
             other = self.group(rid)
-            if other is None or other.gid not in self._stepping or other.ranks[rank].tf._pg.ident != ident:
+            if other is None or other.key not in self._stepping or other.ranks[rank].tf._pg.ident != ident:
                 return False
             if skip_errored and other.ranks[rank].tf.error is not None:
                 return False  # torchft issues nothing after an error
-            if (other.gid, rank) in f.rank_error or frozenset((g.gid, other.gid)) in f.cut_peer:
+            if (other.key, rank) in f.rank_error or frozenset((g.key, other.key)) in f.cut_peer:
                 return False
         return True
 
     def _gradients(self, stepping: List[SimGroup]) -> None:
         """The gradient all-reduce of every rank: what it contributes and divides by, or an error."""
-        ok = {(g.gid, i): self._pairs(g, i, skip_errored=True) for g in stepping for i in range(g.size)}
+        ok = {(g.key, i): self._pairs(g, i, skip_errored=True) for g in stepping for i in range(g.size)}
         for g in stepping:
             for i, r in enumerate(g.ranks):
-                skipped = r.tf.error is not None or not ok[(g.gid, i)]
+                skipped = r.tf.error is not None or not ok[(g.key, i)]
                 r.rider.skipped_collective = (lambda s=skipped: s)
-                if not ok[(g.gid, i)]:
+                if not ok[(g.key, i)]:
                     r.tf.report_error(RuntimeError("cross-replica all-reduce failed"))
                     continue
                 parts = [(m.gid, m.ranks[i].tf.step) for m in map(self.group, r.tf._pg.ident[2])
                          if m is not None and m.ranks[i].tf.participating]
                 r.contribution = (tuple(sorted(parts)), r.tf.participants)
 
+    def _joined_empty(self, g: SimGroup) -> bool:
+        """This launch started with nothing, into a running job: restarted by torchrun, or a spare that took an id
+        (the engine's ``empty``, :func:`ftbridge.heal.joined_empty`)."""
+        return joined_empty(restart_count=g.launch, spare_index=0 if g.spare and not self.revert.spare_holds_state
+                            else -1, num_replica_groups=g.num_groups)
+
     def _empty(self, g: SimGroup) -> bool:
-        """Restarted by torchrun with nothing to start from."""
-        return g.launch > 0 and g.ranks[0].tf.step == 0 and g.heals == 0
+        """Started with nothing (:meth:`_joined_empty`) and has healed or committed nothing since."""
+        return self._joined_empty(g) and g.ranks[0].tf.step == 0 and g.heals == 0
 
     def _restart_rule(self, g: SimGroup, r: SimRank) -> bool:
         """:func:`ftbridge.heal.restart_without_peer` on rank ``r`` after its agreement: reports the error of a
@@ -620,7 +672,7 @@ class Sim:
         owns: Dict[Tuple[int, int], Optional[List[float]]] = {}
         for g in stepping:
             for i, r in enumerate(g.ranks):
-                if (g.gid, i) in self.faults.late_error and r.tf.error is None:
+                if (g.key, i) in self.faults.late_error and r.tf.error is None:
                     r.tf.report_error(RuntimeError("late error in this step"))
                 due = r.guard.due(r.tf.step)
                 own = r.rider.own_row(r.params if due else None, self._empty(g))
@@ -628,19 +680,19 @@ class Sim:
                     own[8] = own[9] = 0.0
                 if own is not None and self.revert.continuity:
                     own[17] = own[18] = own[19] = own[22] = 0.0
-                owns[(g.gid, i)] = own
+                owns[(g.key, i)] = own
                 if own is not None:
                     rows.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = own
         for g in stepping:
             for i, r in enumerate(g.ranks):
-                own, summed = owns[(g.gid, i)], None
+                own, summed = owns[(g.key, i)], None
                 if own is not None and self._pairs(g, i, skip_errored=False):
                     got = rows[(r.tf._pg.ident, i)]
                     if len(got) == r.rider.last.world_size:
                         summed = [list(got[k]) for k in range(r.rider.last.world_size)]
-                held_dead = {m.gid for m in map(self.group, r.tf._pg.ident[2] if r.tf._pg.ident else ())
-                             if m is not None and (m.gid in self.faults.cut_lh or m.gid in self.faults.oneway_lh)}
-                if self.revert.agreement_watch and held_dead - {g.gid}:
+                held_dead = {m.key for m in map(self.group, r.tf._pg.ident[2] if r.tf._pg.ident else ())
+                             if m is not None and (m.key in self.faults.cut_lh or m.key in self.faults.oneway_lh)}
+                if self.revert.agreement_watch and held_dead - {g.key}:
                     summed = None  # this member left the wait; the one the lighthouse holds dead completed it
                 r.agreement = r.rider.conclude(own, summed, "agreement all-reduce failed")
                 if self.revert.guard_primary and r.agreement.guard is not None and summed:
@@ -650,6 +702,7 @@ class Sim:
         """DECIDE (the in-group exchange), the guard's action, torchft's commit vote, the update."""
         f = self.faults
         step_before = g.ranks[0].tf.step
+        empty = (g.launch > 0 or g.spare) and step_before == 0 and g.heals == 0  # the truth, whatever the revert
         flags = []
         for r in g.ranks:
             stop = self._restart_rule(g, r)
@@ -686,7 +739,7 @@ class Sim:
             g.majority.committed()
         for r, d in zip(g.ranks, decisions):
             if committed:
-                corrupt = g.gid in f.corrupt
+                corrupt = g.key in f.corrupt
                 before = r.params
                 r.params = H(r.params, ("corrupt", self.now) if corrupt else r.contribution)
                 self.parent[r.params] = before
@@ -702,7 +755,8 @@ class Sim:
             if self.revert.certify_on_agreement and r.agreement is not None and r.agreement.continuous:
                 r.rider._held, r.rider._missed_here = True, False
         r0 = g.ranks[0]
-        return Record(g.gid, g.launch, step_before, committed, r0.tf.participants, r0.params, r0.rider.riding)
+        return Record(g.gid, g.launch, g.key, empty, step_before, committed, r0.tf.participants, r0.params,
+                      r0.rider.riding)
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self, records: List[Record]) -> None:
@@ -712,20 +766,22 @@ class Sim:
         for g in self.groups:
             if g.alive:
                 states = {(r.tf.step, r.params) for r in g.ranks}
-                assert len(states) == 1, f"round {self.now}: group {g.gid}'s ranks hold different states {states}"
+                assert len(states) == 1, f"round {self.now}: process {g.key}'s ranks hold different states {states}"
         for rec in records:
             if not rec.committed or rec.params in self.tainted:
                 continue
-            if rec.launch > 0 and rec.step_before == 0 and rec.participants <= 1 and len(self.commits) > 1:
-                raise AssertionError(f"round {self.now}: restarted group {rec.group} trained alone from step 0 "
-                                     "while the job had committed steps: a second, different model")
+            if (rec.launch > 0 or rec.empty) and rec.step_before == 0 and rec.participants <= 1 \
+                    and len(self.commits) > 1:
+                raise AssertionError(f"round {self.now}: group {rec.group} (process {rec.key}), restarted or a "
+                                     "spare, trained alone from step 0 while the job had committed steps: a second, "
+                                     "different model")
             first = self.commits.setdefault(rec.step_before, rec.params)
             if first != rec.params and any(self._descends(g.ranks[0].params, first) for g in self.groups if g.alive):
                 raise AssertionError(f"round {self.now}: group {rec.group} committed step {rec.step_before} with "
                                      "other parameters than another group did, which a live group holds (split)")
             self.commits[rec.step_before] = rec.params  # the other lineage is gone with its last holder
-        live = {g.gid for g in self.groups if g.alive}
-        clean = {g.gid for g in self.groups if g.alive and g.ranks[0].params not in self.tainted}
+        live = {g.key for g in self.groups if g.alive}
+        clean = {g.key for g in self.groups if g.alive and g.ranks[0].params not in self.tainted}
         before_live, before_clean = self._before
         if self.guard_every and 2 * len(before_clean) > len(before_live):
             took = (before_clean & live) - clean - set(self.faults.corrupt)
@@ -742,8 +798,8 @@ class Sim:
         return False
 
     def committing(self) -> Set[int]:
-        """Groups that committed in the last round."""
-        return {r.group for r in self.history[-1] if r.committed} if self.history else set()
+        """Processes (keys: a group's id, or ``groups + k`` for spare k) that committed in the last round."""
+        return {r.key for r in self.history[-1] if r.committed} if self.history else set()
 
 
 class _Result:

@@ -33,12 +33,14 @@ KINDS = ("lighthouse_dead", "lighthouse_hung", "lighthouse_restart", "cut_lh", "
 
 
 @st.composite
-def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
-    """One round's faults: most rounds one kind against one group (or none), sometimes two kinds."""
+def faults(draw, groups: int, size: int, kinds=KINDS, spares: int = 0) -> Faults:
+    """One round's faults: most rounds one kind against one process (a group, or a spare: key ``groups + k``) or
+    none, sometimes two kinds."""
     out = {}
+    procs = groups + spares
     for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2]))):
         kind = draw(st.sampled_from(kinds))
-        g = draw(st.integers(0, groups - 1))
+        g = draw(st.integers(0, procs - 1))
         if kind == "lighthouse_dead":
             out["lighthouse"] = "dead"
         elif kind == "lighthouse_hung":
@@ -46,7 +48,7 @@ def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
         elif kind == "lighthouse_restart":
             out["restart_lighthouse"] = True
         elif kind == "cut_peer":
-            h = draw(st.integers(0, groups - 1).filter(lambda x: x != g))
+            h = draw(st.integers(0, procs - 1).filter(lambda x: x != g))
             out["cut_peer"] = frozenset({frozenset((g, h))})
         elif kind in ("rank_error", "heal_fail", "late_error"):
             out[kind] = frozenset({(g, draw(st.integers(0, size - 1)))})
@@ -54,7 +56,7 @@ def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
             if size > 1:
                 out[kind] = frozenset({(g, draw(st.integers(1, size - 1)))})
         elif kind == "stale":
-            out[kind] = frozenset(range(groups)) if draw(st.booleans()) else frozenset({g})
+            out[kind] = frozenset(range(procs)) if draw(st.booleans()) else frozenset({g})
         else:
             out[kind] = frozenset({g})
     return Faults(**out)
@@ -64,22 +66,24 @@ def faults(draw, groups: int, size: int, kinds=KINDS) -> Faults:
 def scenarios(draw, kinds=KINDS, max_rounds=14):
     groups, size = draw(st.integers(2, 3)), draw(st.integers(1, 2))
     ride = draw(st.booleans())
-    schedule = draw(st.lists(faults(groups, size, kinds), min_size=1, max_size=max_rounds))
+    spares = draw(st.sampled_from([0, 0, 1]))
+    schedule = draw(st.lists(faults(groups, size, kinds, spares), min_size=1, max_size=max_rounds))
     if draw(st.integers(0, 3)) == 0:  # a peer partition lasting several rounds, under the other faults: stand-asides
-        g = draw(st.integers(0, groups - 1))
+        g = draw(st.integers(0, groups + spares - 1))
         first = draw(st.integers(0, len(schedule) - 1))
         last = draw(st.integers(first, len(schedule) - 1))
-        cut = frozenset(frozenset((g, h)) for h in range(groups) if h != g)
+        cut = frozenset(frozenset((g, h)) for h in range(groups + spares) if h != g)
         schedule = [replace(f, cut_peer=f.cut_peer | cut) if first <= i <= last else f for i, f in enumerate(schedule)]
     # restart_peer_wait as short as the others' waits, or at the defaults' ratio to the heartbeat timeout
     # (pauses then double before the cap, ``stand_aside.longest_pause``)
     peer_wait = draw(st.sampled_from([RESTART_PEER_WAIT, RESTART_PEER_WAIT, 6 * HEARTBEAT_TIMEOUT]))
-    return groups, size, ride, schedule, draw(st.sampled_from([1, 1, 2])), peer_wait
+    return groups, size, ride, schedule, draw(st.sampled_from([1, 1, 2])), peer_wait, spares
 
 
-def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0, warm=3, peer_wait=RESTART_PEER_WAIT):
+def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0, warm=3, peer_wait=RESTART_PEER_WAIT,
+        spares=0):
     sim = Sim(groups, size, ride=ride, guard_every=guard_every, min_replicas=min_replicas, revert=revert,
-              peer_wait=peer_wait)
+              peer_wait=peer_wait, spares=spares)
     for _ in range(warm):
         sim.round(Faults())
     assert sim.committing() == set(range(groups)), "the warm-up must commit everywhere"
@@ -107,24 +111,25 @@ def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0
                 assert None in peers or not all(p.alive or p.exit_reason == "QuorumGap" for p in peers), (
                     f"group {g.gid} stopped for a quorum gap at step {g.ranks[0].tf.step}, but no group ever "
                     "committed beyond it and every group it last agreed with lives: a gap nobody trained in")
-    live = {g.gid for g in sim.groups if g.alive}
-    assert sim.committing() == live, (f"after {recovery} quiet rounds, live groups {sorted(live)} but only "
+    live = {g.key for g in sim.groups if g.alive}
+    assert sim.committing() == live, (f"after {recovery} quiet rounds, live processes {sorted(live)} but only "
                                       f"{sorted(sim.committing())} commit: " + "; ".join(
-                                          f"group {g.gid} {g.exit_reason or 'alive'}" for g in sim.groups))
+                                          f"process {g.key} (group {g.gid}) {g.exit_reason or 'alive'}"
+                                          for g in sim.groups))
     return sim
 
 
 @given(scenarios())
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 def test_no_fault_schedule_splits_desyncs_or_wedges_the_job(scenario):
-    run(*scenario[:5], peer_wait=scenario[5])
+    run(*scenario[:5], peer_wait=scenario[5], spares=scenario[6])
 
 
 @pytest.mark.slow
 @given(scenarios(max_rounds=30))
 @settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_no_fault_schedule_splits_desyncs_or_wedges_the_job_many(scenario):
-    run(*scenario[:5], peer_wait=scenario[5])
+    run(*scenario[:5], peer_wait=scenario[5], spares=scenario[6])
 
 
 # -- scripted scenarios: the findings, and each fix switched off ----------------------------------------------
@@ -441,3 +446,43 @@ def test_with_three_groups_the_cut_off_one_stands_aside_unless_it_holds_the_stor
     primary_cut = _commits_during_cut(_cut_off(3, 1, {0}))  # group 0 holds the store: the others stand aside
     assert primary_cut[0] >= (CUT - 10) // 2, primary_cut
     assert STAND_ASIDE > 2, "a pause shorter than the heartbeat timeout would not let a quorum form without it"
+
+
+# -- warm spares -------------------------------------------------------------------------------------------------
+def _holders(sim, gid):
+    return [g for g in sim.groups if g.alive and g.gid == gid]
+
+
+def test_a_spare_takes_a_dead_groups_id_heals_and_trains_on():
+    sim = run(2, 2, True, [Faults(kill=frozenset({0}))] * 4, spares=1)
+    (holder,) = _holders(sim, 0)
+    assert holder.spare and holder.heals == 1, "the spare holds group 0 and healed into it"
+    assert sim.committing() == {1, holder.key}
+    assert len({g.ranks[0].params for g in sim.groups if g.alive}) == 1
+
+
+SPARE_ALONE = [Faults(kill=frozenset({0}))] + [Faults(cut_lh=frozenset({1}))] * 4
+"""Group 0 dies and the spare takes its id; then the only group with state is cut off from the lighthouse, which
+drops it: the spare is alone in its quorums, at step 0."""
+
+
+def test_a_spare_alone_in_its_quorum_waits_for_a_peer_with_state_instead_of_training():
+    sim = run(2, 1, True, SPARE_ALONE, spares=1)
+    (holder,) = _holders(sim, 0)
+    assert holder.spare and holder.heals == 1
+    alone = [r for rounds in sim.history for r in rounds if r.key == holder.key and r.participants == 1]
+    assert alone and not any(r.committed and r.step_before == 0 for r in alone), \
+        "alone in its quorums at step 0, the spare discarded them all"
+
+
+def test_a_spare_counted_as_holding_state_trains_a_second_model():
+    with pytest.raises(AssertionError, match="second, different model"):
+        run(2, 1, True, SPARE_ALONE, spares=1, revert=Revert(spare_holds_state=True))
+
+
+def test_a_group_hung_past_the_heartbeat_timeout_meets_the_spare_that_took_its_id_and_one_of_them_leaves():
+    sim = run(3, 1, True, [Faults(hang=frozenset({0}))] * (HEARTBEAT_TIMEOUT + 3), spares=1)
+    (holder,) = _holders(sim, 0)
+    left = [g for g in sim.groups if g.exit_reason == "DuplicateReplicaGroup"]
+    assert len(left) == 1 and left[0].gid == 0, "exactly one of the two holders of group 0 left"
+    assert sim.committing() == {g.key for g in sim.groups if g.alive}
