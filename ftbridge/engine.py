@@ -289,7 +289,8 @@ class FaultTolerantEngine:
             self.events.write(event="restart_without_peer", time=time.time(), step=step, stopped=True,
                               attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
             raise NoPeerToHealFrom(
-                f"replica group {self.cfg.replica_group_id} was restarted with nothing to start from and found no "
+                f"replica group {self.cfg.replica_group_id} was restarted with nothing to start from (or is a warm "
+                f"spare that took its id) and found no "
                 f"replica group holding the job's state to heal from within restart_peer_wait "
                 f"({self.cfg.restart_peer_wait.total_seconds():g} s, FTBRIDGE_RESTART_PEER_WAIT_S): the other "
                 "groups have finished or died. It does not train alone from step 0, which would make a second, "

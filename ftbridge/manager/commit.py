@@ -137,7 +137,8 @@ class View:
         dead_ends: ``(first, last)`` ids of the latest run of consecutive earlier quorums this member took
             part in after ``certified`` where none of its agreements passed, so nobody committed there
             (``None``: no such run).
-        empty: this member was restarted with nothing to start from (it holds none of the job's state).
+        empty: this member joined with nothing to start from (a restart or a spare, :func:`ftbridge.heal.joined_empty`;
+            it holds none of the job's state).
         num_groups: the job's replica groups (``num_replica_groups``); a quorum holding all of them
             follows the job's history whatever its ids (nobody outside it can have trained).
         missed: the latest earlier quorum id (this lighthouse's lifetime) whose agreement passed while this

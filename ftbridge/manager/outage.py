@@ -614,7 +614,7 @@ class OutageRider:
 
         Args:
             guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
-            empty: this group was restarted with nothing to start from.
+            empty: this group joined with nothing to start from (a restart or a spare).
 
         Returns:
             The :class:`~ftbridge.manager.commit.Agreement`. Never raises.
