@@ -434,8 +434,8 @@ class LocalJob:
         (:class:`ftbridge.spare.DuplicateReplicaGroup`). PIDs reused by another process are left out, as in
         :meth:`worker_pids`.
         """
-        starts = [e for e in self.events(group, rank) if e.get("event") == "start"]
-        return [e["pid"] for e in starts if started_by(e["pid"], e["time"]) and pid_alive(e["pid"])]
+        starts = live_starts(self.events(group, rank), lambda p, t: started_by(p, t) and pid_alive(p))
+        return [e["pid"] for e in starts.get((group, rank), [])]
 
     def spare_events(self) -> List[Dict[str, Any]]:
         """Records of every stand-by event log: launched spares (id ``N + index``) and demoted restarts.
@@ -615,6 +615,29 @@ def run_script_locally(script: str, groups: int = 2, nproc: int = 1, prefix: str
             print(f"exit codes {codes}\n{job.tails()}", file=sys.stderr)
             return 1
     return 0
+
+
+def live_starts(events: Sequence[Dict[str, Any]], running: Callable[[int, float], bool]
+                ) -> Dict[Tuple[int, int], List[Dict[str, Any]]]:
+    """The ``start`` records whose process still runs, per ``(replica group, group rank)``, oldest first (pure).
+
+    More than one for a rank while a spare took the id of a group that still runs (paused or cut off from
+    the lighthouse past its heartbeat timeout) and before one of the two left.
+
+    Args:
+        events: event records of the groups' logs (any order).
+        running: ``running(pid, start_time)``: whether that process still runs and is the one that wrote the
+            record (not a reused PID).
+    """
+    out: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
+    for e in events:
+        group, rank = e.get("replica_group"), e.get("group_rank")
+        if e.get("event") == "start" and isinstance(group, int) and isinstance(rank, int) \
+                and running(e["pid"], e["time"]):
+            out.setdefault((group, rank), []).append(e)
+    for starts in out.values():
+        starts.sort(key=lambda e: e["time"])
+    return out
 
 
 def started_by(pid: int, when: float) -> bool:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, List, Sequence, Set
 
+from ftbridge.harness.local_job import live_starts
+
 Record = Dict[str, Any]
 
 
@@ -58,7 +60,8 @@ def holders(events: Iterable[Record], groups: Iterable[int],
             running: Callable[[int, float], bool] = lambda pid, t: True) -> Dict[int, Dict[int, int]]:
     """The PIDs that hold each group id now: ``{group: {group rank: pid}}``.
 
-    Per rank, the latest ``start`` record whose process still runs. Not simply the latest: a restart
+    Per rank, the latest ``start`` record whose process still runs
+    (:func:`ftbridge.harness.local_job.live_starts`). Not simply the latest: a restart
     of a group may join while the spare holding its id is paused (or while the lighthouse is down, so it
     cannot see the id is taken), meet the spare in a quorum and leave (:func:`ftbridge.spare.must_leave`)
     after writing its ``start``; the spare keeps the id.
@@ -69,15 +72,8 @@ def holders(events: Iterable[Record], groups: Iterable[int],
         running: ``running(pid, start_time)``: whether that process still runs (and is the one that
             wrote the record, not a reused PID); default: every one does.
     """
-    latest: Dict[int, Dict[int, Record]] = {g: {} for g in groups}
-    for e in events:
-        g = e.get("replica_group")
-        if e.get("event") != "start" or g not in latest or not running(e["pid"], e["time"]):
-            continue
-        cur = latest[g].get(e["group_rank"])
-        if cur is None or e["time"] >= cur["time"]:
-            latest[g][e["group_rank"]] = e
-    return {g: {r: e["pid"] for r, e in sorted(ranks.items())} for g, ranks in latest.items()}
+    live = live_starts(list(events), running)
+    return {g: {r: starts[-1]["pid"] for (gg, r), starts in sorted(live.items()) if gg == g} for g in groups}
 
 
 def standing_by(ready: Iterable[Record], held: Set[int]) -> List[int]:
