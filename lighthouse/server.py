@@ -2,7 +2,7 @@
 
 The lighthouse is torchft's own Rust server
 (``torchft.coordination.LighthouseServer``, imported through
-:mod:`ftbridge.manager._torchft`); this module only validates the
+:mod:`ftbridge.manager.torchft_api`); this module only validates the
 arguments, chooses defaults suited to fast failover, fixes the address it
 reports, and warns when it is exposed beyond loopback. It keeps its state in
 memory only: after a restart quorum ids start again at 0.
@@ -273,8 +273,8 @@ def start_lighthouse(
     if not is_loopback(host):
         _warn_exposed(bind)
 
-    # torchft's native lighthouse through its one door (ftbridge.manager._torchft); heavy, only when starting
-    from ftbridge.manager._torchft import LighthouseServer
+    # torchft's native lighthouse through its one door (ftbridge.manager.torchft_api); heavy, only when starting
+    from ftbridge.manager.torchft_api import LighthouseServer
 
     try:
         server = LighthouseServer(

@@ -2,7 +2,7 @@
 
 Reads the ``import`` statements of ``ftbridge/``, ``lighthouse/`` and ``scripts/`` with ``ast``. A module
 that is not listed here and imports torchft, or a DeepSpeed module below ``deepspeed.runtime``/``utils``,
-fails this test: go through the door (:mod:`ftbridge.manager._torchft`, :mod:`ftbridge.zero`) instead, or move
+fails this test: go through the door (:mod:`ftbridge.manager.torchft_api`, :mod:`ftbridge.zero`) instead, or move
 the door and update the diagram in docs/concepts.md together with these sets. The job and test harness
 (``ftbridge/harness/``) sits on top: the runtime and ``lighthouse/`` never import it.
 """
@@ -16,7 +16,7 @@ from typing import Dict, Set
 
 REPO = Path(__file__).resolve().parents[1]
 
-TORCHFT_DOORS = {"ftbridge/manager/_torchft.py"}
+TORCHFT_DOORS = {"ftbridge/manager/torchft_api.py"}
 """The one module that imports torchft; everything else (the manager package's process groups and heal
 transport, the lighthouse service) takes torchft's names from it."""
 
@@ -48,7 +48,7 @@ def _allowed(path: str, doors: Set[str]) -> bool:
 def test_torchft_is_imported_only_through_its_doors():
     bad = {p: sorted(n for n in names if n.split(".")[0] == "torchft")
            for p, names in _imports().items() if not _allowed(p, TORCHFT_DOORS)}
-    assert not {p: n for p, n in bad.items() if n}, "import torchft through ftbridge.manager._torchft"
+    assert not {p: n for p, n in bad.items() if n}, "import torchft through ftbridge.manager.torchft_api"
 
 
 def test_the_torchft_door_is_the_one_module_that_imports_torchft():
@@ -112,3 +112,9 @@ def test_the_runtime_never_imports_the_lighthouse_service():
     assert len(runtime) > 40 and "ftbridge/manager/quorum_watch.py" in runtime
     bad = {p: sorted(n for n in names if n.split(".")[0] == "lighthouse") for p, names in runtime.items()}
     assert not {p: n for p, n in bad.items() if n}, "the runtime must not import lighthouse/"
+
+
+def test_the_lighthouse_and_scripts_use_only_public_ftbridge_modules():
+    private = {p: sorted(n for n in names if n.startswith("ftbridge") and any(s.startswith("_") for s in n.split(".")))
+               for p, names in _imports().items() if not p.startswith("ftbridge/")}
+    assert not {p: n for p, n in private.items() if n}, "import public ftbridge modules only (no _private ones)"

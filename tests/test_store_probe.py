@@ -74,7 +74,7 @@ _RANK_1 = """
 import sys
 import threading
 from datetime import timedelta
-from ftbridge.manager._torchft import ProcessGroupGloo
+from ftbridge.manager.torchft_api import ProcessGroupGloo
 pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
 pg.configure(sys.argv[1], "replica_group_1", 1, 2)
 print("formed", flush=True)

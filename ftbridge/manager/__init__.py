@@ -5,7 +5,7 @@ gradient sync, the checkpointer through the engine): its methods cover the
 step (quorum, all-reduce, heal agreement, commit) and its state (counters for
 heal and checkpoint). The torchft object it wraps is private.
 
-This package is torchft's one door: only :mod:`ftbridge.manager._torchft`
+This package is torchft's one door: only :mod:`ftbridge.manager.torchft_api`
 imports torchft (``tests/test_boundaries.py``; the graph is in
 ``docs/concepts.md``), and torchft's private fields are read only here, under
 that module's version check. Its modules:

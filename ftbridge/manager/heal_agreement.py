@@ -2,7 +2,7 @@
 
 :class:`HealAgreement` reads torchft's ``Manager._healing`` and
 ``_pending_state_dict``; :class:`ftbridge.manager.ReplicaManager` builds it only
-where :func:`ftbridge.manager._torchft.internals_supported` holds.
+where :func:`ftbridge.manager.torchft_api.internals_supported` holds.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class OutageRider:
     Args:
         manager: torchft's ``Manager`` of this rank (``_quorum_id``, ``_pg``, ``_store``, ``errored``,
             ``report_error``, ``current_step``, ``num_participants``, ``is_participating``). Built only
-            inside :mod:`ftbridge.manager`, where :func:`ftbridge.manager._torchft.internals_supported` holds.
+            inside :mod:`ftbridge.manager`, where :func:`ftbridge.manager.torchft_api.internals_supported` holds.
         enabled: riding is on; off, every step asks the lighthouse (the agreement still runs).
         lighthouse: the lighthouse's address.
         group_rank: this rank's rank in its replica group (0 decides).

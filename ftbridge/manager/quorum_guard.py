@@ -3,7 +3,7 @@
 The lighthouse keeps its state in memory; restarted, it numbers quorums from
 1 again, which torchft 0.2 mistakes for old quorums. :class:`_QuorumGuard`
 wraps the manager's client (``Manager._client``, installed only where
-:func:`ftbridge.manager._torchft.internals_supported` holds) and, per quorum,
+:func:`ftbridge.manager.torchft_api.internals_supported` holds) and, per quorum,
 detects a restart, runs a vote on the quorum's TCPStore so that every member
 rebuilds the cross-replica process group or none does (skipped on a steady
 quorum, :func:`ftbridge.manager.quorum_rules.vote_needed`), refuses a member of
@@ -22,13 +22,6 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ftbridge.manager._torchft import (
-    TORCHFT_GUARDED_VERSIONS,
-    Manager,
-    create_store_client,
-    installed_version,
-    internals_supported,
-)
 from ftbridge.manager.futures import call_bounded
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
 from ftbridge.manager.quorum_rules import (
@@ -42,6 +35,13 @@ from ftbridge.manager.quorum_rules import (
     vote_needed,
 )
 from ftbridge.manager.quorum_watch import wait_for_keys
+from ftbridge.manager.torchft_api import (
+    TORCHFT_GUARDED_VERSIONS,
+    Manager,
+    create_store_client,
+    installed_version,
+    internals_supported,
+)
 
 logger = logging.getLogger(__name__)
 

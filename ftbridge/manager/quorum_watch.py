@@ -484,7 +484,7 @@ class WatchedWork:
         """Wait (see the class); ``False`` when the step is to be discarded (``tensor`` is then untouched if it
         was copied, undefined if it was lent)."""
         # torchft 0.2 _ManagedWork: the process group's own work (an internal; the watch runs only where
-        # ftbridge.manager._torchft.internals_supported holds, see start_watch)
+        # ftbridge.manager.torchft_api.internals_supported holds, see start_watch)
         raw = getattr(self._work, "_work", None)
         if raw is not None and hasattr(raw, "get_future"):
             lost = self._watch.wait(raw)

@@ -39,7 +39,6 @@ from torch.distributed import ReduceOp
 from ftbridge.config import FTBridgeConfig
 from ftbridge.device import backend_for, exchange_in_group
 from ftbridge.heal import restart_without_peer
-from ftbridge.manager._torchft import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
 from ftbridge.manager.commit import Agreement, GroupDecision, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.lighthouse_status import replica_group_of
@@ -48,6 +47,7 @@ from ftbridge.manager.quorum_guard import _install_quorum_guard
 from ftbridge.manager.quorum_watch import start_watch
 from ftbridge.manager.stand_aside import StandAside, leave_quorums, longest_pause
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
+from ftbridge.manager.torchft_api import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
 from ftbridge.manager.transport import SafeHTTPTransport
 
 logger = logging.getLogger(__name__)
@@ -457,7 +457,7 @@ class ReplicaManager:
     @property
     def quorum_id(self) -> int:
         """Id of the quorum of the current step (-1 before the first, or where torchft has no such field:
-        a version :func:`ftbridge.manager._torchft.internals_supported` does not cover)."""
+        a version :func:`ftbridge.manager.torchft_api.internals_supported` does not cover)."""
         return int(getattr(self._torchft, "_quorum_id", -1))
 
     @property

@@ -12,7 +12,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
 
-from ftbridge.manager._torchft import pause_manager_server
+from ftbridge.manager.torchft_api import pause_manager_server
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Cal
 
     Group rank 0 shuts its torchft manager server down (the lighthouse stops hearing the group and forgets
     it after its heartbeat timeout), every rank waits out the pause, rank 0 builds the server again on the
-    same port (:func:`ftbridge.manager._torchft.pause_manager_server`), and ``barrier`` (one in-group
+    same port (:func:`ftbridge.manager.torchft_api.pause_manager_server`), and ``barrier`` (one in-group
     exchange) holds the other ranks until it is back. The next quorum holds the group again, behind the
     others: it heals.
 

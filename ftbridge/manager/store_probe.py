@@ -33,8 +33,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from ftbridge.manager._torchft import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 from ftbridge.manager.futures import call_bounded, in_thread
+from ftbridge.manager.torchft_api import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 
 RENDEZVOUS_BOUND = 2
 """A gloo rendezvous may take at most this many times the group's timeout (:class:`ProbedProcessGroupGloo`)."""

@@ -58,7 +58,7 @@ from ftbridge.heal.limits import (
 )
 from ftbridge.heal.stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
 from ftbridge.heal.wire import decode_parts, decode_state, encode_state, header_length, plan_body
-from ftbridge.manager._torchft import CheckpointTransport
+from ftbridge.manager.torchft_api import CheckpointTransport
 from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
