@@ -28,7 +28,8 @@ import torch
 
 from ftbridge import comm_hooks
 from ftbridge.comm_hooks import base, default
-from ftbridge.comm_hooks.fragments import Fragment, PartitionLayout, layout_from_shapes
+from ftbridge.comm_hooks.matrices import split
+from ftbridge.zero.layout import Fragment, PartitionLayout, layout_from_shapes
 from tests.fakes import FakeWorld, run_replicas
 
 pytestmark = pytest.mark.timeout(120)
@@ -267,14 +268,14 @@ def test_powersgd_state_dict_round_trips_through_the_heal_wire_format():
 def test_fragment_whole_rows_compress_ragged_edges_go_plain():
     # A (100, 10) weight whose fragment starts 3 elements into row 2 and ends 5 elements into row 90.
     layout = PartitionLayout(1000, [Fragment(offset=7, numel=885, shape=(100, 10), param_start=23)])
-    matrices, plain = layout.split(rank=1, min_compression_rate=2)
+    matrices, plain = split(layout, rank=1, min_compression_rate=2)
     assert len(matrices) == 1
     m = matrices[0]
     assert (m.offset, m.rows, m.cols) == (7 + 7, 87, 10)          # rows 3..89
     assert plain == [(7, 7), (7 + 7 + 870, 8)]
     # 1-D and too-small fragments are plain; padding (0..7, 892..1000) is in neither list.
     layout = PartitionLayout(30, [Fragment(0, 10, (10,)), Fragment(10, 20, (2, 10))])
-    matrices, plain = layout.split(rank=1, min_compression_rate=2)
+    matrices, plain = split(layout, rank=1, min_compression_rate=2)
     assert matrices == [] and plain == [(0, 30)]
 
 
@@ -307,8 +308,8 @@ def test_deepspeed_config_section_is_stripped():
 
 
 def test_a_failing_hook_discards_the_step():
-    from ftbridge.comm_hooks.fragments import layout_from_shapes
     from ftbridge.zero.grad_sync import GradientSync
+    from ftbridge.zero.layout import layout_from_shapes
 
     class Adapter:
         on_cuda = False

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftbridge.comm_hooks.fragments import Fragment, PartitionLayout
+from ftbridge.zero.layout import Fragment, PartitionLayout
 from ftbridge.zero.messages import Readiness, plan_messages
 
 

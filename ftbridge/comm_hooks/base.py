@@ -39,7 +39,7 @@ class CommHookState:
     def __init__(self, manager: Any) -> None:
         self.manager = manager
         self.layout: Any = None
-        """The :class:`ftbridge.comm_hooks.fragments.PartitionLayout` of the
+        """The :class:`ftbridge.zero.layout.PartitionLayout` of the
         rank's partition, set by the gradient sync before the first step."""
         self.bytes_sent = 0
         """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""

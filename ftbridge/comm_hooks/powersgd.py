@@ -21,7 +21,7 @@ Bytes per step: ``(n + m) r`` instead of ``n m`` per compressed matrix.
 Differences from PyTorch, all for fault tolerance:
 
 * **Where matrices come from**: a ZeRO partition cuts parameters at arbitrary
-  offsets; :mod:`ftbridge.comm_hooks.fragments` maps each fragment's whole
+  offsets; :mod:`ftbridge.comm_hooks.matrices` maps each fragment's whole
   rows to a matrix and sends its ragged edges, 1-D parameters and small
   matrices uncompressed, padding not at all. The hooks need that whole-partition
   view, so with PowerSGD the gradient sync sends the partition after
@@ -64,7 +64,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ftbridge.comm_hooks.base import LOW_PRECISION, ChainWork, CommHookState
-from ftbridge.comm_hooks.fragments import Matrix, PartitionLayout
+from ftbridge.comm_hooks.matrices import Matrix, split
+from ftbridge.zero.layout import PartitionLayout
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class _Plan:
 
     @classmethod
     def from_layout(cls, layout: PartitionLayout, rank: int, min_rate: float, batch_same_shape: bool) -> "_Plan":
-        matrices, plain = layout.split(rank, min_rate)
+        matrices, plain = split(layout, rank, min_rate)
         groups: List[List[int]] = []
         if batch_same_shape:
             by_shape: Dict[Tuple[int, int], List[int]] = {}

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ftbridge.comm_hooks.fragments import PartitionLayout
+from ftbridge.zero.layout import PartitionLayout
 from ftbridge.zero.state import from_wire, to_wire
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Which parameter each element of a rank's ZeRO gradient partition belongs to, read from DeepSpeed.
 
 The partition as ``optimizer.step()`` reads it (:meth:`ftbridge.zero.adapter.ZeroAdapter.partition_grads`
-concatenated) is cut into :class:`~ftbridge.comm_hooks.fragments.Fragment` s, one per parameter
+concatenated) is cut into :class:`Fragment` s, one per parameter
 (or piece of a parameter) it holds, from DeepSpeed's own bookkeeping (deepspeed 0.19):
 
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``): per parameter group, ``params_in_partition``,
@@ -13,16 +13,47 @@ concatenated) is cut into :class:`~ftbridge.comm_hooks.fragments.Fragment` s, on
 
 The total must equal the partition's size and fragments must not overlap, or the readers raise.
 The message plan (:mod:`ftbridge.zero.messages`) and PowerSGD (:mod:`ftbridge.comm_hooks.powersgd`)
-use the result.
+use the result
+(:mod:`ftbridge.comm_hooks.matrices` views it as PowerSGD's matrices).
 """
 
 from __future__ import annotations
 
-from typing import Any, List
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ftbridge.comm_hooks.fragments import Fragment, PartitionLayout
+
+@dataclass(frozen=True)
+class Fragment:
+    """Elements ``[param_start, param_start + numel)`` of a parameter, at ``offset`` in the partition."""
+
+    offset: int
+    numel: int
+    shape: Tuple[int, ...]
+    param_start: int = 0
+    key: int = -1
+    """DeepSpeed's id of the parameter (ZeRO-1/2 ``get_param_id``, ZeRO-3 ``ds_id``); -1 when unknown."""
+
+
+@dataclass
+class PartitionLayout:
+    """The fragments of one rank's flat partition; pads are the gaps between them."""
+
+    numel: int
+    fragments: List[Fragment] = field(default_factory=list)
+
+
+def layout_from_shapes(shapes: Sequence[Sequence[int]]) -> PartitionLayout:
+    """Layout of whole parameters concatenated in order (no ZeRO; tests and DDP-like use)."""
+    frags, offset = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        frags.append(Fragment(offset, n, tuple(s)))
+        offset += n
+    return PartitionLayout(offset, frags)
 
 
 def stage12_layout(opt: Any) -> PartitionLayout:

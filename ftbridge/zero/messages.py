@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-from ftbridge.comm_hooks.fragments import Fragment, PartitionLayout
+from ftbridge.zero.layout import Fragment, PartitionLayout
 
 
 @dataclass(frozen=True)

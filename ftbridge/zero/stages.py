@@ -54,9 +54,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import deepspeed
 import torch
 
-from ftbridge.comm_hooks.fragments import PartitionLayout
 from ftbridge.zero.adapter import ZeroAdapter, with_optimizer_state
-from ftbridge.zero.layout import stage3_layout, stage12_layout
+from ftbridge.zero.layout import PartitionLayout, stage3_layout, stage12_layout
 
 logger = logging.getLogger(__name__)
 

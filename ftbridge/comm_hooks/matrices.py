@@ -1,4 +1,4 @@
-"""Which parameter each element of a ZeRO gradient partition belongs to, and as which matrix.
+"""A ZeRO gradient partition as PowerSGD's matrices: which elements form which matrix.
 
 PowerSGD compresses a gradient *matrix* (Vogels, Karimireddy, Jaggi,
 "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
@@ -29,27 +29,17 @@ uncompressed). ``batched_power_sgd`` needs no layout: it compresses the whole
 partition as one square matrix (PyTorch's ``batched_powerSGD_hook``), cheaper
 to run but a worse approximation.
 
-The layout is read once from DeepSpeed's own bookkeeping by the ZeRO adapter
-(:mod:`ftbridge.zero.layout`); this module only computes with it.
+The layout (:class:`ftbridge.zero.layout.PartitionLayout`) is read once from DeepSpeed's own
+bookkeeping by the ZeRO adapter; this module only computes with it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
-
-@dataclass(frozen=True)
-class Fragment:
-    """Elements ``[param_start, param_start + numel)`` of a parameter, at ``offset`` in the partition."""
-
-    offset: int
-    numel: int
-    shape: Tuple[int, ...]
-    param_start: int = 0
-    key: int = -1
-    """DeepSpeed's id of the parameter (ZeRO-1/2 ``get_param_id``, ZeRO-3 ``ds_id``); -1 when unknown."""
+from ftbridge.zero.layout import Fragment, PartitionLayout
 
 
 @dataclass(frozen=True)
@@ -65,31 +55,25 @@ class Matrix:
         return self.rows * self.cols
 
 
-@dataclass
-class PartitionLayout:
-    """The fragments of one rank's flat partition; pads are the gaps between them."""
+def split(layout: PartitionLayout, rank: int,
+          min_compression_rate: float) -> Tuple[List[Matrix], List[Tuple[int, int]]]:
+    """PowerSGD's view of ``layout``: matrices to compress and ``(offset, numel)`` spans to send uncompressed.
 
-    numel: int
-    fragments: List[Fragment] = field(default_factory=list)
+    Args:
+        rank: PowerSGD's ``matrix_approximation_rank``.
+        min_compression_rate: compress a matrix only if it shrinks at least this much.
 
-    def split(self, rank: int, min_compression_rate: float) -> Tuple[List[Matrix], List[Tuple[int, int]]]:
-        """Matrices to compress and ``(offset, numel)`` spans to send uncompressed.
-
-        Args:
-            rank: PowerSGD's ``matrix_approximation_rank``.
-            min_compression_rate: compress a matrix only if it shrinks at least this much.
-
-        Returns:
-            ``(matrices, plain_spans)``; elements in neither are padding.
-        """
-        matrices: List[Matrix] = []
-        plain: List[Tuple[int, int]] = []
-        for f in self.fragments:
-            m, spans = _split_fragment(f, rank, min_compression_rate)
-            if m is not None:
-                matrices.append(m)
-            plain.extend(spans)
-        return matrices, _merge(plain)
+    Returns:
+        ``(matrices, plain_spans)``; elements in neither are padding.
+    """
+    matrices: List[Matrix] = []
+    plain: List[Tuple[int, int]] = []
+    for f in layout.fragments:
+        m, spans = _split_fragment(f, rank, min_compression_rate)
+        if m is not None:
+            matrices.append(m)
+        plain.extend(spans)
+    return matrices, _merge(plain)
 
 
 def _split_fragment(f: Fragment, rank: int, min_rate: float) -> Tuple[Any, List[Tuple[int, int]]]:
@@ -128,13 +112,3 @@ def _merge(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
         else:
             out.append((off, n))
     return out
-
-
-def layout_from_shapes(shapes: Sequence[Sequence[int]]) -> PartitionLayout:
-    """Layout of whole parameters concatenated in order (no ZeRO; tests and DDP-like use)."""
-    frags, offset = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        frags.append(Fragment(offset, n, tuple(s)))
-        offset += n
-    return PartitionLayout(offset, frags)
