@@ -329,7 +329,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
             self._cond.notify_all()
         logger.info("serving heal state for step %d to replica ranks %s: %.1f MB, laid out in %.4f s",
-                    step, dst_ranks, (len(body) if isinstance(body, StagedBody) else body.size) / 1e6,
+                    step, dst_ranks, body.size / 1e6,
                     time.perf_counter() - t0)
 
     def disallow_checkpoint(self) -> None:
