@@ -746,7 +746,7 @@ class Sim:
                 if corrupt or before in self.tainted:
                     self.tainted.add(r.params)
                 r.tf.step += 1
-            r.rider.after_commit(committed, committed and d.ride_next, d.nobody_commits, d.agreed)
+            r.rider.after_commit(committed, committed and d.ride_next, d.nobody_commits, d.agreed, d.met)
             pause = r.aside.step(quorum_id=r.tf._quorum_id, store_unreachable=d.store_unreachable,
                                  committed=committed)
             if pause and not self.revert.stand_aside:

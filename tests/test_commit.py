@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ftbridge.manager.commit import (
     FLAGS,
     ROW,
+    Agreement,
     Flags,
     QuorumWait,
     View,
@@ -21,6 +22,7 @@ from ftbridge.manager.commit import (
     encode_view,
     judge,
     membership_digest,
+    rank_flags,
 )
 from ftbridge.manager.stand_aside import StandAside, longest_pause
 
@@ -242,3 +244,13 @@ def test_no_pause_outlasts_half_of_the_wait_the_others_keep_after_a_lighthouse_r
     rule = StandAside(base_s=10.0, max_s=longest_pause(10.0, 30.0))
     pauses = [rule.step(quorum_id=q, store_unreachable=True, committed=False) for q in range(8)]
     assert [p for p in pauses if p] == [10.0, 15.0, 15.0, 15.0]
+
+
+def test_a_group_met_the_others_only_if_every_rank_did():
+    # A rank whose agreement never ran (its process group did not form) or found members missing did not meet.
+    ran = rank_flags(step=5, errored=False, agreement=Agreement(True, False, False, "gap"), healing=False,
+                     heal_ready=False, replica_group=0)
+    lost = rank_flags(step=5, errored=True, agreement=Agreement(False, False, False, "no group"), healing=False,
+                      heal_ready=False, replica_group=0)
+    assert ran.met and not lost.met
+    assert decide_group(rows(ran, ran)).met and not decide_group(rows(ran, lost)).met

@@ -733,3 +733,32 @@ def test_a_lighthouse_that_stops_answering_while_a_call_waits_is_probed_again():
     r.quorum(lambda timeout: hung.wait(30))
     assert r.riding and time.monotonic() - t0 < 5.0
     hung.set()
+
+
+@pytest.mark.parametrize("excused", [True, False], ids=["met-rule", "reverted"])
+def test_steps_the_group_could_not_meet_in_do_not_count_towards_the_gap_wait(monkeypatch, excused):
+    """A holder of the job's history held 24 s in a rendezvous that failed must not stop for a gap it could not
+    close meanwhile (the chaos run with a spare, seed 44, lost every holder that way)."""
+    import ftbridge.manager.outage as outage
+    from ftbridge.manager.commit import Agreement
+
+    now = [0.0]
+    r = _rider(gap_wait=timedelta(seconds=10), clock=lambda: now[0])
+    gap = Agreement(True, False, False, "follows a quorum nobody here took part in", continuous=False)
+    monkeypatch.setattr(outage, "judge", lambda rows, own, riding: gap)
+
+    def step(t, met=True):
+        now[0] = t
+        r.conclude([0.0], [[0.0]], "") if met else r.conclude(None, None, "the process group never formed")
+        r.after_commit(False, False, group_met=met or not excused)
+
+    step(0)
+    step(1)
+    step(25, met=False)  # the step in the failed rendezvous
+    step(26)
+    assert r.gap_expired is not excused
+    for t in range(27, 34):
+        step(t)
+    assert r.gap_expired is not excused  # 9 s counted: 0-1 and 25-33
+    step(34)
+    assert r.gap_expired

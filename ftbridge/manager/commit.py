@@ -381,7 +381,7 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int
 
 # -- DECIDE: one in-group exchange per step -----------------------------------------------------------
 
-FLAGS = 14
+FLAGS = 15
 """float64 values per rank in the in-group exchange (see :func:`encode_flags`)."""
 
 
@@ -407,6 +407,10 @@ class Flags:
         store_unreachable: this is group rank 0 and the quorum's store (the primary group's TCPStore, which
             group rank 0 of every member dials) did not answer its probe within the cross-replica timeout
             when this step's process group was built (:class:`ftbridge.manager.stand_aside.StandAside`).
+        met: this rank's agreement ran and every member of its quorum took part in it
+            (:attr:`Agreement.consistent`). A step in which a rank did not meet the others (its process
+            group never formed, a member died or hung) is time the group could not meet them: it does not
+            count towards ``restart_peer_wait`` (:meth:`ftbridge.manager.outage.OutageRider.after_commit`).
     """
 
     step: int
@@ -422,6 +426,7 @@ class Flags:
     gap_stop: bool = False
     fails_all: bool = False
     store_unreachable: bool = False
+    met: bool = True
 
 
 def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
@@ -447,16 +452,17 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
                  guard_differs=bool(g and replica_group in g.differing), guard_tie=bool(g and g.tie), stop=stop,
                  gap_stop=gap_stop,
                  fails_all=bool(agreement and agreement.shared and not agreement.commit),
-                 store_unreachable=store_unreachable)
+                 store_unreachable=store_unreachable, met=agreement.consistent if agreement is not None else True)
 
 
 def encode_flags(f: Flags) -> List[float]:
     """One rank's row of the in-group exchange: ``[1, step, errored, agreement, ride on, healing,
-    heal ready, guard mismatch, guard differs, guard tie, stop, gap stop, fails all, store unreachable]``
+    heal ready, guard mismatch, guard differs, guard tie, stop, gap stop, fails all, store unreachable, met]``
     (exact in float64)."""
     return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.ride_on),
             float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
-            float(f.guard_tie), float(f.stop), float(f.gap_stop), float(f.fails_all), float(f.store_unreachable)]
+            float(f.guard_tie), float(f.stop), float(f.gap_stop), float(f.fails_all), float(f.store_unreachable),
+            float(f.met)]
 
 
 @dataclass(frozen=True)
@@ -480,6 +486,7 @@ class GroupDecision:
             died in.
         store_unreachable: group rank 0 found the quorum's store silent in this step
             (:class:`ftbridge.manager.stand_aside.StandAside`).
+        met: every rank's agreement ran with every member of its quorum (:attr:`Flags.met`).
     """
 
     commit: bool
@@ -494,6 +501,7 @@ class GroupDecision:
     nobody_commits: bool = False
     agreed: bool = False
     store_unreachable: bool = False
+    met: bool = True
 
 
 def decode_flags(row: Sequence[float]) -> Flags:
@@ -542,5 +550,5 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
     return GroupDecision(commit, drop_heal, any(f.guard_mismatch for f in flags) or differs or tie, differs, tie,
                          commit and all(f.ride_on for f in flags), stop, gap_stop, "; ".join(reasons),
                          any(f.fails_all for f in flags), all(f.agreement for f in flags),
-                         any(f.store_unreachable for f in flags))
+                         any(f.store_unreachable for f in flags), all(f.met for f in flags))
 

@@ -203,9 +203,11 @@ class OutageRider:
         self._committers = 0  # _oks of the step that set _held (View.committers once the quorum is certified)
         self._certified_committers = 0
         self._gap_wait, self._clock = gap_wait.total_seconds(), clock
-        self._gap_since: Optional[float] = None
+        self._gap_mark: Optional[float] = None  # end of the last counted step of a gap (None: no gap)
+        self._gap_s = 0.0  # seconds of the gap counted so far
         self.gap_expired = False
-        """Quorums that do not follow the job's history have been discarded for longer than ``gap_wait``."""
+        """Quorums that do not follow the job's history have been discarded for longer than ``gap_wait``, not
+        counting steps in which the group could not meet the others (:meth:`after_commit`)."""
         self.riding = False
         """Whether the current step reuses the last quorum."""
         self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
@@ -661,10 +663,11 @@ class OutageRider:
             self._others_ok = self._oks - (rows[last.replica_rank][10] == 1.0)
         if verdict.consistent and not verdict.continuous:
             now = self._clock()
-            self._gap_since = now if self._gap_since is None else self._gap_since
-            self.gap_expired = now - self._gap_since >= self._gap_wait
+            self._gap_s += now - (now if self._gap_mark is None else self._gap_mark)
+            self._gap_mark = now
+            self.gap_expired = self._gap_s >= self._gap_wait
         elif verdict.continuous:
-            self._gap_since, self.gap_expired = None, False
+            self._gap_mark, self._gap_s, self.gap_expired = None, 0.0, False
         if not verdict.commit and m.errored() is None:
             self.disagreements += 1
             m.report_error(OutageDisagreement(
@@ -689,7 +692,7 @@ class OutageRider:
             return None, f"agreement all-reduce failed: {type(exc).__name__}: {exc}"
 
     def after_commit(self, committed: bool, ride_next: bool, nobody_commits: bool = False,
-                     group_agreed: bool = True) -> None:
+                     group_agreed: bool = True, group_met: bool = True) -> None:
         """Record the group's decision for the next step's (the same on every rank of the group).
 
         Args:
@@ -701,8 +704,15 @@ class OutageRider:
                 (:attr:`~ftbridge.manager.commit.GroupDecision.agreed`). Only then is a discard the group's
                 own, and the step one it *missed*; a rank's failed all-reduce is most often a member dying
                 in it, which then holds no history anyone could fork from.
+            group_met: every rank's agreement ran with every member (:attr:`GroupDecision.met`). A step
+                in which the group could not meet the others (a rendezvous that failed, a member lost) does
+                not count towards ``gap_wait``: the gap clock goes on from the end of this step. The same
+                on every rank, so the ranks' clocks stay together and no holder of the job's history stops
+                for time it spent unable to meet the others.
         """
         self._last_committed = committed
+        if not group_met and self._gap_mark is not None:
+            self._gap_mark = self._clock()
         if self._agreed and committed:
             self._held, self._missed_here, self._committers = True, False, self._oks
         elif self._agreed and self._others_ok and group_agreed and not nobody_commits:

@@ -405,7 +405,8 @@ class ReplicaManager:
             decision = verdict.decision if verdict is not None else None
             self.outage.after_commit(committed, bool(decision and decision.ride_next),
                                      bool(decision and decision.nobody_commits),
-                                     bool(decision is None or decision.agreed))
+                                     bool(decision is None or decision.agreed),
+                                     bool(decision is None or decision.met))
         if committed and self.quorum_guard is not None:
             self.quorum_guard.majority.committed()
         self.stood_aside = None
