@@ -152,7 +152,11 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
     second copy of the group, on the same data shard. It is the one behind, so it heals in that quorum:
     the healing holder of a duplicated id leaves (its torchrun restart then finds the id held and stands
     by, :func:`demote_if_taken`). When nobody in the quorum heals (two spares that took one id at step 0),
-    every holder but the first by replica id leaves, so exactly one stays.
+    every holder but the first by replica id leaves, so exactly one stays. A holder knows only whether it
+    heals itself, and both may (a restart that came back while the lighthouse could not show the id was
+    taken, beside a spare that fell behind): the first holder by replica id therefore stays even when it
+    heals. At most one holder stays then, or both for one step, after which nobody heals and the rule
+    above keeps the first; never none.
 
     Args:
         replica_ids: the quorum's torchft replica ids (``replica_group_G:UUID``).
@@ -167,7 +171,8 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
     holders = sorted(r for r in replica_ids if replica_group_of(r) == group)
     if len(holders) <= 1:
         return False
-    return healing or (nobody_heals and me is not None and me != holders[0])
+    first = me is not None and me == holders[0]
+    return (healing and not first) or (nobody_heals and me is not None and not first)
 
 
 def vacancies(fresh: set, known: set, num_groups: int) -> List[int]:

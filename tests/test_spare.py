@@ -209,6 +209,14 @@ def test_two_holders_of_one_id_where_nobody_heals_keep_only_the_first():
     assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", nobody_heals=False)
 
 
+def test_two_holders_of_one_id_that_both_heal_keep_the_first():
+    """Both holders behind the quorum's step (a restart beside a spare that fell behind; chaos seed 47): both
+    used to leave, and the group had no holder until torchrun restarted it."""
+    ids = ["replica_group_0:a", "replica_group_1:x", "replica_group_1:y"]
+    stays = [not spare.must_leave(ids, 1, healing=True, me=me) for me in ("replica_group_1:x", "replica_group_1:y")]
+    assert stays == [True, False]
+
+
 def test_a_vacancy_seen_right_after_the_lighthouse_did_not_answer_must_settle_first():
     """A lighthouse that was hung shows every group stale until their next heartbeats arrive; a spare took
     a live group's id then, joined as a duplicate and cost every group a vote and a cross-replica timeout."""
