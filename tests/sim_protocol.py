@@ -47,6 +47,7 @@ from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import joined_empty, restart_without_peer
 from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
 from ftbridge.manager.heal_agreement import HealAgreement
+from ftbridge.manager.lighthouse_status import replica_group_of
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
 from ftbridge.manager.quorum_rules import (
     VOTE_SKIP_WINDOW_S,
@@ -57,7 +58,7 @@ from ftbridge.manager.quorum_rules import (
     vote_needed,
 )
 from ftbridge.manager.stand_aside import StandAside, longest_pause
-from ftbridge.spare import must_leave
+from ftbridge.spare import choose_group, must_leave, vacancies
 
 logging.getLogger("ftbridge.manager.outage").setLevel(logging.ERROR)
 logging.getLogger("ftbridge.manager.heal_agreement").setLevel(logging.ERROR)
@@ -287,6 +288,7 @@ class SimGroup:
         self.gid, self.size, self.ride, self.guard_every, self.clock = gid, size, ride, guard_every, clock
         self.key = gid if key is None else key  # the process (faults name it): gid, or groups + k for spare k
         self.spare = spare  # started as a warm spare: it stands by until it takes a vacant group's id
+        self.first_seen: Dict[int, float] = {}  # a standing-by spare: vacant group id -> round first seen
         self.num_groups = num_groups
         self.launch = 0
         self.alive = not spare
@@ -458,27 +460,24 @@ class Sim:
         return records
 
     def _spares_take_vacancies(self) -> None:
-        """Each standing-by spare that reads the lighthouse this round takes the smallest vacant group id
-        (:func:`ftbridge.spare.vacancies`: heard of, every heartbeat stale, while another group is fresh); spare
-        ``k`` waits until the id has been vacant for ``k`` rounds (``STAGGER_S``). It starts with nothing."""
+        """Each standing-by spare that reads the lighthouse this round takes a vacant group id by the real rules
+        (:func:`ftbridge.spare.vacancies`: heard of, every heartbeat stale, while another group is fresh;
+        :func:`ftbridge.spare.choose_group`: spare ``k`` waits ``k`` rounds). It starts with nothing."""
         f, lh = self.faults, self.lighthouse
-        taken: Set[int] = set()
         for g in self.groups:
             if g.exit_reason != "standby" or f.lighthouse != "up" or g.key in f.cut_lh | f.oneway_lh | f.hang:
                 continue
-            ages: Dict[int, int] = {}
-            for rid, t in lh.beats.items():
-                gid = int(rid.split(":")[0].rsplit("_", 1)[1])
-                ages[gid] = min(ages.get(gid, self.now), self.now - t)
-            fresh = {gid for gid, age in ages.items() if age < HEARTBEAT_TIMEOUT}
-            vacant = sorted(gid for gid, age in ages.items() if gid not in fresh and gid not in taken
-                            and age - HEARTBEAT_TIMEOUT >= g.key - g.num_groups)
-            if not fresh or not vacant:
+            beats = [(replica_group_of(rid), self.now - t) for rid, t in lh.beats.items()]
+            fresh = {gid for gid, age in beats if gid is not None and age < HEARTBEAT_TIMEOUT}
+            vacant = vacancies(fresh, {gid for gid, _ in beats if gid is not None}, g.num_groups)
+            g.first_seen = {gid: g.first_seen.get(gid, float(self.now)) for gid in vacant}
+            take = choose_group(vacant, g.first_seen, float(self.now), g.key - g.num_groups, stagger_s=1.0)
+            if take is None:
                 continue
-            g.gid, g.alive, g.exit_reason = vacant[0], True, ""
+            g.gid, g.alive, g.exit_reason = take, True, ""
             g.start()  # its ranks, rider and guard under the id it takes
             g.started_round = self.now
-            taken.add(g.gid)
+            lh.beats[g.replica_id] = self.now  # it heartbeats from its join: the next spare sees the id held
 
     def _quorum(self, runs: List[SimGroup]) -> Dict[int, Any]:
         """QUORUM: ride, or ask the lighthouse and wait; returns {group: quorum or 'ride'} for the groups that step."""
