@@ -56,7 +56,7 @@ from ftbridge.heal.wire import size_bound
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.adapter import ZeroAdapter
-from ftbridge.zero.engine_points import align_to_window, wrap_model_step
+from ftbridge.zero.engine_points import align_to_window, gradient_reduction, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
 from ftbridge.zero.state import from_wire, to_wire
 
@@ -100,7 +100,7 @@ class FaultTolerantEngine:
                                                            use_cuda=next(engine.module.parameters()).is_cuda,
                                                            max_heal_bytes=self.heal_size_bound)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
-                                            self.manager)
+                                            self.manager, reduction=gradient_reduction(engine))
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
                                hook=hook, hook_state=hook_state)
         wrap_model_step(engine, self._model_step)

@@ -13,7 +13,8 @@ parameters collectively inside the group, so DeepSpeed itself needs that).
 :func:`reference` computes, in plain torch, what every replica must hold
 after the job: plain SGD on the average over replica groups and group ranks
 of each rank's gradient, summed over the micro-batches of the step and
-scaled by ``1 / gradient_accumulation_steps`` as DeepSpeed scales the loss.
+scaled by ``1 / gradient_accumulation_steps`` as DeepSpeed scales the loss
+(under ``gradient_allreduce_op: sum``, the sum instead of the average).
 A parameter no micro-batch of a group used contributes zero there.
 """
 
@@ -51,6 +52,7 @@ class JobSpec:
         reduce_bucket_size, overlap_comm, contiguous_gradients: DeepSpeed ZeRO settings.
         offload: ``zero_optimization.offload_optimizer: {device: cpu}`` (the optimizer steps on the CPU).
         bf16: DeepSpeed's ``bf16`` mode (bf16 parameters and inputs, fp32 master weights).
+        reduction: DeepSpeed's ``gradient_allreduce_op`` (``mean`` or ``sum``; ``sum`` not with ZeRO-3).
         lr: SGD learning rate.
         micro_batch: samples per micro-batch.
     """
@@ -75,6 +77,7 @@ class JobSpec:
     contiguous_gradients: bool
     offload: bool = False
     bf16: bool = False
+    reduction: str = "mean"
     lr: float = 0.5
     micro_batch: int = 2
 
@@ -106,6 +109,8 @@ class JobSpec:
             cfg["managed_gradient_accumulation"] = False
         if self.bf16:
             cfg["bf16"] = {"enabled": True}
+        if self.reduction == "sum":
+            cfg["gradient_allreduce_op"] = "sum"
         return cfg
 
 
@@ -153,5 +158,6 @@ def reference(spec: JobSpec) -> Dict[str, torch.Tensor]:
         with torch.no_grad():
             for p in params.values():
                 if p.grad is not None:
-                    p.sub_(spec.lr * p.grad / (spec.groups * spec.group_size))
+                    ranks = spec.groups * spec.group_size if spec.reduction == "mean" else 1
+                    p.sub_(spec.lr * p.grad / ranks)
     return {k: v.detach().float() for k, v in params.items()}

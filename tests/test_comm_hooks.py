@@ -63,6 +63,48 @@ def test_no_hook_equals_plain_average_exactly():
     assert states[0].bytes_sent == 4000 and states[0].allreduces == 1
 
 
+def test_every_reduction_divides_once_as_torchft_average_does():
+    # The seam sums, then divides the result in place: bit-identical to torchft's AVG (sum, ``/= n``).
+    world = FakeWorld(3, healing=(2,))
+    grads = [g.bfloat16() for g in _grads(3, 999, seed=7)]
+    tensors = [g.clone() for g in grads]
+    run_hook(world, default.allreduce_hook, [base.CommHookState(world.manager(i)) for i in range(3)], tensors)
+    summed = grads[0] + grads[1]  # replica 2 heals: zeros
+    summed /= 2
+    for t in tensors:
+        assert torch.equal(t, summed)
+
+
+@pytest.mark.parametrize("name", ["no", "fp16", "bf16", "power_sgd_full_rank"])
+def test_a_summing_engine_gets_the_sum_across_groups(name):
+    # DeepSpeed's gradient_allreduce_op=sum: each group holds its ranks' sum, and plain DeepSpeed sums over
+    # every rank; an average here would halve the update on 2 groups while both commit.
+    n, numel = 2, sum(torch.Size(s).numel() for s in SHAPES)
+    world = FakeWorld(n)
+    opts = {"matrix_approximation_rank": 64, "start_powerSGD_iter": 0, "min_compression_rate": 0.0,
+            "use_error_feedback": False}
+    kind, options = ("power_sgd", opts) if name.startswith("power_sgd") else (name, None)
+    pairs = [comm_hooks.build(kind, "no", options, manager=world.manager(i), reduction="sum") for i in range(n)]
+    for _, s in pairs:
+        s.layout = layout_from_shapes(SHAPES)
+    grads = _grads(n, numel, seed=4)
+    tensors = [g.clone() for g in grads]
+    run_hook(world, pairs[0][0], [s for _, s in pairs], tensors)
+    exact = grads[0] + grads[1]
+    if name in ("fp16", "bf16"):  # each addend and the sum rounded once: the bound of the averaging tests
+        bound = {"fp16": 2 ** -10, "bf16": 2 ** -7}[name] * (grads[0].abs() + grads[1].abs()) + 1e-7
+        assert ((tensors[0] - exact).abs() <= bound).all()
+    else:
+        tol = dict(rtol=0, atol=0) if name == "no" else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tensors[0], exact, **tol)
+    assert torch.equal(tensors[0], tensors[1])
+
+
+def test_an_unknown_reduction_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="reduction='max'.*gradient_allreduce_op"):
+        base.CommHookState(None, "max")
+
+
 @pytest.mark.parametrize("n,healing", [(2, ()), (1, ()), (3, (2,))])
 def test_fp16_divides_before_it_casts(n, healing):
     # 2 replicas, then the same job after one replica was lost (1 left), then a third joining (healing).

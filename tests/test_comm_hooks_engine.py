@@ -111,3 +111,10 @@ def test_user_hook_is_called_with_the_managed_state():
     eng = tiny_engine(2, ft={"sync_mode": "post_backward"}, comm_hook=my_hook)
     _train(eng, [0])
     assert calls and calls[0][1] == 1 and eng.last_committed
+
+
+@pytest.mark.parametrize("op,want", [(None, "mean"), ("mean", "mean"), ("sum", "sum")])
+def test_the_hook_state_follows_the_engines_gradient_allreduce_op(op, want):
+    # The cross-replica reduction must scale as the group's own does (end to end: test_sync_property).
+    eng = tiny_engine(2, ds={} if op is None else {"gradient_allreduce_op": op})
+    assert eng.sync.hook_state.reduction == want

@@ -8,7 +8,7 @@ The same hooks and names as PyTorch DDP's communication hooks
 ``comm_hook``               what crosses the replica link per step              module
 ==========================  ==================================================  =========================
 ``no``                      the fp32 partition, averaged (the default)          :mod:`.default`
-``fp16``                    the partition divided by the participants, in fp16  :mod:`.default`
+``fp16``                    the partition divided by the groups, in fp16        :mod:`.default`
 ``bf16``                    the same in bf16                                    :mod:`.default`
 ``power_sgd``               rank-r factors P, Q of each parameter fragment      :mod:`.powersgd`
 ``batched_power_sgd``       rank-r factors of the whole partition as a square   :mod:`.powersgd`
@@ -26,7 +26,8 @@ all-reduce of the manager, the participant count, the step, the partition
 layout) or a subclass; ``work`` has ``wait()``. Every built-in hook goes
 through ``state.allreduce`` (torchft's managed all-reduce), so a peer's
 failure is recorded and the step discarded, a healing replica contributes
-zeros, and averages divide by the participating replica groups.
+zeros, and averages divide by ``state.divisor``: the participating replica
+groups, or 1 under DeepSpeed's ``gradient_allreduce_op: sum``.
 
 This module imports no torch (the launcher reads the names and validation).
 """
@@ -136,7 +137,7 @@ def validate(comm_hook: Any, comm_wrapper: Any = "no", comm_state_option: Option
 
 
 def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Optional[Mapping[str, Any]] = None,
-          manager: Any = None):
+          manager: Any = None, reduction: str = "mean"):
     """The ``(hook, state)`` pair for a built-in hook or a user callable.
 
     Args:
@@ -147,6 +148,8 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
         comm_wrapper: ``no``, ``fp16`` or ``bf16`` cast around a PowerSGD hook.
         comm_state_option: PowerSGD options (:data:`POWER_SGD_DEFAULTS`).
         manager: the rank's :class:`ftbridge.manager.ReplicaManager`.
+        reduction: ``"mean"`` or ``"sum"``, the engine's ``gradient_allreduce_op``
+            (:class:`~ftbridge.comm_hooks.base.CommHookState`).
 
     Returns:
         ``(hook, state)``; ``state`` is a ``PowerSGDState`` for PowerSGD
@@ -159,14 +162,15 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
     from ftbridge.comm_hooks.base import CommHookState
 
     if callable(comm_hook) and not isinstance(comm_hook, (str, DDPCommunicationHookType)):
-        state = CommHookState(manager)
+        state = CommHookState(manager, reduction)
         # A user hook that needs the whole partition and its layout sets ``hook.needs_partition = True``.
         state.needs_partition = bool(getattr(comm_hook, "needs_partition", False))
         return comm_hook, state
     validate(comm_hook, comm_wrapper, comm_state_option)
     kind, wrapper = hook_type(comm_hook), hook_type(comm_wrapper, "comm_wrapper")
     if kind in POWER_SGD_HOOKS:
-        state = powersgd.PowerSGDState(manager, batched=kind is DDPCommunicationHookType.BATCHED_POWER_SGD,
+        state = powersgd.PowerSGDState(manager, reduction=reduction,
+                                       batched=kind is DDPCommunicationHookType.BATCHED_POWER_SGD,
                                        **resolve_state_option(comm_state_option))
         hook: Callable[..., Any] = powersgd.batched_powerSGD_hook if state.batched else powersgd.powerSGD_hook
         if wrapper is DDPCommunicationHookType.FP16:
@@ -177,7 +181,7 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
     hooks = {DDPCommunicationHookType.NO: default.allreduce_hook,
              DDPCommunicationHookType.FP16: default.fp16_compress_hook,
              DDPCommunicationHookType.BF16: default.bf16_compress_hook}
-    return hooks[kind], CommHookState(manager)
+    return hooks[kind], CommHookState(manager, reduction)
 
 
 __all__ = ["DDPCommunicationHookType", "POWER_SGD_DEFAULTS", "build", "hook_type", "resolve_state_option",

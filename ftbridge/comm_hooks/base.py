@@ -5,8 +5,10 @@
 :meth:`~CommHookState.allreduce` is torchft's managed all-reduce through the
 :class:`ftbridge.manager.ReplicaManager`, so errors are recorded (never
 raised) and the step is then discarded on every replica; a healing replica's
-tensor is zeroed before it is sent. It also counts the bytes each rank hands
-to the cross-replica link, which the tests and the benchmark read.
+tensor is zeroed before it is sent. It is the one seam where the
+cross-replica sum is scaled (:attr:`~CommHookState.divisor`): every built-in
+hook and the default path reduce through it. It also counts the bytes each
+rank hands to the cross-replica link, which the tests and the benchmark read.
 
 Hooks with state that must survive membership changes (PowerSGD) subclass it
 and implement :meth:`commit`, :meth:`discard`, :meth:`state_dict` and
@@ -22,6 +24,8 @@ import torch
 from torch.distributed import ReduceOp
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+REDUCTIONS = ("mean", "sum")
+"""DeepSpeed's ``gradient_allreduce_op`` values, which the cross-replica reduction follows."""
 
 
 class CommHookState:
@@ -30,14 +34,25 @@ class CommHookState:
     Args:
         manager: the rank's replica manager (``allreduce(tensor, reduce_op=...)``,
             ``participants``, ``current_step``).
+        reduction: ``"mean"`` (DeepSpeed's default ``gradient_allreduce_op``: each group
+            holds its ranks' mean, and the groups are averaged) or ``"sum"`` (each group
+            holds its ranks' sum, and the groups are summed), so that the result is what
+            plain DeepSpeed computes over every data-parallel rank of the job.
+
+    Raises:
+        ValueError: ``reduction`` is not one of :data:`REDUCTIONS`.
     """
 
     needs_partition = False
     """True for hooks that need the whole partition and its layout (PowerSGD):
     the gradient sync then sends the partition after backward, not per bucket."""
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Any, reduction: str = "mean") -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r}: use one of {', '.join(REDUCTIONS)} "
+                             "(DeepSpeed's gradient_allreduce_op)")
         self.manager = manager
+        self.reduction = reduction
         self.layout: Any = None
         """The :class:`ftbridge.zero.layout.PartitionLayout` of the
         rank's partition, set by the gradient sync before the first step."""
@@ -64,28 +79,41 @@ class CommHookState:
         self.participants  # noqa: B018  (waits for the quorum)
         return int(self.manager.current_step)
 
-    def allreduce(self, tensor: torch.Tensor, average: bool = True) -> Any:
-        """Start averaging (or summing) ``tensor`` in place across replica groups.
+    @property
+    def divisor(self) -> int:
+        """What an average divides the cross-replica sum by: the participating replica groups
+        (``reduction="mean"``), or 1 (``"sum"``). Waits for the quorum."""
+        return self.participants if self.reduction == "mean" else 1
 
-        Averages of fp32/fp64 tensors use torchft's ``AVG`` (sum, then divide
-        by the participants). fp16/bf16 tensors are divided first and summed,
-        so values near the format's maximum do not overflow in the sum.
+    def allreduce(self, tensor: torch.Tensor, average: bool = True, divide_first: Optional[bool] = None) -> Any:
+        """Start reducing ``tensor`` in place across replica groups: their sum, divided by :attr:`divisor`.
+
+        Every cross-replica gradient message goes through here. The division
+        is torchft's ``AVG`` (``tensor /= n`` after the sum), so with the
+        default divisor the result is bit-identical to torchft's average.
 
         Args:
             tensor: contiguous floating point tensor, any shape.
-            average: ``False`` sums instead.
+            average: ``False`` sums without dividing.
+            divide_first: divide before the sum instead of after; default
+                ``True`` for fp16/bf16 tensors, so that values near the
+                format's maximum do not overflow in the sum.
 
         Returns:
-            Work whose ``wait()`` returns once ``tensor`` holds the result.
+            Work whose ``wait()`` returns once ``tensor`` holds the result
+            (``False``, and ``tensor`` undefined, when the all-reduce failed).
             Never raises for a peer's failure: the manager records it and the
             step is discarded.
         """
         self.count(tensor)
-        if average and tensor.dtype not in LOW_PRECISION:
-            return self.manager.allreduce(tensor)
-        if average:
-            tensor.div_(self.participants)
-        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        divisor = self.divisor if average else 1
+        if divide_first is None:
+            divide_first = tensor.dtype in LOW_PRECISION
+        if divide_first and divisor != 1:
+            tensor.div_(divisor)
+            divisor = 1
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        return work if divisor == 1 else DividedWork(work, tensor, divisor)
 
     def lend(self, tensor: torch.Tensor) -> None:
         """Declare ``tensor`` a buffer of the hook's own, made for this step's next all-reduce of it.
@@ -121,6 +149,29 @@ class CommHookState:
     def describe(self) -> Dict[str, Any]:
         """JSON scalars for the event log's final record (shared state digests)."""
         return {}
+
+
+class DividedWork:
+    """Completes a sum by dividing it: ``tensor /= divisor`` once, after a successful wait.
+
+    Args:
+        work: the all-reduce (sum) of ``tensor``.
+        tensor: receives the sum, then the quotient.
+        divisor: positive int.
+    """
+
+    def __init__(self, work: Any, tensor: torch.Tensor, divisor: int) -> None:
+        self.work, self.tensor, self.divisor = work, tensor, divisor
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        """``False`` (``tensor`` undefined) when the all-reduce failed, else ``True`` once it holds the quotient."""
+        if not wait_result(self.work, self.tensor):
+            return False
+        if not self._done:
+            self.tensor /= self.divisor
+            self._done = True
+        return True
 
 
 class CastBackWork:

@@ -5,12 +5,16 @@ Follows PyTorch's ``ddp_comm_hooks/default_hooks.py`` (``allreduce_hook``,
 ``bf16_compress_wrapper``), with the managed, fault-tolerant all-reduce of
 :class:`ftbridge.comm_hooks.base.CommHookState` in place of a process group.
 
-* ``allreduce_hook``: torchft's average (sum, then divide by the
-  participating replica groups). Bit-identical to ftbridge without a hook.
-* ``fp16_compress_hook`` / ``bf16_compress_hook``: divide by the participants
-  in the partition's own dtype *first*, then cast and sum. PyTorch casts
-  first; dividing first means a gradient that fits fp32 but not fp16 (up to
-  65504 x participants) still arrives finite. Half the bytes of fp32. fp16
+Each reduces through :meth:`ftbridge.comm_hooks.base.CommHookState.allreduce`,
+whose ``divisor`` is the participating replica groups (or 1 under DeepSpeed's
+``gradient_allreduce_op: sum``).
+
+* ``allreduce_hook``: the sum, then divided, in the partition's dtype:
+  torchft's average, and ftbridge's path without a hook.
+* ``fp16_compress_hook`` / ``bf16_compress_hook``: divide in the partition's
+  own dtype *first*, then cast and sum. PyTorch casts first; dividing first
+  means a gradient that fits fp32 but not fp16 (up to 65504 x participants)
+  still arrives finite. Half the bytes of fp32. fp16
   keeps 11 significant bits (relative error 2^-11 per cast, values under
   6e-5 lose precision, under 6e-8 flush to zero); bf16 keeps fp32's range
   and 8 significant bits (relative error up to 2^-8 per element).
@@ -21,7 +25,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.distributed import ReduceOp
 
 from ftbridge.comm_hooks.base import CastBackWork, CommHookState
 
@@ -33,25 +36,22 @@ def allreduce_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
 
     Args:
         state: the rank's hook state (its manager's all-reduce).
-        tensor: flat gradient partition, any float dtype.
+        tensor: flat gradient partition, any float dtype; summed, then divided, in that dtype.
 
     Returns:
         Work; after ``wait()`` ``tensor`` holds the average.
     """
-    state.count(tensor)
-    return state.manager.allreduce(tensor)  # torchft's AVG for every dtype: ftbridge's behaviour without hooks
+    return state.allreduce(tensor, divide_first=False)
 
 
 def _compress_hook(dtype: torch.dtype, state: CommHookState, tensor: torch.Tensor) -> Any:
-    low = tensor.div(state.participants).to(dtype)
+    low = tensor.div(state.divisor).to(dtype)
     state.lend(low)
-    state.count(low)
-    work = state.manager.allreduce(low, reduce_op=ReduceOp.SUM)
-    return CastBackWork(work, low, tensor)
+    return CastBackWork(state.allreduce(low, average=False), low, tensor)
 
 
 def fp16_compress_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
-    """Average ``tensor`` with an fp16 payload (divide by the participants, cast, sum, cast back).
+    """Average ``tensor`` with an fp16 payload (divide by the divisor, cast, sum, cast back).
 
     Args:
         state: the rank's hook state.

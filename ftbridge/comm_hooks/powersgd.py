@@ -77,6 +77,8 @@ class PowerSGDState(CommHookState):
 
     Args:
         manager: the rank's replica manager.
+        reduction: ``"mean"`` or ``"sum"`` (:class:`~ftbridge.comm_hooks.base.CommHookState`); P and Q
+            are reduced the same way, so the decompressed result is the sum or the mean alike.
         batched: ``batched_power_sgd`` (one square matrix per partition).
         matrix_approximation_rank: rank ``r`` of the approximation.
         start_powerSGD_iter: committed steps of plain averaging before compressing.
@@ -90,11 +92,12 @@ class PowerSGDState(CommHookState):
 
     needs_partition = True
 
-    def __init__(self, manager: Any, *, batched: bool = False, matrix_approximation_rank: int = 1,
-                 start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2.0,
-                 use_error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 random_seed: int = 0, batch_tensors_with_same_shape: bool = False) -> None:
-        super().__init__(manager)
+    def __init__(self, manager: Any, *, reduction: str = "mean", batched: bool = False,
+                 matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
+                 min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
+                 orthogonalization_epsilon: float = 0.0, random_seed: int = 0,
+                 batch_tensors_with_same_shape: bool = False) -> None:
+        super().__init__(manager, reduction)
         self.batched = batched
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter

@@ -17,7 +17,6 @@ import argparse
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed import ReduceOp
 
 from ftbridge.comm_hooks.base import CommHookState, wait_result
 from ftbridge.comm_hooks.default import allreduce_hook
@@ -34,8 +33,7 @@ def no_sync_hook(state: CommHookState, tensor: torch.Tensor) -> torch.futures.Fu
 
 def sum_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
     """Sum ``tensor`` over the participating groups without dividing by their number."""
-    state.count(tensor)
-    return state.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+    return state.allreduce(tensor, average=False)
 
 
 class _Tripled:

@@ -253,7 +253,8 @@ class ReplicaManager:
         Args:
             tensor: floating point, any shape, on the process group's device.
             reduce_op: ``AVG`` (sum, then divide by the participants) or ``SUM``
-                (communication hooks that divide before a low-precision cast).
+                (what the gradient sync sends: :class:`ftbridge.comm_hooks.base.CommHookState`
+                scales the sum itself).
 
         Returns:
             A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.

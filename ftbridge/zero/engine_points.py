@@ -4,7 +4,8 @@
 * :func:`check_accumulation_settings`: engine features whose optimizer steps ftbridge cannot make exact;
 * :func:`wrap_model_step`: the one point where DeepSpeed applies an optimizer step, whichever way the
   caller ended the accumulation window;
-* :func:`align_to_window`: DeepSpeed's ``micro_steps`` counter rounded to a window start (resume, heal).
+* :func:`align_to_window`: DeepSpeed's ``micro_steps`` counter rounded to a window start (resume, heal);
+* :func:`gradient_reduction`: whether the engine averages or sums gradients over its ranks.
 """
 
 from __future__ import annotations
@@ -57,6 +58,19 @@ def align_to_window(micro_steps: int, gradient_accumulation_steps: int) -> int:
     """
     gas = max(1, int(gradient_accumulation_steps))
     return -(-int(micro_steps) // gas) * gas
+
+
+def gradient_reduction(engine: Any) -> str:
+    """``"mean"`` or ``"sum"``: how ``engine`` reduces gradients over its group's ranks.
+
+    DeepSpeed 0.19's ``gradient_allreduce_op`` (default ``"mean"``) sets the engine's
+    ``gradient_average``, which its ZeRO-1/2 optimizers and its bf16 all-reduce read;
+    DeepSpeed refuses ``"sum"`` with ZeRO-3. ``gradient_predivide_factor`` and
+    ``prescale_gradients`` change only where the mean's division happens, not its value.
+    The cross-replica reduction must follow it: each group's partition then holds its
+    ranks' sum, and plain DeepSpeed would sum over every rank of the job.
+    """
+    return "mean" if getattr(engine, "gradient_average", True) else "sum"
 
 
 def check_accumulation_settings(engine: Any) -> None:

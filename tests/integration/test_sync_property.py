@@ -6,7 +6,7 @@ caller ends an optimizer step (``gradient_accumulation_steps``,
 ``set_gradient_accumulation_boundary``, ``managed_gradient_accumulation:
 false``, ``coalesce_grad_reduction``, ``no_sync``), the sync mode, the cross-replica
 message size and DeepSpeed's bucket size, overlap, contiguous gradients,
-optimizer offload and bf16.
+optimizer offload, bf16 and DeepSpeed's ``gradient_allreduce_op`` (mean or sum).
 Each job runs for real (2 replica groups, DeepSpeed on gloo, ftbridge's sync
 through a real gloo cross-replica group, ``workers/sync_worker.py``), and
 every replica group's parameters must equal, to 1e-6 (bf16: to its rounding,
@@ -51,7 +51,8 @@ def jobs(draw, group_size: int) -> JobSpec:
         stage=stage, pattern=pattern, gas=gas, sync_mode=draw(st.sampled_from(["per_bucket", "post_backward"])),
         message_bytes=draw(st.sampled_from([0, 40, 1 << 20])),
         reduce_bucket_size=draw(st.sampled_from([12, 50, 500_000_000])), overlap_comm=overlap,
-        contiguous_gradients=draw(st.booleans()), offload=draw(st.booleans()), bf16=draw(st.booleans()))
+        contiguous_gradients=draw(st.booleans()), offload=draw(st.booleans()), bf16=draw(st.booleans()),
+        reduction="mean" if stage == 3 else draw(st.sampled_from(["mean", "sum"])))  # DeepSpeed: no sum at ZeRO-3
 
 
 def check(pool: SyncPool, spec: JobSpec) -> None:
@@ -124,6 +125,18 @@ def test_offload_with_data_dependent_use_matches_torch_reference(pools, stage, p
     # DeepSpeed's offload leaves stale or missing slots for such parameters, and its buckets differ across
     # groups (see docs/concepts.md, Optimizer offload); before the fix the workers aborted in gloo.
     check(pools(2), _offload_job(stage, pattern))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_summed_gradients_are_summed_across_groups_too(pools, stage):
+    # gradient_allreduce_op=sum: plain DeepSpeed sums over every rank of the job; a cross-replica average
+    # would move every parameter by half of that on 2 groups, and both groups would commit.
+    use = ((((0,), (0, 1)), ((1,), ())),)
+    spec = JobSpec(seed=5, d_in=3, hidden=4, branch_sizes=(3, 2), bias=True, groups=GROUPS, group_size=2,
+                   steps=1, micro=2, use=use, stage=stage, pattern="managed", gas=2, sync_mode="per_bucket",
+                   message_bytes=0, reduce_bucket_size=500_000_000, overlap_comm=False,
+                   contiguous_gradients=True, reduction="sum")
+    check(pools(2), spec)
 
 
 @pytest.mark.slow
