@@ -1,0 +1,206 @@
+"""Slots: the job's fixed data-parallel grid, and which live replica group computes each unit of it.
+
+A job with slots has ``slots`` (N) logical data-parallel slots, whatever number of replica groups is
+alive. One optimizer step is a grid of *units* ``(slot, micro)``: N slots x G micro-batches, G being
+DeepSpeed's ``gradient_accumulation_steps``. Each rank of the group that computes a unit reads its own
+rows of it: data-parallel rank ``slot * group_size + group_rank`` of ``slots * group_size``, exactly the
+rows plain data parallelism on that many ranks would give that rank.
+
+Every unit is computed exactly once per step by some participating group:
+
+* :func:`home_units`: the units a group computes first. The grid, in order
+  ``k = slot * G + micro``, is cut into ``groups`` contiguous blocks whose sizes differ by at most one;
+  with one slot per group (the default) a group's home is its own slot.
+* :func:`assign`: the whole step's plan from the participants: each keeps its home units, and the home
+  units of the absent groups, in grid order, go one at a time to the participant with the fewest
+  units so far (ties to the lowest replica group id). No participant gets more than
+  ``ceil(slots * G / participants)`` units (:func:`max_load`).
+* :func:`ledger_row` and :func:`judge_ledger`: the coverage check. Each participant contributes a row
+  (units computed per slot, a one, a digest of the grid's settings and its square); the rows are
+  summed across the participants, and the sum holds every slot exactly G times, under one
+  configuration, or the step must be discarded everywhere.
+
+Everything here is pure: integers in, integers out, no torch, no clock, no I/O. The same inputs give
+the same plan on every rank of every group, which is what lets each decide alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+UnitKey = Tuple[int, int]
+"""``(slot, micro)``: one micro-batch of one slot in a step."""
+
+DIGEST_BITS = 20
+"""Width of :func:`config_digest`: its square summed over 2^20 participants stays below 2^60."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One unit of work as a rank computes it.
+
+    Attributes:
+        step: the optimizer step (committed steps before it).
+        slot: ``0 <= slot < slots``.
+        micro: micro-batch within the slot, ``0 <= micro < G``.
+        group_rank: the computing rank within its replica group.
+        group_size: ranks per replica group.
+        slots: the job's slots (N).
+    """
+
+    step: int
+    slot: int
+    micro: int
+    group_rank: int
+    group_size: int
+    slots: int
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel rank whose rows this is: ``slot * group_size + group_rank``."""
+        return self.slot * self.group_size + self.group_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks of the failure-free job: ``slots * group_size``."""
+        return self.slots * self.group_size
+
+    def seed(self, seed: int) -> int:
+        """A 63-bit RNG seed of ``seed`` and this unit's coordinates (step, slot, micro, group rank).
+
+        The same on whichever group computes the unit, so dropout and other randomness in the
+        forward do not depend on who stood in. blake2b (RFC 7693), 8 bytes, little-endian, halved.
+        """
+        key = f"{seed}/{self.step}/{self.slot}/{self.micro}/{self.group_rank}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def check_grid(slots: int, micro: int, groups: int) -> None:
+    """Refuse a grid no plan can cover.
+
+    Args:
+        slots: the job's slots (N).
+        micro: micro-batches per slot and step (G, DeepSpeed's ``gradient_accumulation_steps``).
+        groups: replica groups the job was configured with (M).
+
+    Raises:
+        ValueError: ``slots``, ``micro`` or ``groups`` below 1, or more groups than slots (a group
+            would have no home unit); the message names the value and the fix.
+    """
+    if slots < 1:
+        raise ValueError(f"slots={slots}: use at least 1 (the default is the number of replica groups)")
+    if micro < 1:
+        raise ValueError(f"gradient_accumulation_steps={micro}: must be at least 1")
+    if groups < 1:
+        raise ValueError(f"num_replica_groups={groups}: must be at least 1")
+    if groups > slots:
+        raise ValueError(f"num_replica_groups={groups} is more than slots={slots}: a group would hold no slot; "
+                         f"use slots >= {groups}, or fewer replica groups")
+
+
+def home_units(slots: int, micro: int, groups: int, group: int) -> List[UnitKey]:
+    """The units replica group ``group`` computes first, in grid order.
+
+    The grid ``k = slot * micro + m`` (``0 <= k < slots * micro``) is cut into ``groups`` contiguous
+    blocks, block ``g`` holding ``k`` in ``[g * T // groups, (g + 1) * T // groups)`` with
+    ``T = slots * micro``. With ``slots == groups`` a group's home is its slot's micro-batches.
+
+    Raises:
+        ValueError: see :func:`check_grid`, or ``group`` outside ``[0, groups)``.
+    """
+    check_grid(slots, micro, groups)
+    if not 0 <= group < groups:
+        raise ValueError(f"replica group {group} outside [0, {groups})")
+    total = slots * micro
+    return [divmod(k, micro) for k in range(group * total // groups, (group + 1) * total // groups)]
+
+
+def max_load(slots: int, micro: int, participants: int) -> int:
+    """The most units :func:`assign` gives one participant: ``ceil(slots * micro / participants)``."""
+    return -(-slots * micro // participants)
+
+
+def assign(slots: int, micro: int, groups: int, participants: Iterable[int]) -> Dict[int, Tuple[UnitKey, ...]]:
+    """This step's plan: the units each participating replica group computes, its home units first.
+
+    Args:
+        slots: the job's slots (N).
+        micro: micro-batches per slot (G).
+        groups: replica groups the job was configured with (M, ``<= slots``); ids are ``0..M-1``.
+        participants: the replica group ids whose gradients count this step (any order, no repeats).
+
+    Returns:
+        ``{group: units}`` for every participant; each unit of the grid appears exactly once over
+        all of them; a participant's own :func:`home_units` come first and unchanged, then the absent
+        groups' units it took, in grid order. No participant has more than :func:`max_load` units.
+
+    Raises:
+        ValueError: see :func:`check_grid`; no participant, a repeated one, or one outside
+            ``[0, groups)``.
+    """
+    check_grid(slots, micro, groups)
+    present = sorted(participants)
+    if not present:
+        raise ValueError("no participating replica group: nobody can compute the step")
+    if len(set(present)) != len(present):
+        raise ValueError(f"participants {present} repeat a replica group")
+    if present[0] < 0 or present[-1] >= groups:
+        raise ValueError(f"participants {present} outside replica groups [0, {groups})")
+    plan = {g: home_units(slots, micro, groups, g) for g in present}
+    for absent in sorted(set(range(groups)) - set(present)):
+        for unit in home_units(slots, micro, groups, absent):
+            taker = min(present, key=lambda g: (len(plan[g]), g))
+            plan[taker].append(unit)
+    return {g: tuple(units) for g, units in plan.items()}
+
+
+def config_digest(slots: int, micro: int, micro_batch: int, group_size: int, seed: int) -> int:
+    """A :data:`DIGEST_BITS`-bit digest of the settings every participant must share (blake2b)."""
+    key = f"{slots}/{micro}/{micro_batch}/{group_size}/{seed}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % (1 << DIGEST_BITS)
+
+
+def ledger_row(slots: int, units: Sequence[UnitKey], digest: int) -> List[int]:
+    """One participant's row of the coverage check: ``slots + 3`` integers.
+
+    ``[units computed in slot 0, ..., in slot N-1, 1, digest, digest**2]``. Summed over the
+    participants (an int64 SUM all-reduce; a non-participating member contributes zeros).
+
+    Raises:
+        ValueError: a unit's slot outside ``[0, slots)``, or ``digest`` outside its bits.
+    """
+    if not 0 <= digest < (1 << DIGEST_BITS):
+        raise ValueError(f"digest {digest} outside [0, 2**{DIGEST_BITS})")
+    row = [0] * slots + [1, digest, digest * digest]
+    for slot, _ in units:
+        if not 0 <= slot < slots:
+            raise ValueError(f"unit slot {slot} outside [0, {slots})")
+        row[slot] += 1
+    return row
+
+
+def judge_ledger(total: Sequence[int], slots: int, micro: int, digest: int) -> Optional[str]:
+    """Whether the summed ledger proves the step covered: ``None``, or why it must be discarded.
+
+    Every participant that judges the same sum with the same ``digest`` gets the same answer; when
+    the digests differ, every participant's judgement fails (the sums of the digests and of their
+    squares match ``P * d`` and ``P * d**2`` only when all ``P`` digests equal ``d``).
+
+    Args:
+        total: the element-wise sum of every participant's :func:`ledger_row`.
+        slots, micro: this participant's grid.
+        digest: this participant's :func:`config_digest`.
+    """
+    if len(total) != slots + 3:
+        return f"coverage ledger of {len(total)} entries, expected {slots + 3}: the groups disagree on the slots"
+    count, summed, squares = total[slots], total[slots + 1], total[slots + 2]
+    if count < 1:
+        return "coverage ledger holds no participant"
+    if summed != count * digest or squares != count * digest * digest:
+        return "the participating groups differ in slots, accumulation steps, micro-batch, group size or seed"
+    wrong = [f"slot {s}: {n}" for s, n in enumerate(total[:slots]) if n != micro]
+    if wrong:
+        return f"units per slot must be {micro}, found {', '.join(wrong)}"
+    return None
