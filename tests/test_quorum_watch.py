@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from datetime import timedelta
 from typing import List
 
@@ -115,6 +117,29 @@ def test_wait_is_cut_short_once_the_lighthouse_holds_a_member_dead():
     assert watch.wait(FakeWork()) == (PEER,)  # the step's other messages: no second wait, no read
     assert len(watch.reads) == reads
     assert watch.take_rebuild() and not watch.take_rebuild()  # the next quorum rebuilds, once
+
+
+def test_a_look_left_running_by_an_earlier_wait_never_cuts_a_later_one():
+    # Chaos seed 50: a look started while a peer of an earlier quorum was stale finished after that wait,
+    # and the next wait (another quorum, every member alive) took its verdict and discarded a riding step.
+    started, gate, work1, work2 = threading.Event(), threading.Event(), FakeWork(), FakeWork()
+
+    def on_read(n):
+        if n == 1:
+            started.set()
+            gate.wait(10)  # the earlier wait's look hangs until that wait is over
+        if n == 3:
+            work2.fut.set_result(None)
+
+    watch = scripted_watch([status(stale=[PEER]), status()], on_read=on_read)
+    first = concurrent.futures.ThreadPoolExecutor(1).submit(watch.wait, work1)
+    assert started.wait(10)
+    work1.fut.set_result(None)
+    assert first.result(10) == ()
+    gate.set()
+    watch._pending[1].result(10)  # the earlier look finished, holding PEER dead
+    assert watch.wait(work2) == ()
+    assert watch.lost == 0 and len(watch.reads) >= 3
 
 
 def test_wait_keeps_waiting_while_the_lighthouse_does_not_answer():

@@ -256,7 +256,8 @@ class QuorumWatch:
         self._abandoned = False  # a wait of this step was cut short: cut the step's other waits at once
         self._doomed: Optional[Tuple[int, Tuple[str, ...]]] = None  # (quorum id, lost members) seen by the vote
         self._failed_reads = 0
-        self._pending: Optional[concurrent.futures.Future] = None  # a look() running in a helper thread
+        # a look() running in a helper thread, and when it started (time.monotonic())
+        self._pending: Optional[Tuple[float, concurrent.futures.Future]] = None
         self.lost = 0
         """Waits cut short because a peer was lost (each discarded a step)."""
         self.last_lost: Tuple[str, ...] = ()
@@ -286,20 +287,23 @@ class QuorumWatch:
             self._doomed = (seen[0], lost)
         return lost
 
-    def _look_nowait(self) -> Tuple[str, ...]:
-        """The verdict of the last finished :meth:`look`, starting the next one in a helper thread when none runs.
+    def _look_nowait(self, since: float) -> Tuple[str, ...]:
+        """The verdict of the last finished :meth:`look` started at or after ``since``; starts the next one.
 
         Never blocks: a lighthouse that answers slowly (hung, or behind a link that drops packets) must not
-        hold up a wait whose collective completes meanwhile.
+        hold up a wait whose collective completes meanwhile. A look started before ``since`` (the start of
+        the current wait, in ``time.monotonic()`` seconds) belongs to an earlier wait: it judged another
+        quorum's members against heartbeats since gone stale, so its verdict is dropped, never used.
         """
-        pending = self._pending
-        if pending is None:
-            self._pending = in_thread(self.look, "ftbridge-peer-watch-look")  # look() never raises
-            return ()
-        if not pending.done():
-            return ()
-        self._pending = None
-        return pending.result()
+        if self._pending is not None:
+            started, pending = self._pending
+            if not pending.done():
+                return ()
+            self._pending = None
+            if started >= since:
+                return pending.result()
+        self._pending = (time.monotonic(), in_thread(self.look, "ftbridge-peer-watch-look"))  # look() never raises
+        return ()
 
     def wait(self, work: Any) -> Tuple[str, ...]:
         """Block until the c10d ``work`` completes, or until the lighthouse holds a member of this quorum dead.
@@ -312,6 +316,7 @@ class QuorumWatch:
             ``wait()`` tells); the lost members' ids when the wait was cut
             short, after which :meth:`take_rebuild` returns ``True`` once.
         """
+        since = time.monotonic()
         done = threading.Event()
         work.get_future().add_done_callback(lambda _fut: done.set())
         if self._abandoned and not done.is_set():  # same step, same buried process group: no wait
@@ -322,7 +327,7 @@ class QuorumWatch:
         while not lost:
             if done.wait(self._poll):
                 return ()
-            lost = self._look_nowait()
+            lost = self._look_nowait(since)
         if done.is_set():  # finished while the lighthouse was read: its own wait() tells how
             return ()
         self.lost += 1

@@ -56,4 +56,9 @@ def test_survivor_commits_again_within_the_heartbeat_timeout_of_a_hang(local_job
     codes = job.wait(timeout_s=120)
     check_recovered(job.events(), codes, groups=(0, 1), ranks=1, what="hang run")
     assert invariants.check_all(job.events()) == []
-    assert "cross-replica all-reduce abandoned" in job.log_text(0) or "not waiting for its vote" in job.log_text(0)
+    # A hang that catches group 0 inside a cross-replica wait is cut by the watch (a discarded step, with
+    # its message); one that lands while group 0 waits for its next quorum ends at the lighthouse's
+    # heartbeat timeout with no wait to cut and nothing discarded.
+    if any(not e["committed"] and e["time"] > t_stop for e in job.steps(0)):
+        text = job.log_text(0)
+        assert "cross-replica all-reduce abandoned" in text or "not waiting for its vote" in text
