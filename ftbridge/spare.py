@@ -33,7 +33,13 @@ lighthouse's heartbeat timeout (``stale``): the moment the lighthouse drops
 the group from its quorums. A group never heard of is not vacant (at job
 start the active groups may simply not be up yet), and nothing is vacant
 while no group is live (a spare has nothing to heal from; it would restart
-training from step 0).
+training from step 0). Live (:func:`live_groups`) is stricter than fresh:
+a heartbeat at most half as old as the youngest stale one. When every
+group loses the lighthouse at once (it hangs, or a partition cuts them all
+off), their heartbeats age together, and the read in which the first turns
+stale shows the others fresh by a few milliseconds; none of them is live
+then, so the spare takes nothing from an outage. A group that lives
+heartbeats every ``heartbeat_interval`` (100 ms), far below half the timeout.
 
 Which group, and which replica id
 ---------------------------------
@@ -175,17 +181,36 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
     return (healing and not first) or (nobody_heals and me is not None and not first)
 
 
-def vacancies(fresh: set, known: set, num_groups: int) -> List[int]:
+def live_groups(heartbeats: Sequence[Any]) -> set:
+    """The replica groups with a fresh heartbeat at most half as old as the youngest stale one (pure).
+
+    Args:
+        heartbeats: :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (``replica_id``, ``age_s``,
+            ``stale``).
+
+    Returns:
+        A set of replica group ids; every fresh group when nothing is stale.
+    """
+    from ftbridge.manager.lighthouse_status import replica_group_of
+
+    stale_ages = [hb.age_s for hb in heartbeats if hb.stale]
+    bound = min(stale_ages) / 2 if stale_ages else float("inf")
+    groups = {replica_group_of(hb.replica_id) for hb in heartbeats if not hb.stale and hb.age_s <= bound}
+    return {g for g in groups if g is not None}
+
+
+def vacancies(fresh: set, known: set, num_groups: int, live: Optional[set] = None) -> List[int]:
     """Group ids a spare may take, smallest first (pure; see the module docstring).
 
     Args:
         fresh: groups with a fresh heartbeat; known: groups with any heartbeat entry.
         num_groups: the job's planned number of replica groups.
+        live: groups that are clearly alive (:func:`live_groups`); default ``fresh``.
 
     Returns:
-        Ids in ``0..num_groups-1`` heard of but not fresh; empty while no group is fresh.
+        Ids in ``0..num_groups-1`` heard of but not fresh; empty while no group is live.
     """
-    if not any(0 <= g < num_groups for g in fresh):
+    if not any(0 <= g < num_groups for g in (fresh if live is None else live)):
         return []
     return sorted(g for g in known if 0 <= g < num_groups and g not in fresh)
 
@@ -249,7 +274,7 @@ class VacancyWatch:
             self.last_live = now
         elif self.last_live is not None and now - self.last_live >= self.job_gone_s:
             return "exit", None
-        vacant = vacancies(fresh, known, self.num_groups)
+        vacant = vacancies(fresh, known, self.num_groups, live_groups(heartbeats))
         self.first_seen = {g: self.first_seen.get(g, now) for g in vacant}
         g = choose_group(vacant, self.first_seen, now, self.spare_index)
         if g is not None and now < self.settled_after:

@@ -9,8 +9,8 @@ from ftbridge.config import FTBridgeConfig
 from ftbridge.manager.lighthouse_status import Heartbeat
 
 
-def hb(group, stale=False, uid="u"):
-    return Heartbeat(f"replica_group_{group}:{uid}", 0.1, stale)
+def hb(group, stale=False, uid="u", age=None):
+    return Heartbeat(f"replica_group_{group}:{uid}", (5.0 if stale else 0.1) if age is None else age, stale)
 
 
 def test_vacant_is_a_known_group_whose_every_heartbeat_is_stale():
@@ -30,6 +30,18 @@ def test_nothing_is_vacant_without_a_live_group_to_heal_from():
 
 def test_groups_outside_the_plan_are_ignored():
     assert spare.vacancies({0}, {0, 5}, 2) == []
+
+
+def test_groups_that_lost_the_lighthouse_together_leave_nothing_vacant():
+    # Chaos seed 50: every group cut off from the lighthouse; the read in which groups 0 and 1 turned stale
+    # (2.04 s, 2.01 s against a 2 s timeout) showed group 2 fresh at 1.99 s, and the spare took id 0.
+    w = spare.VacancyWatch(num_groups=3, spare_index=0, job_gone_s=30)
+    outage = [hb(0, stale=True, age=2.04), hb(1, stale=True, age=2.01), hb(2, age=1.99)]
+    assert spare.live_groups(outage) == set()
+    assert w.observe(10.0, outage) == ("wait", None)
+    death = [hb(0, stale=True, age=2.04), hb(1, age=0.05), hb(2, age=0.09)]  # group 0 died, 1 and 2 live
+    assert spare.live_groups(death) == {1, 2}
+    assert w.observe(10.1, death) == ("join", 0)
 
 
 def test_spare_k_waits_k_stagger_periods_then_takes_the_smallest_vacancy():
