@@ -130,6 +130,13 @@ class FTBridgeConfig:
     min_replicas: int = 1
     """Fewest replica groups that may commit a step (``FTBRIDGE_MIN_REPLICAS``)."""
 
+    slots: int = 0
+    """Failure-transparent training (:mod:`ftbridge.slots`): the job's fixed data-parallel slots, at least
+    :attr:`num_replica_groups` (usually equal to it). Each step then trains on every slot's micro-batches
+    whichever groups are alive, and divides the cross-replica sum by the slots, not by the live groups;
+    the training loop iterates :meth:`ftbridge.engine.FaultTolerantEngine.units`. 0: off, a failure
+    shrinks the global batch to the live groups (``FTBRIDGE_SLOTS``)."""
+
     cross_replica_timeout: timedelta = timedelta(seconds=10)
     """Bound on every collective between replica groups (``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S``).
     torchft's own calls (``should_commit``, heal transfers) get twice this
@@ -353,6 +360,7 @@ class FTBridgeConfig:
         "group_size": (int, ("WORLD_SIZE",)),
         "lighthouse": (str, ("FTBRIDGE_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")),
         "min_replicas": (int, ("FTBRIDGE_MIN_REPLICAS",)),
+        "slots": (int, ("FTBRIDGE_SLOTS",)),
         "cross_replica_timeout": ("s", ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S",)),
         "in_group_timeout": ("s", ("FTBRIDGE_IN_GROUP_TIMEOUT_S",)),
         "quorum_timeout": ("s", ("FTBRIDGE_QUORUM_TIMEOUT_S", "TORCHFT_QUORUM_TIMEOUT_SEC")),

@@ -43,11 +43,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ftbridge import comm_hooks, faults, metrics
+from ftbridge import comm_hooks, faults, metrics, slot_steps
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
@@ -55,6 +55,7 @@ from ftbridge.heal import NoPeerToHealFrom, joined_empty, lazy_state_bytes
 from ftbridge.heal.wire import size_bound
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
+from ftbridge.slots import Unit
 from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.engine_points import align_to_window, gradient_reduction, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
@@ -101,6 +102,13 @@ class FaultTolerantEngine:
                                                            max_heal_bytes=self.heal_size_bound)
         hook, hook_state = comm_hooks.build(comm_hook or cfg.comm_hook, cfg.comm_wrapper, cfg.comm_state_option,
                                             self.manager, reduction=gradient_reduction(engine))
+        hook_state.slots = cfg.slots
+        refused = slot_steps.refusal(cfg, engine, self.adapter, hook_state)
+        if refused:
+            raise ValueError(refused)
+        self.slot_units = 0
+        """Units of the current step's attempt this group computes (:meth:`units`; 0 without it)."""
+        self._plan = slot_steps.plan_digest(cfg, engine)
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
                                hook=hook, hook_state=hook_state)
         wrap_model_step(engine, self._model_step)
@@ -168,6 +176,20 @@ class FaultTolerantEngine:
         self._step_hooks.append(hook)
 
     # -- training loop ----------------------------------------------------
+    def units(self) -> Iterator[Unit]:
+        """The units of work of the current step, for a loop that trains one step per iteration.
+
+        Each :class:`ftbridge.slots.Unit` names the rows to read: data-parallel rank ``unit.dp_rank``
+        of ``unit.dp_world_size`` at ``unit.step``, micro-batch ``unit.micro``. Run forward and
+        backward for each (and ``step()`` after each, or once after the loop); the accumulation
+        boundary is set for you on the last unit. With ``slots`` on, that is every slot's units the
+        live groups must cover (:mod:`ftbridge.slot_steps`); without, this group's own micro-batches.
+
+        Raises:
+            RuntimeError: called inside a step.
+        """
+        return slot_steps.units(self)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
@@ -284,7 +306,7 @@ class FaultTolerantEngine:
         step = self.manager.current_step
         empty = self._joined_empty and step == 0 and self.manager.heals == 0
         verdict = self.manager.decide(guard=self.guard.digest(step), empty=empty,  # the group's one decision
-                                      waited_s=time.time() - self._launched)
+                                      waited_s=time.time() - self._launched, plan=self._plan)
         if verdict.decision.stop:
             self.events.write(event="restart_without_peer", time=time.time(), step=step, stopped=True,
                               attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -321,6 +343,8 @@ class FaultTolerantEngine:
                    heal_source=getattr(m, "heal_source", None) if m.healed_this_step else None,
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
                    rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
+        if self.cfg.slots:
+            rec["units"] = self.slot_units
         self.events.write(**rec)
         aside = getattr(m, "stood_aside", None)
         if aside is not None:  # the group left the quorums after this step (ftbridge.manager.stand_aside)

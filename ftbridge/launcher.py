@@ -104,6 +104,7 @@ DEFAULT_LIGHTHOUSE = "http://127.0.0.1:29510"
 # Flag given -> (environment variable set for the ranks, config field it feeds).
 _OPTIONAL_SETTINGS = {
     "min_replicas": ("FTBRIDGE_MIN_REPLICAS", "min_replicas"),
+    "slots": ("FTBRIDGE_SLOTS", "slots"),
     "cross_replica_timeout_s": ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "cross_replica_timeout"),
     "quorum_timeout_s": ("FTBRIDGE_QUORUM_TIMEOUT_S", "quorum_timeout"),
     "heartbeat_interval_ms": ("FTBRIDGE_HEARTBEAT_INTERVAL_MS", "heartbeat_interval"),
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds ranks get between SIGTERM and SIGKILL (default %(default)s)")
     f = p.add_argument_group("ftbridge settings (set as FTBRIDGE_* for the ranks when given)")
     f.add_argument("--min-replicas", type=int, help="fewest groups that may commit a step")
+    f.add_argument("--slots", type=int, help="failure-transparent training: the job's data-parallel slots, "
+                                             "usually --num-replica-groups (0: off); the script iterates "
+                                             "engine.units() (docs/your-script.md)")
     f.add_argument("--cross-replica-timeout-s", type=float, help="bound on cross-group collectives, s")
     f.add_argument("--quorum-timeout-s", type=float, help="bound on one quorum request, s")
     f.add_argument("--heartbeat-interval-ms", type=float, help="manager heartbeat interval, ms")

@@ -56,7 +56,7 @@ class FakeManager:
     def wait_quorum(self):
         pass
 
-    def decide(self, guard=None, empty=False, waited_s=0.0):
+    def decide(self, guard=None, empty=False, waited_s=0.0, plan=0):
         """The group's decision of a one-rank group alone: commit unless an error was reported; a restarted
         group with nothing waits, then stops (ftbridge.heal.restart_without_peer, alone in its quorum)."""
         from ftbridge.heal import restart_without_peer
@@ -82,6 +82,9 @@ class FakeManager:
 
     def report_error(self, e):
         self.errors.append(e)
+
+    def errored(self):
+        return self.errors[0] if self.errors else None
 
     def should_commit(self):
         self.calls += 1

@@ -61,6 +61,18 @@ def test_rows_agree_only_on_the_same_quorum_membership_step_and_divisor():
         encode_view(view(step=-1))
 
 
+def test_members_with_different_slot_plans_never_commit_together():
+    # Groups configured with different slots, accumulation steps or micro-batches would cover the step's
+    # units differently (ftbridge.slot_steps.plan_digest): a sample lost or trained twice. Same plan: commit.
+    a, b = encode_view(replace(view(0), plan=7)), encode_view(replace(view(1), plan=7))
+    assert judge([a, b], a, riding=False).commit
+    c = encode_view(replace(view(1), plan=8))
+    for own in (a, c):
+        verdict = judge([a, c], own, riding=False)
+        assert not verdict.consistent and "slot plans" in verdict.reason
+    assert not judge([a, encode_view(view(1))], a, riding=False).commit  # one member without slots
+
+
 def test_the_divisor_must_match_the_members_that_participate():
     # Both say "2 participants" but one member heals (participating=False): only one gradient is in the sum.
     a, b = encode_view(view(0)), encode_view(view(1, participating=False))

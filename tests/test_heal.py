@@ -92,3 +92,14 @@ def test_a_restarted_group_with_nothing_waits_for_a_peer_then_stops_instead_of_t
     assert restart_without_peer(**{**base, "restarted_empty": False}) == "go"     # a first launch, or resumed
     assert restart_without_peer(**{**base, "all_members_empty": False}) == "go"   # a member holds the state: heal
     assert restart_without_peer(**{**base, "limit_s": 0.0}) == "go"               # disabled
+
+
+def test_a_step_discarded_on_purpose_keeps_its_heal_but_a_real_error_drops_it():
+    from ftbridge.manager.heal_agreement import DiscardStep
+
+    kept = FakeTorchft(healing=True, received=True)
+    kept.report_error(DiscardStep("slots: a member heals in this step"))
+    assert kept.agreement.state() == (True, True)
+    dropped = FakeTorchft(healing=True, received=True)
+    dropped.report_error(RuntimeError("the cross-replica all-reduce failed"))
+    assert dropped.agreement.state() == (True, False)

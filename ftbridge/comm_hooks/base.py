@@ -53,6 +53,9 @@ class CommHookState:
                              "(DeepSpeed's gradient_allreduce_op)")
         self.manager = manager
         self.reduction = reduction
+        self.slots = 0
+        """The job's slots (:attr:`ftbridge.config.FTBridgeConfig.slots`), set by the engine; when
+        not 0, a mean divides the cross-replica sum by them instead of by the participants."""
         self.layout: Any = None
         """The :class:`ftbridge.zero.layout.PartitionLayout` of the
         rank's partition, set by the gradient sync before the first step."""
@@ -82,8 +85,11 @@ class CommHookState:
     @property
     def divisor(self) -> int:
         """What an average divides the cross-replica sum by: the participating replica groups
-        (``reduction="mean"``), or 1 (``"sum"``). Waits for the quorum."""
-        return self.participants if self.reduction == "mean" else 1
+        (``reduction="mean"``), or the job's :attr:`slots` when it has them, or 1 (``"sum"``).
+        Waits for the quorum."""
+        if self.reduction != "mean":
+            return 1
+        return self.slots or self.participants
 
     def allreduce(self, tensor: torch.Tensor, average: bool = True, divide_first: Optional[bool] = None) -> Any:
         """Start reducing ``tensor`` in place across replica groups: their sum, divided by :attr:`divisor`.

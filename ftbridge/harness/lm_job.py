@@ -218,7 +218,8 @@ def build_data_and_model(args: argparse.Namespace):
 
 def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
                events: Any = None) -> float:
-    """One optimizer step (``grad_accum`` micro-steps) at ``engine.global_steps``.
+    """One optimizer step at ``engine.global_steps``: ``grad_accum`` micro-steps of this rank's rows, or
+    with slots (``FTBRIDGE_SLOTS``) the units :meth:`ftbridge.engine.FaultTolerantEngine.units` gives.
 
     Args:
         events: an event log to record each micro-batch in (``batch`` events; ``--log-batches``).
@@ -226,14 +227,18 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
     Returns:
         Mean training loss of this rank over the micro-steps.
     """
-    step = int(engine.global_steps)
+    if getattr(getattr(engine, "cfg", None), "slots", 0):  # failure-transparent training: ftbridge's units
+        work = ((u.step, u.micro, u.dp_rank, u.dp_world_size, u.slot) for u in engine.units())
+    else:
+        step = int(engine.global_steps)
+        work = ((step, micro, topo.dp_rank, topo.dp_world_size, None) for micro in range(grad_accum))
     losses = []
-    for micro in range(grad_accum):
-        x, y = (data.global_batch(step, micro, topo.dp_world_size) if topo.whole_batch
-                else data.get_batch(step, micro, topo.dp_rank, topo.dp_world_size))
+    for step, micro, dp_rank, dp_world_size, slot in work:
+        x, y = (data.global_batch(step, micro, dp_world_size) if topo.whole_batch
+                else data.get_batch(step, micro, dp_rank, dp_world_size))
         if events is not None:
-            events.write(event="batch", time=now(), step=step, micro_step=micro, dp_rank=topo.dp_rank,
-                         dp_world_size=topo.dp_world_size, input_checksum=tensor_checksum([x]))
+            events.write(event="batch", time=now(), step=step, micro_step=micro, dp_rank=dp_rank,
+                         dp_world_size=dp_world_size, slot=slot, input_checksum=tensor_checksum([x]))
         _, loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()

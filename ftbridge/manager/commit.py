@@ -113,7 +113,7 @@ class QuorumWait:
 
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
-ROW = 25
+ROW = 26
 """float64 values per member in the agreement (see :func:`encode_view`)."""
 
 
@@ -152,6 +152,9 @@ class View:
             server cannot take it back: its request (with the step it was made at) may still reach the
             lighthouse and its answer may still come, and a second call of the group would receive that
             answer as its own. While a member holds, every member rides on.
+        plan: the slot plan this member computes by (:mod:`ftbridge.slots`): ``config_digest + 1`` of its
+            slots, accumulation steps, micro-batch and group size; 0 without slots. Members that differ
+            would cover the step's units differently, so they never commit together.
     """
 
     replica_group: int
@@ -170,6 +173,7 @@ class View:
     missed: int = -1
     committers: int = 0
     holding: bool = False
+    plan: int = 0
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -191,12 +195,12 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first dead end
-    + 1, last dead end + 1, empty, num groups, missed + 1, committers, holding]`` (0 where none).
+    + 1, last dead end + 1, empty, num groups, missed + 1, committers, holding, plan]`` (0 where none).
 
     Raises:
         ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
     """
-    for name in ("replica_group", "quorum_id", "step", "participants"):
+    for name in ("replica_group", "quorum_id", "step", "participants", "plan"):
         if not 0 <= getattr(v, name) < 2**53:
             raise ValueError(f"agreement view: {name}={getattr(v, name)} must be in [0, 2**53)")
     guard = [1.0, *_chunks(v.guard, "guard digest")] if v.guard is not None else [0.0] * 5
@@ -204,7 +208,7 @@ def encode_view(v: View) -> List[float]:
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
             *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty), float(v.num_groups),
-            float(v.missed + 1), float(v.committers), float(v.holding)]
+            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan)]
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,9 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     if any(row[21] != own[21] for row in rows):
         return Agreement(False, False, False, f"the members disagree on the job's number of replica groups "
                                               f"({sorted({int(row[21]) for row in rows})})")
+    if any(row[25] != own[25] for row in rows):
+        return Agreement(False, False, False, "the members train by different slot plans (FTBRIDGE_SLOTS, "
+                                              "gradient_accumulation_steps, micro-batch or group size differ)")
     groups = {int(row[1]) - 1 for row in rows}
     whole = own[21] > 0 and groups >= set(range(int(own[21])))  # every group of the job: nobody else trained
     missed = max(int(row[22]) - 1 for row in rows)

@@ -13,6 +13,17 @@ from typing import Any, Dict, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 
+class DiscardStep(RuntimeError):
+    """An error recorded to discard a step on purpose, with nothing broken: a heal received in the step
+    still applies (:meth:`HealAgreement.state`), so the retry finds every member at one step."""
+
+
+def _harmless(error: Any) -> bool:
+    """Whether torchft's recorded ``error`` (its ``ExceptionWithTraceback`` or the exception) is a
+    :class:`DiscardStep`."""
+    return isinstance(getattr(error, "original_exception", error), DiscardStep)
+
+
 class HealAgreement:
     """The ranks of one replica group apply a heal together or not at all (torchft 0.2 internals).
 
@@ -48,13 +59,16 @@ class HealAgreement:
         manager.load_state_dict = load_state_dict
 
     def state(self) -> Tuple[bool, bool]:
-        """``(healing, ready)`` of this rank: it heals in this step, and holds its complete heal state.
+        """``(healing, ready)`` of this rank: it heals in this step, and holds its complete heal state
+        with no error recorded but a :class:`DiscardStep`.
 
         Call after the step's quorum is applied (``wait_quorum``).
         """
         m = self._manager
         healing = bool(getattr(m, "_healing", False))
-        return healing, healing and getattr(m, "_pending_state_dict", None) is not None and m.errored() is None
+        error = m.errored()
+        return healing, (healing and getattr(m, "_pending_state_dict", None) is not None
+                         and (error is None or _harmless(error)))
 
     def settle(self, drop: bool) -> None:
         """Apply the group's decision: with ``drop``, this rank's received state is dropped, torchft's

@@ -609,7 +609,7 @@ class OutageRider:
         return _Reused(last, int(self._manager.current_step()))
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
-    def agree(self, guard: Optional[str] = None, empty: bool = False) -> Agreement:
+    def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
         """Agree with every member of this step's quorum on its view; call on every rank, every step,
         right before the group's decision: :meth:`own_row`, one SUM all-reduce over the cross-replica
         process group, :meth:`conclude`.
@@ -617,17 +617,18 @@ class OutageRider:
         Args:
             guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
             empty: this group joined with nothing to start from (a restart or a spare).
+            plan: the slot plan's digest (:attr:`~ftbridge.manager.commit.View.plan`; 0 without slots).
 
         Returns:
             The :class:`~ftbridge.manager.commit.Agreement`. Never raises.
         """
-        own = self.own_row(guard, empty)
+        own = self.own_row(guard, empty, plan)
         if own is None:
             return self.conclude(None, None, "this rank's collectives of this step did not all run")
         rows, failure = self._exchange(own)
         return self.conclude(own, rows, failure)
 
-    def own_row(self, guard: Optional[str] = None, empty: bool = False) -> Optional[List[float]]:
+    def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Optional[List[float]]:
         """This member's agreement row (:func:`~ftbridge.manager.commit.encode_view`), or ``None`` when it
         cannot take part: no quorum yet, a process group that is not the last quorum's or has failed, or
         an all-reduce of this step that torchft made a no-op (its collectives no longer pair with its
@@ -640,7 +641,7 @@ class OutageRider:
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
                                 guard if participating else None, self._certified, self._dead_ends(), empty,
-                                self.num_groups, self._missed, self._certified_committers, self.holding()))
+                                self.num_groups, self._missed, self._certified_committers, self.holding(), plan))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that

@@ -85,6 +85,8 @@ class _QuorumGuard:
         """Every member's group size at the last vote, by replica rank (empty when the vote failed)."""
         self._voted: Optional[Tuple[int, Tuple[str, ...]]] = None  # quorum id and members of the last complete vote
         self._returned = float("-inf")  # time.monotonic() when the last quorum call returned
+        self.last_result: Any = None
+        """The quorum torchft got for its latest step: the lighthouse's, or the last one again while riding."""
         self._rode = False  # rode on the last quorum since the last quorum from the lighthouse
         self.votes_skipped = 0
         """Quorums whose reconfigure vote this member skipped (:func:`ftbridge.manager.quorum_rules.vote_needed`)."""
@@ -120,6 +122,7 @@ class _QuorumGuard:
         self._returned = returned
         if self.rider is not None and (self.rider.riding or self.rider.lost):  # the last quorum again
             self._rode |= self.rider.riding
+            self.last_result = result
             return result
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
@@ -161,6 +164,7 @@ class _QuorumGuard:
         view = _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
         if self.rider is not None:  # lighthouse outage (ftbridge.manager.outage): the quorum a riding step reuses
             self.rider.remember(view, members)
+        self.last_result = view
         return view
 
     @property

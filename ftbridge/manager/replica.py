@@ -242,6 +242,21 @@ class ReplicaManager:
         """Block until this step's quorum (started by :meth:`start_quorum`) is decided and applied."""
         self._torchft.wait_quorum()
 
+    def step_members(self) -> Tuple[Tuple[str, ...], bool]:
+        """This step's quorum: its members' torchft replica ids, and whether every one of them takes part.
+
+        Waits for the quorum (:meth:`wait_quorum`). The second value is ``False`` in a step in which a
+        member heals (it is behind the others, and torchft zeroes its gradient): a fact of the quorum,
+        so every member of it reads the same. ``((), False)`` when the quorum is unknown (no quorum
+        guard, or the quorum call failed before any quorum).
+        """
+        self.wait_quorum()
+        result = self.quorum_guard.last_result if self.quorum_guard is not None else None
+        if result is None:
+            return (), False
+        ids = tuple(str(r) for r in (getattr(result, "replica_ids", None) or ()))
+        return ids, bool(ids) and int(getattr(result, "max_world_size", -1)) == len(ids)
+
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
         """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.
@@ -298,7 +313,8 @@ class ReplicaManager:
         """Set torchft's counters from :meth:`state_dict` output (a checkpoint's)."""
         self._torchft.load_state_dict(state)
 
-    def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0) -> "StepVerdict":
+    def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0,
+               plan: int = 0) -> "StepVerdict":
         """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step.
 
         Call on every rank of the group after the step's gradient all-reduces and right before
@@ -314,6 +330,8 @@ class ReplicaManager:
                 (:func:`ftbridge.heal.restart_without_peer`: while no member of the quorum holds the job's
                 state it discards, and past ``restart_peer_wait`` the group stops: ``decision.stop``).
             waited_s: seconds since this launch started, for that rule.
+            plan: the slot plan's digest (:attr:`ftbridge.manager.commit.View.plan`; 0 without slots):
+                members that differ discard.
 
         Returns:
             :class:`StepVerdict`, also kept as :attr:`verdict`.
@@ -330,7 +348,7 @@ class ReplicaManager:
         t0 = time.perf_counter()
         if self.quorum_watch is not None:  # frozen during the step and left out meanwhile: discard
             self.quorum_watch.check_commit(tf, self._step_start)
-        agreement = self.outage.agree(guard, empty) if self.outage is not None else None
+        agreement = self.outage.agree(guard, empty, plan) if self.outage is not None else None
         stop = self._restart_rule(agreement, empty, waited_s)
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
         unreachable = self.cfg.group_rank == 0 and self._cross_pg.take_store_unreachable()

@@ -1,0 +1,188 @@
+"""The engine's side of slots: the units of one attempt of a step, and its accumulation boundary.
+
+With ``slots`` set (:attr:`ftbridge.config.FTBridgeConfig.slots`), the training loop iterates
+:meth:`ftbridge.engine.FaultTolerantEngine.units`, which :func:`units` implements::
+
+    while engine.global_steps < steps:
+        for unit in engine.units():
+            x, y = data.get_batch(unit.step, unit.micro, unit.dp_rank, unit.dp_world_size)
+            engine.backward(engine(x, y))
+            engine.step()
+
+One attempt of step ``s``:
+
+1. The quorum starts (asynchronously) and the group computes its home units
+   (:func:`ftbridge.slots.home_units`) but the last without waiting for it.
+2. Before the last home unit, the group waits for the quorum and takes one decision for all its
+   ranks (:func:`group_plan`, one in-group exchange; group rank 0's view wins): the participants
+   are the quorum's members, and :func:`ftbridge.slots.assign` gives this group the absent groups'
+   units it computes after its own.
+3. DeepSpeed's accumulation boundary is set before every unit: true on the last one only, so the
+   optimizer step (and the commit vote) follows the last unit whatever their number.
+
+A step in which a member heals cannot be covered: torchft zeroes the healing member's gradient, and
+no member learns from the quorum which member that is. Every member of such a quorum (the condition
+is the quorum's, so all read it alike) records an error before any gradient message, and the step is
+discarded everywhere; its retry, with the healed member taking part, trains the same units. A heal
+therefore costs one step's computation, and never changes what is trained.
+
+With ``slots`` 0, :func:`units` yields the group's own ``gradient_accumulation_steps`` micro-batches
+(data-parallel rank ``replica_group_id * group_size + group_rank``) and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, List, Sequence, Tuple
+
+from ftbridge.device import exchange_in_group
+from ftbridge.manager.heal_agreement import DiscardStep
+from ftbridge.manager.lighthouse_status import replica_group_of
+from ftbridge.slots import Unit, UnitKey, assign, config_digest, home_units
+
+logger = logging.getLogger(__name__)
+
+
+class StepNotCovered(DiscardStep):
+    """This attempt cannot train every unit of the step exactly once; the step is discarded everywhere
+    (a heal received in it still applies)."""
+
+
+def _discard(manager: Any, reason: str) -> None:
+    """Record :class:`StepNotCovered` unless an error is recorded already (which it must not hide)."""
+    if manager.errored() is None:
+        manager.report_error(StepNotCovered(reason))
+
+
+def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tuple[List[int], str]:
+    """The replica group ids whose units count this step, or why the step cannot be covered (pure).
+
+    Args:
+        members: torchft replica ids of the step's quorum (``replica_group_G:UUID``).
+        everyone: every member takes part (no member heals in this step).
+        groups: replica groups the job was configured with.
+
+    Returns:
+        ``(sorted group ids, "")``, or ``([], reason)`` when a member heals, an id is not a replica
+        group of the job, or two members hold one id.
+    """
+    if not members:
+        return [], "the step's quorum is unknown (its quorum call failed)"
+    if not everyone:
+        return [], "a member heals in this step and torchft counts its gradient for nothing"
+    ids = [replica_group_of(m) for m in members]
+    if any(g is None or not 0 <= g < groups for g in ids):
+        return [], f"quorum members {list(members)} are not all replica groups 0..{groups - 1}"
+    if len(set(ids)) != len(ids):
+        return [], f"two quorum members hold one replica group id ({list(members)})"
+    return sorted(g for g in ids if g is not None), ""
+
+
+def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) -> Tuple[List[UnitKey], str]:
+    """The units this group computes after its home units, decided for the whole group.
+
+    Waits for the quorum, then one in-group exchange (:func:`ftbridge.device.exchange_in_group`) of
+    each rank's view; group rank 0's is taken by every rank, so all ranks compute as many units and
+    enter the same in-group collectives. A rank whose own view differs records an error (the step is
+    discarded).
+
+    Returns:
+        ``(extra units in order, reason)``; ``reason`` is ``""`` when the plan covers the step, else
+        why the step is discarded (every rank has then recorded an error: :class:`StepNotCovered`,
+        unless one was recorded already).
+
+    Raises:
+        RuntimeError: the in-group exchange failed (the in-group process group's timeout).
+    """
+    members, everyone = manager.step_members()
+    present, why = participants_of(members, everyone, groups)
+    row = [0.0 if why else 1.0] + [1.0 if g in present else 0.0 for g in range(groups)]
+    decided = exchange_in_group(row)[0]
+    if decided != row:
+        _discard(manager, "this rank's quorum differs from its group rank 0's")
+    if decided[0] != 1.0:
+        reason = why or "group rank 0 found the step's quorum unusable"
+        _discard(manager, reason)
+        return [], reason
+    present = [g for g in range(groups) if decided[1 + g] == 1.0]
+    if group not in present:
+        reason = f"replica group {group} is not among the step's participants {present}"
+        _discard(manager, reason)
+        return [], reason
+    home = home_units(slots, micro, groups, group)
+    return list(assign(slots, micro, groups, present)[group][len(home):]), ""
+
+
+def units(engine: Any) -> Iterator[Unit]:
+    """One attempt of the current step, unit by unit (:meth:`FaultTolerantEngine.units`; see the module).
+
+    Args:
+        engine: a :class:`ftbridge.engine.FaultTolerantEngine` between steps.
+
+    Yields:
+        :class:`ftbridge.slots.Unit` s, home units first; DeepSpeed's accumulation boundary is set
+        for each before it is yielded.
+
+    Raises:
+        RuntimeError: called inside a step (a forward ran since the last optimizer step).
+    """
+    if engine._in_step:
+        raise RuntimeError("units() called inside a step: a forward has run since the last optimizer step; "
+                           "iterate units() once per step, with every forward and backward inside the loop")
+    cfg, ds = engine.cfg, engine.engine
+    groups, micro = cfg.num_replica_groups, int(ds.gradient_accumulation_steps())
+    slots = cfg.slots or groups
+    home = home_units(slots, micro, groups, cfg.replica_group_id)
+    engine._begin_step()
+    step = int(ds.global_steps)
+    plan: List[UnitKey] = list(home)
+    engine.slot_units = len(plan)
+    i = 0
+    while i < len(plan):
+        if cfg.slots and i == len(home) - 1:
+            extra, why = group_plan(engine.manager, slots, micro, groups, cfg.replica_group_id)
+            if why and cfg.group_rank == 0:
+                logger.warning("[replica %d rank %d step %d] the step is discarded and tried again: %s",
+                               cfg.replica_group_id, cfg.group_rank, step, why)
+            plan += extra
+            engine.slot_units = len(plan)
+        ds.set_gradient_accumulation_boundary(i == len(plan) - 1)
+        slot, m = plan[i]
+        yield Unit(step=step, slot=slot, micro=m, group_rank=cfg.group_rank, group_size=cfg.group_size,
+                   slots=slots)
+        i += 1
+
+
+def plan_digest(cfg: Any, ds: Any) -> int:
+    """What the step's agreement compares (:attr:`ftbridge.manager.commit.View.plan`): 0 without slots,
+    else 1 + :func:`ftbridge.slots.config_digest` of the slots, DeepSpeed's accumulation steps and
+    micro-batch, and the group size. Members whose plans differ never commit a step together."""
+    if not cfg.slots:
+        return 0
+    return 1 + config_digest(cfg.slots, int(ds.gradient_accumulation_steps()),
+                             int(ds.train_micro_batch_size_per_gpu()), cfg.group_size, 0)
+
+
+def refusal(cfg: Any, ds: Any, adapter: Any, hook_state: Any) -> str:
+    """Why this engine cannot train with slots, or ``""`` (checked at ``initialize``).
+
+    Args:
+        cfg: the resolved :class:`ftbridge.config.FTBridgeConfig`.
+        ds: the DeepSpeed engine.
+        adapter: its :class:`ftbridge.zero.adapter.ZeroAdapter`.
+        hook_state: the communication hook's state (:func:`ftbridge.comm_hooks.build`).
+    """
+    if not cfg.slots:
+        return ""
+    from ftbridge.comm_hooks.powersgd import PowerSGDState
+
+    if adapter.accumulation_refused():
+        return (f"slots={cfg.slots}: a group computes several units in a step after a failure, and here "
+                f"DeepSpeed cannot accumulate them: {adapter.accumulation_refused()}")
+    if not ds.managed_gradient_accumulation():
+        return (f"slots={cfg.slots} with managed_gradient_accumulation false: ftbridge sets the accumulation "
+                "boundary itself on the step's last unit; remove that setting")
+    if isinstance(hook_state, PowerSGDState):
+        return (f"slots={cfg.slots} with a PowerSGD hook: its error feedback is kept per replica group, so a "
+                "group's death changes the trained model; use no hook, fp16 or bf16, or FTBRIDGE_SLOTS=0")
+    return ""
