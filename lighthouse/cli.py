@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long one heal transfer takes, s (default %(default)g)")
     group.add_argument("--expected-outage-s", type=finite(0.0, strictly_above=True), default=10.0,
                        help="longest lighthouse restart the job should ride out, s (default %(default)g)")
-    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                        help="level of this program's log lines (default %(default)s)")
     serve.set_defaults(func=_serve)
 
@@ -257,7 +257,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"ftbridge-lighthouse: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except OSError as exc:
-        print(f"ftbridge-lighthouse: error: cannot read the status of {args.address}: {exc}",
+        hint = ("; give the lighthouse's own address (ftbridge-lighthouse serve --bind), not another port of it"
+                if getattr(exc, "code", None) == 404 else "")
+        print(f"ftbridge-lighthouse: error: cannot read the status of {args.address}: {exc}{hint}",
               file=sys.stderr, flush=True)
         return 1
     print(format_json(status) if args.json else format_table(status), flush=True)

@@ -112,7 +112,7 @@ def _unsafe_files(ckpt: CheckpointInfo) -> List[str]:
 def cmd_verify(store: CheckpointStore, tag: Optional[str]) -> int:
     targets = store.list() if tag is None else [c for c in store.list() if c.tag == tag]
     if not targets:
-        print(f"no checkpoint {tag or ''} in {store.root}", file=sys.stderr)
+        print(f"no checkpoint {tag + ' ' if tag else ''}in {store.root}", file=sys.stderr)
         return 2
     bad = 0
     for c in targets:
