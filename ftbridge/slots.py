@@ -15,10 +15,9 @@ Every unit is computed exactly once per step by some participating group:
   units of the absent groups, in grid order, go one at a time to the participant with the fewest
   units so far (ties to the lowest replica group id). No participant gets more than
   ``ceil(slots * G / participants)`` units (:func:`max_load`).
-* :func:`ledger_row` and :func:`judge_ledger`: the coverage check. Each participant contributes a row
-  (units computed per slot, a one, a digest of the grid's settings and its square); the rows are
-  summed across the participants, and the sum holds every slot exactly G times, under one
-  configuration, or the step must be discarded everywhere.
+* :func:`config_digest`: a digest of the settings every participant must share; the step's agreement
+  compares it (:attr:`ftbridge.manager.commit.View.plan`), so members that would plan differently never
+  commit a step together.
 
 Everything here is pure: integers in, integers out, no torch, no clock, no I/O. The same inputs give
 the same plan on every rank of every group, which is what lets each decide alone.
@@ -28,13 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 UnitKey = Tuple[int, int]
 """``(slot, micro)``: one micro-batch of one slot in a step."""
 
 DIGEST_BITS = 20
-"""Width of :func:`config_digest`: its square summed over 2^20 participants stays below 2^60."""
+"""Width of :func:`config_digest`: exact in a float64 agreement row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,47 +159,3 @@ def config_digest(slots: int, micro: int, micro_batch: int, group_size: int, see
     """A :data:`DIGEST_BITS`-bit digest of the settings every participant must share (blake2b)."""
     key = f"{slots}/{micro}/{micro_batch}/{group_size}/{seed}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % (1 << DIGEST_BITS)
-
-
-def ledger_row(slots: int, units: Sequence[UnitKey], digest: int) -> List[int]:
-    """One participant's row of the coverage check: ``slots + 3`` integers.
-
-    ``[units computed in slot 0, ..., in slot N-1, 1, digest, digest**2]``. Summed over the
-    participants (an int64 SUM all-reduce; a non-participating member contributes zeros).
-
-    Raises:
-        ValueError: a unit's slot outside ``[0, slots)``, or ``digest`` outside its bits.
-    """
-    if not 0 <= digest < (1 << DIGEST_BITS):
-        raise ValueError(f"digest {digest} outside [0, 2**{DIGEST_BITS})")
-    row = [0] * slots + [1, digest, digest * digest]
-    for slot, _ in units:
-        if not 0 <= slot < slots:
-            raise ValueError(f"unit slot {slot} outside [0, {slots})")
-        row[slot] += 1
-    return row
-
-
-def judge_ledger(total: Sequence[int], slots: int, micro: int, digest: int) -> Optional[str]:
-    """Whether the summed ledger proves the step covered: ``None``, or why it must be discarded.
-
-    Every participant that judges the same sum with the same ``digest`` gets the same answer; when
-    the digests differ, every participant's judgement fails (the sums of the digests and of their
-    squares match ``P * d`` and ``P * d**2`` only when all ``P`` digests equal ``d``).
-
-    Args:
-        total: the element-wise sum of every participant's :func:`ledger_row`.
-        slots, micro: this participant's grid.
-        digest: this participant's :func:`config_digest`.
-    """
-    if len(total) != slots + 3:
-        return f"coverage ledger of {len(total)} entries, expected {slots + 3}: the groups disagree on the slots"
-    count, summed, squares = total[slots], total[slots + 1], total[slots + 2]
-    if count < 1:
-        return "coverage ledger holds no participant"
-    if summed != count * digest or squares != count * digest * digest:
-        return "the participating groups differ in slots, accumulation steps, micro-batch, group size or seed"
-    wrong = [f"slot {s}: {n}" for s, n in enumerate(total[:slots]) if n != micro]
-    if wrong:
-        return f"units per slot must be {micro}, found {', '.join(wrong)}"
-    return None

@@ -32,14 +32,15 @@ SCALE_SENSITIVE = ["--optimizer", "sgd", "--grad-clip", "0", "--lr", "1.0"]
 """Plain SGD, no gradient clipping, a large learning rate: a wrong gradient scale moves the parameters."""
 
 # (zero stage, grad accumulation, overlap_comm, bf16, sync mode, optimizer CPU offload, optimizer):
-# CI runs these four (one per hook point: ZeRO-1/2 reduce_ipg_grads, its post-backward fallback,
-# ZeRO-3 partition_grads, ZeRO-1/2 offload's CPU partition), scale-sensitive; the rest is `-m slow`. ZeRO-3
+# CI runs these three (hook points: ZeRO-1/2 reduce_ipg_grads, ZeRO-3 partition_grads, ZeRO-1/2 offload's
+# CPU partition; the post-backward fallback in test_slots.py), scale-sensitive; the rest is `-m slow`. ZeRO-3
 # post-backward and BF16_Optimizer run in CI as single-rank engine tests (tests/test_engine.py) and here
 # under `-m slow`. bf16 always trains scale-sensitive: with AdamW at 1e-3 its parameters moved less than
 # its tolerance.
 FAST = [
     (1, 1, False, False, "per_bucket", False, "sgd"),
-    (2, 4, True, False, "per_bucket", False, "sgd"),   # messages after backward (see zero/grad_sync.py)
+    # ZeRO-2 with accumulation (messages after backward, see zero/grad_sync.py): the offload case below and
+    # tests/integration/test_slots.py (G = 2, against plain DeepSpeed) in CI; overlap_comm under -m slow.
     (3, 1, False, False, "per_bucket", False, "sgd"),
     (2, 4, False, False, "per_bucket", True, "sgd"),   # offload: CPU accumulation, the CPU partition after backward
 ]
