@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -106,8 +106,9 @@ class FaultTolerantEngine:
         refused = slot_steps.refusal(cfg, engine, self.adapter, hook_state)
         if refused:
             raise ValueError(refused)
-        self.slot_units = 0
-        """Units of the current step's attempt this group computes (:meth:`units`; 0 without it)."""
+        self.slot_plan: List[Tuple[int, int]] = []
+        """``(slot, micro)`` of every unit this group computes in the current step's attempt, in order
+        (:meth:`units`; empty without it)."""
         self._plan = slot_steps.plan_digest(cfg, engine)
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
                                hook=hook, hook_state=hook_state)
@@ -344,7 +345,7 @@ class FaultTolerantEngine:
                    loss=loss, step_time_s=time.time() - self._t0, param_checksum=checksum,
                    rode_out_outage=bool(getattr(m, "rode_out_outage", False)))  # ftbridge.manager.outage
         if self.cfg.slots:
-            rec["units"] = self.slot_units
+            rec["units"] = [list(u) for u in self.slot_plan]
         self.events.write(**rec)
         aside = getattr(m, "stood_aside", None)
         if aside is not None:  # the group left the quorums after this step (ftbridge.manager.stand_aside)

@@ -136,7 +136,7 @@ def units(engine: Any) -> Iterator[Unit]:
     engine._begin_step()
     step = int(ds.global_steps)
     plan: List[UnitKey] = list(home)
-    engine.slot_units = len(plan)
+    engine.slot_plan = plan
     i = 0
     while i < len(plan):
         if cfg.slots and i == len(home) - 1:
@@ -144,8 +144,8 @@ def units(engine: Any) -> Iterator[Unit]:
             if why and cfg.group_rank == 0:
                 logger.warning("[replica %d rank %d step %d] the step is discarded and tried again: %s",
                                cfg.replica_group_id, cfg.group_rank, step, why)
-            plan += extra
-            engine.slot_units = len(plan)
+            plan = plan + extra
+            engine.slot_plan = plan
         ds.set_gradient_accumulation_boundary(i == len(plan) - 1)
         slot, m = plan[i]
         yield Unit(step=step, slot=slot, micro=m, group_rank=cfg.group_rank, group_size=cfg.group_size,

@@ -64,7 +64,7 @@ def test_a_group_computes_its_slot_then_the_absent_groups_units_and_steps_once(m
     assert [u for u, _ in seen] == expected
     assert [b for _, b in seen] == [False] * (len(expected) - 1) + [True]
     assert engine.last_committed is True and int(engine.global_steps) == 1
-    assert engine.slot_units == len(expected)
+    assert engine.slot_plan == expected
     assert engine.sync.hook_state.divisor == 3  # the cross-replica sum is divided by the slots
 
 

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=at_least(0), default=0, metavar="COUNT",
                    help="warm spares (ftbridge-run --spare-index k, k < K) started once the job runs, 0..--groups "
                         "(default 0); scale_down is then skipped (a spare would take the leaving group's id)")
+    p.add_argument("--slots", type=at_least(0), default=0, metavar="N",
+                   help="train with slots (FTBRIDGE_SLOTS=N, at least --groups; 0: off, the default) and check "
+                        "that every committed step trained the whole grid of slots once")
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the failure-free run (and the final-loss check)")
@@ -78,6 +81,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
     if args.nproc < 1:
         p.error(f"--nproc-per-node {args.nproc}: must be at least 1")
+    if 0 < args.slots < args.groups:
+        p.error(f"--slots {args.slots} is fewer than --groups {args.groups}: each group needs a slot of its own")
     from ftbridge.harness.chaos.spares import validate_spares
 
     try:
@@ -132,7 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="ftbridge-chaos-")
     settings = ChaosSettings(workdir=workdir, groups=args.groups, nproc=args.nproc, script_args=script_args,
                              seed=args.seed, cross_replica_timeout_s=args.cross_replica_timeout,
-                             baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance, spares=args.spares)
+                             baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance, spares=args.spares,
+                             slots=args.slots)
     print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
           f"{args.groups} replica groups x {args.nproc} ranks, {args.spares} warm spare(s), logs in {workdir}",
           flush=True)

@@ -28,7 +28,7 @@ from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.faults import ENV_DIR
 from ftbridge.harness import netns
-from ftbridge.harness.chaos import deaths, invariants, spares
+from ftbridge.harness.chaos import coverage, deaths, invariants, spares
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
 from ftbridge.harness.chaos.schedule import (
     HOSTED,
@@ -68,6 +68,8 @@ class ChaosSettings:
         loss_tolerance: largest accepted |final val loss - failure-free val loss| (nats).
         spares: warm spares (``ftbridge-run --spare-index k``) started once the job commits together,
             0 to ``groups`` (:func:`ftbridge.harness.chaos.spares.validate_spares`).
+        slots: ``FTBRIDGE_SLOTS`` of the job and of the failure-free run (0: off); with slots the end
+            checks add :func:`ftbridge.harness.chaos.coverage.same_samples`.
     """
 
     workdir: str
@@ -85,6 +87,7 @@ class ChaosSettings:
     baseline: bool = True
     loss_tolerance: float = 0.15
     spares: int = 0
+    slots: int = 0
 
     @property
     def settle_s(self) -> float:
@@ -221,7 +224,8 @@ def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool
                    lighthouse_min_replicas=settings.groups if together else None,
                    heartbeat_timeout_ms=settings.heartbeat_timeout_ms, join_timeout_ms=settings.join_timeout_ms,
                    env={"FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": str(settings.cross_replica_timeout_s),
-                        "FTBRIDGE_QUORUM_TIMEOUT_S": str(settings.quorum_timeout_s), **env},
+                        "FTBRIDGE_QUORUM_TIMEOUT_S": str(settings.quorum_timeout_s),
+                        "FTBRIDGE_SLOTS": str(settings.slots), **env},
                    lighthouse_process=bool(kinds & LIGHTHOUSE_PROCESS), proxies=bool(kinds & PROXIED),
                    hosts=bool(kinds & HOSTED))
     job.script_args += ["--stop-file", os.path.join(job.workdir, "stop")]
@@ -436,6 +440,8 @@ def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outco
     checks.append(invariants.Check("no process left", f"{started} PIDs started",
                                    [V("no process left", f"processes left behind: pids {leftover}")] if leftover
                                    else []))
+    if settings.slots:
+        checks.append(coverage.same_samples(events, settings.slots, _grad_accum(settings.script_args)))
     if ckpt_dir is not None:
         checks.append(invariants.Check("checkpoints valid", ckpt_dir,
                                        [V("checkpoints valid", m) for m in checkpoints_valid(ckpt_dir)]))
@@ -518,6 +524,13 @@ def checkpoints_valid(ckpt_dir: str) -> List[str]:
     if latest is None or latest not in {c.tag for c in published}:
         out.append(f"'latest' in {ckpt_dir} names {latest!r}, which is not a published checkpoint")
     return out
+
+
+def _grad_accum(script_args: Sequence[str]) -> int:
+    """The job's ``--grad-accum`` (the last one given; 1 when none)."""
+    args = list(script_args)
+    given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--grad-accum"]
+    return int(given[-1]) if given else 1
 
 
 def _baseline(settings: ChaosSettings, steps: int) -> Optional[float]:
