@@ -195,8 +195,18 @@ class FaultTolerantEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed forward; the first micro-step of a window starts the quorum."""
+        """DeepSpeed forward; the first micro-step of a window starts the quorum.
+
+        Raises:
+            RuntimeError: with ``slots``, a training forward outside :meth:`units` (the step would miss
+                the units of absent groups while dividing by every slot).
+        """
         if self.engine.module.training and not self._in_step:
+            if self.cfg.slots:
+                raise RuntimeError(
+                    f"slots={self.cfg.slots} (FTBRIDGE_SLOTS): run every training forward inside "
+                    "'for unit in engine.units():', reading the rows the unit names; a step begun outside it "
+                    "would leave the units of absent replica groups untrained")
             self._begin_step()
         return self.engine(*args, **kwargs)
 
