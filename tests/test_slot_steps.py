@@ -97,7 +97,7 @@ def test_without_slots_units_are_the_groups_own_micro_batches():
 
 def test_with_slots_a_training_forward_outside_units_is_refused():
     engine = tiny_engine(2, manager=QuorumOf, ft={"slots": 3, "num_replica_groups": 3})
-    with pytest.raises(RuntimeError, match="inside 'for unit in engine.units\(\)"):
+    with pytest.raises(RuntimeError, match=r"inside 'for unit in engine.units\(\)"):
         engine(*gpt_batch(0))
 
 
