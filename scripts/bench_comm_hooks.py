@@ -2,14 +2,14 @@
 
 One invocation runs the main job's model (char GPT, 4 layers, d_model 128,
 827,648 parameters, context 128, micro batch 8, ZeRO-2) as 2 replica groups
-x ``--nproc`` ranks for ``--steps`` steps once per hook, same data, same
+x ``--nproc-per-node`` ranks for ``--steps`` steps once per hook, same data, same
 seed, and prints per hook: cross-replica bytes per rank per step (steady
 state, after PowerSGD's ``start_powerSGD_iter``), median step time after
 warm-up, final validation loss and mean training loss of the last 10 steps,
 each with its ratio to ``no``::
 
     python scripts/bench_comm_hooks.py                       # 100 steps, 2 groups x 1 rank
-    python scripts/bench_comm_hooks.py --steps 200 --nproc 2 --rank 4 --json runs/bench/comm_hooks.json
+    python scripts/bench_comm_hooks.py --steps 200 --nproc-per-node 2 --rank 4 --json runs/bench/comm_hooks.json
 
 Bytes are the payload each rank hands to the cross-replica all-reduce
 (gloo moves about twice that over the wire for a ring of 2); on a 2-core
@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10,
                    help="steps left out of the timing; also PowerSGD's start_powerSGD_iter")
-    p.add_argument("--nproc", type=int, default=1, help="ranks per replica group (ZeRO partitions)")
+    p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=int, default=1,
+                   help="ranks per replica group (ZeRO partitions), as ftbridge-run's flag (--nproc: the old spelling)")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD matrix_approximation_rank")
     p.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--hooks", default=",".join(f"{h}+{w}" for h, w in HOOKS),
