@@ -97,3 +97,32 @@ def test_without_slots_the_same_failures_change_the_model(local_job, tmp_path):
     plain = _plain(tmp_path, target)
     worst = min(_worst(load_file(str(tmp_path / f"ft_{g}.st")), plain) for g in (0, 1))
     assert worst > 100 * ATOL, f"without slots the model stayed within {worst} of plain DeepSpeed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_with_slots_a_warm_spare_takes_the_killed_groups_slot(local_job, tmp_path):
+    job = local_job(2, 1, [*ARGS, "--steps", "100000", "--save-params", str(tmp_path / "ft_{replica_group}.st")],
+                    max_restarts=1, env={"FTBRIDGE_SLOTS": "2", "FTBRIDGE_RESTART_PEER_WAIT_S": "3"})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start()
+    job.start_spare(0)
+    job.wait_until(lambda: job.spare_ready(0), 120, "spare 0 to stand by")
+    job.wait_until(lambda: all(any(e["committed"] and e["participants"] == 2 for e in job.steps(g)) for g in (0, 1)),
+                   120, "both groups to commit together")
+    killed = time.time()
+    job.kill_workers(1)
+    job.wait_until(lambda: any(e.get("event") == "spare_join" for e in job.events(1)), 60, "the spare to join")
+    job.wait_until(lambda: _healed_at(job, 1, killed), 60, "the spare to heal as group 1")
+    job.wait_step(1, _healed_at(job, 1, killed)[0]["step"] + 3, timeout_s=60)
+    # group 1's torchrun restart stands by as spare index N + 1 = 3, under id N + 3 = 5 (ftbridge.spare)
+    job.wait_until(lambda: any(e.get("event") == "spare_ready" for e in job.events(5, 0)), 120,
+                   "group 1's torchrun restart to stand by as a spare")
+    job, target = _stop(job)
+    assert job.wait_spare(0, 120) == 0, job.tails()
+    plain = _plain(tmp_path, target)
+    for g in (0, 1):
+        worst = _worst(load_file(str(tmp_path / f"ft_{g}.st")), plain)
+        assert worst <= ATOL, f"group {g} ended {worst} away from plain DeepSpeed after {target} steps"
+    spare_heals = [e for e in job.steps(1) if e["healed"] and e["time"] > killed]
+    assert len(spare_heals) == 1 and not spare_heals[0]["committed"]
