@@ -47,6 +47,14 @@ def finite(minimum: float = -math.inf, *, strictly_above: bool = False) -> Calla
     return parse
 
 
+def probability(text: str) -> float:
+    """A ``float`` type for argparse accepting ``0 <= value < 1`` (a dropout probability)."""
+    value = finite(0.0)(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be below 1")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` that refuses an empty value written ``--flag=--`` and flag prefixes.
 

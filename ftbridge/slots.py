@@ -67,13 +67,19 @@ class Unit:
         return self.slots * self.group_size
 
     def seed(self, seed: int) -> int:
-        """A 63-bit RNG seed of ``seed`` and this unit's coordinates (step, slot, micro, group rank).
+        """:func:`unit_seed` of this unit: the same on whichever group computes it."""
+        return unit_seed(seed, self.step, self.dp_rank, self.micro)
 
-        The same on whichever group computes the unit, so dropout and other randomness in the
-        forward do not depend on who stood in. blake2b (RFC 7693), 8 bytes, little-endian, halved.
-        """
-        key = f"{seed}/{self.step}/{self.slot}/{self.micro}/{self.group_rank}".encode()
-        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+def unit_seed(seed: int, step: int, dp_rank: int, micro: int) -> int:
+    """A 63-bit RNG seed of ``seed`` and a unit's rows: step, data-parallel rank and micro-batch.
+
+    A function of the rows alone, so dropout and other randomness in the forward do not depend on
+    which group computes the unit, and plain data parallelism (rank ``dp_rank``) can draw the same.
+    blake2b (RFC 7693), 8 bytes, little-endian, halved.
+    """
+    key = f"{seed}/{step}/{dp_rank}/{micro}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def check_grid(slots: int, micro: int, groups: int) -> None:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         before = int(engine.global_steps)
         t = lm_job.now()
         loss = lm_job.train_step(engine, data, topo, args.grad_accum,
-                                 engine.events if cfg and args.log_batches else None)
+                                 engine.events if cfg and args.log_batches else None, args.seed)
         step_times.append(lm_job.now() - t)
         if plain:
             plain.after_step(step_times[-1], loss)

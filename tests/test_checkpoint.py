@@ -19,7 +19,9 @@ from ftbridge.checkpoint.store import (
     CheckpointStore,
     GroupSizeMismatchError,
     NoValidCheckpointError,
+    SlotsMismatchError,
     check_compatible,
+    check_metadata,
     tag_for,
 )
 from ftbridge.checkpoint.writer import is_writer, replica_ranks, save_due
@@ -163,6 +165,20 @@ def test_group_size_mismatch_names_both_sizes_and_conversion():
     with pytest.raises(GroupSizeMismatchError, match="ZeRO stage 2"):
         check_compatible({"group_size": 2, "zero_stage": 2}, "/c", group_size=2, zero_stage=3)
     check_compatible({"group_size": 2, "zero_stage": 1}, "/c", group_size=2, zero_stage=2)
+
+
+def test_other_slots_are_refused_unless_allowed():
+    meta = {"group_size": 1, "zero_stage": 2, "slots": 3}
+    with pytest.raises(SlotsMismatchError) as e:
+        check_compatible(meta, "/c/global_step4", group_size=1, zero_stage=2, slots=2)
+    msg = str(e.value)
+    assert "slots=3" in msg and "slots=2" in msg and "FTBRIDGE_SLOTS=3" in msg and "--resume-other-slots" in msg
+    with pytest.raises(SlotsMismatchError, match="saved with slots=0"):  # saved before slots, or with them off
+        check_compatible({"group_size": 1, "zero_stage": 2}, "/c", group_size=1, zero_stage=2, slots=2)
+    check_compatible(meta, "/c", group_size=1, zero_stage=2, slots=3)
+    check_compatible(meta, "/c", group_size=1, zero_stage=2, slots=None)  # allow_other_slots
+    with pytest.raises(ValueError, match="slots -1 is not an integer"):
+        check_metadata({**meta, "step": 4, "slots": -1}, "/c/ftbridge.json", 4)
 
 
 # -- snapshot -------------------------------------------------------------------------------------

@@ -7,26 +7,28 @@ import math
 
 import pytest
 
-from ftbridge.cli_types import at_least, finite
+from ftbridge.cli_types import at_least, finite, probability
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_at_least_and_finite_refuse_with_the_value():
     assert at_least(1)("3") == 3
-    assert finite(0.0)("0") == 0.0 and finite(0.0, strictly_above=True)("0.5") == 0.5
+    assert probability("0.1") == 0.1 and finite(0.0)("0") == 0.0 and finite(0.0, strictly_above=True)("0.5") == 0.5
     for parse, text, why in [(at_least(1), "0", "below the smallest allowed value, 1"),
                              (at_least(0), "x", "not an integer"),
                              (finite(0.0), "nan", "not a finite number"),
                              (finite(0.0), "inf", "not a finite number"),
                              (finite(0.0), "-1", "at least 0"),
-                             (finite(0.0, strictly_above=True), "0", "above 0")]:
+                             (finite(0.0, strictly_above=True), "0", "above 0"),
+                             (probability, "1", "below 1"), (probability, "-0.1", "at least 0")]:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse(text)
 
 
 @pytest.mark.parametrize("flag,value", [("--steps", "-1"), ("--lr", "nan"), ("--grad-accum", "0"),
-                                        ("--lr", "inf"), ("--micro-batch", "0"), ("--grad-clip", "-1")])
+                                        ("--lr", "inf"), ("--micro-batch", "0"), ("--grad-clip", "-1"),
+                                        ("--dropout", "1")])
 def test_the_main_job_refuses_bad_numbers_before_it_starts(capsys, flag, value):
     from ftbridge.harness.lm_job import build_parser
 

@@ -90,7 +90,7 @@ def test_a_unit_reads_the_rows_of_its_failure_free_rank_and_seeds_by_its_coordin
     u = sl.Unit(step=7, slot=2, micro=1, group_rank=1, group_size=2, slots=3)
     assert (u.dp_rank, u.dp_world_size) == (5, 6)
     same = sl.Unit(step=7, slot=2, micro=1, group_rank=1, group_size=2, slots=3)
-    assert u.seed(0) == same.seed(0) and 0 <= u.seed(0) < 2 ** 63
+    assert u.seed(0) == same.seed(0) == sl.unit_seed(0, 7, 5, 1) and 0 <= u.seed(0) < 2 ** 63
     others = [dict(step=8), dict(slot=1), dict(micro=0), dict(group_rank=0)]
     seeds = {sl.Unit(**{**vars(u), **o}).seed(0) for o in others} | {u.seed(0), u.seed(1)}
     assert len(seeds) == 6

@@ -8,8 +8,15 @@ and background write), :mod:`.group_io` (DeepSpeed save/load of one group),
 :class:`~ftbridge.engine.FaultTolerantEngine`), :mod:`.cli` (``ftbridge-ckpt``).
 """
 
-from ftbridge.checkpoint.store import CheckpointStore, GroupSizeMismatchError, NoValidCheckpointError, check_compatible
+from ftbridge.checkpoint.store import (
+    CheckpointStore,
+    GroupSizeMismatchError,
+    NoValidCheckpointError,
+    SlotsMismatchError,
+    check_compatible,
+)
 from ftbridge.checkpoint.writer import is_writer, replica_ranks, save_due
 
-__all__ = ["CheckpointStore", "GroupSizeMismatchError", "NoValidCheckpointError", "check_compatible",
+__all__ = ["CheckpointStore", "GroupSizeMismatchError", "NoValidCheckpointError", "SlotsMismatchError",
+           "check_compatible",
            "is_writer", "replica_ranks", "save_due"]

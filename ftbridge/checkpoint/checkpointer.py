@@ -88,6 +88,9 @@ class CheckpointConfig:
     key_file: Optional[str] = None
     """Checkpoint key file, outside ``dir``: manifests are signed (``manifest.hmac``) and only signed
     ones are trusted. ``None``: no HMAC (the manifest then detects corruption, not tampering)."""
+    allow_other_slots: bool = False
+    """Resume a checkpoint saved with other ``slots`` (:attr:`ftbridge.config.FTBridgeConfig.slots`).
+    Refused by default: the global batch and the rows of every later step would change."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 0:
@@ -221,10 +224,12 @@ class Checkpointer:
             "manager": m.state_dict(),
             "engine_counters": {k: int(getattr(e, k)) for k in
                                 ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+            "slots": cfg.slots,
             "data_position": {"step": int(e.global_steps), "micro_steps": int(e.micro_steps),
-                              "dp_world_size": participants * cfg.group_size,
-                              "rule": "batch = f(seed, step, micro, dp_rank, dp_world_size), "
-                                      "dp_rank = replica_rank_in_job * group_size + group_rank"},
+                              "dp_world_size": (cfg.slots or participants) * cfg.group_size,
+                              "rule": "batch = f(seed, step, micro, dp_rank, dp_world_size), dp_rank = "
+                                      + ("slot" if cfg.slots else "replica_rank_in_job")
+                                      + " * group_size + group_rank"},
             "asynchronous": self.writer is not None,
         }
 
@@ -258,6 +263,8 @@ class Checkpointer:
                 a type outside the allowlist (named); nothing was loaded.
             GroupSizeMismatchError: saved by groups of another size; raised
                 on every rank before any state is touched.
+            SlotsMismatchError: saved with other ``slots`` and
+                :attr:`CheckpointConfig.allow_other_slots` is off; likewise.
         """
         damaged: List[int] = []
         while True:
@@ -281,7 +288,8 @@ class Checkpointer:
 
     def _load(self, ckpt: CheckpointInfo) -> int:
         meta = ckpt.metadata()  # hashed against the manifest, then parsed
-        check_compatible(meta, ckpt.path, group_size=self.engine.cfg.group_size, zero_stage=self.engine.adapter.stage)
+        check_compatible(meta, ckpt.path, group_size=self.engine.cfg.group_size, zero_stage=self.engine.adapter.stage,
+                         slots=None if self.cfg.allow_other_slots else self.engine.cfg.slots)
         t = time.perf_counter()
         rank_state = load_group_checkpoint(self.engine.engine, ckpt)
         self._apply(meta, rank_state)
@@ -340,6 +348,9 @@ def add_arguments(parser: Any) -> None:
                    help="load the newest valid checkpoint of --checkpoint-dir on start-up (none: start at step 0)")
     g.add_argument("--checkpoint-trigger", default=None,
                    help="save after the next step once this file exists (default <checkpoint-dir>/SAVE_NOW)")
+    g.add_argument("--resume-other-slots", action="store_true",
+                   help="resume a checkpoint saved with other slots (FTBRIDGE_SLOTS); refused by default, since the "
+                        "global batch and the rows of every later step change")
     g.add_argument("--checkpoint-key-file", default=os.environ.get("FTBRIDGE_CKPT_KEY_FILE"), metavar="FILE",
                    help="sign manifests with the key in FILE (outside the checkpoint folder) and trust only signed "
                         "ones (default $FTBRIDGE_CKPT_KEY_FILE)")
@@ -349,4 +360,4 @@ def config_from_args(args: Any) -> CheckpointConfig:
     """:class:`CheckpointConfig` from the flags of :func:`add_arguments`."""
     return CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints,
                             asynchronous=args.checkpoint_async, trigger_file=args.checkpoint_trigger,
-                            key_file=args.checkpoint_key_file)
+                            key_file=args.checkpoint_key_file, allow_other_slots=args.resume_other_slots)

@@ -53,6 +53,10 @@ class NoValidCheckpointError(RuntimeError):
     """Checkpoints exist but none passes verification (each problem is in the message)."""
 
 
+class SlotsMismatchError(ValueError):
+    """The checkpoint was saved with another number of slots (:attr:`ftbridge.config.FTBridgeConfig.slots`)."""
+
+
 class GroupSizeMismatchError(ValueError):
     """The checkpoint was saved by replica groups of another size (or another ZeRO stage family)."""
 
@@ -99,6 +103,8 @@ def check_metadata(meta: Any, path: str, max_group_size: int) -> Dict[str, Any]:
         raise ValueError(f"{path}: zero_stage {meta.get('zero_stage')!r} is not 1, 2 or 3")
     if not mf.is_int(meta.get("step"), 0, 2**62):
         raise ValueError(f"{path}: step {meta.get('step')!r} is not a non-negative integer")
+    if "slots" in meta and not mf.is_int(meta["slots"], 0, 2**20):
+        raise ValueError(f"{path}: slots {meta['slots']!r} is not an integer between 0 and {2**20}")
     for key in ("quorum", "manager", "engine_counters", "data_position", "dtypes", "versions"):
         if key in meta and not isinstance(meta[key], dict):
             raise ValueError(f"{path}: {key} is a {type(meta[key]).__name__}, not a JSON object")
@@ -322,7 +328,8 @@ def load_key(path: Optional[str], root: str) -> Optional[bytes]:
     return key
 
 
-def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_stage: int) -> None:
+def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_stage: int,
+                     slots: Optional[int] = None) -> None:
     """Refuse a checkpoint this replica group cannot load, before any state is touched.
 
     Args:
@@ -330,10 +337,13 @@ def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_s
         path: its folder (for the message).
         group_size: ranks in this replica group.
         zero_stage: this engine's ZeRO stage.
+        slots: this job's slots (0: off); ``None`` accepts any. A checkpoint without the field was
+            saved with slots off.
 
     Raises:
         GroupSizeMismatchError: another group size (names both sizes and the
             universal-checkpoint conversion), or ZeRO-3 against ZeRO-1/2.
+        SlotsMismatchError: saved with other slots.
     """
     saved = int(meta["group_size"])
     if saved != group_size:
@@ -346,3 +356,10 @@ def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_s
             f"checkpoint {path} was saved with ZeRO stage {saved_stage}, this engine runs stage {zero_stage}; "
             "ZeRO-3 and ZeRO-1/2 partitions differ. Use the saved stage, or convert with "
             "python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state; nothing was loaded.")
+    saved_slots = meta.get("slots", 0)
+    if slots is not None and saved_slots != slots:
+        raise SlotsMismatchError(
+            f"checkpoint {path} was saved with slots={saved_slots}, this job has slots={slots} (FTBRIDGE_SLOTS): "
+            "the global batch and the rows of each step would differ from the saved run's; nothing was loaded. "
+            f"Resume with FTBRIDGE_SLOTS={saved_slots}, or accept the change with --resume-other-slots "
+            "(CheckpointConfig.allow_other_slots).")

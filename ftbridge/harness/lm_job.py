@@ -19,10 +19,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ftbridge.cli_types import ArgumentParser, at_least, finite
+from ftbridge.cli_types import ArgumentParser, at_least, finite, probability
 from ftbridge.events import tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
 from ftbridge.harness.models import GPTConfig, build_model
+from ftbridge.slots import unit_seed
+from ftbridge.unit_data import seeded_rng
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layer", type=at_least(1), default=4)
     p.add_argument("--d-model", type=at_least(1), default=128)
     p.add_argument("--n-head", type=at_least(1), default=4)
+    p.add_argument("--dropout", type=probability, default=0.0,
+                   help="dropout probability in the model, drawn per micro-batch from --seed and its rows")
     p.add_argument("--lr", type=finite(0.0), default=1e-3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="torch AdamW (weight decay 0) or plain SGD (no momentum): SGD keeps the gradient's scale "
@@ -210,19 +214,22 @@ def build_data_and_model(args: argparse.Namespace):
                            gradient_accumulation_steps=args.grad_accum)
     assert data.tokenizer is not None  # built from text, so it has a tokenizer
     model = build_model(GPTConfig(vocab_size=data.tokenizer.vocab_size, context=args.context, n_layer=args.n_layer,
-                                  n_head=args.n_head, d_model=args.d_model), seed=args.seed)
+                                  n_head=args.n_head, d_model=args.d_model, dropout=args.dropout), seed=args.seed)
     if args.bf16:
         model = model.to(torch.bfloat16)
     return data, model
 
 
 def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: int,
-               events: Any = None) -> float:
+               events: Any = None, seed: int = 0) -> float:
     """One optimizer step at ``engine.global_steps``: ``grad_accum`` micro-steps of this rank's rows, or
     with slots (``FTBRIDGE_SLOTS``) the units :meth:`ftbridge.engine.FaultTolerantEngine.units` gives.
+    Each micro-batch's forward draws its randomness (dropout) from :func:`ftbridge.slots.unit_seed` of
+    ``seed`` and its rows, so it is the same whichever group computes it, and in the plain baseline.
 
     Args:
         events: an event log to record each micro-batch in (``batch`` events; ``--log-batches``).
+        seed: the job's seed (``--seed``).
 
     Returns:
         Mean training loss of this rank over the micro-steps.
@@ -239,7 +246,8 @@ def train_step(engine: Any, data: ShardedTextData, topo: Topology, grad_accum: i
         if events is not None:
             events.write(event="batch", time=now(), step=step, micro_step=micro, dp_rank=dp_rank,
                          dp_world_size=dp_world_size, slot=slot, input_checksum=tensor_checksum([x]))
-        _, loss = engine(x.to(engine.device), y.to(engine.device))
+        with seeded_rng(unit_seed(seed, step, dp_rank, micro)):
+            _, loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach().float()))

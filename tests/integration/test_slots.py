@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from ftbridge.processes import pid_alive
 from tests.conftest import TINY, run_plain_deepspeed
 
-ARGS = [*TINY, "--zero-stage", "2", "--grad-accum", "2", "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.05"]
+ARGS = [*TINY, "--zero-stage", "2", "--grad-accum", "2", "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.05",
+        "--dropout", "0.1"]
 ATOL = 2e-5
 """fp32 tolerance of tests/integration/test_equivalence.py: the order of floating-point sums only."""
 
@@ -126,3 +127,30 @@ def test_with_slots_a_warm_spare_takes_the_killed_groups_slot(local_job, tmp_pat
         assert worst <= ATOL, f"group {g} ended {worst} away from plain DeepSpeed after {target} steps"
     spare_heals = [e for e in job.steps(1) if e["healed"] and e["time"] > killed]
     assert len(spare_heals) == 1 and not spare_heals[0]["committed"]
+
+
+@pytest.mark.timeout(600)
+def test_with_slots_a_resume_by_fewer_groups_continues_the_same_run(local_job, tmp_path):
+    """Saved by 2 groups at step 4, resumed by 1 group (which then covers both slots) to step 8: plain
+    DeepSpeed's 8 steps. A resume with other slots is refused before anything is loaded."""
+    ckpt = str(tmp_path / "ckpt")
+    common = [*ARGS, "--checkpoint-every", "4", "--keep-checkpoints", "0", "--checkpoint-dir", ckpt]
+    saver = local_job(2, 1, [*common, "--steps", "4"], env={"FTBRIDGE_SLOTS": "2"})
+    saver.start()
+    assert saver.wait(timeout_s=180) == {0: 0, 1: 0}, saver.tails()
+    resumed = local_job(1, 1, [*common, "--steps", "8", "--resume", "--save-params", str(tmp_path / "ft.st")],
+                        env={"FTBRIDGE_SLOTS": "2"})
+    resumed.start()
+    assert resumed.wait(timeout_s=180) == {0: 0}, resumed.tails()
+    assert [e["step"] for e in resumed.steps(0) if e["committed"]] == [5, 6, 7, 8]
+    assert all(len(e["units"]) == 4 for e in resumed.steps(0))  # both slots' 2 micro-batches each
+    worst = _worst(load_file(str(tmp_path / "ft.st")), _plain(tmp_path, 8))
+    assert worst <= ATOL, f"the resumed run ended {worst} away from plain DeepSpeed after 8 steps"
+
+    refused = local_job(1, 1, [*common, "--steps", "9", "--resume"], env={"FTBRIDGE_SLOTS": "3"})
+    refused.start()
+    assert refused.wait(timeout_s=120)[0] != 0
+    log = refused.log_text(0)
+    assert "was saved with slots=2, this job has slots=3" in log and "nothing was loaded" in log, refused.tails()
+    assert not [e for e in refused.events() if e.get("event") in ("checkpoint_loaded", "resumed")]
+    assert not refused.steps(0)
