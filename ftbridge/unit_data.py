@@ -31,12 +31,12 @@ import contextlib
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from ftbridge.slots import Unit
 
 
-class _Length:
+class _Length(Dataset[int]):
     """A stand-in dataset of ``n`` rows: :class:`DistributedSampler` reads only its length."""
 
     def __init__(self, n: int) -> None:
@@ -127,8 +127,9 @@ class UnitSampler:
         if key not in self._shards:
             if any(e != epoch for e, _ in self._shards):
                 self._shards.clear()
-            sampler = DistributedSampler(_Length(self.num_samples), num_replicas=self.dp_world_size, rank=dp_rank,
-                                         shuffle=self.shuffle, seed=self.seed, drop_last=True)
+            sampler: DistributedSampler[int] = DistributedSampler(
+                _Length(self.num_samples), num_replicas=self.dp_world_size, rank=dp_rank, shuffle=self.shuffle,
+                seed=self.seed, drop_last=True)
             sampler.set_epoch(epoch)
             self._shards[key] = list(sampler)
         return self._shards[key]
