@@ -195,7 +195,7 @@ def test_parse_quick_defaults_and_overrides(tmp_path):
     assert (s.quick, s.reps, s.steps, s.warmup_steps, s.timeout_s) == (True, 1, 4, 3, 300.0)
     assert s.workdir == str(tmp_path / "work") and names == [
         "overhead", "overlap", "failover", "heal", "heal_100m", "restart", "rescale", "memory", "scaling", "outage",
-        "spare", "straggler"]
+        "spare", "straggler", "slots"]
     _, full, _ = cli.parse(["--reps", "2"])
     assert (full.quick, full.reps, full.steps, full.warmup_steps) == (False, 2, 60, 10)
     with pytest.raises(SystemExit):

@@ -36,6 +36,7 @@ EXPECTED = {
     "rescale": None,
     "memory": 1,
     "scaling": 8,  # groups 1, 2; two model sizes; cost and exposed wait of each
+    "slots": 3,
 }
 
 

@@ -136,6 +136,7 @@ MODULES: tuple = (
     "ftbridge.harness.bench.outage",     # 9. steps lost to a lighthouse outage, riding it out vs waiting
     "ftbridge.harness.bench.spare",      # 10. warm spare vs cold restart: drop -> full capacity
     "ftbridge.harness.bench.straggler",  # 11. job step rate with one group at half speed
+    "ftbridge.harness.bench.slots",      # 12. exact training's step time, all groups live and one dead
 )
 
 REGISTRY: Dict[str, BenchFn] = {}
