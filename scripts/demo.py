@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm
 
 from ftbridge.harness.bench.spare import capacity_back, drop_time
+from ftbridge.harness.chaos.coverage import same_samples
 from ftbridge.harness.local_job import LocalJob
 from ftbridge.harness.report import plot_run, summarize
 
@@ -47,10 +48,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-kill", action="store_true", help="run without a failure")
     p.add_argument("--no-spare", action="store_true",
                    help="no warm spare group: torchrun restarts the killed group (a cold start)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="failure-transparent training: N data-parallel slots, whatever fails (default: --groups; "
+                        "0: off, a failure then shrinks the global batch)")
     p.add_argument("--workdir", default="runs/demo", help="event logs, group logs and plot")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("train_args", nargs="*", help="extra arguments for scripts/train_lm.py (after --)")
     args = p.parse_args(argv)
+    if args.slots is None:
+        args.slots = args.groups
+    if args.slots and args.slots < args.groups:
+        p.error(f"--slots {args.slots}: need at least one slot per replica group ({args.groups}), or 0 for off")
     if args.kill_at is None:
         args.kill_at = max(1, args.steps // 3)
     args.spare = not args.no_spare and not args.no_kill  # a warm spare replaces the killed group
@@ -62,12 +70,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _replaced(job: LocalJob, kill_time: float, spare: bool, t0: float) -> str:
     """The line that reports group 1's replacement (its heal), or "" while it has not healed."""
     mine = sorted((e for e in job.events(rank=0) if e["replica_group"] == 1), key=lambda e: e["time"])
-    healed = [e for e in mine if "event" not in e and e["healed"] and e["committed"] and e["time"] > kill_time]
-    if not healed:
+    healed = [e for e in mine if "event" not in e and e["healed"] and e["time"] > kill_time]
+    # With slots the heal's own step is discarded everywhere and tried again: report the first commit after it.
+    back = [e for e in mine if "event" not in e and e["committed"] and healed and e["time"] >= healed[0]["time"]]
+    if not back:
         return ""
     if not spare:
-        return (f"[{healed[0]['time'] - t0:6.1f}s] replica group 1 restarted and healed from a live peer "
-                f"at step {healed[0]['step']}, {healed[0]['time'] - kill_time:.1f} s after the kill")
+        return (f"[{back[0]['time'] - t0:6.1f}s] replica group 1 restarted, healed from a live peer and committed "
+                f"step {back[0]['step']}, {back[0]['time'] - kill_time:.1f} s after the kill")
     try:
         back = capacity_back(mine, kill_time)
     except ValueError:
@@ -144,14 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     spare = args.spare
     # With a spare, the killed group's torchrun does not restart it: the spare replaces it (ftbridge.spare).
     with LocalJob(args.workdir, args.groups, args.nproc_per_node, train, max_restarts=0 if spare else 3,
-                  heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000)) as job:
+                  heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000), env={"FTBRIDGE_SLOTS": str(args.slots)}) as job:
         if args.no_kill:
             job.write_file("stop", str(args.steps))
         job.start()
         if spare:
             job.start_spare(0)
         print(f"lighthouse {job.lighthouse.address}; {args.groups} replica groups x {args.nproc_per_node} ranks"
-              f"{' + 1 warm spare' if spare else ''}, ZeRO-{args.zero_stage}, {args.steps} steps; logs in "
+              f"{' + 1 warm spare' if spare else ''}, ZeRO-{args.zero_stage}, "
+              f"{f'{args.slots} slots' if args.slots else 'slots off'}, {args.steps} steps; logs in "
               f"{args.workdir}", flush=True)
         codes, kill_time = watch(job, args, t0)
     summary = summarize(job.events(), args.groups, args.nproc_per_node)
@@ -159,9 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     marks = [(kill_time, "SIGKILL replica group 1")] if kill_time else []
     png = plot_run(job.events(), os.path.join(args.workdir, "run.png"), markers=marks)
     print(f"plot: {png}; wall time {time.time() - t0:.1f} s")
-    ok = all(c == 0 for c in codes.values()) and summary.identical
+    micro = int(args.train_args[args.train_args.index("--grad-accum") + 1]) if "--grad-accum" in args.train_args else 1
+    samples = same_samples(job.events(), args.slots, micro) if args.slots else None
+    if samples is not None:
+        print(samples)
+    ok = all(c == 0 for c in codes.values()) and summary.identical and (samples is None or samples.held)
     if not ok:
-        print(f"FAILED: exit codes {codes}, identical={summary.identical}", file=sys.stderr)
+        print(f"FAILED: exit codes {codes}, identical={summary.identical}, same samples={samples}", file=sys.stderr)
     return 0 if ok else 1
 
 
