@@ -55,6 +55,10 @@ class JobSpec:
         reduction: DeepSpeed's ``gradient_allreduce_op`` (``mean`` or ``sum``; ``sum`` not with ZeRO-3).
         lr: SGD learning rate.
         micro_batch: samples per micro-batch.
+        slots: ftbridge's ``slots`` (0: off). With slots, ``use[step][slot][micro]`` names the branches of
+            each unit of the grid (``slots`` x ``micro``), the groups compute the units
+            :func:`ftbridge.slots.home_units` gives them (their counts differ when ``slots`` exceeds the
+            groups) through ``engine.units()``, and the average is over ``slots x group_size`` ranks.
     """
 
     seed: int
@@ -80,6 +84,7 @@ class JobSpec:
     reduction: str = "mean"
     lr: float = 0.5
     micro_batch: int = 2
+    slots: int = 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -138,7 +143,8 @@ class BranchNet(torch.nn.Module):
 
 
 def batch(spec: JobSpec, step: int, group: int, rank: int, micro: int) -> torch.Tensor:
-    """Input of one micro-batch, ``(micro_batch, d_in)`` float32, a pure function of its coordinates."""
+    """Input of one micro-batch, ``(micro_batch, d_in)`` float32, a pure function of its coordinates
+    (``group`` is the slot when the job has slots)."""
     key = hashlib.sha256(f"{spec.seed}/{step}/{group}/{rank}/{micro}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**62 - 1))
     return torch.randn(spec.micro_batch, spec.d_in, generator=g)
@@ -150,7 +156,7 @@ def reference(spec: JobSpec) -> Dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     for s in range(spec.steps):
         model.zero_grad(set_to_none=True)
-        for g in range(spec.groups):
+        for g in range(spec.slots or spec.groups):  # with slots, g is the slot
             for r in range(spec.group_size):
                 for m in range(spec.micro):
                     loss = model(batch(spec, s, g, r, m).double(), list(spec.use[s][g][m])) / spec.gas
@@ -158,6 +164,6 @@ def reference(spec: JobSpec) -> Dict[str, torch.Tensor]:
         with torch.no_grad():
             for p in params.values():
                 if p.grad is not None:
-                    ranks = spec.groups * spec.group_size if spec.reduction == "mean" else 1
+                    ranks = (spec.slots or spec.groups) * spec.group_size if spec.reduction == "mean" else 1
                     p.sub_(spec.lr * p.grad / ranks)
     return {k: v.detach().float() for k, v in params.items()}

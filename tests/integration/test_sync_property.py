@@ -6,7 +6,8 @@ caller ends an optimizer step (``gradient_accumulation_steps``,
 ``set_gradient_accumulation_boundary``, ``managed_gradient_accumulation:
 false``, ``coalesce_grad_reduction``, ``no_sync``), the sync mode, the cross-replica
 message size and DeepSpeed's bucket size, overlap, contiguous gradients,
-optimizer offload, bf16 and DeepSpeed's ``gradient_allreduce_op`` (mean or sum).
+optimizer offload, bf16, DeepSpeed's ``gradient_allreduce_op`` (mean or sum) and ftbridge's slots
+(groups computing unequal numbers of units, the sum divided by the slots).
 Each job runs for real (2 replica groups, DeepSpeed on gloo, ftbridge's sync
 through a real gloo cross-replica group, ``workers/sync_worker.py``), and
 every replica group's parameters must equal, to 1e-6 (bf16: to its rounding,
@@ -35,15 +36,19 @@ GROUPS = 2
 def jobs(draw, group_size: int) -> JobSpec:
     n_branches = draw(st.integers(1, 3))
     steps = draw(st.integers(1, 3))
-    pattern = draw(st.sampled_from(["managed", "manual", "unmanaged", "coalesce", "no_sync"]))
+    # With slots the groups compute unequal numbers of units (3 slots on 2 groups) through engine.units(),
+    # which sets the accumulation boundary itself: DeepSpeed's managed accumulation only.
+    slots = draw(st.sampled_from([0, 0, GROUPS, GROUPS + 1]))
+    pattern = "managed" if slots else draw(st.sampled_from(["managed", "manual", "unmanaged", "coalesce", "no_sync"]))
     micro = draw(st.integers(1, 3))
     stage = 1 if pattern == "no_sync" else draw(st.sampled_from([1, 2, 3]))  # DeepSpeed: no_sync is ZeRO-1 only
     gas = micro if pattern == "managed" else (1 if pattern in ("unmanaged", "coalesce", "no_sync")
                                                 else draw(st.sampled_from([1, micro])))
     branch_use = st.lists(st.integers(0, n_branches - 1), max_size=n_branches, unique=True).map(tuple)
-    use = tuple(tuple(tuple(draw(branch_use) for _ in range(micro)) for _ in range(GROUPS)) for _ in range(steps))
+    use = tuple(tuple(tuple(draw(branch_use) for _ in range(micro)) for _ in range(slots or GROUPS))
+                for _ in range(steps))
     # ZeRO-1 with overlap_comm refuses accumulation (DeepSpeed's own bug, see ZeroAdapter.accumulation_refused).
-    overlap = draw(st.booleans()) and not (stage == 1 and (micro > 1 or pattern == "unmanaged"))
+    overlap = draw(st.booleans()) and not (stage == 1 and (micro > 1 or pattern == "unmanaged" or slots))
     return JobSpec(
         seed=draw(st.integers(0, 2**16)), d_in=draw(st.integers(1, 5)), hidden=draw(st.integers(1, 6)),
         branch_sizes=tuple(draw(st.lists(st.integers(1, 6), min_size=n_branches, max_size=n_branches))),
@@ -52,7 +57,8 @@ def jobs(draw, group_size: int) -> JobSpec:
         message_bytes=draw(st.sampled_from([0, 40, 1 << 20])),
         reduce_bucket_size=draw(st.sampled_from([12, 50, 500_000_000])), overlap_comm=overlap,
         contiguous_gradients=draw(st.booleans()), offload=draw(st.booleans()), bf16=draw(st.booleans()),
-        reduction="mean" if stage == 3 else draw(st.sampled_from(["mean", "sum"])))  # DeepSpeed: no sum at ZeRO-3
+        reduction="mean" if stage == 3 else draw(st.sampled_from(["mean", "sum"])),  # DeepSpeed: no sum at ZeRO-3
+        slots=slots)
 
 
 def check(pool: SyncPool, spec: JobSpec) -> None:
@@ -136,6 +142,19 @@ def test_summed_gradients_are_summed_across_groups_too(pools, stage):
                    steps=1, micro=2, use=use, stage=stage, pattern="managed", gas=2, sync_mode="per_bucket",
                    message_bytes=0, reduce_bucket_size=500_000_000, overlap_comm=False,
                    contiguous_gradients=True, reduction="sum")
+    check(pools(2), spec)
+
+
+@pytest.mark.parametrize("stage,offload,bf16", [(1, False, False), (2, True, False), (3, False, True)])
+def test_with_slots_groups_computing_unequal_units_match_the_torch_reference(pools, stage, offload, bf16):
+    # 3 slots on 2 groups, 1 micro-batch per slot: group 0 computes 2 units (accumulating past DeepSpeed's
+    # gradient_accumulation_steps of 1), group 1 one; each slot uses other branches. Divided by the
+    # participants (2) instead of the slots (3), every parameter would move by 1.5 times the reference's step.
+    use = tuple(tuple((((s + k) % 2,),) if (s + k) % 3 else ((),) for s in range(3)) for k in range(2))
+    spec = JobSpec(seed=11, d_in=3, hidden=4, branch_sizes=(3, 2), bias=True, groups=GROUPS, group_size=2,
+                   steps=2, micro=1, use=use, stage=stage, pattern="managed", gas=1, sync_mode="per_bucket",
+                   message_bytes=0, reduce_bucket_size=500_000_000, overlap_comm=False,
+                   contiguous_gradients=True, offload=offload, bf16=bf16, slots=3)
     check(pools(2), spec)
 
 

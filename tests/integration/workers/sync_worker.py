@@ -59,6 +59,10 @@ class GlooReplicaManager(FakeManager):
         self.participants = type(self).groups
         self.replica_rank = type(self).group_id
 
+    def step_members(self):
+        """Every replica group is a member of every step's quorum, and none heals."""
+        return tuple(f"replica_group_{g}:sync" for g in range(type(self).groups)), True
+
     def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
         opts = dist.AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
@@ -79,14 +83,18 @@ def run_job(spec, out):
     model = BranchNet(spec)
     cfg = FTBridgeConfig.resolve(environ={}, replica_group_id=g, num_replica_groups=spec.groups, group_rank=r,
                                  group_size=spec.group_size, sync_mode=spec.sync_mode,
-                                 cross_replica_bucket_bytes=spec.message_bytes, checksum_every=0)
+                                 cross_replica_bucket_bytes=spec.message_bytes, checksum_every=0, slots=spec.slots)
     eng, *_ = ftbridge.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=spec.lr),
                                   config=spec.ds_config(), ft_config=cfg, manager_factory=GlooReplicaManager)
     committed = []
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
     for s in range(spec.steps):
         xs = [(batch(spec, s, g, r, m).to(dtype), list(spec.use[s][g][m])) for m in range(spec.micro)]
-        if spec.pattern == "managed":
+        if spec.slots:  # this group's units of the grid: the slot's rows and branches, whichever group it is
+            for u in eng.units():
+                eng.backward(eng(batch(spec, s, u.slot, r, u.micro).to(dtype), list(spec.use[s][u.slot][u.micro])))
+                eng.step()
+        elif spec.pattern == "managed":
             for x, use in xs:
                 eng.backward(eng(x, use))
                 eng.step()
