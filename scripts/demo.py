@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ftbridge.harness.bench.spare import capacity_back, drop_time
 from ftbridge.harness.chaos.coverage import same_samples
+from ftbridge.harness.chaos.verdict import grad_accum
 from ftbridge.harness.local_job import LocalJob
 from ftbridge.harness.report import plot_run, summarize
 
@@ -170,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = [(kill_time, "SIGKILL replica group 1")] if kill_time else []
     png = plot_run(job.events(), os.path.join(args.workdir, "run.png"), markers=marks)
     print(f"plot: {png}; wall time {time.time() - t0:.1f} s")
-    micro = int(args.train_args[args.train_args.index("--grad-accum") + 1]) if "--grad-accum" in args.train_args else 1
-    samples = same_samples(job.events(), args.slots, micro) if args.slots else None
+    samples = same_samples(job.events(), args.slots, grad_accum(args.train_args)) if args.slots else None
     if samples is not None:
         print(samples)
     ok = all(c == 0 for c in codes.values()) and summary.identical and (samples is None or samples.held)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
 
 from ftbridge.faults import ENV_DIR
 from ftbridge.harness import netns
-from ftbridge.harness.chaos import coverage, deaths, invariants, spares
+from ftbridge.harness.chaos import invariants, spares, verdict
 from ftbridge.harness.chaos.inject import Injected, Injector, describe
 from ftbridge.harness.chaos.schedule import (
     HOSTED,
@@ -163,11 +162,6 @@ class ChaosResult:
     def ok(self) -> bool:
         """Every failure recovered from and every invariant held."""
         return not self.violations and all(o.recovered for o in self.outcomes if not o.injected.skipped)
-
-
-def _final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
-    finals = [e["val_loss"] for e in events if e.get("event") == "final" and e.get("val_loss") is not None]
-    return statistics.fmean(finals) if finals else None
 
 
 def _outage_pause(events: Sequence[Dict[str, Any]], inj: Injected, alive: Sequence[int], settle_s: float
@@ -317,10 +311,10 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     pids = job.all_worker_pids() + [gp.proc.pid for launches in job.groups.values() for gp in launches] + [
         gp.proc.pid for gp in job.spares.values()]
     leftover = [p for p in pids if pid_alive(p)]
-    checks = _end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
+    checks = verdict.end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
                          ckpt_dir if every else None)
-    checks.extend(_death_checks(settings, job, events, outcomes, t_stop))
-    final_loss = _final_loss(events)
+    checks.extend(verdict.death_checks(settings, job, events, outcomes, t_stop))
+    final_loss = verdict.final_loss(events)
     chaos_wall_s = time.time() - t_start  # the failure-free run below is not part of the chaos run's time
     baseline_loss = None
     if settings.baseline:
@@ -427,112 +421,6 @@ def _wait_launches(job: LocalJob, active: Dict[int, GroupProcess], timeout_s: fl
                        f"the launch holding replica group {g} ({gp.log_path}) to exit")
 
 
-def _end_checks(settings: ChaosSettings, events: Sequence[Dict[str, Any]], outcomes: Sequence[Outcome],
-                alive: Sequence[int], final_step: int, started: int, leftover: Sequence[int],
-                ckpt_dir: Optional[str]
-                ) -> List[invariants.Check]:
-    """The checks run once the job has stopped (the final loss is added by the caller when it runs)."""
-    V = invariants.Violation
-    checks = invariants.log_checks(events)
-    checks.append(invariants.Check(
-        "identical end", f"final records of groups {list(alive)} x {settings.nproc} ranks at step {final_step}",
-        [V("identical end", m) for m in _final_state_violations(events, alive, settings.nproc, final_step)]))
-    checks.append(invariants.Check("no process left", f"{started} PIDs started",
-                                   [V("no process left", f"processes left behind: pids {leftover}")] if leftover
-                                   else []))
-    if settings.slots:
-        checks.append(coverage.same_samples(events, settings.slots, _grad_accum(settings.script_args)))
-    if ckpt_dir is not None:
-        checks.append(invariants.Check("checkpoints valid", ckpt_dir,
-                                       [V("checkpoints valid", m) for m in checkpoints_valid(ckpt_dir)]))
-    injected = [o for o in outcomes if not o.injected.skipped]
-    checks.append(invariants.Check(
-        "recovered from every failure", f"{len(injected)} failures injected",
-        [V("recovery", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}) not recovered from")
-         for o in injected if not o.recovered]))
-    checks.append(invariants.Check(
-        "no rank spins", f"{len(injected)} failure windows, at most {invariants.SPIN_CPU_SHARE:g} of a core "
-                         "for a rank that does not step",
-        [V("no rank spins", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): {s}")
-         for o in injected for s in o.spins]))
-    timed = [(o, o.recovery.survivors_s) for o in injected
-             if o.recovery is not None and o.recovery.survivors_s is not None]
-    checks.append(invariants.Check(
-        "recovery within the bound", f"{len(timed)} survivor recoveries against {settings.recovery_bound_s:.1f} s",
-        [V("recovery bound", f"failure {o.injected.failure.index} ({o.injected.failure.kind.value}): survivors "
-                             f"took {s:.1f} s to commit again, above the bound "
-                             f"{settings.recovery_bound_s:.1f} s")
-         for o, s in timed if s > settings.recovery_bound_s]))
-    return checks
-
-
-def _death_checks(settings: ChaosSettings, job: LocalJob, events: Sequence[Dict[str, Any]],
-                  outcomes: Sequence[Outcome], until: float) -> List[invariants.Check]:
-    """No rank died before ``until`` (the run's own stop) unless a failure aimed at its group
-    (:mod:`ftbridge.harness.chaos.deaths`), and none lived on past its quorum timeout without committing
-    (:func:`invariants.silent_ranks`)."""
-    launches = [*(gp for ls in job.groups.values() for gp in ls), *job.spares.values()]
-    logs = {}
-    for gp in launches:
-        with open(gp.log_path, encoding="utf-8", errors="replace") as f:
-            logs[gp.log_path] = f.read()
-    hits = [(o.began, o.done, [*o.injected.hit, *o.injected.rejoin]) for o in outcomes
-            if o.began is not None and o.done is not None and not o.injected.skipped]
-    year = time.localtime().tm_year
-    died = {d.pid: d.time for text in logs.values() for d in deaths.deaths_in_log(text, year)}
-    collateral = deaths.collateral_in_logs(logs, events, hits, year, until)
-    bound = settings.silence_bound_s
-    return [invariants.Check("no collateral death", f"{len(died)} rank deaths in {len(logs)} launcher logs",
-                             [invariants.Violation("no collateral death", m) for m in collateral]),
-            invariants.Check("no rank lives on without committing",
-                             f"longest time without a commit of every rank that committed, against {bound:.1f} s",
-                             invariants.silent_ranks(events, died, bound))]
-
-
-def _final_state_violations(events: Sequence[Dict[str, Any]], alive: Sequence[int], nproc: int,
-                            final_step: int) -> List[str]:
-    # A group that left (scale-down: SIGTERM, a graceful stop) wrote a final record then; if it joined
-    # again, only its last launch's record counts.
-    last: Dict[Any, Dict[str, Any]] = {}
-    for e in sorted((e for e in events if e.get("event") == "final" and e["replica_group"] in alive),
-                    key=lambda e: e["time"]):
-        last[(e["replica_group"], e["group_rank"])] = e
-    finals = list(last.values())
-    out = []
-    if len(finals) != len(alive) * nproc:
-        out.append(f"{len(finals)} of {len(alive) * nproc} ranks of groups {list(alive)} wrote a final record")
-    if {f["step"] for f in finals} - {final_step}:
-        out.append(f"final steps {sorted({f['step'] for f in finals})}, expected {final_step}")
-    if len({f["param_checksum"] for f in finals}) > 1:
-        out.append("replicas end with different parameters")
-    for r in range(nproc):
-        if len({f.get("optimizer_checksum") for f in finals if f["group_rank"] == r}) > 1:
-            out.append(f"group rank {r} ends with different optimizer state across replica groups")
-    return out
-
-
-def checkpoints_valid(ckpt_dir: str) -> List[str]:
-    """Every published checkpoint matches its manifest, and ``latest`` names a valid one."""
-    from ftbridge.checkpoint import manifest as mf
-    from ftbridge.checkpoint.store import CheckpointStore
-
-    published = CheckpointStore(ckpt_dir).list()
-    if not published:
-        return [f"no checkpoint was published in {ckpt_dir}"]
-    out = [f"checkpoint {c.tag}: {'; '.join(bad)}" for c in published if (bad := c.problems())]
-    latest = mf.read_latest(ckpt_dir)
-    if latest is None or latest not in {c.tag for c in published}:
-        out.append(f"'latest' in {ckpt_dir} names {latest!r}, which is not a published checkpoint")
-    return out
-
-
-def _grad_accum(script_args: Sequence[str]) -> int:
-    """The job's ``--grad-accum`` (the last one given; 1 when none)."""
-    args = list(script_args)
-    given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--grad-accum"]
-    return int(given[-1]) if given else 1
-
-
 def _baseline(settings: ChaosSettings, steps: int) -> Optional[float]:
     """Final validation loss of a failure-free run of ``steps`` steps, all groups from the start."""
     job = _job(settings, "baseline", {}, together=True)
@@ -542,4 +430,4 @@ def _baseline(settings: ChaosSettings, steps: int) -> Optional[float]:
         job.wait(timeout_s=max(600.0, steps * 1.0))
     finally:
         job.stop()
-    return _final_loss(job.events())
+    return verdict.final_loss(job.events())
