@@ -1,7 +1,8 @@
 """ftbridge: fault-tolerant DeepSpeed ZeRO training across torchft replica groups.
 
-Public API: :func:`initialize` (mirrors ``deepspeed.initialize``),
-:class:`FaultTolerantEngine`, :class:`FTBridgeConfig`. The engine pieces are
+Public API: :func:`initialize` (mirrors ``deepspeed.initialize``), :func:`attach`
+(makes an engine a framework built fault-tolerant in place), :class:`FaultTolerantEngine`,
+:class:`FTBridgeConfig`. The engine pieces are
 imported lazily so that light tools (the launcher) do not import DeepSpeed. Importing the package
 changes nothing in the process: the entry points prepare DeepSpeed's JIT build
 (:func:`ftbridge.build_lock.prepare_jit_build`).
@@ -15,15 +16,15 @@ from ftbridge.config import FTBridgeConfig
 IMPORTED_AT = time.time()
 """When this process imported ftbridge (s since the epoch): after any predecessor of a restarted group died."""
 
-__all__ = ["FTBridgeConfig", "FaultTolerantEngine", "initialize"]
+__all__ = ["FTBridgeConfig", "FaultTolerantEngine", "attach", "initialize"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "initialize":
+    if name in ("initialize", "attach"):
         from ftbridge import bootstrap
 
-        return bootstrap.initialize
+        return getattr(bootstrap, name)
     if name == "FaultTolerantEngine":
         from ftbridge import engine
 

@@ -1,12 +1,16 @@
-"""From a model and a DeepSpeed config to a running fault-tolerant engine: :func:`initialize`.
+"""From a model and a DeepSpeed config to a running fault-tolerant engine: :func:`initialize`, :func:`attach`.
 
-Checks everything that can be checked before any work (the ftbridge settings
-and their timeout hierarchy, the DeepSpeed version, the ZeRO stage, fp16
-support, the device placement, the torch.distributed world against the
-replica group size), then runs ``deepspeed.initialize``, lets a warm spare
+:func:`initialize` checks everything that can be checked before any work (the
+ftbridge settings and their timeout hierarchy, the DeepSpeed version, the ZeRO
+stage, fp16 support, the device placement, the torch.distributed world against
+the replica group size), then runs ``deepspeed.initialize``, lets a warm spare
 stand by until it takes over a dead group's id (:mod:`ftbridge.spare`), and
 wraps the DeepSpeed engine in :class:`ftbridge.engine.FaultTolerantEngine`.
 ``ftbridge.initialize`` is this module's :func:`initialize`.
+
+:func:`attach` (``ftbridge.attach``) does the same to an engine a framework
+built itself: the checks that still apply, the spare's stand-by, and the
+controller installed on the engine instance, which stays a ``DeepSpeedEngine``.
 """
 
 from __future__ import annotations
@@ -76,6 +80,89 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
     cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve(**section)
     cfg.validate()
     check_deepspeed_version()
+    check_ds_config(config)
+    where, group_backend = check_placement(model, cfg)
+    if where != "cpu":
+        torch.cuda.set_device(torch.device(where))  # NCCL (in-group, cross-replica) uses the current device
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=group_backend, timeout=cfg.in_group_timeout)
+    check_world(cfg)
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+    ft_engine = control(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
+                        manager_factory=manager_factory)
+    return ft_engine, optimizer, loader, scheduler
+
+
+def attach(engine: Any, *, ft_config: Optional[FTBridgeConfig] = None, checksum_every: Optional[int] = None,
+           comm_hook: Optional[Callable[..., Any]] = None,
+           manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> Any:
+    """Make a ``deepspeed.DeepSpeedEngine`` that someone else built fault-tolerant, in place.
+
+    For frameworks that call ``deepspeed.initialize`` themselves (Hugging Face Accelerate,
+    :mod:`ftbridge.integrations.accelerate`) and must keep a real ``DeepSpeedEngine``. Runs the
+    checks of :func:`initialize` that still apply once the engine exists (ftbridge settings,
+    DeepSpeed version, ZeRO stage, fp16 support, placement, the world against the replica group,
+    no model-parallel unit), lets a warm spare stand by, then builds the controller
+    (:class:`FaultTolerantEngine`) and installs its ``forward``, ``backward`` and ``step`` on the
+    engine *instance*: ``type(engine)`` stays ``DeepSpeedEngine``, ``engine(batch)``,
+    ``engine.backward(loss)`` and ``engine.step()`` follow the commit protocol exactly as under
+    :func:`initialize`, and the controller calls DeepSpeed's own methods, bound before the
+    installation. The controller (``register_state``, ``add_step_hook``, ``events``,
+    ``last_committed``, ``shutdown`` ...) is ``engine.ftbridge``.
+
+    Args:
+        engine: a ``DeepSpeedEngine`` whose torch.distributed world is one replica group, before
+            its first training step.
+        ft_config: ftbridge settings; default: resolved from the environment and the
+            ``"ftbridge"`` section of ``engine.config`` when it is a dict. A warm spare's settings
+            are replaced by the group's it takes over (read ``engine.ftbridge.cfg`` after this call).
+        checksum_every, comm_hook, manager_factory: as for :class:`FaultTolerantEngine`.
+
+    Returns:
+        ``engine`` itself.
+
+    Raises:
+        TypeError: ``engine`` is not a ``DeepSpeedEngine``.
+        ValueError: ftbridge is attached already; bad ftbridge settings, ZeRO stage 0, fp16
+            without device support, a placement that cannot work, a world that is not the replica
+            group, or a model-parallel unit (``mpu``: tensor or sequence parallelism), which would
+            split the group's world.
+        RuntimeError: an untested DeepSpeed version.
+        SystemExit: (status 0) a spare whose job ended while it stood by.
+    """
+    if not isinstance(engine, deepspeed.DeepSpeedEngine):
+        raise TypeError(f"ftbridge.attach takes a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
+    if isinstance(engine.__dict__.get("ftbridge"), FaultTolerantEngine):
+        raise ValueError("ftbridge is already attached to this engine (engine.ftbridge): attach it once")
+    prepare_jit_build()
+    config, section = split_ds_config(engine.config) if isinstance(engine.config, (dict, str)) else ({}, {})
+    cfg = ft_config if ft_config is not None else FTBridgeConfig.resolve(**section)
+    cfg.validate()
+    check_deepspeed_version()
+    check_ds_config({**config, "zero_optimization": {"stage": engine.zero_optimization_stage()},
+                     "fp16": {"enabled": bool(engine.fp16_enabled())}})
+    check_placement(engine.module, cfg)
+    if getattr(engine, "mpu", None) is not None or int(getattr(engine, "autotp_size", lambda: 0)() or 0) > 1:
+        raise ValueError("the engine has a model-parallel unit (mpu: tensor, sequence or AutoTP parallelism): "
+                         "ftbridge needs every rank of a replica group to be a data-parallel rank; remove the "
+                         "model or sequence parallelism")
+    check_world(cfg)
+    controller = control(engine, cfg, in_place=True, checksum_every=checksum_every, comm_hook=comm_hook,
+                         manager_factory=manager_factory)
+    # Plain instance attributes: nn.Module keeps non-Module values in __dict__, which the attribute lookup
+    # reads before the class; torch's Module.__call__ calls self.forward, so engine(batch) reaches the
+    # controller too, with the module hooks of the engine around it as before.
+    engine.forward, engine.backward, engine.step = controller.forward, controller.backward, controller.step
+    engine.ftbridge = controller
+    return engine
+
+
+def check_ds_config(config: Dict[str, Any]) -> None:
+    """Refuse a DeepSpeed config ftbridge cannot run: ZeRO stage 0, or fp16 where the device has none.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
     from deepspeed.accelerator import get_accelerator
 
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
@@ -87,19 +174,50 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
                              "or run on a device with fp16")
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={stage}: set it to 1, 2 or 3 in the DeepSpeed config")
+
+
+def check_placement(model: torch.nn.Module, cfg: FTBridgeConfig) -> Tuple[str, str]:
+    """:func:`ftbridge.device.check_placement` for ``model`` under DeepSpeed's accelerator.
+
+    Returns:
+        ``(device, in-group backend)``, e.g. ``("cuda:1", "nccl")``.
+
+    Raises:
+        ValueError: see :func:`ftbridge.device.check_placement`.
+    """
+    from deepspeed.accelerator import get_accelerator
+
     where, group_backend, _ = device.check_placement({p.device.type for p in model.parameters()},
                                                      get_accelerator().device_name(), cfg)
-    if where != "cpu":
-        torch.cuda.set_device(torch.device(where))  # NCCL (in-group, cross-replica) uses the current device
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=group_backend, timeout=cfg.in_group_timeout)
+    return where, group_backend
+
+
+def check_world(cfg: FTBridgeConfig) -> None:
+    """Refuse a torch.distributed world that is not this replica group.
+
+    Raises:
+        ValueError: the world's size or this rank differ from ``cfg.group_size`` / ``cfg.group_rank``.
+    """
     if dist.get_world_size() != cfg.group_size or dist.get_rank() != cfg.group_rank:
         raise ValueError(
             f"torch.distributed world is rank {dist.get_rank()} of {dist.get_world_size()} but ftbridge expects "
             f"group rank {cfg.group_rank} of a replica group of {cfg.group_size}: each replica group must be "
             "its own world (launch each group with its own ftbridge-run / torchrun)"
         )
-    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
+
+
+def control(engine: Any, cfg: FTBridgeConfig, *, in_place: bool = False, checksum_every: Optional[int] = None,
+            comm_hook: Optional[Callable[..., Any]] = None,
+            manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> FaultTolerantEngine:
+    """The controller of a built engine: a warm spare stands by first, then :class:`FaultTolerantEngine`.
+
+    A spare (``cfg.spare_index >= 0`` after :func:`ftbridge.spare.demote_if_taken`) returns from
+    here only once it has taken over a dead group's id; the controller then holds that group's
+    settings and logs the takeover.
+
+    Raises:
+        SystemExit: (status 0) a spare whose job ended while it stood by.
+    """
     takeover = None
     if cfg.num_replica_groups > 1:  # warm spares (ftbridge.spare): ready, they wait here, outside the quorum
         from ftbridge import IMPORTED_AT, spare
@@ -114,10 +232,10 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
             # fault points, a script's own logs) must see the id it trains as, like a cold restart of it would.
             os.environ["FTBRIDGE_REPLICA_GROUP_ID"] = os.environ["REPLICA_GROUP_ID"] = str(cfg.replica_group_id)
     ft_engine = FaultTolerantEngine(engine, cfg, checksum_every=checksum_every, comm_hook=comm_hook,
-                                    manager_factory=manager_factory)
+                                    manager_factory=manager_factory, in_place=in_place)
     if takeover is not None:
         ft_engine.events.write(**takeover.event())
-    return ft_engine, optimizer, loader, scheduler
+    return ft_engine
 
 
 def split_ds_config(config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

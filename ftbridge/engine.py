@@ -82,12 +82,19 @@ class FaultTolerantEngine:
             ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=..., max_heal_bytes=...)``;
             default :class:`ftbridge.manager.ReplicaManager`. A seam for tests (a
             scripted manager, no lighthouse) and for other quorum backends.
+        in_place: :func:`ftbridge.attach` installs this object's ``forward``, ``backward`` and ``step``
+            on ``engine`` itself; this object calls DeepSpeed's own, bound before that.
     """
 
     def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: Optional[int] = None,
                  comm_hook: Optional[Callable[..., Any]] = None,
-                 manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> None:
+                 manager_factory: Optional[Callable[..., ReplicaManager]] = None, in_place: bool = False) -> None:
         self.engine = engine
+        # Bound now: in place, the engine's attributes become this object's methods (no recursion), and
+        # engine(...) has run torch's module hooks around the installed forward already.
+        self._ds_forward: Callable[..., Any] = engine.forward if in_place else engine
+        self._ds_backward: Callable[..., Any] = engine.backward
+        self._ds_step: Callable[..., Any] = engine.step
         self.cfg = cfg
         self.adapter: ZeroAdapter = checked_adapter(engine)
         self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
@@ -208,7 +215,7 @@ class FaultTolerantEngine:
                     "'for unit in engine.units():', reading the rows the unit names; a step begun outside it "
                     "would leave the units of absent replica groups untrained")
             self._begin_step()
-        return self.engine(*args, **kwargs)
+        return self._ds_forward(*args, **kwargs)
 
     def _begin_step(self) -> None:
         self._in_step = True
@@ -258,7 +265,7 @@ class FaultTolerantEngine:
             self.manager.wait_quorum()  # now every peer's all-reduce of this step counts on this rank
             faults.point("in_allreduce", f"after joining the quorum of step {int(e.global_steps)}, "
                                          "before its all-reduce")
-        out = e.backward(loss, **kwargs)
+        out = self._ds_backward(loss, **kwargs)
         self.sync.end_backward(boundary=boundary, no_sync=no_sync)
         self._boundary_backward = boundary and not no_sync
         self._deferred_backward |= no_sync
@@ -283,7 +290,7 @@ class FaultTolerantEngine:
                 not step (the boundary was switched off before ``step()``).
         """
         self._decision = None
-        self.engine.step(**kwargs)
+        self._ds_step(**kwargs)
         committed, self._decision = self._decision, None
         if committed is None:
             if self._boundary_backward:
