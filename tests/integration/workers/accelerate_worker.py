@@ -1,0 +1,100 @@
+"""One rank of an Accelerate + DeepSpeed ZeRO training run, plain or fault-tolerant, for the equivalence test.
+
+``--plain`` (under torchrun, one world of every rank): ``accelerate.Accelerator``. Otherwise (under
+``ftbridge-run``, one world per replica group): ``FaultTolerantAccelerator`` and
+``shard_across_replica_groups`` on the training loader, the three lines a user changes. Both train the
+same seeded model on the same seeded, shuffled data (SGD with momentum, a warm-up ``LambdaLR``, no gradient
+clipping, so a scale or schedule error shows in the parameters) and write ``OUT/result_<dp rank>.pt``:
+the initial and final parameters, the learning rate after every optimizer step, the dataset rows each batch held, the
+engine's class name, the keys of ``accelerator.get_state_dict(model)`` and of the unwrapped model.
+
+Flags: ``--out DIR``, ``--epochs``, ``--stage`` (ZeRO), ``--gas`` (gradient accumulation steps),
+``--no-shard`` (negative control: skip the re-sharding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--gas", type=int, default=1)
+    p.add_argument("--no-shard", action="store_true")
+    args = p.parse_args()
+
+    import deepspeed
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+
+    from ftbridge.integrations.accelerate import FaultTolerantAccelerator
+
+    plugin = DeepSpeedPlugin(hf_ds_config={
+        "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": args.gas, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": args.stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "steps_per_print": 10**9})
+    make = Accelerator if args.plain else FaultTolerantAccelerator
+    # On the CPU, Accelerate sets up a distributed state only with an explicit backend.
+    accelerator = make(deepspeed_plugin=plugin, gradient_accumulation_steps=args.gas,
+                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=1234),
+                       kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    assert accelerator.num_processes == int(os.environ["WORLD_SIZE"]), accelerator.num_processes
+    set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    initial = {n: q.detach().clone() for n, q in model.named_parameters()}
+    g = torch.Generator().manual_seed(7)
+    x, idx = torch.randn(41, 8, generator=g), torch.arange(41)
+    y = x.sum(1, keepdim=True).sin()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, idx), batch_size=3, shuffle=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 8))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if not args.plain and not args.no_shard:
+        loader = accelerator.shard_across_replica_groups(loader)
+
+    lrs, rows, discarded = [], [], 0
+    for _ in range(args.epochs):
+        for xb, yb, ib in loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(xb), yb)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            rows.append(ib.tolist())
+            if accelerator.sync_gradients:
+                lrs.append(scheduler.get_last_lr()[0])
+                discarded += int(accelerator.optimizer_step_was_skipped)
+
+    if args.plain:
+        dp_rank = accelerator.process_index
+    else:
+        cfg = model.ftbridge.cfg
+        dp_rank = cfg.replica_group_id * cfg.group_size + cfg.group_rank
+    unwrapped = accelerator.unwrap_model(model)
+    state = accelerator.get_state_dict(model) or {}  # gathered under ZeRO-3, on each world's rank 0 only
+    result = {
+        "params": {n: q.detach().clone() for n, q in state.items()}, "initial": initial,
+        "lrs": lrs, "rows": rows, "discarded": discarded, "global_steps": int(model.global_steps),
+        "engine_type": f"{type(model).__module__}.{type(model).__qualname__}",
+        "is_deepspeed_engine": type(model) is deepspeed.DeepSpeedEngine,
+        "unwrapped_is_model": type(unwrapped) is torch.nn.Sequential,
+        "state_dict_keys": sorted(state.keys()),
+        "model_keys": sorted(unwrapped.state_dict().keys()),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(result, os.path.join(args.out, f"result_{dp_rank}.pt"))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
