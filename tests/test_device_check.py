@@ -60,3 +60,10 @@ def test_dry_run_cheapest_part(tmp_path):
     (row,) = result["rows"]
     assert row["ok"] and row["replicas_equal"] and row["max_abs_diff"] < 1e-6
     assert "z2_fp32_serial" in (out / "table.txt").read_text()
+
+
+def test_extras_rows_are_well_formed_and_an_unverified_checkpoint_fails_its_row(tmp_path):
+    for name, (stage, dtype, _overlap, flags, exact) in dc.EXTRAS.items():
+        assert stage in (1, 2, 3) and dtype in dc.TOLERANCE and flags, name
+        assert exact == ("--comm-hook" not in flags), f"{name}: only a compressed all-reduce may differ"
+    assert dc._verified_checkpoints(str(tmp_path)) == 0

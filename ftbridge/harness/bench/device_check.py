@@ -11,6 +11,9 @@ and JSON):
   (:mod:`ftbridge.device`), and the baseline is plain DeepSpeed on one rank
   training on the same global batch (``train_lm.py --plain --plain-global-of 2``):
   two plain ranks cannot share a GPU under NCCL.
+* ``extras``: the same against plain DeepSpeed with optimizer offload, with
+  asynchronous checkpoints (verified), and with compressed all-reduces
+  (bf16 hook, PowerSGD: only the groups must end identical).
 * ``failover``: group 1 is SIGKILLed, restarted by torchrun and heals from
   group 0 on the GPU (through the pinned staging buffer): the survivor's
   stall, the heal time by phase (:func:`ftbridge.harness.bench.heal.heal_phases`),
@@ -26,8 +29,8 @@ and JSON):
 
 Usage::
 
-    python -m ftbridge.harness.bench.device_check [--dry-run] [--only equivalence|failover|overhead]
-        [--out runs/device_check] [--stages 1,2,3]
+    python -m ftbridge.harness.bench.device_check [--dry-run] [--only equivalence,extras,failover,overhead]
+        [--out runs/device_check] [--stages 1,2,3] [--failover-model small|big]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-PARTS = ("equivalence", "failover", "overhead")
+PARTS = ("equivalence", "extras", "failover", "overhead")
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}
 """Largest |difference| to plain DeepSpeed counted as equivalent. fp32: a missing cross-replica sync moves
 parameters by about the learning rate, 1e-3, per step (dry run measured 3.7e-9 when right). bf16: a few
@@ -68,10 +71,13 @@ class Plan:
     messages during backward (the stream ordering under test)."""
     parallel: int = 1
     """Equivalence configurations run at once (one GPU has room for several small jobs)."""
+    failover_big: bool = False
+    """The failover part heals the overhead's big model (``big_model``, bf16) instead of ``model``: a state
+    of gigabytes, so the transfer rate is a throughput rather than a few round trips."""
 
 
 def make_plan(dry_run: bool, stages: Sequence[int] = (1, 2, 3)) -> Plan:
-    """The GPU plan (about 6 minutes on one GPU) or the CPU dry run's (small sizes).
+    """The GPU plan (about 4 minutes on an H200) or the CPU dry run's (small sizes).
 
     The overhead model: 24 layers of d_model 1024 (302 M parameters, bf16) on the GPU, so one step
     keeps the GPU busy; 2 layers of 64 in the dry run.
@@ -114,11 +120,16 @@ def _load(path: str) -> Dict[str, Any]:
     return load_file(path)
 
 
-def equivalence_row(workdir: str, plan: Plan, stage: int, dtype: str, overlap: bool) -> Dict[str, Any]:
-    """One equivalence configuration: ftbridge 2 x 1 and the plain baseline, run at the same time."""
+def equivalence_row(workdir: str, plan: Plan, stage: int, dtype: str, overlap: bool,
+                    extra: Sequence[str] = (), name: str = "", exact: bool = True) -> Dict[str, Any]:
+    """One equivalence configuration: ftbridge 2 x 1 and the plain baseline, run at the same time.
+
+    ``extra``: more ``train_lm.py`` flags of the ftbridge run (an extras row); ``exact`` False (a compressed
+    all-reduce) asks only that both groups end identical, the difference to the baseline is reported.
+    """
     from ftbridge.harness.bench.jobs import run_ftbridge, run_plain
 
-    name = f"z{stage}_{dtype}_{'overlap' if overlap else 'serial'}"
+    name = name or f"z{stage}_{dtype}_{'overlap' if overlap else 'serial'}"
     # lr 1e-3 from the first step (no warm-up): a missing or wrong cross-replica sync moves the parameters
     # by about that much per step, far above TOLERANCE.
     args = ["--device", plan.device, "--steps", str(plan.equivalence_steps), "--zero-stage", str(stage),
@@ -126,19 +137,53 @@ def equivalence_row(workdir: str, plan: Plan, stage: int, dtype: str, overlap: b
             *model_flags(plan.model)]
     args += (["--bf16"] if dtype == "bf16" else []) + (["--overlap-comm"] if overlap else [])
     ft_dir, plain_dir = os.path.join(workdir, name, "ftbridge"), os.path.join(workdir, name, "plain")
+    extra = [a.replace("{dir}", ft_dir) for a in extra]
+    plain_extra = ["--offload-optimizer"] if "--offload-optimizer" in extra else []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        ft = pool.submit(run_ftbridge, ft_dir, 2, 1, [*args, "--save-params",
+        ft = pool.submit(run_ftbridge, ft_dir, 2, 1, [*args, *extra, "--save-params",
                          os.path.join(ft_dir, "params_{replica_group}.safetensors")], timeout_s=plan.timeout_s,
                          env={"FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES": str(plan.message_bytes)})
-        plain = pool.submit(run_plain, plain_dir, 1, [*args, "--plain-global-of", "2", "--save-params",
+        plain = pool.submit(run_plain, plain_dir, 1, [*args, *plain_extra, "--plain-global-of", "2", "--save-params",
                             os.path.join(plain_dir, "params.safetensors")], plan.timeout_s)
         final, _ = ft.result().finals[0], plain.result()
     g0, g1 = (_load(os.path.join(ft_dir, f"params_{g}.safetensors")) for g in (0, 1))
     diff = max_abs_diff(g0, _load(os.path.join(plain_dir, "params.safetensors")))
     replicas_equal = max_abs_diff(g0, g1) == 0.0
-    return {"part": "equivalence", "config": name, "max_abs_diff": diff, "replicas_equal": replicas_equal,
-            "messages_in_backward": final.get("cross_replica_messages_in_backward"),
-            "backend": final.get("cross_replica_backend"), "ok": replicas_equal and diff <= TOLERANCE[dtype]}
+    row: Dict[str, Any] = {
+        "part": "extras" if extra else "equivalence", "config": name, "max_abs_diff": diff,
+        "replicas_equal": replicas_equal, "messages_in_backward": final.get("cross_replica_messages_in_backward"),
+        "backend": final.get("cross_replica_backend"), "ok": replicas_equal and (diff <= TOLERANCE[dtype] or not exact)}
+    if "--checkpoint-dir" in extra:
+        row["checkpoints_verified"] = _verified_checkpoints(extra[extra.index("--checkpoint-dir") + 1])
+        row["ok"] = row["ok"] and row["checkpoints_verified"] > 0
+    return row
+
+
+EXTRAS = {
+    "z2_fp32_offload": (2, "fp32", True, ["--offload-optimizer"], True),
+    "z2_fp32_async_ckpt": (2, "fp32", True, ["--checkpoint-dir", "{dir}/ckpt", "--checkpoint-every", "2",
+                                             "--checkpoint-async"], True),
+    "z2_fp32_hook_bf16": (2, "fp32", True, ["--comm-hook", "bf16"], False),
+    "z3_fp32_hook_power_sgd": (3, "fp32", True, ["--comm-hook", "power_sgd", "--comm-state-option",
+                                                 '{"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}'],
+                               False),
+}
+"""The extras part: ``name: (stage, dtype, overlap_comm, flags, exact)``. Optimizer offload and an async
+checkpoint must still match plain DeepSpeed; a compressed all-reduce (bf16, PowerSGD) must keep the groups
+identical, its difference to the baseline is the compression's."""
+
+
+def _verified_checkpoints(ckpt_dir: str) -> int:
+    """How many checkpoints under ``ckpt_dir`` ``ftbridge-ckpt verify`` passes (0 when any fails)."""
+    import contextlib
+    import io
+
+    from ftbridge.checkpoint.cli import main as ckpt_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = ckpt_main(["verify", ckpt_dir])
+    return 0 if code else out.getvalue().count(": OK")
 
 
 def d2h2d_seconds(nbytes: int, device: str) -> float:
@@ -167,8 +212,9 @@ def failover_row(workdir: str, plan: Plan) -> Dict[str, Any]:
     from ftbridge.harness.bench.heal import heal_phases
     from ftbridge.harness.local_job import LocalJob
 
+    model = model_flags(plan.big_model) + ["--bf16"] if plan.failover_big else model_flags(plan.model)
     args = ["--device", plan.device, "--zero-stage", "2", "--val-every", "0", "--val-batches", "1",
-            *model_flags(plan.model), "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
+            *model, "--steps", "1000000", "--stop-file", os.path.join(workdir, "stop")]
     job = LocalJob(workdir, 2, 1, args, max_restarts=1, env={"OMP_NUM_THREADS": "1"}, checksum_every=None)
     t_out = plan.timeout_s
     with job:
@@ -180,7 +226,8 @@ def failover_row(workdir: str, plan: Plan) -> Dict[str, Any]:
         phases = heal_phases(job.events(1, 0), kill_time)
         stall = survivor_stall(job.steps(0), kill_time)
     copy_s = d2h2d_seconds(phases["bytes"], plan.device)
-    row = {"part": "failover", "config": "z2 kill group 1", "heal_total_s": phases["total_s"],
+    row = {"part": "failover", "config": "z2 kill group 1" + (" big" if plan.failover_big else ""),
+           "heal_total_s": phases["total_s"],
            "heal_bytes": phases["bytes"], "transfer_s": phases["transfer_s"],
            "transfer_GBps": phases["bytes"] / max(phases["transfer_s"], 1e-9) / 1e9,
            "d2h2d_GBps": phases["bytes"] / max(copy_s, 1e-9) / 1e9, "exit_codes": codes,
@@ -233,6 +280,9 @@ def run(plan: Plan, parts: Sequence[str], out: str) -> List[Dict[str, Any]]:
         jobs += [(f"z{s}_{d}_{o}", lambda s=s, d=d, o=o: equivalence_row(os.path.join(out, "equivalence"), plan,
                                                                         s, d, o))
                  for s in plan.stages for d in plan.dtypes for o in plan.overlaps]
+    if "extras" in parts:
+        jobs += [(n, lambda n=n, c=c: equivalence_row(os.path.join(out, "extras"), plan, c[0], c[1], c[2], c[3], n,
+                                                      c[4])) for n, c in EXTRAS.items()]
     if "failover" in parts:
         jobs.append(("failover", lambda: failover_row(os.path.join(out, "failover"), plan)))
     if "overhead" in parts:
@@ -250,7 +300,8 @@ def _timed_row(job: Any) -> Dict[str, Any]:
     try:
         row = fn()
     except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' results
-        row = {"part": name if name in ("failover", "overhead") else "equivalence", "config": name, "ok": False,
+        part = name if name in ("failover", "overhead") else "extras" if name in EXTRAS else "equivalence"
+        row = {"part": part, "config": name, "ok": False,
                "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     row["wall_s"] = time.time() - t0
     print(render_table([row]), flush=True)
@@ -264,6 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--stages", default="1,2,3", help="ZeRO stages of the equivalence part")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--overlap", default="off,on", help="overlap_comm settings: off, on or both")
+    p.add_argument("--failover-model", choices=("small", "big"), default="small",
+                   help="big: heal the overhead part's model (bf16, gigabytes of state) for a transfer rate")
     p.add_argument("--out", default=os.path.join("runs", "device_check"))
     args = p.parse_args(argv)
     parts = [x for x in args.only.split(",") if x]
@@ -272,6 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = make_plan(args.dry_run, tuple(int(s) for s in args.stages.split(",")))
     plan.dtypes = tuple(args.dtypes.split(","))
     plan.overlaps = tuple(o == "on" for o in args.overlap.split(","))
+    plan.failover_big = args.failover_model == "big"
     if not args.dry_run:
         import torch
 
