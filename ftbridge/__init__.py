@@ -5,7 +5,7 @@ Public API: :func:`initialize` (mirrors ``deepspeed.initialize``), :func:`attach
 :class:`FTBridgeConfig`. The engine pieces are
 imported lazily so that light tools (the launcher) do not import DeepSpeed. Importing the package
 changes nothing in the process: the entry points prepare DeepSpeed's JIT build
-(:func:`ftbridge.build_lock.prepare_jit_build`).
+(:func:`ftbridge.launch.build_lock.prepare_jit_build`).
 """
 
 import time

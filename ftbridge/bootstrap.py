@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ftbridge import device
-from ftbridge.build_lock import prepare_jit_build
 from ftbridge.config import FTBridgeConfig
 from ftbridge.engine import FaultTolerantEngine
+from ftbridge.launch.build_lock import prepare_jit_build
 from ftbridge.manager import ReplicaManager
 from ftbridge.zero.engine_points import check_deepspeed_version
 

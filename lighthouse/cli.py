@@ -43,8 +43,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ftbridge.cli_types import ArgumentParser, at_least, finite
 from ftbridge.device import is_loopback
+from ftbridge.launch.cli_types import ArgumentParser, at_least, finite
 from lighthouse import checks, server
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ OUT = ROOT / "docs" / "cli.md"
 WIDTH = 100
 
 TOOLS: Tuple[Tuple[str, str, str], ...] = (
-    ("ftbridge-run", "ftbridge.launcher", "one replica group under torchrun"),
+    ("ftbridge-run", "ftbridge.launch.run", "one replica group under torchrun"),
     ("ftbridge-lighthouse", "lighthouse.cli", "torchft's lighthouse, with health and status endpoints"),
     ("ftbridge-chaos", "ftbridge.harness.chaos.cli", "a local job under a failure schedule, with a report"),
     ("ftbridge-bench", "ftbridge.harness.bench.cli", "the benchmarks, each a ratio against a baseline"),

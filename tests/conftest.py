@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 
 import ftbridge.harness.local_job as local_job_module
-from ftbridge.build_lock import prepare_jit_build
 from ftbridge.harness.local_job import LocalJob
+from ftbridge.launch.build_lock import prepare_jit_build
 
 prepare_jit_build()  # as ftbridge's entry points do; every process a test starts inherits it
 

@@ -201,7 +201,7 @@ def test_plain_kill_never_lands_inside_a_save(tmp_path):
     import time
 
     from ftbridge.harness.bench.failure_jobs import _kill_between_saves
-    from ftbridge.processes import pid_alive
+    from ftbridge.launch.processes import pid_alive
 
     rank0 = subprocess.Popen(["sleep", "60"])
     torchrun = subprocess.Popen(["sleep", "60"])

@@ -118,3 +118,21 @@ def test_the_lighthouse_and_scripts_use_only_public_ftbridge_modules():
     private = {p: sorted(n for n in names if n.startswith("ftbridge") and any(s.startswith("_") for s in n.split(".")))
                for p, names in _imports().items() if not p.startswith("ftbridge/")}
     assert not {p: n for p, n in private.items() if n}, "import public ftbridge modules only (no _private ones)"
+
+
+LAUNCH_LEAVES = {"ftbridge.launch.cli_types", "ftbridge.launch.build_lock"}
+"""The two modules of ``ftbridge/launch/`` that the rest of the code may import: they import nothing from
+ftbridge, so no import cycle runs through the launch package (docs/concepts.md)."""
+
+
+def test_the_runtime_takes_only_the_launch_leaves_and_they_import_nothing_from_ftbridge():
+    found = _imports()
+    runtime = {p: names for p, names in found.items()
+               if p.startswith("ftbridge/") and not p.startswith(("ftbridge/harness/", "ftbridge/launch/"))}
+    assert "ftbridge/bootstrap.py" in runtime and "ftbridge.launch.build_lock" in runtime["ftbridge/bootstrap.py"]
+    bad = {p: sorted(n for n in names if n.startswith("ftbridge.launch") and n not in LAUNCH_LEAVES)
+           for p, names in runtime.items()}
+    assert not {p: n for p, n in bad.items() if n}, "the runtime may import only the launch package's leaves"
+    for leaf in LAUNCH_LEAVES:
+        path = leaf.replace(".", "/") + ".py"
+        assert not {n for n in found[path] if n.split(".")[0] == "ftbridge"}, f"{path} must import nothing from ftbridge"

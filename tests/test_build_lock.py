@@ -1,4 +1,4 @@
-"""ftbridge.build_lock: a JIT build lock no process holds is removed; a held one is kept."""
+"""ftbridge.launch.build_lock: a JIT build lock no process holds is removed; a held one is kept."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from ftbridge.build_lock import clear_stale_build_locks, watch_build_locks
+from ftbridge.launch.build_lock import clear_stale_build_locks, watch_build_locks
 
 
 def _lock(root, op):

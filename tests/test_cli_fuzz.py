@@ -22,7 +22,7 @@ def _valued_flags(parser: argparse.ArgumentParser) -> List[str]:
 
 
 def _run_flags() -> List[str]:
-    from ftbridge.launcher import build_parser
+    from ftbridge.launch.run import build_parser
 
     return _valued_flags(build_parser())
 
@@ -45,7 +45,7 @@ def _with(argv: List[str], flag: str, value: str) -> List[str]:
 @settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_ftbridge_run_answers_a_bad_value_with_a_usage_error_naming_the_flag(data, monkeypatch_session):
-    from ftbridge import launcher
+    from ftbridge.launch import run as launcher
 
     flag = data.draw(st.sampled_from(_run_flags()))
     value = data.draw(st.sampled_from(BAD))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ftbridge.cli_types import at_least, finite, probability
+from ftbridge.launch.cli_types import at_least, finite, probability
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +49,7 @@ def test_lighthouse_serve_refuses_bad_numbers(capsys):
 
 @pytest.mark.parametrize("prefix", ["--replica-group", "--num-replica", "--nproc-per"])
 def test_ftbridge_run_takes_full_flag_names_only_not_prefixes(capsys, prefix):
-    from ftbridge.launcher import parse_args
+    from ftbridge.launch.run import parse_args
 
     full = {"--replica-group-id": "0", "--num-replica-groups": "2", "--nproc-per-node": "1",
             "--lighthouse": "http://127.0.0.1:29510"}

@@ -36,10 +36,10 @@ def _fill(tool: str, text: str) -> str:
 
 
 def _parsers() -> Dict[str, Callable[[List[str]], object]]:
-    from ftbridge import launcher
     from ftbridge.checkpoint.cli import build_parser as ckpt
     from ftbridge.harness.bench.cli import parse as bench
     from ftbridge.harness.chaos.cli import parse_args as chaos
+    from ftbridge.launch import run as launcher
     from lighthouse.cli import build_parser as lighthouse
 
     return {"ftbridge-run": launcher.parse_args, "ftbridge-lighthouse": lighthouse().parse_args,

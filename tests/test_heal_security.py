@@ -505,7 +505,7 @@ def test_the_job_token_comes_from_the_environment_and_is_never_printed():
 
 
 def test_ftbridge_run_sets_the_token_from_a_file_and_hides_it(tmp_path):
-    from ftbridge import launcher
+    from ftbridge.launch import run as launcher
 
     path, script = tmp_path / "token", tmp_path / "train.py"
     path.write_text(TOKEN + "\n")

@@ -9,7 +9,7 @@ import sys
 
 
 def _after_import(path: str) -> str:
-    code = ("import os, shutil; from ftbridge.build_lock import prepare_jit_build; prepare_jit_build(); "
+    code = ("import os, shutil; from ftbridge.launch.build_lock import prepare_jit_build; prepare_jit_build(); "
             "print(os.environ['TORCH_EXTENSIONS_DIR']); print(shutil.which('ninja'))")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     env["PATH"] = path
@@ -43,7 +43,7 @@ def test_ftbridge_ckpt_list_and_inspect_import_neither_torch_nor_deepspeed():
 
 def test_importing_ftbridge_changes_nothing_in_the_process():
     code = ("import os, threading; before = (dict(os.environ), threading.active_count()); import ftbridge, "
-            "ftbridge.launcher; print(before == (dict(os.environ), threading.active_count()))")
+            "ftbridge.launch.run; print(before == (dict(os.environ), threading.active_count()))")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,

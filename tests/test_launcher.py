@@ -1,4 +1,4 @@
-"""Unit tests of ftbridge/launcher.py: torchrun's command line, environment and argument checks.
+"""Unit tests of ftbridge/launch/run.py: torchrun's command line, environment and argument checks.
 
 Nothing here starts torchrun: ``subprocess.Popen`` in the launcher fails the
 test if it is called.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ftbridge import launcher
+from ftbridge.launch import run as launcher
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,7 +140,7 @@ def test_master_addr_is_the_default_endpoint_host(script):
 
 
 def test_non_c10d_backend_warns(script, caplog):
-    with caplog.at_level("WARNING", logger="ftbridge.launcher"):
+    with caplog.at_level("WARNING", logger="ftbridge.launch.run"):
         build([*GROUP, "--rdzv-backend", "static", "--", script])
     assert "--rdzv-backend=static" in caplog.text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in caplog.text
 
@@ -237,7 +237,7 @@ def test_help_exits_0(capsys, no_launch):
 @pytest.mark.timeout(60)
 def test_wrapper_script_and_module_show_usage():
     for cmd in ([sys.executable, "scripts/ftbridge_run.py", "--help"],
-                [sys.executable, "-m", "ftbridge.launcher", "--help"]):
+                [sys.executable, "-m", "ftbridge.launch.run", "--help"]):
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=50, check=False)
         assert done.returncode == 0, done.stderr
         assert "usage: ftbridge-run" in done.stdout

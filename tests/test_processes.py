@@ -1,4 +1,4 @@
-"""ftbridge/processes.py: torchrun's command line and environment, and stopping whole process groups."""
+"""ftbridge/launch/processes.py: torchrun's command line and environment, and stopping whole process groups."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ftbridge.processes import TORCHRUN, pid_alive, stop_process_groups, torchrun_command
+from ftbridge.launch.processes import TORCHRUN, pid_alive, stop_process_groups, torchrun_command
 
 
 def test_local_command_picks_a_free_rendezvous_port_and_leaves_unset_flags_out():
@@ -81,7 +81,7 @@ def test_stop_ends_a_group_that_honours_sigterm_without_sigkill():
 def test_a_free_port_run_lies_below_the_ephemeral_range_and_is_bindable():
     import socket
 
-    from ftbridge.processes import ephemeral_port_range, find_free_port_run
+    from ftbridge.launch.processes import ephemeral_port_range, find_free_port_run
 
     first = find_free_port_run(3, host="127.0.0.1", seed=1)
     assert 10000 <= first and first + 2 < ephemeral_port_range()[0]

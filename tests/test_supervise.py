@@ -1,4 +1,4 @@
-"""Unit tests of ftbridge/supervise.py: the launcher's processes tagged, ended and escalated."""
+"""Unit tests of ftbridge/launch/supervise.py: the launcher's processes tagged, ended and escalated."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ftbridge import supervise
+from ftbridge.launch import supervise
 
 
 @pytest.mark.timeout(30)

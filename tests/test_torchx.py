@@ -11,8 +11,8 @@ import torchx.specs as specs
 from torchx.schedulers.kubernetes_scheduler import KubernetesScheduler
 from torchx.schedulers.slurm_scheduler import SlurmScheduler
 
+from ftbridge.launch.torchx import job
 from ftbridge.manager.lighthouse_status import Heartbeat, LighthouseStatus
-from ftbridge.torchx import job
 from lighthouse.cli import IdleTimer
 
 ARGS = ("--steps", "1000", "--zero-stage", "2")
@@ -119,11 +119,11 @@ def test_component_is_registered_for_torchx(monkeypatch):
     import torchx.components as builtins
     from torchx.specs import finder
 
-    import ftbridge.torchx as component
+    import ftbridge.launch.torchx as component
 
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '[project.entry-points."torchx.components"]' in text
-    assert 'ftbridge = "ftbridge.torchx"' in text and '_0 = "torchx.components"' in text
+    assert 'ftbridge = "ftbridge.launch.torchx"' in text and '_0 = "torchx.components"' in text
     monkeypatch.setattr(finder.entrypoints, "load_group",
                         lambda group, default=None: {"ftbridge": lambda: component, "_0": lambda: builtins})
     monkeypatch.setattr(finder, "_components", None)

@@ -28,7 +28,7 @@ from typing import List, Optional
 
 from ftbridge.checkpoint import manifest as mf
 from ftbridge.checkpoint.store import CheckpointInfo, CheckpointStore, load_key
-from ftbridge.cli_types import ArgumentParser
+from ftbridge.launch.cli_types import ArgumentParser
 
 
 def _pick(store: CheckpointStore, tag: Optional[str]) -> Optional[CheckpointInfo]:

@@ -19,10 +19,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ftbridge.cli_types import ArgumentParser, at_least, finite, probability
 from ftbridge.events import tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
 from ftbridge.harness.models import GPTConfig, build_model
+from ftbridge.launch.cli_types import ArgumentParser, at_least, finite, probability
 from ftbridge.slots import unit_seed
 from ftbridge.unit_data import seeded_rng
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ftbridge.events import read_events
 from ftbridge.harness.netfault import FaultProxy
 from ftbridge.harness.netns import GroupHosts
-from ftbridge.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
+from ftbridge.launch.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
@@ -285,7 +285,7 @@ class LocalJob:
         return gp
 
     def _launch(self, identity: List[str], log_path: str, group: int) -> GroupProcess:
-        cmd = [sys.executable, "-m", "ftbridge.launcher", *identity,
+        cmd = [sys.executable, "-m", "ftbridge.launch.run", *identity,
                "--num-replica-groups", str(self.num_groups),
                "--nproc-per-node", str(self.group_size(group) if group >= 0 else self.nproc),
                "--lighthouse", self.address_for(group), "--max-restarts", str(self.max_restarts),

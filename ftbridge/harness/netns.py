@@ -65,7 +65,7 @@ _OURS = re.compile(r"^ft[nbpl](\d+)(g\d+)?(@\S*)?:?$")
 def clear_stale() -> List[str]:
     """Remove the namespaces, links and hosts files left by a harness process that died (its PID, the
     names' tag, is gone); returns what was removed. A run killed with SIGKILL cannot clean up itself."""
-    from ftbridge.processes import pid_alive
+    from ftbridge.launch.processes import pid_alive
 
     def stale(name: str) -> bool:
         m = _OURS.match(name)

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from ftbridge.processes import stop_process_groups
+from ftbridge.launch.processes import stop_process_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

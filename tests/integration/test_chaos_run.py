@@ -20,7 +20,7 @@ from ftbridge.harness.chaos import report, spares
 from ftbridge.harness.chaos.cli import TINY
 from ftbridge.harness.chaos.runner import ChaosSettings, run_chaos
 from ftbridge.harness.chaos.schedule import FailureKind, make_schedule
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 
 DEFAULT_KINDS = [FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_JOINER_IN_HEAL, FailureKind.SCALE_DOWN]
 """The kinds no other default test injects. The others have their own default tests: a killed group

@@ -20,7 +20,7 @@ import pytest
 from ftbridge import faults
 from ftbridge.config import FTBridgeConfig
 from ftbridge.harness.chaos import invariants
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 from tests.conftest import TINY
 
 

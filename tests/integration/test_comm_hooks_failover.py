@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 from tests.conftest import TINY
 from tests.integration.test_failover import _assert_commits_consistent, _assert_identical_finals, _finish
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from ftbridge.processes import torchrun_command
+from ftbridge.launch.processes import torchrun_command
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "layout_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MINIMAL = os.path.join(ROOT, "examples", "minimal.py")

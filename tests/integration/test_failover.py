@@ -15,7 +15,7 @@ import time
 import pytest
 
 from ftbridge import faults
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 from lighthouse.health import LighthouseMonitor
 from tests.conftest import TINY
 from tests.test_metrics import scrape, value

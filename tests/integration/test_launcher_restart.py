@@ -1,6 +1,6 @@
 """ftbridge-run end to end: repeated in-group restarts, and no process left after a signal.
 
-Each test starts ``python -m ftbridge.launcher`` on
+Each test starts ``python -m ftbridge.launch.run`` on
 ``workers/restart_worker.py`` (2 gloo ranks), with its own output folder,
 a free rendezvous port chosen by the launcher, and a lighthouse address that
 nothing listens on (these workers never call it).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "integration" / "workers" / "restart_worker.py"
@@ -30,7 +30,7 @@ class Launch:
     """One ``ftbridge-run`` subprocess; stdout and stderr lines are kept and queued."""
 
     def __init__(self, out: Path, mode: str, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "ftbridge.launcher", "--replica-group-id", "0",
+        cmd = [sys.executable, "-m", "ftbridge.launch.run", "--replica-group-id", "0",
                "--num-replica-groups", "1", "--nproc-per-node", "2", "--lighthouse", "http://127.0.0.1:9",
                "--no-lighthouse-check",
                "--shutdown-timeout-s", "5", *flags, "--", str(WORKER), str(out), mode]

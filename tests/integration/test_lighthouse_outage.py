@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 from tests.conftest import TINY
 
 

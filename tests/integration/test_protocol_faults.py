@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ftbridge.harness.local_job import parent_pid
-from ftbridge.processes import cpu_seconds, pid_alive
+from ftbridge.launch.processes import cpu_seconds, pid_alive
 from tests.conftest import TINY
 
 FAULT_S = 6.0

@@ -18,7 +18,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 from tests.conftest import TINY, run_plain_deepspeed
 
 ARGS = [*TINY, "--zero-stage", "2", "--grad-accum", "2", "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.05",

@@ -25,7 +25,7 @@ import pytest
 
 from ftbridge.events import read_events, tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
-from ftbridge.processes import pid_alive
+from ftbridge.launch.processes import pid_alive
 from tests.conftest import TINY
 
 

@@ -1,6 +1,6 @@
 """The main job launched by one ``torchx run`` (local scheduler): a group is killed, heals, and all end identical.
 
-The TorchX component (``ftbridge/torchx.py``) makes the lighthouse and two
+The TorchX component (``ftbridge/launch/torchx.py``) makes the lighthouse and two
 replica groups of two ranks; TorchX's ``local_cwd`` scheduler starts them as
 its own processes. Group 1's ranks are SIGKILLed by PID once both groups
 train together; the group's torchrun restarts them, they heal from group 0,
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ftbridge.harness.local_job import GroupProcess
-from ftbridge.processes import find_free_port_run, pid_alive, signal_group, signal_pids, stop_process_groups
+from ftbridge.launch.processes import find_free_port_run, pid_alive, signal_group, signal_pids, stop_process_groups
 from tests.conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +44,7 @@ def _torchx_run(job, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": REPO, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
            "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd", "-cfg", f"log_dir={job.workdir}/torchx",
-           "ftbridge/torchx.py:job", "--script", "scripts/train_lm.py", "--groups", "2", "--nproc_per_node", "2",
+           "ftbridge/launch/torchx.py:job", "--script", "scripts/train_lm.py", "--groups", "2", "--nproc_per_node", "2",
            "--lighthouse_port", str(port), "--lighthouse_heartbeat_timeout_ms", "2000",
            "--lighthouse_idle_exit_s", "1", "--heal_bind", "127.0.0.1",
            "--event_log", f"{job.workdir}/events_{{replica_group}}_{{group_rank}}.jsonl",

@@ -31,10 +31,10 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ftbridge.build_lock import prepare_jit_build
-from ftbridge.cli_types import ArgumentParser, at_least, finite
 from ftbridge.harness.bench import core
 from ftbridge.harness.bench.report import failure, write_report
+from ftbridge.launch.build_lock import prepare_jit_build
+from ftbridge.launch.cli_types import ArgumentParser, at_least, finite
 
 QUICK = {"reps": 1, "steps": 6, "warmup_steps": 3, "timeout_s": 300.0}
 """Settings of ``--quick`` unless given explicitly."""

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 from ftbridge.events import read_events
 from ftbridge.harness.bench.core import BenchSettings
 from ftbridge.harness.local_job import TRAIN_SCRIPT, LocalJob
-from ftbridge.processes import pid_alive, signal_pids, stop_process_groups, torchrun_command
+from ftbridge.launch.processes import pid_alive, signal_pids, stop_process_groups, torchrun_command
 
 log = logging.getLogger("ftbridge.harness.bench")
 

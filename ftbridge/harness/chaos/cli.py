@@ -24,8 +24,8 @@ import sys
 import tempfile
 from typing import List, Optional
 
-from ftbridge.build_lock import prepare_jit_build
-from ftbridge.cli_types import ArgumentParser, at_least, finite
+from ftbridge.launch.build_lock import prepare_jit_build
+from ftbridge.launch.cli_types import ArgumentParser, at_least, finite
 
 POSITIVE = finite(0.0, strictly_above=True)
 

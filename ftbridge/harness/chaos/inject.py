@@ -20,7 +20,7 @@ from ftbridge import faults
 from ftbridge.harness.chaos.schedule import Failure, FailureKind
 from ftbridge.harness.chaos.spares import SCALE_DOWN_WITH_SPARES
 from ftbridge.harness.local_job import LocalJob
-from ftbridge.processes import pid_alive, signal_pids
+from ftbridge.launch.processes import pid_alive, signal_pids
 
 _TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.HANG,
                      FailureKind.KILL_JOINER_IN_HEAL, FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT,

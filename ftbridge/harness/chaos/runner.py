@@ -38,7 +38,7 @@ from ftbridge.harness.chaos.schedule import (
     FailureKind,
 )
 from ftbridge.harness.local_job import GroupProcess, LocalJob, started_by
-from ftbridge.processes import cpu_seconds, pid_alive, stop_process_groups
+from ftbridge.launch.processes import cpu_seconds, pid_alive, stop_process_groups
 
 logger = logging.getLogger("ftbridge.harness.chaos")
 

@@ -85,17 +85,17 @@ from datetime import timedelta
 from typing import Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
-from ftbridge.build_lock import prepare_jit_build
-from ftbridge.cli_types import ArgumentParser
 from ftbridge.config import FTBridgeConfig
-from ftbridge.log import log_level
-from ftbridge.processes import (
+from ftbridge.launch.build_lock import prepare_jit_build
+from ftbridge.launch.cli_types import ArgumentParser
+from ftbridge.launch.processes import (
     find_free_port,
     torchrun_command,
 )
-from ftbridge.supervise import LAUNCH_ID_ENV, run_torchrun
+from ftbridge.launch.supervise import LAUNCH_ID_ENV, run_torchrun
+from ftbridge.log import log_level
 
-log = logging.getLogger("ftbridge.launcher")
+log = logging.getLogger("ftbridge.launch.run")
 
 DEFAULT_LIGHTHOUSE = "http://127.0.0.1:29510"
 """Where ``ftbridge-lighthouse serve`` listens by default."""

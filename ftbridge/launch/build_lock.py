@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Set, Tuple
 
-logger = logging.getLogger("ftbridge.build_lock")
+logger = logging.getLogger("ftbridge.launch.build_lock")
 
 
 def _open_paths(proc: str = "/proc") -> Set[str]:

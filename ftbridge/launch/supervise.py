@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from ftbridge.processes import pid_alive, signal_group, signal_pids, stop_process_groups
+from ftbridge.launch.processes import pid_alive, signal_group, signal_pids, stop_process_groups
 
-log = logging.getLogger("ftbridge.launcher")  # the launcher's own lines, under its name and format
+log = logging.getLogger("ftbridge.launch.run")  # the launcher's own lines, under its name and format
 
 LAUNCH_ID_ENV = "FTBRIDGE_LAUNCH_ID"
 """The environment variable that tags every process of one launch (a UUID per ``ftbridge-run``)."""

@@ -3,7 +3,7 @@
 One description of the job becomes one TorchX application, which any TorchX
 scheduler runs (``local_cwd``, ``slurm``, ``kubernetes``)::
 
-    torchx run -s local_cwd ftbridge/torchx.py:job --groups 2 --nproc_per_node 2 \\
+    torchx run -s local_cwd ftbridge/launch/torchx.py:job --groups 2 --nproc_per_node 2 \\
         --script scripts/train_lm.py -- --steps 200
     torchx run -s slurm ftbridge.job --groups 4 --nnodes 2 --gpus 8 --script train.py -- --steps 10000
     torchx run -s kubernetes -cfg queue=default ftbridge.job --image REGISTRY/ftbridge:1 \\

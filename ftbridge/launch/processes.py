@@ -1,6 +1,6 @@
 """torchrun command lines and process groups: the one place that builds the first and stops the second.
 
-``ftbridge-run`` (:mod:`ftbridge.launcher`), the local job runner, the benchmarks and the tests all
+``ftbridge-run`` (:mod:`ftbridge.launch.run`), the local job runner, the benchmarks and the tests all
 start torchrun in a session of its own and end it by its process group. They build its command
 line with :func:`torchrun_command` and stop it with :func:`stop_process_groups`:
 
