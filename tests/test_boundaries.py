@@ -135,4 +135,5 @@ def test_the_runtime_takes_only_the_launch_leaves_and_they_import_nothing_from_f
     assert not {p: n for p, n in bad.items() if n}, "the runtime may import only the launch package's leaves"
     for leaf in LAUNCH_LEAVES:
         path = leaf.replace(".", "/") + ".py"
-        assert not {n for n in found[path] if n.split(".")[0] == "ftbridge"}, f"{path} must import nothing from ftbridge"
+        own = {n for n in found[path] if n.split(".")[0] == "ftbridge"}
+        assert not own, f"{path} must import nothing from ftbridge, imports {sorted(own)}"
