@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ftbridge import comm_hooks, faults, metrics, slot_steps
+from ftbridge import comm_hooks, faults, metrics
 from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
@@ -56,6 +56,7 @@ from ftbridge.heal.wire import size_bound
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
 from ftbridge.slots import Unit
+from ftbridge.slots import steps as slot_steps
 from ftbridge.zero.adapter import ZeroAdapter
 from ftbridge.zero.engine_points import align_to_window, gradient_reduction, wrap_model_step
 from ftbridge.zero.grad_sync import build_sync, checked_adapter
@@ -191,7 +192,7 @@ class FaultTolerantEngine:
         of ``unit.dp_world_size`` at ``unit.step``, micro-batch ``unit.micro``. Run forward and
         backward for each (and ``step()`` after each, or once after the loop); the accumulation
         boundary is set for you on the last unit. With ``slots`` on, that is every slot's units the
-        live groups must cover (:mod:`ftbridge.slot_steps`); without, this group's own micro-batches.
+        live groups must cover (:mod:`ftbridge.slots.steps`); without, this group's own micro-batches.
 
         Raises:
             RuntimeError: called inside a step.

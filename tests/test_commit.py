@@ -63,7 +63,7 @@ def test_rows_agree_only_on_the_same_quorum_membership_step_and_divisor():
 
 def test_members_with_different_slot_plans_never_commit_together():
     # Groups configured with different slots, accumulation steps or micro-batches would cover the step's
-    # units differently (ftbridge.slot_steps.plan_digest): a sample lost or trained twice. Same plan: commit.
+    # units differently (ftbridge.slots.steps.plan_digest): a sample lost or trained twice. Same plan: commit.
     a, b = encode_view(replace(view(0), plan=7)), encode_view(replace(view(1), plan=7))
     assert judge([a, b], a, riding=False).commit
     c = encode_view(replace(view(1), plan=8))

@@ -1,4 +1,4 @@
-"""The engine's side of slots (ftbridge.slot_steps): the units of an attempt, the boundary, the refusals.
+"""The engine's side of slots (ftbridge.slots.steps): the units of an attempt, the boundary, the refusals.
 
 One real DeepSpeed rank with a scripted manager (tests/fakes.py): the manager says who is in the
 step's quorum; the tests check which units the group computes, that DeepSpeed steps once after the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftbridge.slot_steps import StepNotCovered, participants_of
 from ftbridge.slots import assign
+from ftbridge.slots.steps import StepNotCovered, participants_of
 from tests.fakes import FakeManager, gpt_batch, tiny_engine
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")

@@ -1,4 +1,4 @@
-"""ftbridge.unit_data: a unit's rows are plain data parallelism's, its random numbers its own."""
+"""ftbridge.slots.data: a unit's rows are plain data parallelism's, its random numbers its own."""
 
 from types import SimpleNamespace
 
@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ftbridge.slots import Unit
-from ftbridge.unit_data import UnitSampler, unit_rng
+from ftbridge.slots.data import UnitSampler, unit_rng
 
 
 def plain_windows(n, mb, g, world, rank, epochs, shuffle, seed):

@@ -24,7 +24,7 @@ from ftbridge.harness.data import ShardedTextData, load_text
 from ftbridge.harness.models import GPTConfig, build_model
 from ftbridge.launch.cli_types import ArgumentParser, at_least, finite, probability
 from ftbridge.slots import unit_seed
-from ftbridge.unit_data import seeded_rng
+from ftbridge.slots.data import seeded_rng
 
 
 def build_parser() -> argparse.ArgumentParser:

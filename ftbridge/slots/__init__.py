@@ -19,8 +19,10 @@ Every unit is computed exactly once per step by some participating group:
   compares it (:attr:`ftbridge.manager.commit.View.plan`), so members that would plan differently never
   commit a step together.
 
-Everything here is pure: integers in, integers out, no torch, no clock, no I/O. The same inputs give
-the same plan on every rank of every group, which is what lets each decide alone.
+Everything in this module is pure: integers in, integers out, no torch, no clock, no I/O. The same
+inputs give the same plan on every rank of every group, which is what lets each decide alone. The
+package's other modules do the I/O: :mod:`.steps` drives a step's units through the engine, and
+:mod:`.data` makes a unit's rows and random numbers a function of the unit alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The "same samples" invariant of a chaos run with slots: every committed step trained its whole grid once.
 
 With slots (``FTBRIDGE_SLOTS``), each step record of a committed step carries ``units``: the
-``[slot, micro]`` pairs its group computed, in order (:mod:`ftbridge.slot_steps`). The groups that
+``[slot, micro]`` pairs its group computed, in order (:mod:`ftbridge.slots.steps`). The groups that
 committed one step in one quorum must together have computed every unit of the grid (``slots`` x
 ``micro`` pairs) exactly once, on every group rank: the samples of the failure-free run, whatever
 failed. A group whose record is missing (it died between its commit and its record) leaves the
