@@ -209,7 +209,7 @@ def test_deepspeed_own_loads_go_through_the_safe_loader(tmp_path, monkeypatch):
 
 def test_plain_baseline_resume_refuses_a_crafted_checkpoint(tmp_path):
     from ftbridge.checkpoint.safe_load import UnsafeCheckpointError
-    from ftbridge.harness.lm_job import PlainRun
+    from ftbridge.harness.plain_job import PlainRun
 
     engine = _ds_engine(2, {})
     _train(engine, 1)

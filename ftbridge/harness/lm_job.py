@@ -1,9 +1,9 @@
 """The main job: a character-level GPT trained on real text with DeepSpeed ZeRO.
 
 Shared by ``scripts/train_lm.py`` (through ftbridge, one replica group per
-torchrun) and by its ``--plain`` mode (plain DeepSpeed data parallel over the
-whole torchrun world), which the equivalence tests and benchmarks use as the
-baseline. Both read the same global batch for a step: the batch is a pure
+torchrun) and by its ``--plain`` mode (:mod:`ftbridge.harness.plain_job`:
+plain DeepSpeed data parallel over the whole torchrun world), which the
+equivalence tests and benchmarks use as the baseline. Both read the same global batch for a step: the batch is a pure
 function of ``(seed, step, micro_step)`` and of the data-parallel rank
 ``replica_group * group_size + group_rank`` (see :mod:`ftbridge.harness.data`).
 """
@@ -383,54 +383,54 @@ def write_start_phases(events: Any, imports_done: float) -> None:
     events.write(event="phase", name="imports_done", time=imports_done)
 
 
-class PlainRun:
-    """Event log and DeepSpeed checkpoints of the ``--plain`` baseline (no ftbridge).
+def open_checkpointer(engine: Any, args: argparse.Namespace) -> Any:
+    """ftbridge's :class:`~ftbridge.checkpoint.checkpointer.Checkpointer` for ``--checkpoint-dir``, or ``None``.
 
-    The restart benchmark (:mod:`ftbridge.harness.bench.restart`) runs the plain job
-    under torchrun ``--max-restarts``: it reads the same step records as an
-    ftbridge job (``committed`` always true, ``participants`` the world size)
-    and, with ``--checkpoint-dir``, the job saves with DeepSpeed's
-    ``save_checkpoint`` every ``--checkpoint-every`` steps and, with
-    ``--resume``, loads the latest one on start.
+    With ``--resume`` it loads the newest valid checkpoint and records a ``resumed`` event with the
+    loaded state's digest (what the tests compare).
     """
+    if not args.checkpoint_dir:
+        return None
+    from ftbridge.checkpoint.checkpointer import Checkpointer, config_from_args
 
-    def __init__(self, engine: Any, args: argparse.Namespace, topo: Topology) -> None:
-        from ftbridge.events import EventLog
+    ckpt = Checkpointer(engine, config_from_args(args))
+    if args.resume and ckpt.resume() is not None:
+        engine.events.write(event="resumed", time=now(), step=int(engine.global_steps),
+                            **final_digest(engine, engine.adapter))
+    return ckpt
 
-        self.engine, self.args, self.topo = engine, args, topo
-        path = args.event_log or os.environ.get("FTBRIDGE_EVENT_LOG")
-        self.events = EventLog(path.format(replica_group=0, group_rank=topo.group_rank) if path else None,
-                               {"replica_group": 0, "group_rank": topo.group_rank})
-        self.events.write(event="start", time=now(), step=int(engine.global_steps), pid=os.getpid(),
-                          attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-    def resume(self) -> None:
-        """Load the latest DeepSpeed checkpoint of ``--checkpoint-dir`` if ``--resume`` and one exists.
+def final_event(engine: Any, digest: Dict[str, Any], val_loss: float) -> Dict[str, Any]:
+    """The ``final`` event of an ftbridge run: the digest, and what the benchmarks and device check read
+    (cross-replica messages, bytes and waits, the guard, the protocol's time, the hook's settings)."""
+    manager = engine.manager
+    monitor = getattr(getattr(manager, "outage", None), "_monitor", None)
+    return dict(
+        event="final", time=now(), step=int(engine.global_steps), val_loss=val_loss,
+        param_checksum=digest["params"], optimizer_checksum=digest["optimizer"], lr=digest["lr"],
+        scheduler_step=digest["scheduler_step"], heals=manager.heals,
+        cross_replica_allreduces=engine.sync.allreduces, cross_replica_bytes=engine.sync.bytes_sent,
+        cross_replica_messages_in_backward=engine.sync.issued_in_backward,
+        cross_replica_wait_s=engine.cross_replica_wait_s, guard_checks=engine.guard.checks,
+        cross_replica_exposed_wait_s=engine.sync.order.exposed_wait_s(),
+        cross_replica_backend=getattr(manager, "backend", None), device=str(engine.device),
+        guard_mismatches=engine.guard.mismatches, guard_s=engine.guard.seconds,
+        protocol_s=getattr(manager, "protocol_s", 0.0), protocol_steps=getattr(manager, "protocol_steps", 0),
+        lighthouse_probes=getattr(monitor, "probes", 0),
+        reconfigure_votes_skipped=getattr(getattr(manager, "quorum_guard", None), "votes_skipped", 0),
+        **engine.sync.hook_state.describe())
 
-        Files are read with ``weights_only=True`` and ftbridge's allowlist
-        (:func:`ftbridge.checkpoint.safe_load.load_deepspeed_checkpoint`).
 
-        Raises:
-            UnsafeCheckpointError: a file needs a type outside the allowlist;
-                nothing was loaded.
-        """
-        from ftbridge.checkpoint.safe_load import load_deepspeed_checkpoint
-
-        d = self.args.checkpoint_dir
-        if not (d and self.args.resume and os.path.exists(os.path.join(d, "latest"))):
-            return
-        t = time.perf_counter()
-        path, _ = load_deepspeed_checkpoint(self.engine, d)
-        self.events.write(event="checkpoint_loaded", time=now(), step=int(self.engine.global_steps), path=path,
-                          load_s=time.perf_counter() - t)
-
-    def after_step(self, step_time_s: float, loss: float) -> None:
-        """Write the step record; save a checkpoint when the step is on the ``--checkpoint-every`` schedule."""
-        step = int(self.engine.global_steps)
-        self.events.write(time=now(), step=step, participants=self.topo.dp_world_size, committed=True,
-                          healed=False, loss=loss, step_time_s=step_time_s)
-        every = self.args.checkpoint_every
-        if self.args.checkpoint_dir and every and step % every == 0:
-            t = time.perf_counter()
-            self.engine.save_checkpoint(self.args.checkpoint_dir)
-            self.events.write(event="checkpoint_saved", time=now(), step=step, stall_s=time.perf_counter() - t)
+def finish(engine: Any, adapter: Any, args: argparse.Namespace, topo: Topology, val_loss: float,
+           step_times: list, heals: int, events: Any = None) -> None:
+    """End of a run, ftbridge or plain: ``--save-params`` (group rank 0), the ``FINAL`` line the tests read,
+    the ``final`` event when ``events`` is given (ftbridge runs), and the ``--result`` record."""
+    digest = final_digest(engine, adapter)
+    fields = {"replica_group": topo.replica_group, "group_rank": topo.group_rank, "dp_rank": topo.dp_rank}
+    save_params(args.save_params if topo.group_rank == 0 else None, engine, adapter, fields)
+    print(f"FINAL replica {topo.replica_group} rank {topo.group_rank} step {engine.global_steps} "
+          f"val_loss {val_loss:.4f} param_checksum {digest['params']} heals {heals}", flush=True)
+    if events is not None:
+        events.write(**final_event(engine, digest, val_loss))
+    write_result(args.result, {**digest, **fields, "val_loss": val_loss, "heals": heals,
+                               "step_times_s": step_times, "peak_rss_bytes": peak_rss_bytes()})
