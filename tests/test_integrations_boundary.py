@@ -23,6 +23,7 @@ def test_hugging_face_packages_are_imported_only_by_the_integrations():
            for p, names in found.items() if not p.startswith(INTEGRATIONS)}
     assert not {p: n for p, n in bad.items() if n}, "import Hugging Face packages in ftbridge/integrations/ only"
     assert "accelerate" in found["ftbridge/integrations/accelerate.py"], "the door is the module that imports it"
+    assert "transformers" in found["ftbridge/integrations/transformers.py"]
 
 
 @pytest.mark.timeout(120)

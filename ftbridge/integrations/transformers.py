@@ -1,0 +1,255 @@
+"""The Transformers ``Trainer`` with DeepSpeed ZeRO, fault-tolerant across replica groups: ``FaultTolerantTrainer``.
+
+The change to a Trainer script (each replica group launched with ``ftbridge-run ... -- train.py``)::
+
+    from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
+
+or, for a subclass of the Trainer (TRL's ``SFTTrainer``, your own)::
+
+    class FaultTolerantSFTTrainer(FaultTolerantTrainerMixin, SFTTrainer):
+        pass
+
+The DeepSpeed config stays where the Trainer reads it (``TrainingArguments(deepspeed=...)``). What the
+mixin changes, through the Trainer's public methods only, and nothing else:
+
+1. ``create_accelerator_and_postprocess`` builds a
+   :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator` where the Trainer builds an
+   ``Accelerator``: the ``DeepSpeedEngine`` the Trainer prepares gets ftbridge attached in place (it stays
+   a ``DeepSpeedEngine``: saving, ``unwrap_model`` and evaluation see it as under the plain Trainer), and a
+   discarded step reads as a skipped one (``accelerator.optimizer_step_was_skipped``), so the Trainer holds
+   the learning rate, as after an fp16 overflow.
+2. ``get_train_dataloader`` re-shards the training loader: group G's rank R reads the rows of plain
+   data-parallel rank ``G * group_size + R`` of ``N * group_size``, and every loader has plain data
+   parallelism's length, so ``max_steps``, the epochs and the schedule's length are plain's
+   (:func:`ftbridge.integrations.accelerate_data.shard_across_replica_groups`).
+3. ``create_scheduler``: the Trainer's own scheduler steps once per optimizer step, as under plain data
+   parallelism (the Trainer does not hand it to Accelerate), and every heal carries its state. A
+   scheduler in the DeepSpeed config is the engine's and is carried by the engine's heal.
+4. :class:`FaultToleranceCallback`: one checkpoint writer (replica group 0; the others skip the Trainer's
+   saves, which would write the same ``output_dir``) and the discarded steps in the logs.
+
+``state.global_step`` advances on a discarded step, as on a skipped one: every group counts the same
+steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps - D`` updates.
+
+Refused when the Trainer is built, each with a ``ValueError`` naming the setting and the fix
+(:func:`arguments_refusal`, then what :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`
+refuses): no DeepSpeed config, ``accelerator_config`` with ``split_batches``, ``even_batches=False``,
+``dispatch_batches`` or ``use_seedable_sampler=False``, a ``train_sampling_strategy`` other than
+``"random"`` or ``"sequential"`` (the length-grouped samplers order rows per rank), a warm spare
+(``FTBRIDGE_SPARE_INDEX``), ``FTBRIDGE_SLOTS``, tensor, context or sequence parallelism, fp8; and a
+Transformers release ftbridge was not checked against (``RuntimeError``).
+
+Exact only for the loss of a window with the same number of label tokens in every group (fixed-length,
+unpadded batches) while ``average_tokens_across_devices`` is on (the Trainer's default): the Trainer
+counts tokens within the group. With padded batches set ``average_tokens_across_devices=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional
+
+import transformers
+import transformers.trainer as trainer_module
+from transformers import TrainerCallback
+from transformers.trainer_callback import DefaultFlowCallback
+
+from ftbridge.config import FTBridgeConfig
+from ftbridge.integrations import accelerate_data
+from ftbridge.integrations.accelerate import FaultTolerantAccelerator
+
+SUPPORTED_TRANSFORMERS = ("5.23.",)
+"""Transformers release prefixes this module was checked against: ``trainer.Accelerator`` as the name
+``create_accelerator_and_postprocess`` builds from, the training loop's reading of
+``optimizer_step_was_skipped``, its scheduler created after ``prepare`` and never handed to Accelerate."""
+
+SAMPLING_STRATEGIES = ("random", "sequential")
+"""``TrainingArguments.train_sampling_strategy`` values whose order is the same in every replica group."""
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    """Refuse a Transformers release whose Trainer ftbridge has not been checked against.
+
+    Raises:
+        RuntimeError: naming the installed and the supported versions.
+    """
+    if not version.startswith(SUPPORTED_TRANSFORMERS):
+        raise RuntimeError(
+            f"ftbridge's Trainer integration relies on a Trainer checked against transformers "
+            f"{', '.join(p + 'x' for p in SUPPORTED_TRANSFORMERS)}; found {version}. "
+            "Install a supported release: pip install 'transformers>=5.23,<5.24' (or pip install 'ftbridge[hf]')"
+        )
+
+
+def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> Optional[str]:
+    """Why ftbridge cannot make a Trainer with ``args`` exact across replica groups, or ``None``.
+
+    Args:
+        args: the ``TrainingArguments`` (any object with their attributes).
+        ft_config: ftbridge's settings, when known.
+    """
+    if getattr(args, "deepspeed", None) is None:
+        return ("FaultTolerantTrainer runs DeepSpeed ZeRO: pass TrainingArguments(deepspeed='ds_config.json') "
+                "(or a dict such as {'zero_optimization': {'stage': 2}, 'train_micro_batch_size_per_gpu': 'auto'})")
+    acc = args.accelerator_config
+    if acc.split_batches:
+        return ("accelerator_config split_batches=True is not supported across replica groups: set "
+                "TrainingArguments(accelerator_config={'split_batches': False}) and divide the batch size by the "
+                "group size")
+    if not acc.even_batches:
+        return ("accelerator_config even_batches=False gives replica groups loaders of different lengths, which "
+                "ends their epochs at different steps: set TrainingArguments(accelerator_config="
+                "{'even_batches': True})")
+    if acc.dispatch_batches:
+        return ("accelerator_config dispatch_batches=True is not supported across replica groups: use a map-style "
+                "dataset and TrainingArguments(accelerator_config={'dispatch_batches': False})")
+    if not acc.use_seedable_sampler and args.train_sampling_strategy == "random":
+        return ("accelerator_config use_seedable_sampler=False draws each epoch's order from each replica group's "
+                "own random state: set TrainingArguments(accelerator_config={'use_seedable_sampler': True}) and "
+                "the same seed (or data_seed) in every group")
+    if args.train_sampling_strategy not in SAMPLING_STRATEGIES:
+        return (f"train_sampling_strategy={args.train_sampling_strategy!r} orders the rows per rank of a replica "
+                f"group, not of the job: use one of {SAMPLING_STRATEGIES}")
+    if ft_config is not None and ft_config.spare_index >= 0:
+        return (f"spare_index={ft_config.spare_index} (FTBRIDGE_SPARE_INDEX): warm spares are not supported under "
+                "the Trainer yet (the training loader is sharded before a spare knows its replica group): launch "
+                "replica groups only, without ftbridge-run --spare-index")
+    return None
+
+
+class FaultToleranceCallback(TrainerCallback):
+    """One checkpoint writer across replica groups, and the discarded steps in the Trainer's logs.
+
+    On every replica group but 0 it turns the Trainer's saves off (``control.should_save``). The logs the
+    reporters and printers receive get ``ft_discarded_steps``, the steps discarded since training began in
+    this group (``state.log_history`` keeps the Trainer's own entries).
+
+    Args:
+        accelerator: the Trainer's :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`.
+    """
+
+    def __init__(self, accelerator: FaultTolerantAccelerator) -> None:
+        self.accelerator = accelerator
+        self.discarded = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        engine = self.accelerator.ft_engine
+        if engine is not None and not engine.ftbridge.last_committed:
+            self.discarded += 1
+        return self._one_writer(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        return self._one_writer(control)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
+        if logs is not None:
+            logs["ft_discarded_steps"] = self.discarded
+
+    def _one_writer(self, control: Any) -> Any:
+        if self.accelerator.ft_config.replica_group_id != 0:
+            control.should_save = False
+        return control
+
+
+class FaultTolerantTrainerMixin:
+    """Makes a Transformers ``Trainer`` (or a subclass) fault-tolerant across replica groups.
+
+    Put it first among the bases: ``class MyTrainer(FaultTolerantTrainerMixin, SomeTrainer)``. Takes the
+    Trainer's arguments, plus ftbridge's own (keyword-only). See the module docstring for what changes.
+
+    Args:
+        ft_config: ftbridge settings; default resolved from ``FTBRIDGE_*`` and the launcher's environment.
+        checksum_every, comm_hook, manager_factory: see :class:`ftbridge.engine.FaultTolerantEngine`.
+
+    Raises:
+        ValueError: when the Trainer is built, settings that cannot be exact (:func:`arguments_refusal`,
+            :func:`ftbridge.integrations.accelerate.settings_refusal`).
+        RuntimeError: a Transformers or Accelerate release ftbridge was not checked against.
+    """
+
+    accelerator: FaultTolerantAccelerator
+    args: Any
+    lr_scheduler: Any
+
+    def __init__(self, *args: Any, ft_config: Optional[FTBridgeConfig] = None, checksum_every: Optional[int] = None,
+                 comm_hook: Optional[Callable[..., Any]] = None, manager_factory: Optional[Callable[..., Any]] = None,
+                 **kwargs: Any) -> None:
+        check_transformers_version()
+        self._ft_kwargs: Dict[str, Any] = dict(ft_config=ft_config, checksum_every=checksum_every,
+                                               comm_hook=comm_hook, manager_factory=manager_factory)
+        super().__init__(*args, **kwargs)
+        self._add_fault_tolerance_callback()
+
+    def _add_fault_tolerance_callback(self) -> None:
+        """:class:`FaultToleranceCallback` right after the Trainer's ``DefaultFlowCallback``: it sees the
+        saves that one decided, and adds to the logs before the reporters and printers read them."""
+        callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        callbacks.insert(flow[0] + 1 if flow else len(callbacks), FaultToleranceCallback(self.accelerator))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``.
+
+        The Trainer reads the class from the name ``Accelerator`` in ``transformers.trainer``, with no
+        argument to pass another; that name is bound to ftbridge's class for the duration of this call
+        only (checked against :data:`SUPPORTED_TRANSFORMERS`).
+
+        Raises:
+            ValueError: settings that cannot be exact (see the class).
+            RuntimeError: the Trainer built something else (a release that builds its accelerator elsewhere).
+        """
+        ft_config = self._ft_kwargs["ft_config"]
+        if ft_config is None:
+            ft_config = self._ft_kwargs["ft_config"] = FTBridgeConfig.resolve()
+        refused = arguments_refusal(self.args, ft_config)
+        if refused:
+            raise ValueError(refused)
+        original = trainer_module.Accelerator
+        trainer_module.Accelerator = functools.partial(FaultTolerantAccelerator, **self._ft_kwargs)
+        try:
+            super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        finally:
+            trainer_module.Accelerator = original
+        if not isinstance(self.accelerator, FaultTolerantAccelerator):
+            raise RuntimeError(f"the Trainer built a {type(self.accelerator).__name__}, not ftbridge's accelerator: "
+                               f"this transformers release ({transformers.__version__}) is not supported")
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's training loader, re-sharded as plain data parallelism on ``N * group_size`` ranks.
+
+        Raises:
+            ValueError: a loader that cannot be re-sharded exactly
+                (:func:`ftbridge.integrations.accelerate_data.sharding_refusal`).
+        """
+        loader = super().get_train_dataloader()  # type: ignore[misc]
+        cfg = self.accelerator.ft_config
+        return accelerate_data.shard_across_replica_groups(
+            loader, num_replica_groups=cfg.num_replica_groups, replica_group_id=cfg.replica_group_id,
+            group_size=cfg.group_size, group_rank=cfg.group_rank)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's scheduler; once the engine exists, every heal carries ``self.lr_scheduler``'s state.
+
+        A scheduler from the DeepSpeed config is the engine's, which the engine's heal carries already.
+        """
+        scheduler = super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
+        engine = self.accelerator.ft_engine
+        if engine is None or getattr(self, "_ft_scheduler_registered", False):
+            return scheduler
+        owned_by_engine = engine.lr_scheduler is not None and engine.lr_scheduler in (
+            scheduler, getattr(scheduler, "scheduler", None))
+        if scheduler is None or owned_by_engine:
+            return scheduler
+        engine.ftbridge.register_state("trainer_lr_scheduler", self._scheduler_state, self._load_scheduler_state)
+        self._ft_scheduler_registered = True
+        return scheduler
+
+    def _scheduler_state(self) -> Dict[str, Any]:
+        return self.lr_scheduler.state_dict()  # the Trainer's current scheduler (a new train() makes another)
+
+    def _load_scheduler_state(self, state: Dict[str, Any]) -> None:
+        self.lr_scheduler.load_state_dict(state)
+
+
+class FaultTolerantTrainer(FaultTolerantTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` for one replica group of a fault-tolerant DeepSpeed ZeRO job (see the module)."""

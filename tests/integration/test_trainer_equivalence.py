@@ -1,0 +1,183 @@
+"""FaultTolerantTrainer end to end: 2 replica groups x 1 rank against the plain Trainer + DeepSpeed on 2 ranks.
+
+This file is also the worker both runs execute (``python test_trainer_equivalence.py --plain ...`` under
+torchrun, ``ftbridge-run ... -- test_trainer_equivalence.py ...`` per group): a tiny GPT-2 built from a config,
+a fixed-length token dataset, ``Trainer`` with ``TrainingArguments(deepspeed=...)`` (ZeRO), plain SGD with no
+clipping and a linear schedule with warm-up, shuffled rows. The fault-tolerant run differs by one line, the
+import of ``FaultTolerantTrainer as Trainer``. Group G must read plain rank G's rows, take the same optimizer
+steps (``global_step``) at the same learning rates, and end with the plain run's parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+import torch
+
+WORKER = os.path.abspath(__file__)
+
+ATOL = 1e-6
+"""Parameters of the two runs may differ by the order of floating-point sums (2 ranks vs 2 groups)."""
+
+
+def _run_both(local_job, tmp_path, extra=(), group_size=1):
+    """Start the fault-tolerant job (2 groups), run the plain one (2 x group_size ranks) meanwhile, wait for both.
+
+    Returns:
+        ``(ft, plain)``: each run's results, indexed by data-parallel rank.
+    """
+    from ftbridge.harness import local_job as local_job_module
+
+    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
+    job = local_job(2, group_size, ["--out", str(ft_out), *extra], script=WORKER, min_replicas=2,
+                    lighthouse_min_replicas=2, max_restarts=0, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    job.start()
+    try:
+        local_job_module.run_plain_deepspeed(str(tmp_path), 2 * group_size, ["--out", str(plain_out), *extra], 240,
+                                             script=WORKER)
+    except RuntimeError as e:
+        raise AssertionError(str(e)) from None
+    codes = job.wait(timeout_s=240)
+    assert codes == {0: 0, 1: 0}, job.tails()
+    ranks = range(2 * group_size)
+    return [torch.load(ft_out / f"result_{r}.pt") for r in ranks], [torch.load(plain_out / f"result_{r}.pt")
+                                                                   for r in ranks]
+
+
+def _max_diff(a, b):
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage,gas", [
+    (2, 1),
+    pytest.param(1, 1, marks=pytest.mark.slow),
+    pytest.param(3, 1, marks=pytest.mark.slow),
+    pytest.param(2, 2, marks=pytest.mark.slow),
+    pytest.param(2, 3, marks=pytest.mark.slow),  # 10 batches an epoch: the last window holds one
+], ids=["zero2", "zero1", "zero3", "zero2-gas2", "zero2-gas3"])
+def test_fault_tolerant_trainer_trains_the_model_of_the_plain_trainer(local_job, tmp_path, stage, gas):
+    pytest.importorskip("transformers")
+    ft, plain = _run_both(local_job, tmp_path, ["--stage", str(stage), "--gas", str(gas)])
+    for r, (got, want) in enumerate(zip(ft, plain)):
+        assert got["trainer_type"] == "FaultTolerantTrainer" and want["trainer_type"] == "Trainer"
+        assert got["is_deepspeed_engine"], got["engine_type"]
+        assert got["rows"] == want["rows"], f"data-parallel rank {r} reads plain rank {r}'s rows"
+        assert got["global_steps"] == want["global_steps"], "global_step after every optimizer step"
+        assert got["lrs"] == pytest.approx(want["lrs"], rel=1e-12, abs=0), "the same learning rate every step"
+        assert got["max_steps"] == want["max_steps"] and got["discarded"] == 0
+    for r in range(len(ft)):
+        if ft[r]["params"]:  # under ZeRO-3 only a world's rank 0 gathers
+            assert all(torch.equal(ft[r]["params"][n], ft[0]["params"][n]) for n in ft[0]["params"]), "groups differ"
+    diff = _max_diff(ft[0]["params"], plain[0]["params"])
+    print(f"ZeRO-{stage} gas {gas}: max |ft - plain| = {diff:.3g} over {ft[0]['global_steps'][-1]} steps")
+    for name, want in plain[0]["params"].items():
+        torch.testing.assert_close(ft[0]["params"][name], want, rtol=0, atol=ATOL, msg=name)
+    moved = _max_diff(plain[0]["params"], plain[0]["initial"])
+    assert moved > 1000 * ATOL, f"training moved the parameters by {moved} only"
+    lrs = plain[0]["lrs"]
+    assert lrs[0] < max(lrs) and lrs[-1] < max(lrs), "warm-up then decay: a step-count error would show"
+
+
+@pytest.mark.slow  # a negative control: ~35 s
+@pytest.mark.timeout(300)
+def test_without_resharding_the_groups_train_another_model(local_job, tmp_path):
+    """The negative control: groups that read the same rows average identical gradients."""
+    pytest.importorskip("transformers")
+    ft, plain = _run_both(local_job, tmp_path, ["--no-shard"])
+    assert ft[0]["rows"] == ft[1]["rows"], "every group reads the same rows"
+    diff = _max_diff(ft[0]["params"], plain[0]["params"])
+    print(f"without re-sharding: max |ft - plain| = {diff:.3g}")
+    assert diff > 100 * ATOL
+
+
+# -- the worker --------------------------------------------------------------------------------------------
+class Tokens(torch.utils.data.Dataset):
+    """``n`` fixed-length rows of seeded random tokens; row ``i`` carries its index as ``idx``."""
+
+    def __init__(self, n: int = 40, length: int = 8, vocab: int = 64) -> None:
+        self.ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "idx": i}
+
+
+def _worker(argv) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--gas", type=int, default=1)
+    p.add_argument("--no-shard", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    import deepspeed
+    import transformers
+    from accelerate import PartialState
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+    if args.plain:
+        from transformers import Trainer
+    else:
+        from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
+        if args.no_shard:  # the negative control: the Trainer's own per-group loader
+            Trainer.get_train_dataloader = transformers.Trainer.get_train_dataloader
+
+    rows, lrs, steps = [], [], []
+
+    def collate(features):
+        rows.append([f.pop("idx") for f in features])
+        return transformers.default_data_collator(features)
+
+    class Record(TrainerCallback):
+        def on_step_end(self, a, state, control, lr_scheduler=None, **kw):
+            lrs.append(lr_scheduler.get_last_lr()[0])
+            steps.append(state.global_step)
+
+    # On the CPU, Accelerate sets up a distributed state only with an explicit backend; the Trainer then uses it.
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
+                 "zero_optimization": {"stage": args.stage, "stage3_gather_16bit_weights_on_model_save": True}}
+    training_args = TrainingArguments(
+        output_dir=os.path.join(args.out, "trainer"), deepspeed=ds_config, per_device_train_batch_size=2,
+        gradient_accumulation_steps=args.gas, num_train_epochs=2, optim="sgd", learning_rate=0.5,
+        lr_scheduler_type="linear", warmup_steps=4, max_grad_norm=0.0, weight_decay=0.0,
+        remove_unused_columns=False, save_strategy="no", report_to=[], logging_steps=1, seed=0, data_seed=1234,
+        disable_tqdm=True, accelerator_config={"use_configured_state": True})
+    transformers.set_seed(0)  # the same initial model in every replica group
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    initial = {n: q.detach().clone() for n, q in model.named_parameters()}
+    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(), data_collator=collate,
+                      callbacks=[Record()])
+    trainer.train()
+
+    engine = trainer.model_wrapped
+    state = trainer.accelerator.get_state_dict(engine) or {}
+    if args.plain:
+        dp_rank = trainer.args.process_index
+    else:
+        cfg = engine.ftbridge.cfg
+        dp_rank = cfg.replica_group_id * cfg.group_size + cfg.group_rank
+    result = {
+        "params": {n: q.detach().clone() for n, q in state.items() if n in initial}, "initial": initial,
+        "lrs": lrs, "global_steps": steps, "rows": rows, "max_steps": trainer.state.max_steps,
+        "discarded": sum(getattr(cb, "discarded", 0) for cb in trainer.callback_handler.callbacks),
+        "trainer_type": type(trainer).__name__, "engine_type": type(engine).__name__,
+        "is_deepspeed_engine": type(engine) is deepspeed.DeepSpeedEngine,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(result, os.path.join(args.out, f"result_{dp_rank}.pt"))
+    trainer.end()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

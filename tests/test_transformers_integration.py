@@ -1,0 +1,200 @@
+"""The Transformers Trainer integration's pieces, in one process (no network, no launcher).
+
+* the refusals, each naming the setting and the fix, at construction;
+* :class:`FaultTolerantTrainerMixin` composing with a user's Trainer subclass (whose own overrides still
+  run): a real one-rank DeepSpeed engine, attached, stays a ``DeepSpeedEngine``; the training loader reads
+  the rows of plain data-parallel rank 1 of 2 (replica group 1 of 2); a scripted discard keeps
+  ``global_step`` moving while the Trainer holds the learning rate; the Trainer's scheduler is in the heal.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ftbridge.config import FTBridgeConfig
+from ftbridge.integrations.transformers import (
+    FaultToleranceCallback,
+    FaultTolerantTrainer,
+    FaultTolerantTrainerMixin,
+    arguments_refusal,
+    check_transformers_version,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
+             "zero_optimization": {"stage": 2}}
+
+
+def _args(**over):
+    acc = SimpleNamespace(split_batches=False, even_batches=True, dispatch_batches=None, use_seedable_sampler=True)
+    args = SimpleNamespace(deepspeed=DS_CONFIG, accelerator_config=acc, train_sampling_strategy="random")
+    for k, v in over.items():
+        setattr(acc if hasattr(acc, k) else args, k, v)
+    return args
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(deepspeed=None), "TrainingArguments(deepspeed="),
+    (dict(split_batches=True), "{'split_batches': False}"),
+    (dict(even_batches=False), "{'even_batches': True}"),
+    (dict(dispatch_batches=True), "{'dispatch_batches': False}"),
+    (dict(use_seedable_sampler=False), "{'use_seedable_sampler': True}"),
+    (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy='group_by_length'"),
+])
+def test_arguments_that_cannot_be_exact_are_refused(over, match):
+    assert arguments_refusal(_args()) is None
+    assert match in (arguments_refusal(_args(**over)) or "")
+
+
+def test_sequential_sampling_without_the_seedable_sampler_is_exact():
+    assert arguments_refusal(_args(use_seedable_sampler=False, train_sampling_strategy="sequential")) is None
+
+
+def test_a_warm_spare_is_refused():
+    spare = FTBridgeConfig.resolve(environ={"FTBRIDGE_SPARE_INDEX": "0", "FTBRIDGE_NUM_REPLICA_GROUPS": "2"})
+    assert "FTBRIDGE_SPARE_INDEX" in (arguments_refusal(_args(), spare) or "")
+
+
+def test_an_unchecked_transformers_release_is_refused():
+    check_transformers_version("5.23.0")
+    with pytest.raises(RuntimeError, match="found 5.24.0"):
+        check_transformers_version("5.24.0")
+
+
+def test_a_trainer_without_deepspeed_is_refused_when_built(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"runs DeepSpeed ZeRO: pass TrainingArguments\(deepspeed="):
+        FaultTolerantTrainer(model=model, args=args, ft_config=FTBridgeConfig.resolve(environ={}))
+
+
+def test_slots_are_refused_when_built(tmp_path, single_rank_world):
+    with pytest.raises(ValueError, match="FTBRIDGE_SLOTS"):
+        _trainer(tmp_path, FaultTolerantTrainer, environ={"FTBRIDGE_SLOTS": "2"})
+
+
+# -- the mixin on a user's subclass, one rank, a scripted discard -----------------------------------------
+class Tokens(torch.utils.data.Dataset):
+    """``n`` fixed-length rows of seeded random tokens; row ``i`` carries its index as ``idx``."""
+
+    def __init__(self, n: int = 12) -> None:
+        self.ids = torch.randint(0, 32, (n, 8), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "idx": i}
+
+
+def _trainer(tmp_path, cls, environ=None, **kw):
+    """A ``cls`` Trainer on a tiny GPT-2, ZeRO-2 on the session's one-rank world, as replica group 1 of 2."""
+    import transformers
+    from accelerate.state import AcceleratorState
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from tests.fakes import FakeManager
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    transformers.set_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=dict(DS_CONFIG), per_device_train_batch_size=2,
+                             num_train_epochs=1, optim="sgd", learning_rate=0.5, lr_scheduler_type="linear",
+                             warmup_steps=2, max_grad_norm=0.0, remove_unused_columns=False, save_strategy="no",
+                             report_to=[], disable_tqdm=True, data_seed=5)
+    cfg = FTBridgeConfig.resolve(environ={"FTBRIDGE_NUM_REPLICA_GROUPS": "2", "FTBRIDGE_REPLICA_GROUP_ID": "1",
+                                          **(environ or {})}, checksum_every=0)
+    return cls(model=model, args=args, train_dataset=Tokens(), ft_config=cfg, manager_factory=FakeManager, **kw)
+
+
+def _subclass_of_the_trainer():
+    """A user's Trainer subclass that overrides ``compute_loss`` (as TRL's trainers do), made fault-tolerant."""
+    import transformers
+
+    class UserTrainer(transformers.Trainer):
+        losses: list
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.rows.append(inputs.pop("idx").tolist())
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.losses.append(float(loss))
+            return loss
+
+    class FaultTolerantUserTrainer(FaultTolerantTrainerMixin, UserTrainer):
+        pass
+
+    return FaultTolerantUserTrainer
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_the_mixin_composes_with_a_subclass_and_a_discard_holds_the_learning_rate(tmp_path):
+    import deepspeed
+    from accelerate.data_loader import prepare_data_loader
+    from transformers import TrainerCallback
+
+    from ftbridge.integrations.accelerate import FaultTolerantAccelerator
+
+    lrs, steps = [], []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, lr_scheduler=None, **kw):
+            lrs.append(lr_scheduler.get_last_lr()[0])
+            steps.append(state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logged.append(dict(logs))
+
+    logged = []
+    trainer = _trainer(tmp_path, _subclass_of_the_trainer(), callbacks=[Record()])
+    trainer.rows, trainer.losses = [], []
+    assert isinstance(trainer.accelerator, FaultTolerantAccelerator)
+    loader = trainer.get_train_dataloader()
+    plain = prepare_data_loader(torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=True), None,
+                                num_processes=2, process_index=1, put_on_device=False, use_seedable_sampler=True,
+                                data_seed=5)
+    assert len(loader) == len(plain) == 3, "plain data parallelism's length on 2 ranks"
+
+    discard_on = {2}
+
+    class DiscardSecond(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            trainer.model_wrapped.ftbridge.manager.discard_calls = discard_on
+
+    trainer.add_callback(DiscardSecond())
+    trainer.train()
+    engine = trainer.model_wrapped
+    assert type(engine) is deepspeed.DeepSpeedEngine and engine.ftbridge is not None
+    assert trainer.rows == [b["idx"].tolist() for b in plain], "group 1 reads plain rank 1's rows"
+    assert len(trainer.losses) == 3, "the subclass's compute_loss ran on every batch"
+    assert steps == [1, 2, 3], "global_step advances on a discarded step, as on a skipped one"
+    assert lrs[0] == lrs[1] < lrs[2], f"the learning rate is held on the discarded step: {lrs}"
+    assert engine.global_steps == 2, "DeepSpeed applied the two committed steps only"
+    assert "trainer_lr_scheduler" in engine.ftbridge.replica_state()["extra"], "a heal carries the Trainer's scheduler"
+    [ft_callback] = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FaultToleranceCallback)]
+    assert ft_callback.discarded == 1 and logged[-1]["ft_discarded_steps"] == 1, "the logs count the discards"
+    engine.ftbridge.shutdown()  # not trainer.end(): that also ends the session's one-rank world
+
+
+@pytest.mark.parametrize("group,saves", [(0, True), (1, False)])
+def test_only_replica_group_0_saves(group, saves):
+    from transformers import TrainerControl
+
+    from ftbridge.integrations.transformers import FaultToleranceCallback
+
+    accelerator = SimpleNamespace(ft_engine=None, ft_config=SimpleNamespace(replica_group_id=group))
+    callback = FaultToleranceCallback(accelerator)
+    for hook in (callback.on_step_end, callback.on_epoch_end):
+        control = TrainerControl(should_save=True)
+        assert hook(None, None, control).should_save is saves
