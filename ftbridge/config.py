@@ -26,71 +26,20 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, Optional, cast
 
 from ftbridge import config_rules
-
-
-def _env(environ: Mapping[str, str], *names: str) -> Optional[str]:
-    """First non-empty value among ``names`` in ``environ``, else ``None``."""
-    for name in names:
-        value = environ.get(name)
-        if value not in (None, ""):
-            return value
-    return None
-
-
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
-"""How a boolean setting is spelt in the environment or as a string override (any case)."""
-
-
-def _parse(kind: type, raw: str, name: str) -> Any:
-    try:
-        if kind is bool:
-            low = raw.strip().lower()
-            if low in TRUE_WORDS + FALSE_WORDS:
-                return low in TRUE_WORDS
-            raise ValueError(raw)
-        return kind(raw)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not a valid {kind.__name__}; "
-            f"set it to a {kind.__name__} or unset it"
-        ) from None
-
-
-def _given(kind: Any, value: Any, name: str) -> Any:
-    """An override of setting ``name`` checked against its kind: a ``bool`` or ``int`` setting also takes
-    the strings its environment variable takes (``"2"``, ``"no"``); other kinds pass through to
-    :meth:`FTBridgeConfig.validate`.
-
-    Raises:
-        ValueError: a value of another type, naming the setting and what it takes.
-    """
-    if kind is bool:
-        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-            return bool(value)
-        if isinstance(value, str):
-            low = value.strip().lower()
-            if low in TRUE_WORDS + FALSE_WORDS:
-                return low in TRUE_WORDS
-        raise ValueError(f"ftbridge setting {name}={value!r} is not a boolean; pass True or False "
-                         "(or 1/0, or one of the strings true/false, yes/no, on/off)")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ValueError(f"ftbridge setting {name}={value!r} is not an integer; pass a whole number such as 2")
-    return value
+from ftbridge.config_rules import (
+    as_timedelta,
+    check_override,
+    first_set,
+    parse_env,
+    parse_json_object,
+    whole_seconds,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,19 +369,20 @@ class FTBridgeConfig:
             given = overrides.get(name)
             if given is not None:
                 if kind == "json" and isinstance(given, str):
-                    given = _parse_json_object(given, name)
-                values[name] = _as_timedelta(given, name) if kind in ("s", "ms") else _given(kind, given, name)
+                    given = parse_json_object(given, name)
+                values[name] = as_timedelta(given, name) if kind in ("s", "ms") else check_override(kind, given, name)
                 continue
-            raw = _env(environ, *env_names)
+            raw = first_set(environ, *env_names)
             if raw is None:
                 continue
             env_name = next(n for n in env_names if environ.get(n) not in (None, ""))
             if kind in ("s", "ms"):
-                values[name] = _as_timedelta(_parse(float, raw, env_name), env_name, scale=1.0 if kind == "s" else 1e-3)
+                seconds = parse_env(float, raw, env_name)
+                values[name] = as_timedelta(seconds, env_name, scale=1.0 if kind == "s" else 1e-3)
             elif kind == "json":
-                values[name] = _parse_json_object(raw, env_name)
+                values[name] = parse_json_object(raw, env_name)
             else:
-                values[name] = _parse(cast(type, kind), raw, env_name)
+                values[name] = parse_env(cast(type, kind), raw, env_name)
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -507,39 +457,8 @@ class FTBridgeConfig:
         rounded *up* (never shorter than configured), with a minimum of 1 s.
         """
         return {
-            "TORCHFT_TIMEOUT_SEC": _whole_seconds(self.torchft_timeout),
-            "TORCHFT_QUORUM_TIMEOUT_SEC": _whole_seconds(self.quorum_timeout),
-            "TORCHFT_CONNECT_TIMEOUT_SEC": _whole_seconds(self.connect_timeout),
+            "TORCHFT_TIMEOUT_SEC": whole_seconds(self.torchft_timeout),
+            "TORCHFT_QUORUM_TIMEOUT_SEC": whole_seconds(self.quorum_timeout),
+            "TORCHFT_CONNECT_TIMEOUT_SEC": whole_seconds(self.connect_timeout),
             "TORCHFT_QUORUM_RETRIES": str(self.quorum_retries),
         }
-
-
-def _parse_json_object(raw: str, name: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}={raw!r} is not a JSON object; give one like "
-                         """'{"matrix_approximation_rank": 2}', or unset it""")
-    return value
-
-
-def _as_timedelta(value: Any, name: str, scale: float = 1.0) -> timedelta:
-    """``value`` (a timedelta, or a number of seconds times ``scale``) as a timedelta."""
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} is not a finite number; give a positive duration")
-        try:
-            return timedelta(seconds=value * scale)
-        except OverflowError:
-            raise ValueError(f"{name}={value!r} is too large for a duration; give a realistic timeout") from None
-    raise ValueError(f"{name}={value!r} must be a datetime.timedelta or a number of seconds")
-
-
-def _whole_seconds(value: timedelta) -> str:
-    return str(max(1, math.ceil(value.total_seconds())))

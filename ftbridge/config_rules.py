@@ -9,13 +9,18 @@ process group or engine exists. The rules come in three groups:
   heartbeat interval < cross-replica timeout < in-group timeout, cross-replica timeout <= quorum timeout
   (``docs/concepts.md`` explains why each bound holds);
 - transport and communication: addresses, ports, the job token, sync mode, comm hooks, the divergence guard.
+
+Below them, how a value is read before the rules see it: from the environment (:func:`first_set`,
+:func:`parse_env`, :func:`parse_json_object`), as an override of a given type (:func:`check_override`),
+as a duration (:func:`as_timedelta`), and back to torchft's whole seconds (:func:`whole_seconds`).
 """
 
 from __future__ import annotations
 
+import math
 import urllib.parse
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 if TYPE_CHECKING:  # the rules take the config; the config module imports the rules
     from ftbridge.config import FTBridgeConfig
@@ -183,3 +188,106 @@ def is_host_port_url(url: str) -> bool:
         return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
     except ValueError:
         return False
+
+
+# Reading a value: how a setting is spelt in the environment or given as an override.
+
+
+def first_set(environ: Mapping[str, str], *names: str) -> Optional[str]:
+    """First non-empty value among ``names`` in ``environ``, else ``None``."""
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return value
+    return None
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+"""How a boolean setting is spelt in the environment or as a string override (any case)."""
+
+
+def parse_env(kind: type, raw: str, name: str) -> Any:
+    """Environment variable ``name``'s text ``raw`` as ``kind`` (``bool`` takes the words above, any case).
+
+    Raises:
+        ValueError: ``raw`` is not a ``kind``, naming the variable and the fix.
+    """
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in TRUE_WORDS + FALSE_WORDS:
+                return low in TRUE_WORDS
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a valid {kind.__name__}; "
+            f"set it to a {kind.__name__} or unset it"
+        ) from None
+
+
+def check_override(kind: Any, value: Any, name: str) -> Any:
+    """An override of setting ``name`` checked against its kind: a ``bool`` or ``int`` setting also takes
+    the strings its environment variable takes (``"2"``, ``"no"``); other kinds pass through to
+    :meth:`FTBridgeConfig.validate`.
+
+    Raises:
+        ValueError: a value of another type, naming the setting and what it takes.
+    """
+    if kind is bool:
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        if isinstance(value, str):
+            low = value.strip().lower()
+            if low in TRUE_WORDS + FALSE_WORDS:
+                return low in TRUE_WORDS
+        raise ValueError(f"ftbridge setting {name}={value!r} is not a boolean; pass True or False "
+                         "(or 1/0, or one of the strings true/false, yes/no, on/off)")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"ftbridge setting {name}={value!r} is not an integer; pass a whole number such as 2")
+    return value
+
+
+def parse_json_object(raw: str, name: str) -> dict:
+    """``raw`` (the text of setting or variable ``name``) as a JSON object.
+
+    Raises:
+        ValueError: ``raw`` is not JSON, or JSON other than an object.
+    """
+    import json
+
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={raw!r} is not a JSON object; give one like "
+                         """'{"matrix_approximation_rank": 2}', or unset it""")
+    return value
+
+
+def as_timedelta(value: Any, name: str, scale: float = 1.0) -> timedelta:
+    """``value`` (a timedelta, or a number of seconds times ``scale``) as a timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} is not a finite number; give a positive duration")
+        try:
+            return timedelta(seconds=value * scale)
+        except OverflowError:
+            raise ValueError(f"{name}={value!r} is too large for a duration; give a realistic timeout") from None
+    raise ValueError(f"{name}={value!r} must be a datetime.timedelta or a number of seconds")
+
+
+def whole_seconds(value: timedelta) -> str:
+    """``value`` rounded up to whole seconds, at least 1, as torchft's ``TORCHFT_*_SEC`` variables take it."""
+    return str(max(1, math.ceil(value.total_seconds())))
