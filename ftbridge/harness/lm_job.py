@@ -3,8 +3,9 @@
 Shared by ``scripts/train_lm.py`` (through ftbridge, one replica group per
 torchrun) and by its ``--plain`` mode (:mod:`ftbridge.harness.plain_job`:
 plain DeepSpeed data parallel over the whole torchrun world), which the
-equivalence tests and benchmarks use as the baseline. Both read the same global batch for a step: the batch is a pure
-function of ``(seed, step, micro_step)`` and of the data-parallel rank
+equivalence tests and benchmarks use as the baseline. Both read the same
+global batch for a step: the batch is a pure function of
+``(seed, step, micro_step)`` and of the data-parallel rank
 ``replica_group * group_size + group_rank`` (see :mod:`ftbridge.harness.data`).
 """
 
