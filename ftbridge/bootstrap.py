@@ -37,8 +37,8 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
     """``deepspeed.initialize`` for one replica group of a fault-tolerant job.
 
     Args:
-        model: the module (identically initialised on every replica group,
-            unless ``ft_config.init_sync``).
+        model: the module, identically initialised on every replica group
+            (build it after seeding the same way everywhere).
         config: the DeepSpeed config (dict or JSON path), ZeRO stage 1, 2 or 3.
             An ``"ftbridge"`` section (``comm_hook``, ``comm_wrapper``,
             ``comm_state_option``, or any other :class:`FTBridgeConfig` field)

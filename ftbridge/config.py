@@ -227,9 +227,9 @@ class FTBridgeConfig:
     node than the donor's manager); rank 0 always checks the host."""
 
     init_sync: bool = False
-    """Heal every replica group from one peer at step 0. Off by default: models
-    built from the same seed start identical (the event log's checksums show
-    it); turn on when initialisation is not seeded (``FTBRIDGE_INIT_SYNC``)."""
+    """torchft's heal of every replica group from one peer at step 0 (``FTBRIDGE_INIT_SYNC``): refused
+    when true (:func:`ftbridge.config_rules.check_topology` says why). Build the model from one seed on
+    every group instead; the event log's start checksums show that the groups start alike."""
 
     sync_mode: str = "per_bucket"
     """``per_bucket``: all-reduce each reduced ZeRO bucket across replica

@@ -82,10 +82,12 @@ def check_topology(cfg: FTBridgeConfig) -> None:
     _need(cfg.slots == 0 or cfg.slots >= cfg.num_replica_groups,
           f"slots={cfg.slots} (FTBRIDGE_SLOTS) is fewer than num_replica_groups={cfg.num_replica_groups}: each "
           f"group needs a slot of its own; use slots={cfg.num_replica_groups}, or 0 to train without slots")
-    _need(not (cfg.slots and cfg.init_sync),
-          f"slots={cfg.slots} with init_sync (FTBRIDGE_INIT_SYNC): init_sync heals every group but one at step 0, "
-          "and a healing group's gradient counts for nothing, so step 0 would miss their slots; build the model "
-          "from one seed on every group and turn init_sync off")
+    _need(not cfg.init_sync,
+          "init_sync=True (FTBRIDGE_INIT_SYNC) is not supported: torchft heals every group but one at each step-0 "
+          "quorum and still counts the healing groups among the participants, so ftbridge's commit agreement "
+          "discards that step, and step 0 never commits; build the model from one seed on every group (set the "
+          "seed before constructing it) and unset FTBRIDGE_INIT_SYNC. The event log's start checksums show "
+          "whether the groups start alike")
     _need(is_host_port_url(cfg.lighthouse),
           f"lighthouse={cfg.lighthouse!r} is not an address like http://HOST:PORT; "
           "pass the address printed by 'ftbridge-lighthouse serve'")

@@ -101,7 +101,7 @@ def test_precedence_argument_then_ftbridge_env_then_torchft_env_then_default(
     ("heartbeat_interval", "FTBRIDGE_HEARTBEAT_INTERVAL_MS", "250", timedelta(milliseconds=250),
      timedelta(milliseconds=100)),
     ("heal_bind", "FTBRIDGE_HEAL_BIND", "10.0.0.7", "10.0.0.7", "127.0.0.1"),
-    ("init_sync", "FTBRIDGE_INIT_SYNC", "true", True, False),
+    ("peer_watch", "FTBRIDGE_PEER_WATCH", "false", False, True),
     ("sync_mode", "FTBRIDGE_SYNC_MODE", "post_backward", "post_backward", "per_bucket"),
     ("event_log", "FTBRIDGE_EVENT_LOG", "/tmp/ev.jsonl", "/tmp/ev.jsonl", None),
     ("checksum_every", "FTBRIDGE_CHECKSUM_EVERY", "1", 1, 100),
@@ -115,13 +115,13 @@ def test_single_env_name_fields(field, env, raw, value, default):
 
 
 def test_argument_beats_env_for_single_env_fields():
-    env = {"RANK": "1", "WORLD_SIZE": "2", "FTBRIDGE_SYNC_MODE": "per_bucket", "FTBRIDGE_INIT_SYNC": "1",
+    env = {"RANK": "1", "WORLD_SIZE": "2", "FTBRIDGE_SYNC_MODE": "per_bucket", "FTBRIDGE_PEER_WATCH": "1",
            "FTBRIDGE_HEAL_BIND": "10.0.0.1", "FTBRIDGE_EVENT_LOG": "/env.jsonl"}
-    cfg = resolve(env, group_rank=2, group_size=3, sync_mode="post_backward", init_sync=False,
+    cfg = resolve(env, group_rank=2, group_size=3, sync_mode="post_backward", peer_watch=False,
                   heal_bind="127.0.0.2", event_log="/arg.jsonl")
     assert (cfg.group_rank, cfg.group_size, cfg.sync_mode) == (2, 3, "post_backward")
-    # init_sync=False is an explicit argument (not None) and must beat FTBRIDGE_INIT_SYNC=1.
-    assert cfg.init_sync is False
+    # peer_watch=False is an explicit argument (not None) and must beat FTBRIDGE_PEER_WATCH=1.
+    assert cfg.peer_watch is False
     assert (cfg.heal_bind, cfg.event_log) == ("127.0.0.2", "/arg.jsonl")
 
 
@@ -143,12 +143,12 @@ def test_empty_env_value_counts_as_unset():
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "Yes", "on", " true "])
 def test_bool_env_true_spellings(raw):
-    assert resolve({"FTBRIDGE_INIT_SYNC": raw}).init_sync is True
+    assert resolve({"FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": raw}).ride_out_lighthouse_outage is True
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "False", "no", "OFF"])
 def test_bool_env_false_spellings(raw):
-    assert resolve({"FTBRIDGE_INIT_SYNC": raw}).init_sync is False
+    assert resolve({"FTBRIDGE_RIDE_OUT_LIGHTHOUSE_OUTAGE": raw}).ride_out_lighthouse_outage is False
 
 
 @pytest.mark.parametrize("env, raw, kind", [
@@ -160,8 +160,8 @@ def test_bool_env_false_spellings(raw):
     ("FTBRIDGE_CROSS_REPLICA_TIMEOUT_S", "10s", "float"),
     ("TORCHFT_QUORUM_TIMEOUT_SEC", "thirty", "float"),
     ("FTBRIDGE_HEARTBEAT_INTERVAL_MS", "100ms", "float"),
-    ("FTBRIDGE_INIT_SYNC", "maybe", "bool"),
-    ("FTBRIDGE_INIT_SYNC", "2", "bool"),
+    ("FTBRIDGE_PEER_WATCH", "maybe", "bool"),
+    ("FTBRIDGE_PEER_WATCH", "2", "bool"),
 ])
 def test_bad_env_value_names_the_variable(env, raw, kind):
     with pytest.raises(ValueError) as err:
@@ -423,3 +423,10 @@ def test_overrides_are_checked_against_each_settings_kind():
                         (dict(peer_watch=2), "peer_watch=2 is not a boolean")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             FTBridgeConfig.resolve({}, **bad)
+
+
+@pytest.mark.parametrize("given", [{"init_sync": True}, {"environ": {"FTBRIDGE_INIT_SYNC": "1"}}])
+def test_init_sync_is_refused_with_the_fix(given):
+    environ = given.pop("environ", {})
+    with pytest.raises(ValueError, match=r"init_sync=True \(FTBRIDGE_INIT_SYNC\) is not supported.*one seed"):
+        resolve(environ, **given)
