@@ -15,7 +15,7 @@ or by hand, each line in its own terminal (one ``ftbridge-run`` per group instea
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 1 -- examples/hf_trainer.py
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 1 -- examples/hf_trainer.py
 
-Both groups train the model plain data parallelism on 2 ranks trains (``torchrun --nproc-per-node 2``
+Both groups train the model that plain data parallelism on 2 ranks trains (``torchrun --nproc-per-node 2``
 with ``transformers.Trainer``): the same rows, learning rates, ``global_step`` and parameters. What changes
 and what is refused: ``docs/huggingface.md``.
 """
