@@ -480,6 +480,16 @@ def test_a_spare_counted_as_holding_state_trains_a_second_model():
         run(2, 1, True, SPARE_ALONE, spares=1, revert=Revert(spare_holds_state=True))
 
 
+def test_a_spare_healing_into_a_group_that_missed_a_step_does_not_vouch_for_the_id_it_took():
+    # Group 1 discards step 3 (a late error) while group 0 commits it; group 0 is then cut off from the
+    # lighthouse and a spare takes its id, healing from group 1. Every group id is in that quorum, but the
+    # spare cannot vouch for group 0's history: group 1 must not train step 3 again (found by the slow run).
+    late = Faults(late_error=frozenset({(1, 0)}))
+    sim = run(2, 1, False, [late, Faults(cut_lh=frozenset({0})), Faults(cut_lh=frozenset({0}))], spares=1)
+    retrained = [r for rounds in sim.history[4:] for r in rounds if r.committed and r.step_before == 3]
+    assert not retrained, f"step 3 committed again after group 0 committed it: {retrained}"
+
+
 def test_a_group_hung_past_the_heartbeat_timeout_meets_the_spare_that_took_its_id_and_one_of_them_leaves():
     sim = run(3, 1, True, [Faults(hang=frozenset({0}))] * (HEARTBEAT_TIMEOUT + 3), spares=1)
     (holder,) = _holders(sim, 0)

@@ -322,8 +322,11 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     if any(row[25] != own[25] for row in rows):
         return Agreement(False, False, False, "the members train by different slot plans (FTBRIDGE_SLOTS, "
                                               "gradient_accumulation_steps, micro-batch or group size differ)")
-    groups = {int(row[1]) - 1 for row in rows}
-    whole = own[21] > 0 and groups >= set(range(int(own[21])))  # every group of the job: nobody else trained
+    # Every group of the job is here, each by a member that trains this step on state of its own: nobody else
+    # trained. A member that joined empty or heals now (a spare that took the id, a restart) cannot vouch for
+    # its group: the id's old holder may live on, cut off, with steps this quorum never saw.
+    groups = {int(row[1]) - 1 for row in rows if row[9] == 1.0 and row[20] != 1.0}
+    whole = own[21] > 0 and groups >= set(range(int(own[21])))
     missed = max(int(row[22]) - 1 for row in rows)
     gap = None if whole else continuous(int(key[0]), histories, missed)
     if gap is not None:
@@ -356,7 +359,8 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int
     holds that history. When every member that committed in the newest certified quorum is here
     (:attr:`View.committers` of them certified it), they vouch for every id after it: no quorum without
     them holds that history, so nobody can have committed there. :func:`judge` skips the check for a
-    quorum that holds every replica group of the job: nobody outside it can have trained.
+    quorum that holds every replica group of the job, each by a member that takes part with state of its
+    own (neither joined empty nor healing): nobody outside it can have trained.
 
     Args:
         quorum_id: this quorum's id.
