@@ -144,7 +144,8 @@ def settings_refusal(accelerator: Any) -> Optional[str]:
         return "mixed_precision='fp8' is not supported by ftbridge (MS-AMP replaces deepspeed.initialize): use bf16"
     if accelerator.split_batches:
         return ("split_batches=True is not supported across replica groups: set "
-                "DataLoaderConfiguration(split_batches=False) and divide the batch size by the group size")
+                "DataLoaderConfiguration(split_batches=False) and give the loader the batch of one rank: the "
+                "global batch divided by the job's ranks (replica groups x ranks per group)")
     if not accelerator.even_batches:
         return ("even_batches=False gives replica groups loaders of different lengths, which ends their epochs "
                 "at different steps: set DataLoaderConfiguration(even_batches=True)")

@@ -94,8 +94,8 @@ def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> 
     acc = args.accelerator_config
     if acc.split_batches:
         return ("accelerator_config split_batches=True is not supported across replica groups: set "
-                "TrainingArguments(accelerator_config={'split_batches': False}) and divide the batch size by the "
-                "group size")
+                "TrainingArguments(accelerator_config={'split_batches': False}) and set per_device_train_batch_size "
+                "to the global batch divided by the job's ranks (replica groups x ranks per group)")
     if not acc.even_batches:
         return ("accelerator_config even_batches=False gives replica groups loaders of different lengths, which "
                 "ends their epochs at different steps: set TrainingArguments(accelerator_config="
