@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from ftbridge.harness import local_job as local_job_module
+from tests.integration.hf_runs import run_ft_and_plain
 
 pytest.importorskip("accelerate")
 
@@ -25,25 +25,8 @@ ATOL = 1e-6
 
 
 def _run_both(local_job, tmp_path, extra=(), group_size=1):
-    """Start the fault-tolerant job (2 groups), run the plain one (2 x group_size ranks) meanwhile, wait for both.
-
-    Returns:
-        ``(ft, plain)``: each run's results, indexed by data-parallel rank.
-    """
-    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
-    job = local_job(2, group_size, ["--out", str(ft_out), *extra], script=WORKER, min_replicas=2,
-                    lighthouse_min_replicas=2, max_restarts=0, env={"OMP_NUM_THREADS": "1"})
-    job.start()
-    try:
-        local_job_module.run_plain_deepspeed(str(tmp_path), 2 * group_size, ["--out", str(plain_out), *extra], 240,
-                                             script=WORKER)
-    except RuntimeError as e:
-        raise AssertionError(str(e)) from None
-    codes = job.wait(timeout_s=240)
-    assert codes == {0: 0, 1: 0}, job.tails()
-    ranks = range(2 * group_size)
-    return [torch.load(ft_out / f"result_{r}.pt") for r in ranks], [torch.load(plain_out / f"result_{r}.pt")
-                                                                   for r in ranks]
+    """The Accelerate worker as a fault-tolerant job of 2 groups and as plain DeepSpeed: ``(ft, plain)``."""
+    return run_ft_and_plain(local_job, tmp_path, WORKER, extra, group_size)
 
 
 @pytest.mark.timeout(300)

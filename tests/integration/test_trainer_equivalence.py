@@ -23,28 +23,11 @@ ATOL = 1e-6
 """Parameters of the two runs may differ by the order of floating-point sums (2 ranks vs 2 groups)."""
 
 
-def _run_both(local_job, tmp_path, extra=(), group_size=1):
-    """Start the fault-tolerant job (2 groups), run the plain one (2 x group_size ranks) meanwhile, wait for both.
+def _run_both(local_job, tmp_path, extra=()):
+    """This file's worker as a fault-tolerant job of 2 groups and as plain DeepSpeed on 2 ranks: ``(ft, plain)``."""
+    from tests.integration.hf_runs import run_ft_and_plain
 
-    Returns:
-        ``(ft, plain)``: each run's results, indexed by data-parallel rank.
-    """
-    from ftbridge.harness import local_job as local_job_module
-
-    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
-    job = local_job(2, group_size, ["--out", str(ft_out), *extra], script=WORKER, min_replicas=2,
-                    lighthouse_min_replicas=2, max_restarts=0, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    job.start()
-    try:
-        local_job_module.run_plain_deepspeed(str(tmp_path), 2 * group_size, ["--out", str(plain_out), *extra], 240,
-                                             script=WORKER)
-    except RuntimeError as e:
-        raise AssertionError(str(e)) from None
-    codes = job.wait(timeout_s=240)
-    assert codes == {0: 0, 1: 0}, job.tails()
-    ranks = range(2 * group_size)
-    return [torch.load(ft_out / f"result_{r}.pt") for r in ranks], [torch.load(plain_out / f"result_{r}.pt")
-                                                                   for r in ranks]
+    return run_ft_and_plain(local_job, tmp_path, WORKER, extra, env={"HF_HUB_OFFLINE": "1"})
 
 
 def _max_diff(a, b):
