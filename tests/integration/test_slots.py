@@ -129,6 +129,7 @@ def test_with_slots_a_warm_spare_takes_the_killed_groups_slot(local_job, tmp_pat
     assert len(spare_heals) == 1 and not spare_heals[0]["committed"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_with_slots_a_resume_by_fewer_groups_continues_the_same_run(local_job, tmp_path):
     """Saved by 2 groups at step 4, resumed by 1 group (which then covers both slots) to step 8: plain
