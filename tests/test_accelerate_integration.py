@@ -70,12 +70,13 @@ CASES = list(itertools.product([2, 3], [1, 2], [1, 3], [5, 17, 24], [False, True
 """(replica groups, group size, batch size, dataset rows, drop_last, shuffle)."""
 
 
+@pytest.mark.parametrize("movable", [False, True], ids=["shard", "movable"])
 @pytest.mark.parametrize("groups,gs,batch,n,drop_last,shuffle", CASES)
-def test_every_rank_reads_the_rows_of_plain_data_parallelism(groups, gs, batch, n, drop_last, shuffle):
+def test_every_rank_reads_the_rows_of_plain_data_parallelism(groups, gs, batch, n, drop_last, shuffle, movable):
     lengths = set()
     for g, r in itertools.product(range(groups), range(gs)):
         ours = shard_across_replica_groups(_prepared(n, batch, drop_last, shuffle, gs, r), num_replica_groups=groups,
-                                           replica_group_id=g, group_size=gs, group_rank=r)
+                                           replica_group_id=g, group_size=gs, group_rank=r, movable=movable)
         plain = _prepared(n, batch, drop_last, shuffle, groups * gs, g * gs + r)
         got, want = _epochs(ours, 3), _epochs(plain, 3)
         assert got == want, f"group {g} rank {r}"
@@ -94,6 +95,44 @@ def test_rows_after_skip_first_batches_are_plain_data_parallelisms(skip):
         plain = _prepared(29, 2, False, True, 4, g * 2 + r)
         assert [b.tolist() for b in skip_first_batches(ours, skip)] == \
             [b.tolist() for b in skip_first_batches(plain, skip)]
+
+
+def _stream(loader, epochs):
+    """Plain data parallelism's training stream: every epoch's batches, epoch after epoch."""
+    return [b for epoch in _epochs(loader, epochs) for b in epoch]
+
+
+@pytest.mark.parametrize("drawn,position", [(1, 7), (3, 0), (0, 12), (4, 4), (5, 25)])
+def test_a_moved_loader_reads_the_stream_from_the_new_position_and_keeps_the_loops_epochs(drawn, position):
+    """Moved after the loop drew ``drawn`` batches (one more prefetched below), the loader reads plain data
+    parallelism's stream from ``position`` on, across epoch ends, while every ``iter()`` still yields
+    ``len()`` batches: the loop's epochs and stop rule are unchanged."""
+    ours = shard_across_replica_groups(_prepared(23, 2, False, True, 1, 0), num_replica_groups=2,
+                                       replica_group_id=1, group_size=1, group_rank=0, movable=True)
+    stream = _stream(_prepared(23, 2, False, True, 2, 1), 6)
+    n = len(ours)
+    got, it = [], iter(ours)
+    got += [next(it).tolist() for _ in range(drawn)]
+    ours.move_to(position)
+    got += [b.tolist() for b in it]
+    assert len(got) == n, "one iteration yields len() batches, moved or not"
+    assert got[:drawn] == stream[:drawn] and got[drawn:] == stream[position:position + n - drawn]
+    assert ours.position == position + n - drawn
+    second = [b.tolist() for b in ours]  # the loop's next epoch: still ahead by the move
+    assert second == stream[position + n - drawn:position + 2 * n - drawn]
+
+
+def test_a_movable_loader_skips_as_skip_first_batches_does():
+    ours = shard_across_replica_groups(_prepared(29, 2, False, True, 2, 1), num_replica_groups=2,
+                                       replica_group_id=0, group_size=2, group_rank=1, movable=True)
+    plain = _prepared(29, 2, False, True, 4, 1)
+    ours.set_epoch(1)
+    plain.set_epoch(1)
+    assert [b.tolist() for b in ours.skip_first(3)] == [b.tolist() for b in skip_first_batches(plain, 3)]
+    plain.set_epoch(2)
+    assert ours.iteration == 2 and [b.tolist() for b in ours] == _epochs(plain, 1)[0]
+    with pytest.raises(ValueError, match="position -1"):
+        ours.move_to(-1)
 
 
 def test_the_union_of_all_ranks_is_the_dataset_once_per_epoch():

@@ -189,7 +189,7 @@ def test_the_mixin_composes_with_a_subclass_and_a_discard_holds_the_learning_rat
 
 @pytest.mark.parametrize("group,saves", [(0, True), (1, False)])
 def test_only_replica_group_0_saves(group, saves):
-    from transformers import TrainerControl
+    from transformers import TrainerControl, TrainerState
 
     from ftbridge.integrations.transformers import FaultToleranceCallback
 
@@ -197,4 +197,48 @@ def test_only_replica_group_0_saves(group, saves):
     callback = FaultToleranceCallback(accelerator)
     for hook in (callback.on_step_end, callback.on_epoch_end):
         control = TrainerControl(should_save=True)
-        assert hook(None, None, control).should_save is saves
+        assert hook(None, TrainerState(), control).should_save is saves
+
+
+@pytest.mark.parametrize("batches,gas", [(10, 1), (10, 2), (10, 3), (7, 4), (1, 3)])
+def test_the_stream_position_after_a_step_is_the_trainers_resume_rule(batches, gas):
+    """Where a healed group reads next is where the Trainer resumed from a checkpoint at that step would:
+    ``_init_training_state``'s epochs and batches, counted in the stream."""
+    from ftbridge.integrations.transformers import _stream_position
+
+    per_epoch = max(batches // gas + int(batches % gas > 0), 1)  # set_initial_training_values
+    for step in range(4 * per_epoch):
+        epochs, in_epoch = step // per_epoch, (step % per_epoch) * gas  # _init_training_state
+        assert _stream_position(step, batches, gas) == epochs * batches + in_epoch
+
+
+def test_a_heal_puts_the_group_at_the_donors_step_and_rows(single_rank_world):
+    """The callback's side of a heal: the donor's counters plus the step that healed, the loader moved to the
+    rows of the next step, the stop rule decided again, and this group's own place sent to the next joiner."""
+    from accelerate.data_loader import prepare_data_loader
+    from transformers import TrainerControl, TrainerState
+
+    from ftbridge.integrations.accelerate_data import shard_across_replica_groups
+
+    loader = shard_across_replica_groups(
+        prepare_data_loader(torch.utils.data.DataLoader(list(range(40)), batch_size=2), None, num_processes=1,
+                            process_index=0, put_on_device=False),
+        num_replica_groups=2, replica_group_id=1, group_size=1, group_rank=0, movable=True)
+    accelerator = SimpleNamespace(ft_engine=None, ft_config=SimpleNamespace(replica_group_id=1))
+    trainer = SimpleNamespace(_globalstep_last_logged=0, _initial_global_step=0)
+    callback = FaultToleranceCallback(accelerator, trainer)
+    args = SimpleNamespace(gradient_accumulation_steps=1, logging_first_step=False, logging_strategy="no",
+                           eval_strategy="no", save_strategy="no", eval_delay=0)
+    state = TrainerState(max_steps=20, num_input_tokens_seen=16)
+    callback.on_train_begin(args, state, TrainerControl())
+    batches = iter(loader)
+    assert next(batches).tolist() == [2, 3]  # the step that heals reads its own first rows
+    callback.load_heal_state({"global_step": 12, "total_flos": 5.0, "num_input_tokens_seen": 400})
+    state.global_step, state.num_input_tokens_seen = 1, 24
+    control = callback.on_step_end(args, state, TrainerControl(), train_dataloader=loader)
+    assert (state.global_step, state.total_flos, state.num_input_tokens_seen) == (13, 5.0, 408)
+    assert state.epoch == 13 / 10 and trainer._globalstep_last_logged == 12 and not control.should_training_stop
+    assert next(batches).tolist() == [14, 15], "step 14 reads epoch 1's batch 3 (sequential rows): plain rank 1's"
+    assert callback.heal_state() == {"global_step": 13, "total_flos": 5.0, "num_input_tokens_seen": 408}
+    callback.load_heal_state({"global_step": 19, "total_flos": 0.0, "num_input_tokens_seen": 0})
+    assert callback.on_step_end(args, state, TrainerControl(), train_dataloader=loader).should_training_stop

@@ -41,7 +41,7 @@ SHARDED_MARK = "_ftbridge_replica_sharded"
 
 
 def shard_across_replica_groups(loader: Any, *, num_replica_groups: int, replica_group_id: int, group_size: int,
-                                group_rank: int) -> Any:
+                                group_rank: int, movable: bool = False) -> Any:
     """The loader of data-parallel rank ``replica_group_id * group_size + group_rank`` of ``N * group_size``.
 
     Args:
@@ -51,6 +51,7 @@ def shard_across_replica_groups(loader: Any, *, num_replica_groups: int, replica
         replica_group_id: this group's id ``G`` (after a warm spare took one over).
         group_size: ranks per replica group.
         group_rank: this rank in its group ``R``.
+        movable: return a :class:`MovableLoader`, whose reads a heal can move (the Trainer's loop).
 
     Returns:
         A new ``DataLoaderShard`` on the same dataset, device, collate function, workers and random
@@ -72,15 +73,113 @@ def shard_across_replica_groups(loader: Any, *, num_replica_groups: int, replica
     shard = BatchSamplerShard(_inner_batch_sampler(loader), num_processes=num_replica_groups * group_size,
                               process_index=replica_group_id * group_size + group_rank, split_batches=False,
                               even_batches=True)
-    kwargs = {k: getattr(loader, k, default) for k, default in _PYTORCH_DATALOADER_KWARGS.items()
-              if k not in _REPLACED}
-    out = DataLoaderShard(loader.dataset, device=loader.device, rng_types=loader.rng_types,
-                          synchronized_generator=loader.synchronized_generator, _drop_last=loader._drop_last,
-                          _non_blocking=loader._non_blocking, iteration=loader.iteration, batch_sampler=shard,
-                          **kwargs)
+    out = _loader_like(loader, shard, loader.iteration, MovableLoader if movable else DataLoaderShard)
     out._is_accelerate_prepared = True  # accelerator.prepare(out) returns it as is
     setattr(out, SHARDED_MARK, True)
     return out
+
+
+def _loader_like(loader: Any, batch_sampler: Any, iteration: int, cls: Any = DataLoaderShard) -> Any:
+    """A ``cls`` (a ``DataLoaderShard``) reading ``batch_sampler`` with everything else as ``loader`` has it."""
+    kwargs = {k: getattr(loader, k, default) for k, default in _PYTORCH_DATALOADER_KWARGS.items()
+              if k not in _REPLACED}
+    return cls(loader.dataset, device=loader.device, rng_types=loader.rng_types,
+               synchronized_generator=loader.synchronized_generator, _drop_last=loader._drop_last,
+               _non_blocking=loader._non_blocking, iteration=iteration, batch_sampler=batch_sampler, **kwargs)
+
+
+class MovableLoader(DataLoaderShard):
+    """A re-sharded training loader whose reads a heal can move to another place in the run's data.
+
+    A training loop counts its own position: epoch ``e`` (``set_epoch`` or the count of iterations) and the
+    batches it drew in it. This loader reads *the training stream* (every epoch's batches, epoch after
+    epoch, in the order plain data parallelism reads them) from that position plus an offset, which is 0
+    until :meth:`move_to` sets it. Each ``iter()`` still yields ``len(self)`` batches, less a skip set by
+    :meth:`skip_first`, so the loop's own epochs, windows and stop rule run unchanged; only which rows it
+    gets changes. With no move, every batch, order and epoch is the ``DataLoaderShard``'s.
+
+    Positions count micro-batches from the first of epoch 0: epoch ``e``'s batch ``k`` is ``e * len + k``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip_next = 0
+        self._ahead = 0
+        self._pending: Optional[int] = None
+        self.position = 0
+        """The position in the training stream of the next batch this loader reads."""
+
+    def skip_first(self, num_batches: int) -> "MovableLoader":
+        """Start the next iteration at batch ``num_batches`` of its epoch (the loop's resume); returns self."""
+        self._skip_next = int(num_batches)
+        return self
+
+    def move_to(self, position: int) -> None:
+        """From the next batch on, read the training stream from ``position`` (see the class).
+
+        A batch the underlying loader prefetched is dropped. All ranks of a replica group move together.
+
+        Raises:
+            ValueError: ``position`` is negative.
+        """
+        if position < 0:
+            raise ValueError(f"position {position}: a training stream position counts from 0")
+        self._pending = int(position)
+
+    def __iter__(self) -> Any:
+        n = len(self)
+        epoch: int = self.iteration  # type: ignore[has-type]
+        done, self._skip_next = epoch * n + self._skip_next, 0
+        source: Optional[_Reading] = None
+        while done < (epoch + 1) * n:
+            if self._pending is not None:
+                self._ahead, self._pending = self._pending - done, None
+                _close(source)
+                source = None
+            if source is None:
+                source = self._read(*divmod(done + self._ahead, n))
+            batch = next(source, _END)
+            if batch is _END:
+                source = None
+                continue
+            done += 1
+            self.position = done + self._ahead
+            yield batch
+        _close(source)
+        self.iteration = epoch + 1
+
+    def _read(self, epoch: int, skip: int) -> Any:
+        """Epoch ``epoch``'s batches from batch ``skip`` on: a ``DataLoaderShard`` over Accelerate's
+        ``SkipBatchSampler`` (it skips indices, never loads the skipped rows), its epoch set as
+        ``DataLoaderShard`` sets one."""
+        loop_epoch = self.iteration
+        DataLoaderShard.set_epoch(self, epoch)  # the sampler chain this loader shares with the one below
+        self.iteration = loop_epoch
+        reader = _loader_like(self, SkipBatchSampler(self.batch_sampler, skip_batches=skip), epoch)
+        return _Reading(reader)
+
+
+_END = object()
+
+
+class _Reading:
+    """An iteration of a ``DataLoaderShard`` that can be abandoned cleanly (:func:`_close`)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.it = iter(loader)
+
+    def __next__(self) -> Any:
+        return next(self.it)
+
+    def close(self) -> None:
+        self.it.close()
+        self.loader.end()  # what the loader's own iteration does at its end: leave Accelerate's GradientState
+
+
+def _close(reading: Optional[_Reading]) -> None:
+    if reading is not None:
+        reading.close()
 
 
 def sharding_refusal(loader: Any, group_size: int) -> Optional[str]:

@@ -26,7 +26,9 @@ mixin changes, through the Trainer's public methods only, and nothing else:
    parallelism (the Trainer does not hand it to Accelerate), and every heal carries its state. A
    scheduler in the DeepSpeed config is the engine's and is carried by the engine's heal.
 4. :class:`FaultToleranceCallback`: one checkpoint writer (replica group 0; the others skip the Trainer's
-   saves, which would write the same ``output_dir``) and the discarded steps in the logs.
+   saves, which would write the same ``output_dir``), the discarded steps in the logs, and a restarted
+   group's place in the run: its heal carries the donor's ``global_step`` and its loader moves to the rows
+   plain data parallelism reads next (``train`` routes the Trainer's resume skip to the same loader).
 
 ``state.global_step`` advances on a discarded step, as on a skipped one: every group counts the same
 steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps - D`` updates.
@@ -118,25 +120,91 @@ def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> 
 
 
 class FaultToleranceCallback(TrainerCallback):
-    """One checkpoint writer across replica groups, and the discarded steps in the Trainer's logs.
+    """One checkpoint writer across replica groups, the discarded steps in the logs, and the Trainer's place
+    in the run carried by a heal.
 
     On every replica group but 0 it turns the Trainer's saves off (``control.should_save``). The logs the
     reporters and printers receive get ``ft_discarded_steps``, the steps discarded since training began in
     this group (``state.log_history`` keeps the Trainer's own entries).
 
+    A heal (a restarted replica group joining the live ones) carries :meth:`heal_state`: the donor's
+    ``global_step``, ``total_flos`` and ``num_input_tokens_seen`` at the end of its last step. At the end
+    of the step that healed (:meth:`on_step_end`), the healed group takes the donor's ``global_step`` plus
+    that step, moves its training loader (a :class:`~ftbridge.integrations.accelerate_data.MovableLoader`)
+    to the rows plain data parallelism reads next (the Trainer's own resume rule: ``global_step //
+    num_update_steps_per_epoch`` epochs, then ``global_step % num_update_steps_per_epoch`` windows of
+    ``gradient_accumulation_steps`` batches), and decides logging, saving and stopping again from the new
+    ``global_step``. From then on it reads, steps and stops with the other groups.
+
     Args:
         accelerator: the Trainer's :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`.
+        trainer: the Trainer, whose logging counters a heal moves with ``global_step``.
     """
 
-    def __init__(self, accelerator: FaultTolerantAccelerator) -> None:
+    def __init__(self, accelerator: FaultTolerantAccelerator, trainer: Any = None) -> None:
         self.accelerator = accelerator
+        self.trainer = trainer
         self.discarded = 0
+        self._snapshot: Dict[str, Any] = {"global_step": 0, "total_flos": 0.0, "num_input_tokens_seen": 0}
+        self._healed: Optional[Dict[str, Any]] = None
+        self._moved = False
+
+    def heal_state(self) -> Dict[str, Any]:
+        """This group's place at the end of its last step (JSON scalars): what a healing group takes."""
+        return dict(self._snapshot)
+
+    def load_heal_state(self, state: Dict[str, Any]) -> None:
+        """Keep a donor's :meth:`heal_state`; applied at the end of the step that healed."""
+        self._healed = dict(state)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._take_snapshot(state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         engine = self.accelerator.ft_engine
         if engine is not None and not engine.ftbridge.last_committed:
             self.discarded += 1
+        loader: Any = kwargs.get("train_dataloader")
+        if self._healed is not None:
+            self._take_donors_place(args, state, control, loader)
+        if self._moved:
+            n = len(loader)
+            state.epoch = _stream_position(state.global_step, n, args.gradient_accumulation_steps) / n
+        self._take_snapshot(state)
         return self._one_writer(control)
+
+    def _take_snapshot(self, state: Any) -> None:
+        self._snapshot = {"global_step": int(state.global_step), "total_flos": float(state.total_flos),
+                          "num_input_tokens_seen": int(state.num_input_tokens_seen)}
+
+    def _take_donors_place(self, args: Any, state: Any, control: Any, loader: Any) -> None:
+        donor, self._healed = self._healed, None
+        assert donor is not None
+        if not isinstance(loader, accelerate_data.MovableLoader):
+            raise RuntimeError(f"the Trainer trains from a {type(loader).__name__}, not the loader "
+                               "FaultTolerantTrainer.get_train_dataloader returns: a healed replica group could not "
+                               "read the rows the others read; do not override get_train_dataloader after the mixin")
+        own_tokens = int(state.num_input_tokens_seen) - self._snapshot["num_input_tokens_seen"]
+        step = int(donor["global_step"]) + 1  # the donor's last step, and the one that healed
+        state.global_step = step
+        state.total_flos = float(donor["total_flos"])
+        state.num_input_tokens_seen = int(donor["num_input_tokens_seen"]) + own_tokens
+        n, gas = len(loader), args.gradient_accumulation_steps
+        loader.move_to(_stream_position(step, n, gas))
+        self._moved = True
+        if self.trainer is not None:
+            self.trainer._globalstep_last_logged = step - 1  # the loss logged next averages the steps run here
+            self.trainer._initial_global_step = step - 1
+        DefaultFlowCallback().on_step_end(args, state, control)  # log, save, stop: decided on the new step
+        log = self.accelerator.ft_engine.ftbridge.log if self.accelerator.ft_engine is not None else None
+        if log is not None:
+            log.info("healed: the Trainer continues after global_step %d, reading batch %d of the training stream "
+                     "next (%d an epoch)", step, _stream_position(step, n, gas), n)
+            if n % gas:
+                log.warning("the training loader has %d batches an epoch, not a multiple of "
+                            "gradient_accumulation_steps=%d: after this heal, this group's short window at the end of "
+                            "an epoch falls at other steps than the other groups' (their samples differ there)",
+                            n, gas)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         return self._one_writer(control)
@@ -149,6 +217,14 @@ class FaultToleranceCallback(TrainerCallback):
         if self.accelerator.ft_config.replica_group_id != 0:
             control.should_save = False
         return control
+
+
+def _stream_position(global_step: int, batches_per_epoch: int, gradient_accumulation_steps: int) -> int:
+    """Where plain data parallelism's Trainer reads next after ``global_step`` optimizer steps (micro-batches
+    from the first of epoch 0): the rule of the Trainer's own resume (``_init_training_state``)."""
+    per_epoch = max(-(-batches_per_epoch // gradient_accumulation_steps), 1)
+    epochs, steps = divmod(global_step, per_epoch)
+    return epochs * batches_per_epoch + steps * gradient_accumulation_steps
 
 
 class FaultTolerantTrainerMixin:
@@ -170,6 +246,7 @@ class FaultTolerantTrainerMixin:
     accelerator: FaultTolerantAccelerator
     args: Any
     lr_scheduler: Any
+    _ft_callback: FaultToleranceCallback
 
     def __init__(self, *args: Any, ft_config: Optional[FTBridgeConfig] = None, checksum_every: Optional[int] = None,
                  comm_hook: Optional[Callable[..., Any]] = None, manager_factory: Optional[Callable[..., Any]] = None,
@@ -185,7 +262,29 @@ class FaultTolerantTrainerMixin:
         saves that one decided, and adds to the logs before the reporters and printers read them."""
         callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]
         flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
-        callbacks.insert(flow[0] + 1 if flow else len(callbacks), FaultToleranceCallback(self.accelerator))
+        self._ft_callback = FaultToleranceCallback(self.accelerator, self)
+        callbacks.insert(flow[0] + 1 if flow else len(callbacks), self._ft_callback)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; its resume skips batches through the loader a heal can move.
+
+        The Trainer skips the batches a resumed epoch has trained with the name ``skip_first_batches`` in
+        ``transformers.trainer``; for the duration of this call that name gives the loader of
+        :meth:`get_train_dataloader` its skip (:meth:`~ftbridge.integrations.accelerate_data.MovableLoader.skip_first`)
+        instead of another loader, so a heal in the resumed epoch still moves what the Trainer reads.
+        """
+        original = trainer_module.skip_first_batches
+
+        def skip_first_batches(loader: Any, num_batches: int = 0) -> Any:
+            if isinstance(loader, accelerate_data.MovableLoader):
+                return loader.skip_first(num_batches)
+            return original(loader, num_batches)
+
+        trainer_module.skip_first_batches = skip_first_batches
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            trainer_module.skip_first_batches = original
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``.
@@ -225,23 +324,25 @@ class FaultTolerantTrainerMixin:
         cfg = self.accelerator.ft_config
         return accelerate_data.shard_across_replica_groups(
             loader, num_replica_groups=cfg.num_replica_groups, replica_group_id=cfg.replica_group_id,
-            group_size=cfg.group_size, group_rank=cfg.group_rank)
+            group_size=cfg.group_size, group_rank=cfg.group_rank, movable=True)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's scheduler; once the engine exists, every heal carries ``self.lr_scheduler``'s state.
+        """The Trainer's scheduler; once the engine exists, every heal carries ``self.lr_scheduler``'s state
+        and the Trainer's place in the run (:class:`FaultToleranceCallback`).
 
         A scheduler from the DeepSpeed config is the engine's, which the engine's heal carries already.
         """
         scheduler = super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
         engine = self.accelerator.ft_engine
-        if engine is None or getattr(self, "_ft_scheduler_registered", False):
+        if engine is None or getattr(self, "_ft_heal_registered", False):
             return scheduler
+        engine.ftbridge.register_state("trainer_state", self._ft_callback.heal_state,
+                                       self._ft_callback.load_heal_state)
+        self._ft_heal_registered = True
         owned_by_engine = engine.lr_scheduler is not None and engine.lr_scheduler in (
             scheduler, getattr(scheduler, "scheduler", None))
-        if scheduler is None or owned_by_engine:
-            return scheduler
-        engine.ftbridge.register_state("trainer_lr_scheduler", self._scheduler_state, self._load_scheduler_state)
-        self._ft_scheduler_registered = True
+        if scheduler is not None and not owned_by_engine:
+            engine.ftbridge.register_state("trainer_lr_scheduler", self._scheduler_state, self._load_scheduler_state)
         return scheduler
 
     def _scheduler_state(self) -> Dict[str, Any]:

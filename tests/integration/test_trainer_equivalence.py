@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import pytest
@@ -98,6 +99,9 @@ def _worker(argv) -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--no-shard", action="store_true")
+    p.add_argument("--rows", type=int, default=40, help="dataset rows")
+    p.add_argument("--kill-at", type=int, default=0,
+                   help="replica group 1 SIGKILLs itself after this global_step, on its first attempt")
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -113,16 +117,25 @@ def _worker(argv) -> None:
         if args.no_shard:  # the negative control: the Trainer's own per-group loader
             Trainer.get_train_dataloader = transformers.Trainer.get_train_dataloader
 
-    rows, lrs, steps = [], [], []
+    rows, lrs, steps, step_rows = [], [], [], {}
 
-    def collate(features):
-        rows.append([f.pop("idx") for f in features])
-        return transformers.default_data_collator(features)
+    class Recording(Trainer):
+        """Records the rows each micro-batch trains, by the optimizer step it belongs to."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            trained = inputs.pop("idx").tolist()
+            rows.append(trained)
+            step_rows.setdefault(self.state.global_step + 1, []).append(trained)
+            return super().training_step(model, inputs, num_items_in_batch)
 
     class Record(TrainerCallback):
         def on_step_end(self, a, state, control, lr_scheduler=None, **kw):
             lrs.append(lr_scheduler.get_last_lr()[0])
             steps.append(state.global_step)
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if (args.kill_at and state.global_step == args.kill_at and first_attempt
+                    and os.environ.get("FTBRIDGE_REPLICA_GROUP_ID") == "1"):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     # On the CPU, Accelerate sets up a distributed state only with an explicit backend; the Trainer then uses it.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
@@ -139,8 +152,8 @@ def _worker(argv) -> None:
     transformers.set_seed(0)  # the same initial model in every replica group
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     initial = {n: q.detach().clone() for n, q in model.named_parameters()}
-    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(), data_collator=collate,
-                      callbacks=[Record()])
+    trainer = Recording(model=model, args=training_args, train_dataset=Tokens(args.rows),
+                        data_collator=transformers.default_data_collator, callbacks=[Record()])
     trainer.train()
 
     engine = trainer.model_wrapped
@@ -152,9 +165,10 @@ def _worker(argv) -> None:
         dp_rank = cfg.replica_group_id * cfg.group_size + cfg.group_rank
     result = {
         "params": {n: q.detach().clone() for n, q in state.items() if n in initial}, "initial": initial,
-        "lrs": lrs, "global_steps": steps, "rows": rows, "max_steps": trainer.state.max_steps,
+        "lrs": lrs, "global_steps": steps, "rows": rows, "step_rows": step_rows, "max_steps": trainer.state.max_steps,
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "discarded": sum(getattr(cb, "discarded", 0) for cb in trainer.callback_handler.callbacks),
-        "trainer_type": type(trainer).__name__, "engine_type": type(engine).__name__,
+        "trainer_type": Trainer.__name__, "engine_type": type(engine).__name__,
         "is_deepspeed_engine": type(engine) is deepspeed.DeepSpeedEngine,
     }
     os.makedirs(args.out, exist_ok=True)
