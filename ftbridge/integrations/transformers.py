@@ -29,6 +29,8 @@ mixin changes, through the Trainer's public methods only, and nothing else:
    saves, which would write the same ``output_dir``), the discarded steps in the logs, and a restarted
    group's place in the run: its heal carries the donor's ``global_step`` and its loader moves to the rows
    plain data parallelism reads next (``train`` routes the Trainer's resume skip to the same loader).
+5. ``train``: each checkpoint the Trainer writes is sealed (a manifest of its files), and
+   ``resume_from_checkpoint=True`` takes the newest whole one (:mod:`ftbridge.integrations.trainer_checkpoints`).
 
 ``state.global_step`` advances on a discarded step, as on a skipped one: every group counts the same
 steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps - D`` updates.
@@ -49,6 +51,7 @@ counts tokens within the group. With padded batches set ``average_tokens_across_
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Dict, Optional
 
 import transformers
@@ -57,7 +60,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.integrations import accelerate_data
+from ftbridge.integrations import accelerate_data, trainer_checkpoints
 from ftbridge.integrations.accelerate import FaultTolerantAccelerator
 
 SUPPORTED_TRANSFORMERS = ("5.23.",)
@@ -245,6 +248,7 @@ class FaultTolerantTrainerMixin:
 
     accelerator: FaultTolerantAccelerator
     args: Any
+    state: Any
     lr_scheduler: Any
     _ft_callback: FaultToleranceCallback
 
@@ -265,26 +269,38 @@ class FaultTolerantTrainerMixin:
         self._ft_callback = FaultToleranceCallback(self.accelerator, self)
         callbacks.insert(flow[0] + 1 if flow else len(callbacks), self._ft_callback)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; its resume skips batches through the loader a heal can move.
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``, its checkpoints sealed and its resume skip moved by a heal.
 
-        The Trainer skips the batches a resumed epoch has trained with the name ``skip_first_batches`` in
-        ``transformers.trainer``; for the duration of this call that name gives the loader of
-        :meth:`get_train_dataloader` its skip (:meth:`~ftbridge.integrations.accelerate_data.MovableLoader.skip_first`)
-        instead of another loader, so a heal in the resumed epoch still moves what the Trainer reads.
+        For the duration of this call, two names in ``transformers.trainer`` lead to ftbridge:
+        ``rotate_checkpoints`` first seals the checkpoint the Trainer has just written
+        (:func:`ftbridge.integrations.trainer_checkpoints.seal`), and ``skip_first_batches`` gives the loader
+        of :meth:`get_train_dataloader` its skip
+        (:meth:`~ftbridge.integrations.accelerate_data.MovableLoader.skip_first`) instead of another loader,
+        so a heal in a resumed epoch still moves what the Trainer reads. ``resume_from_checkpoint=True``
+        takes the newest sealed checkpoint (:func:`ftbridge.integrations.trainer_checkpoints.resume_path`).
+
+        Raises:
+            ValueError: ``resume_from_checkpoint`` names no whole checkpoint (see ``resume_path``).
         """
-        original = trainer_module.skip_first_batches
+        resume_from_checkpoint = trainer_checkpoints.resume_path(resume_from_checkpoint, self.args.output_dir)
+        skip_original, rotate_original = trainer_module.skip_first_batches, trainer_module.rotate_checkpoints
 
         def skip_first_batches(loader: Any, num_batches: int = 0) -> Any:
             if isinstance(loader, accelerate_data.MovableLoader):
                 return loader.skip_first(num_batches)
-            return original(loader, num_batches)
+            return skip_original(loader, num_batches)
 
-        trainer_module.skip_first_batches = skip_first_batches
+        def rotate_checkpoints(*rotate_args: Any, **rotate_kwargs: Any) -> Any:
+            run_dir = str(rotate_kwargs.get("output_dir", rotate_args[0] if rotate_args else ""))
+            trainer_checkpoints.seal(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"))
+            return rotate_original(*rotate_args, **rotate_kwargs)
+
+        trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_first_batches, rotate_checkpoints
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
-            trainer_module.skip_first_batches = original
+            trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_original, rotate_original
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``.

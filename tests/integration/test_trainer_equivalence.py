@@ -100,6 +100,10 @@ def _worker(argv) -> None:
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--no-shard", action="store_true")
     p.add_argument("--rows", type=int, default=40, help="dataset rows")
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: never)")
+    p.add_argument("--output-dir", help="the Trainer's output_dir (default OUT/trainer)")
+    p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     p.add_argument("--kill-at", type=int, default=0,
                    help="replica group 1 SIGKILLs itself after this global_step, on its first attempt")
     args = p.parse_args(argv)
@@ -144,17 +148,19 @@ def _worker(argv) -> None:
                  "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
                  "zero_optimization": {"stage": args.stage, "stage3_gather_16bit_weights_on_model_save": True}}
     training_args = TrainingArguments(
-        output_dir=os.path.join(args.out, "trainer"), deepspeed=ds_config, per_device_train_batch_size=2,
-        gradient_accumulation_steps=args.gas, num_train_epochs=2, optim="sgd", learning_rate=0.5,
-        lr_scheduler_type="linear", warmup_steps=4, max_grad_norm=0.0, weight_decay=0.0,
-        remove_unused_columns=False, save_strategy="no", report_to=[], logging_steps=1, seed=0, data_seed=1234,
+        output_dir=args.output_dir or os.path.join(args.out, "trainer"), deepspeed=ds_config,
+        per_device_train_batch_size=2, gradient_accumulation_steps=args.gas, num_train_epochs=2,
+        max_steps=args.max_steps, optim="sgd", learning_rate=0.5, lr_scheduler_type="linear", warmup_steps=4,
+        max_grad_norm=0.0, weight_decay=0.0, remove_unused_columns=False,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[],
+        logging_steps=1, seed=0, data_seed=1234,
         disable_tqdm=True, accelerator_config={"use_configured_state": True})
     transformers.set_seed(0)  # the same initial model in every replica group
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     initial = {n: q.detach().clone() for n, q in model.named_parameters()}
     trainer = Recording(model=model, args=training_args, train_dataset=Tokens(args.rows),
                         data_collator=transformers.default_data_collator, callbacks=[Record()])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
 
     engine = trainer.model_wrapped
     state = trainer.accelerator.get_state_dict(engine) or {}

@@ -1,0 +1,102 @@
+"""The Trainer's checkpoints, sealed: a resume takes the newest one that was written whole.
+
+The Trainer writes ``output_dir/checkpoint-<global_step>/`` in place, file after file, and its resume
+(``train(resume_from_checkpoint=True)``) takes the highest-numbered folder, whole or not: a writer killed
+mid-save leaves a folder that the next resume loads, or fails on. Under
+:class:`~ftbridge.integrations.transformers.FaultTolerantTrainerMixin`, one replica group writes (group 0),
+and once the Trainer has written a checkpoint, before it rotates old ones away, :func:`seal` fsyncs its
+files and writes ``manifest.json`` (every file's size and SHA-256, :mod:`ftbridge.checkpoint.manifest`). A
+resume takes :func:`latest_sealed`: the newest folder whose every file matches its manifest, skipping (and
+logging) any other. A folder is sealed only after the Trainer's rotation could have deleted older ones, so
+a writer killed at any point leaves the last sealed checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import List, Optional, Tuple
+
+from ftbridge.checkpoint import manifest
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d{1,18})$")
+"""The Trainer's checkpoint folder names (``PREFIX_CHECKPOINT_DIR``-``global_step``)."""
+
+log = logging.getLogger(__name__)
+
+
+def seal(checkpoint_dir: str) -> None:
+    """fsync every file under ``checkpoint_dir``, then write its manifest (atomically, fsynced).
+
+    Raises:
+        OSError: a file cannot be read or synced, or the manifest cannot be written; the folder then
+            stays unsealed, and a resume skips it.
+    """
+    for dirpath, _, names in os.walk(checkpoint_dir):
+        for name in names:
+            manifest.fsync_path(os.path.join(dirpath, name))
+        manifest.fsync_path(dirpath)
+    manifest.write_manifest(checkpoint_dir, extra={"written_by": "ftbridge FaultTolerantTrainer"})
+
+
+def problems(checkpoint_dir: str) -> List[str]:
+    """Why ``checkpoint_dir`` is not a whole sealed checkpoint (empty when it is): no manifest, a file
+    missing, added, truncated or altered (:func:`ftbridge.checkpoint.manifest.verify`)."""
+    return manifest.verify(checkpoint_dir)
+
+
+def checkpoints(output_dir: str) -> List[Tuple[int, str]]:
+    """``(global_step, path)`` of every ``checkpoint-<step>`` folder in ``output_dir``, newest first."""
+    found = []
+    for entry in os.scandir(output_dir):
+        match = _CHECKPOINT.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False):
+            found.append((int(match.group(1)), entry.path))
+    return sorted(found, reverse=True)
+
+
+def latest_sealed(output_dir: str) -> Optional[str]:
+    """The newest checkpoint in ``output_dir`` that :func:`problems` finds whole, or ``None``.
+
+    Each newer folder passed over is logged at WARNING with its first problem.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    for _, path in checkpoints(output_dir):
+        found = problems(path)
+        if not found:
+            return path
+        log.warning("skipping %s: not a whole sealed checkpoint (%s%s)", path, found[0],
+                    f", and {len(found) - 1} more" if len(found) > 1 else "")
+    return None
+
+
+def resume_path(resume_from_checkpoint: object, output_dir: str) -> object:
+    """What the Trainer's ``train(resume_from_checkpoint=...)`` should get, sealed checkpoints only.
+
+    Args:
+        resume_from_checkpoint: the caller's value: ``True`` (the newest), a folder, or ``None``/``False``.
+        output_dir: ``TrainingArguments.output_dir``.
+
+    Returns:
+        ``True`` becomes :func:`latest_sealed`'s folder; any other value is returned as given.
+
+    Raises:
+        ValueError: ``True`` and no whole sealed checkpoint in ``output_dir``; or a folder that has a
+            manifest but does not match it (each problem named).
+    """
+    if resume_from_checkpoint is True:
+        path = latest_sealed(output_dir)
+        if path is None:
+            raise ValueError(f"resume_from_checkpoint=True: no whole checkpoint in {output_dir} (a "
+                             "checkpoint-<step> folder sealed with a manifest.json that its files match); resume "
+                             "from a folder by name, or start without resume_from_checkpoint")
+        return path
+    if isinstance(resume_from_checkpoint, str) and os.path.exists(
+            os.path.join(resume_from_checkpoint, manifest.MANIFEST)):
+        found = problems(resume_from_checkpoint)
+        if found:
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} does not match its manifest: "
+                             + "; ".join(found[:5]) + ": pass an older checkpoint, or True for the newest whole one")
+    return resume_from_checkpoint
