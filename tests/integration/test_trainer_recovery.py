@@ -27,21 +27,31 @@ KILL_AT = 4
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.mark.timeout(480)
-def test_a_restarted_group_continues_the_trainers_run_and_a_resume_takes_the_newest_whole_checkpoint(local_job,
-                                                                                                      tmp_path):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("group_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_restarted_group_continues_the_trainers_run_and_a_resume_takes_the_newest_whole_checkpoint(
+        local_job, tmp_path, group_size):
     pytest.importorskip("transformers")
     ft_out, plain_out, ckpts = tmp_path / "ft", tmp_path / "plain", tmp_path / "trainer"
-    job = local_job(2, 1, ["--out", str(ft_out), "--kill-at", str(KILL_AT), "--output-dir", str(ckpts),
-                           "--save-steps", "5"], script=WORKER, min_replicas=2, lighthouse_min_replicas=2,
-                    max_restarts=1, env={**ENV, "FTBRIDGE_QUORUM_TIMEOUT_S": "120"})
+    rows = ["--rows", str(40 * group_size)]  # 10 steps an epoch at any group size
+    job = local_job(2, group_size, ["--out", str(ft_out), "--kill-at", str(KILL_AT), "--output-dir", str(ckpts),
+                                    "--save-steps", "5", *rows], script=WORKER, min_replicas=2,
+                    lighthouse_min_replicas=2, max_restarts=1, env={**ENV, "FTBRIDGE_QUORUM_TIMEOUT_S": "120"})
     job.start()
-    local_job_module.run_plain_deepspeed(str(tmp_path), 2, ["--out", str(plain_out)], 240, script=WORKER)
+    local_job_module.run_plain_deepspeed(str(tmp_path), 2 * group_size, ["--out", str(plain_out), *rows], 240,
+                                         script=WORKER)
     assert job.wait(timeout_s=300) == {0: 0, 1: 0}, job.tails()
-    ft = [torch.load(ft_out / f"result_{r}.pt") for r in range(2)]
-    plain = [torch.load(plain_out / f"result_{r}.pt") for r in range(2)]
+    ft = [torch.load(ft_out / f"result_{r}.pt") for r in range(2 * group_size)]
+    plain = [torch.load(plain_out / f"result_{r}.pt") for r in range(2 * group_size)]
+    for r in range(group_size):  # every rank of a group holds the same place in the run as the group's rank 0
+        assert ft[r]["global_steps"] == ft[0]["global_steps"]
+        assert ft[group_size + r]["global_steps"] == ft[group_size]["global_steps"]
+        for g in (0, 1):
+            got, want = ft[g * group_size + r], plain[g * group_size + r]
+            for step in got["global_steps"][1:]:
+                assert got["step_rows"][step] == want["step_rows"][step], f"group {g} rank {r}'s rows at step {step}"
 
-    live, healed = ft
+    live, healed = ft[0], ft[group_size]
     assert live["restart"] == 0 and healed["restart"] == 1, "group 1's result comes from its restarted process"
     first = healed["global_steps"][0]
     assert KILL_AT < first <= plain[0]["max_steps"] // 2, f"the restart healed at step {first}: before the epoch end"
@@ -49,14 +59,13 @@ def test_a_restarted_group_continues_the_trainers_run_and_a_resume_takes_the_new
     assert live["global_steps"][-1] == healed["global_steps"][-1] == plain[0]["max_steps"] == 20
     tail = live["global_steps"].index(first)
     assert healed["lrs"] == live["lrs"][tail:], "the learning rate of every step the groups shared"
-    for step in healed["global_steps"][1:]:  # the heal step's own gradient is not counted (zeroed by torchft)
-        assert healed["step_rows"][step] == plain[1]["step_rows"][step], f"group 1's rows at step {step}"
-    for step in live["global_steps"]:
-        assert live["step_rows"][step] == plain[0]["step_rows"][step], f"group 0's rows at step {step}"
+    # the rows of every step after the heal (above); the heal step's own gradient is zeroed by torchft
+    assert live["step_rows"][1] == plain[0]["step_rows"][1]
     for name, value in live["params"].items():
         assert torch.equal(healed["params"][name], value), f"{name}: the groups differ"
 
-    _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, [5, 10, 15, 20], groups=1)
+    _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, [5, 10, 15, 20], groups=1, group_size=group_size,
+                                     extra=rows)
 
 
 @pytest.mark.slow
@@ -72,7 +81,7 @@ def test_a_resume_by_3_groups_takes_the_newest_whole_checkpoint_2_groups_wrote(l
     _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, [5, 10], groups=3)
 
 
-def _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, steps, groups):
+def _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, steps, groups, group_size=1, extra=()):
     """Checks ``ckpts`` holds sealed ``checkpoint-<step>`` for ``steps``, cuts the newest's largest file in
     half (as a writer killed mid-save leaves it), and resumes ``groups`` groups to 2 steps past it: each must
     start after the checkpoint before it, name the one it skipped, and end identical."""
@@ -82,12 +91,12 @@ def _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, steps, groups):
     newest = ckpts / f"checkpoint-{steps[-1]}"
     shard = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     os.truncate(shard, shard.stat().st_size // 2)
-    resumer = local_job(groups, 1, ["--out", str(tmp_path / "resumed"), "--output-dir", str(ckpts), "--resume",
-                                    "--max-steps", str(steps[-1] + 2)], script=WORKER, min_replicas=groups,
-                        lighthouse_min_replicas=groups, max_restarts=0, env=ENV)
+    resumer = local_job(groups, group_size, ["--out", str(tmp_path / "resumed"), "--output-dir", str(ckpts),
+                                             "--resume", "--max-steps", str(steps[-1] + 2), *extra],
+                        script=WORKER, min_replicas=groups, lighthouse_min_replicas=groups, max_restarts=0, env=ENV)
     resumer.start()
     assert resumer.wait(timeout_s=300) == {g: 0 for g in range(groups)}, resumer.tails()
-    got = [torch.load(tmp_path / "resumed" / f"result_{r}.pt") for r in range(groups)]
+    got = [torch.load(tmp_path / "resumed" / f"result_{r}.pt") for r in range(groups * group_size)]
     for g, result in enumerate(got):
         assert result["global_steps"][0] == steps[-2] + 1, f"group {g} resumed from checkpoint-{steps[-2]}"
         assert result["global_steps"][-1] == steps[-1] + 2
