@@ -7,8 +7,8 @@ mid-save leaves a folder that the next resume loads, or fails on. Under
 and once the Trainer has written a checkpoint, before it rotates old ones away, :func:`seal` fsyncs its
 files and writes ``manifest.json`` (every file's size and SHA-256, :mod:`ftbridge.checkpoint.manifest`). A
 resume takes :func:`latest_sealed`: the newest folder whose every file matches its manifest, skipping (and
-logging) any other. A folder is sealed only after the Trainer's rotation could have deleted older ones, so
-a writer killed at any point leaves the last sealed checkpoint in place.
+logging) any other. A folder is sealed before the Trainer's rotation deletes any older one, so a writer
+killed at any point leaves the last sealed checkpoint in place.
 """
 
 from __future__ import annotations

@@ -193,16 +193,17 @@ class FaultToleranceCallback(TrainerCallback):
         state.total_flos = float(donor["total_flos"])
         state.num_input_tokens_seen = int(donor["num_input_tokens_seen"]) + own_tokens
         n, gas = len(loader), args.gradient_accumulation_steps
-        loader.move_to(_stream_position(step, n, gas))
+        position, was = _stream_position(step, n, gas), loader.position
+        loader.move_to(position)  # a live group healed after a disagreement reads on where it was
         self._moved = True
         if self.trainer is not None:
             self.trainer._globalstep_last_logged = step - 1  # the loss logged next averages the steps run here
             self.trainer._initial_global_step = step - 1
         DefaultFlowCallback().on_step_end(args, state, control)  # log, save, stop: decided on the new step
         log = self.accelerator.ft_engine.ftbridge.log if self.accelerator.ft_engine is not None else None
-        if log is not None:
+        if log is not None and position != was:
             log.info("healed: the Trainer continues after global_step %d, reading batch %d of the training stream "
-                     "next (%d an epoch)", step, _stream_position(step, n, gas), n)
+                     "next (%d an epoch), not %d", step, position, n, was)
             if n % gas:
                 log.warning("the training loader has %d batches an epoch, not a multiple of "
                             "gradient_accumulation_steps=%d: after this heal, this group's short window at the end of "
