@@ -15,7 +15,8 @@ or by hand, each line in its own terminal (one ``ftbridge-run`` per group instea
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 1 -- examples/hf_trainer.py
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 1 -- examples/hf_trainer.py
 
-Both groups train the model that plain data parallelism on 2 ranks trains (``torchrun --nproc-per-node 2``
+Each group prints its last step, loss and a checksum of its parameters. Both groups train the model that
+plain data parallelism on 2 ranks trains (``torchrun --nproc-per-node 2``
 with ``transformers.Trainer``): the same rows, learning rates, ``global_step`` and parameters. What changes
 and what is refused: ``docs/huggingface.md``.
 """
@@ -62,6 +63,8 @@ def training_function(args: argparse.Namespace) -> None:
     from accelerate import PartialState
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
+    from ftbridge.events import tensor_checksum
+
     # New Code #
     # The only change to the script: the fault-tolerant Trainer, under the Trainer's name.
     from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
@@ -82,9 +85,10 @@ def training_function(args: argparse.Namespace) -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
     trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(args.rows, 32, 128))
     result = trainer.train()
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     cfg = trainer.model_wrapped.ftbridge.cfg
     print(f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] step {trainer.state.global_step} "
-          f"loss {result.training_loss:.4f}", flush=True)
+          f"loss {result.training_loss:.4f} params {tensor_checksum(state.values())}", flush=True)
     trainer.end()  # stops ftbridge (manager, heal server, event log) with Accelerate
 
 

@@ -1,5 +1,6 @@
 """The runnable examples, run as a user would: ``examples/minimal.py`` (docs/your-script.md) under two replica
-groups, one of them killed and restarted partway."""
+groups, one of them killed and restarted partway; the Hugging Face examples (``hf_trainer.py``,
+``hf_accelerate.py``) as local jobs whose groups end with one model."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def test_the_minimal_script_runs_itself_as_a_local_job():
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("[replica")]
     assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 60", "[replica 1 rank 0] step 60"]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("example", ["hf_trainer.py", "hf_accelerate.py"])
+def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_with_one_model(example):
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example)], check=False,
+                         capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[replica")]
+    assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 32", "[replica 1 rank 0] step 32"]
+    checksums = {line.split(" params ")[1] for line in lines}
+    assert len(checksums) == 1, f"the groups hold different parameters: {lines}"
