@@ -45,7 +45,10 @@ def test_the_minimal_script_runs_itself_as_a_local_job():
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("example", ["hf_trainer.py", "hf_accelerate.py"])
+@pytest.mark.parametrize("example", [
+    pytest.param("hf_trainer.py", marks=pytest.mark.slow),  # the Trainer path runs in test_trainer_*.py in CI
+    "hf_accelerate.py",
+])
 def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_with_one_model(example):
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example)], check=False,
