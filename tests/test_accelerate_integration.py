@@ -122,6 +122,18 @@ def test_a_moved_loader_reads_the_stream_from_the_new_position_and_keeps_the_loo
     assert second == stream[position + n - drawn:position + 2 * n - drawn]
 
 
+def test_a_reassigned_loader_reads_the_rows_of_its_new_rank():
+    """A warm spare's loader, sharded as group 0 before it took group 2's id, then pointed at group 2."""
+    ours = shard_across_replica_groups(_prepared(31, 2, False, True, 2, 1), num_replica_groups=3,
+                                       replica_group_id=0, group_size=2, group_rank=1, movable=True)
+    ours.reassign(replica_group_id=2, group_size=2, group_rank=1)
+    assert _epochs(ours, 2) == _epochs(_prepared(31, 2, False, True, 6, 5), 2)
+    for bad in ({"replica_group_id": 3, "group_size": 2, "group_rank": 0},
+                {"replica_group_id": 0, "group_size": 2, "group_rank": 2}):
+        with pytest.raises(ValueError, match="outside"):
+            ours.reassign(**bad)
+
+
 def test_a_movable_loader_skips_as_skip_first_batches_does():
     ours = shard_across_replica_groups(_prepared(29, 2, False, True, 2, 1), num_replica_groups=2,
                                        replica_group_id=0, group_size=2, group_rank=1, movable=True)

@@ -267,6 +267,7 @@ class FaultTolerantAccelerator(Accelerator):
         attach(engine, ft_config=self.ft_config, **self._attach_kwargs)
         mark_discarded_steps(engine)
         self.ft_engine = engine
+        self.ft_config = engine.ftbridge.cfg  # a warm spare's: the replica group it took over
 
     def _per_job(self, prepared: AcceleratedScheduler) -> ReplicaGroupsScheduler:
         """``prepared`` as a :class:`ReplicaGroupsScheduler`, in Accelerate's list too, its state in every heal."""

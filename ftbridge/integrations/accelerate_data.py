@@ -114,6 +114,20 @@ class MovableLoader(DataLoaderShard):
         self._skip_next = int(num_batches)
         return self
 
+    def reassign(self, *, replica_group_id: int, group_size: int, group_rank: int) -> None:
+        """Read as rank ``group_rank`` of replica group ``replica_group_id`` from the next iteration on (a warm
+        spare, once it took a group's id; the length does not change).
+
+        Raises:
+            ValueError: the rank is outside the group or the loader's ``num_processes`` data-parallel ranks.
+        """
+        shard = self.batch_sampler
+        index = replica_group_id * group_size + group_rank
+        if not 0 <= group_rank < group_size or not 0 <= index < shard.num_processes:
+            raise ValueError(f"replica group {replica_group_id} rank {group_rank} of {group_size}: outside this "
+                             f"loader's {shard.num_processes} data-parallel ranks")
+        shard.process_index = index
+
     def move_to(self, position: int) -> None:
         """From the next batch on, read the training stream from ``position`` (see the class).
 

@@ -38,10 +38,9 @@ steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps
 Refused when the Trainer is built, each with a ``ValueError`` naming the setting and the fix
 (:func:`arguments_refusal`, then what :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`
 refuses): no DeepSpeed config, ``accelerator_config`` with ``split_batches``, ``even_batches=False``,
-``dispatch_batches`` or ``use_seedable_sampler=False``, a ``train_sampling_strategy`` other than
-``"random"`` or ``"sequential"`` (the length-grouped samplers order rows per rank), a warm spare
-(``FTBRIDGE_SPARE_INDEX``), ``FTBRIDGE_SLOTS``, tensor, context or sequence parallelism, fp8; and a
-Transformers release ftbridge was not checked against (``RuntimeError``).
+``dispatch_batches`` or ``use_seedable_sampler=False``, a ``train_sampling_strategy`` other than ``"random"``
+or ``"sequential"`` (the length-grouped samplers order rows per rank), ``FTBRIDGE_SLOTS``, tensor, context or
+sequence parallelism, fp8; and a Transformers release ftbridge was not checked against (``RuntimeError``).
 
 Exact only for the loss of a window with the same number of label tokens in every group (fixed-length,
 unpadded batches) while ``average_tokens_across_devices`` is on (the Trainer's default): the Trainer
@@ -115,10 +114,6 @@ def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> 
     if args.train_sampling_strategy not in SAMPLING_STRATEGIES:
         return (f"train_sampling_strategy={args.train_sampling_strategy!r} orders the rows per rank of a replica "
                 f"group, not of the job: use one of {SAMPLING_STRATEGIES}")
-    if ft_config is not None and ft_config.spare_index >= 0:
-        return (f"spare_index={ft_config.spare_index} (FTBRIDGE_SPARE_INDEX): warm spares are not supported under "
-                "the Trainer yet (the training loader is sharded before a spare knows its replica group): launch "
-                "replica groups only, without ftbridge-run --spare-index")
     return None
 
 
@@ -252,6 +247,7 @@ class FaultTolerantTrainerMixin:
     state: Any
     lr_scheduler: Any
     _ft_callback: FaultToleranceCallback
+    _ft_loader: Any
 
     def __init__(self, *args: Any, ft_config: Optional[FTBridgeConfig] = None, checksum_every: Optional[int] = None,
                  comm_hook: Optional[Callable[..., Any]] = None, manager_factory: Optional[Callable[..., Any]] = None,
@@ -333,15 +329,21 @@ class FaultTolerantTrainerMixin:
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, re-sharded as plain data parallelism on ``N * group_size`` ranks.
 
+        A warm spare does not know yet which replica group it will train as (the Trainer builds its loader
+        before the engine, where a spare stands by): its loader reads as group 0 until
+        :meth:`create_scheduler`, after the takeover, points it at the group taken over.
+
         Raises:
             ValueError: a loader that cannot be re-sharded exactly
                 (:func:`ftbridge.integrations.accelerate_data.sharding_refusal`).
         """
         loader = super().get_train_dataloader()  # type: ignore[misc]
         cfg = self.accelerator.ft_config
-        return accelerate_data.shard_across_replica_groups(
-            loader, num_replica_groups=cfg.num_replica_groups, replica_group_id=cfg.replica_group_id,
+        group = 0 if cfg.spare_index >= 0 else cfg.replica_group_id
+        self._ft_loader = accelerate_data.shard_across_replica_groups(
+            loader, num_replica_groups=cfg.num_replica_groups, replica_group_id=group,
             group_size=cfg.group_size, group_rank=cfg.group_rank, movable=True)
+        return self._ft_loader
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """The Trainer's scheduler; once the engine exists, every heal carries ``self.lr_scheduler``'s state
@@ -353,6 +355,11 @@ class FaultTolerantTrainerMixin:
         engine = self.accelerator.ft_engine
         if engine is None or getattr(self, "_ft_heal_registered", False):
             return scheduler
+        loader = getattr(self, "_ft_loader", None)
+        if loader is not None:  # a warm spare's, read as group 0 until now
+            cfg = engine.ftbridge.cfg
+            loader.reassign(replica_group_id=cfg.replica_group_id, group_size=cfg.group_size,
+                            group_rank=cfg.group_rank)
         engine.ftbridge.register_state("trainer_state", self._ft_callback.heal_state,
                                        self._ft_callback.load_heal_state)
         self._ft_heal_registered = True

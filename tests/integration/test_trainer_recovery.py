@@ -53,16 +53,7 @@ def test_a_restarted_group_continues_the_trainers_run_and_a_resume_takes_the_new
 
     live, healed = ft[0], ft[group_size]
     assert live["restart"] == 0 and healed["restart"] == 1, "group 1's result comes from its restarted process"
-    first = healed["global_steps"][0]
-    assert KILL_AT < first <= plain[0]["max_steps"] // 2, f"the restart healed at step {first}: before the epoch end"
-    assert healed["global_steps"] == list(range(first, live["max_steps"] + 1)), "one step at a time, to max_steps"
-    assert live["global_steps"][-1] == healed["global_steps"][-1] == plain[0]["max_steps"] == 20
-    tail = live["global_steps"].index(first)
-    assert healed["lrs"] == live["lrs"][tail:], "the learning rate of every step the groups shared"
-    # the rows of every step after the heal (above); the heal step's own gradient is zeroed by torchft
-    assert live["step_rows"][1] == plain[0]["step_rows"][1]
-    for name, value in live["params"].items():
-        assert torch.equal(healed["params"][name], value), f"{name}: the groups differ"
+    _assert_joined_the_run(live, healed, plain)
 
     _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, [5, 10, 15, 20], groups=1, group_size=group_size,
                                      extra=rows)
@@ -79,6 +70,43 @@ def test_a_resume_by_3_groups_takes_the_newest_whole_checkpoint_2_groups_wrote(l
     saver.start()
     assert saver.wait(timeout_s=240) == {0: 0, 1: 0}, saver.tails()
     _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, [5, 10], groups=3)
+
+
+@pytest.mark.slow  # ~1 min; the same path as the restart above once the spare holds the id
+@pytest.mark.timeout(480)
+def test_a_warm_spare_takes_the_killed_groups_place_in_the_trainers_run(local_job, tmp_path):
+    """Group 1 killed for good after step 4 (no torchrun restart); a warm spare, built before it knew which
+    group it would train as, takes id 1, heals, and reads plain rank 1's rows from there on."""
+    pytest.importorskip("transformers")
+    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
+    job = local_job(2, 1, ["--out", str(ft_out), "--kill-at", str(KILL_AT)], script=WORKER, min_replicas=2,
+                    lighthouse_min_replicas=2, max_restarts=0, env={**ENV, "FTBRIDGE_QUORUM_TIMEOUT_S": "120"})
+    job.start()
+    job.start_spare(0)
+    local_job_module.run_plain_deepspeed(str(tmp_path), 2, ["--out", str(plain_out)], 240, script=WORKER)
+    codes = job.wait(timeout_s=300)
+    assert codes[0] == 0 and codes[1] != 0, job.tails()
+    assert job.wait_spare(0, timeout_s=120) == 0, job.tails()
+    ft = [torch.load(ft_out / f"result_{r}.pt") for r in range(2)]
+    plain = [torch.load(plain_out / f"result_{r}.pt") for r in range(2)]
+    assert not ft[0]["spare"] and ft[1]["spare"], "group 1's result comes from the spare"
+    for step in ft[1]["global_steps"][1:]:
+        assert ft[1]["step_rows"][step] == plain[1]["step_rows"][step], f"the spare's rows at step {step}"
+    _assert_joined_the_run(ft[0], ft[1], plain)
+
+
+def _assert_joined_the_run(live, joined, plain):
+    """``joined`` (a restart or a spare) took ``live``'s place in the run at its first step, after the kill and
+    in the first epoch, then stepped, scheduled and stopped with it and ends with its model."""
+    first = joined["global_steps"][0]
+    assert KILL_AT < first <= plain[0]["max_steps"] // 2, f"healed at step {first}: before the epoch end"
+    assert joined["global_steps"] == list(range(first, live["max_steps"] + 1)), "one step at a time, to max_steps"
+    assert live["global_steps"][-1] == joined["global_steps"][-1] == plain[0]["max_steps"] == 20
+    tail = live["global_steps"].index(first)
+    assert joined["lrs"] == live["lrs"][tail:], "the learning rate of every step the groups shared"
+    assert live["step_rows"][1] == plain[0]["step_rows"][1]
+    for name, value in live["params"].items():
+        assert torch.equal(joined["params"][name], value), f"{name}: the groups differ"
 
 
 def _resume_after_cutting_the_newest(local_job, tmp_path, ckpts, steps, groups, group_size=1, extra=()):
