@@ -24,6 +24,8 @@ What it changes, and nothing else:
    DeepSpeed steps itself) is the engine's and was exact already.
 4. :meth:`FaultTolerantAccelerator.shard_across_replica_groups` re-shards the training loader
    (:mod:`ftbridge.integrations.accelerate_data`).
+5. ``save_state`` is written by replica group 0 only and sealed; ``load_state`` loads whole checkpoints
+   only (:mod:`ftbridge.integrations.sealed_checkpoints`).
 
 Refused at construction or ``prepare``, each with a ``ValueError`` naming the setting and the fix: no
 DeepSpeed plugin, several DeepSpeed plugins, ``split_batches``, ``even_batches=False``,
@@ -35,6 +37,8 @@ and an Accelerate release ftbridge was not checked against (``RuntimeError``).
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any, Callable, Dict, List, Optional
 
 import accelerate
@@ -44,7 +48,7 @@ from accelerate.scheduler import AcceleratedScheduler
 
 from ftbridge.bootstrap import attach
 from ftbridge.config import FTBridgeConfig
-from ftbridge.integrations import accelerate_data
+from ftbridge.integrations import accelerate_data, sealed_checkpoints
 
 SUPPORTED_ACCELERATE = ("1.15.",)
 """Accelerate release prefixes whose internals this module was checked against: the engine among
@@ -253,6 +257,63 @@ class FaultTolerantAccelerator(Accelerator):
             group_size=cfg.group_size, group_rank=cfg.group_rank)
         self._dataloaders = [out if d is loader else d for d in self._dataloaders]
         return out
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> Optional[str]:
+        """``Accelerator.save_state``, written by one replica group and sealed.
+
+        Replica group 0 writes (every rank of it, as Accelerate does); then its main process seals the
+        folder (:func:`ftbridge.integrations.sealed_checkpoints.seal`) and only then deletes the oldest
+        automatically named checkpoints beyond ``ProjectConfiguration(total_limit=...)`` (Accelerate
+        deletes them before writing the new one). The other groups write nothing, count the save as
+        Accelerate does (``save_iteration``) and return ``None``: every group's folder names stay equal.
+
+        Returns:
+            The folder written, on replica group 0; ``None`` elsewhere.
+
+        Raises:
+            OSError: the checkpoint cannot be written or sealed (it stays unsealed; a resume skips it).
+        """
+        config = self.project_configuration
+        if self.ft_config.replica_group_id != 0:
+            config.iteration += 1
+            return None
+        folder = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
+                  if config.automatic_checkpoint_naming else str(output_dir))
+        limit, config.total_limit = config.total_limit, None
+        try:
+            super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        finally:
+            config.total_limit = limit
+        self.wait_for_everyone()  # every rank's files of the group are written
+        if self.is_main_process:
+            sealed_checkpoints.seal(folder)
+            if config.automatic_checkpoint_naming and limit is not None:
+                older = sealed_checkpoints.checkpoints(os.path.dirname(folder), sealed_checkpoints.ACCELERATE)
+                for _, path in older[max(limit, 1):]:
+                    shutil.rmtree(path)
+        self.wait_for_everyone()
+        return folder
+
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs: Any) -> Any:
+        """``Accelerator.load_state`` of a whole checkpoint only.
+
+        Without ``input_dir`` (automatic checkpoint naming), the newest sealed ``checkpoint_<n>`` is loaded,
+        not the newest folder; a named folder that has a manifest must match it.
+
+        Raises:
+            ValueError: no whole checkpoint to load, or a named folder that does not match its manifest.
+        """
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            root = os.path.join(self.project_dir, "checkpoints")
+            input_dir = sealed_checkpoints.latest_sealed(root, sealed_checkpoints.ACCELERATE)
+            if input_dir is None:
+                raise ValueError(f"no whole checkpoint in {root} (a checkpoint_<n> folder sealed with a manifest.json "
+                                 "that its files match): name a folder, or start without load_state")
+        elif input_dir is not None:
+            sealed_checkpoints.check_named(input_dir)
+        return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
     def end_training(self) -> None:
         """Stop ftbridge (manager, heal server, event log), then Accelerate's ``end_training``."""

@@ -30,7 +30,7 @@ mixin changes, through the Trainer's public methods only, and nothing else:
    group's place in the run: its heal carries the donor's ``global_step`` and its loader moves to the rows
    plain data parallelism reads next (``train`` routes the Trainer's resume skip to the same loader).
 5. ``train``: each checkpoint the Trainer writes is sealed (a manifest of its files), and
-   ``resume_from_checkpoint=True`` takes the newest whole one (:mod:`ftbridge.integrations.trainer_checkpoints`).
+   ``resume_from_checkpoint=True`` takes the newest whole one (:mod:`ftbridge.integrations.sealed_checkpoints`).
 
 ``state.global_step`` advances on a discarded step, as on a skipped one: every group counts the same
 steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps - D`` updates.
@@ -59,7 +59,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 
 from ftbridge.config import FTBridgeConfig
-from ftbridge.integrations import accelerate_data, trainer_checkpoints
+from ftbridge.integrations import accelerate_data, sealed_checkpoints
 from ftbridge.integrations.accelerate import FaultTolerantAccelerator
 
 SUPPORTED_TRANSFORMERS = ("5.23.",)
@@ -271,16 +271,16 @@ class FaultTolerantTrainerMixin:
 
         For the duration of this call, two names in ``transformers.trainer`` lead to ftbridge:
         ``rotate_checkpoints`` first seals the checkpoint the Trainer has just written
-        (:func:`ftbridge.integrations.trainer_checkpoints.seal`), and ``skip_first_batches`` gives the loader
+        (:func:`ftbridge.integrations.sealed_checkpoints.seal`), and ``skip_first_batches`` gives the loader
         of :meth:`get_train_dataloader` its skip
         (:meth:`~ftbridge.integrations.accelerate_data.MovableLoader.skip_first`) instead of another loader,
         so a heal in a resumed epoch still moves what the Trainer reads. ``resume_from_checkpoint=True``
-        takes the newest sealed checkpoint (:func:`ftbridge.integrations.trainer_checkpoints.resume_path`).
+        takes the newest sealed checkpoint (:func:`ftbridge.integrations.sealed_checkpoints.resume_path`).
 
         Raises:
             ValueError: ``resume_from_checkpoint`` names no whole checkpoint (see ``resume_path``).
         """
-        resume_from_checkpoint = trainer_checkpoints.resume_path(resume_from_checkpoint, self.args.output_dir)
+        resume_from_checkpoint = sealed_checkpoints.resume_path(resume_from_checkpoint, self.args.output_dir)
         skip_original, rotate_original = trainer_module.skip_first_batches, trainer_module.rotate_checkpoints
 
         def skip_first_batches(loader: Any, num_batches: int = 0) -> Any:
@@ -290,7 +290,7 @@ class FaultTolerantTrainerMixin:
 
         def rotate_checkpoints(*rotate_args: Any, **rotate_kwargs: Any) -> Any:
             run_dir = str(rotate_kwargs.get("output_dir", rotate_args[0] if rotate_args else ""))
-            trainer_checkpoints.seal(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"))
+            sealed_checkpoints.seal(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"))
             return rotate_original(*rotate_args, **rotate_kwargs)
 
         trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_first_batches, rotate_checkpoints

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from ftbridge.checkpoint import manifest
 from tests.integration.hf_runs import run_ft_and_plain
 
 pytest.importorskip("accelerate")
@@ -38,7 +39,15 @@ def _run_both(local_job, tmp_path, extra=(), group_size=1):
     pytest.param(1, 2, 2, marks=pytest.mark.slow),  # accumulate() enters engine.no_sync() (ZeRO-1, group size > 1)
 ], ids=["zero2", "zero1-gas2", "zero3-gas2", "zero2-gas2-2x2", "zero1-gas2-2x2"])
 def test_fault_tolerant_accelerate_trains_the_model_of_plain_accelerate(local_job, tmp_path, stage, gas, group_size):
-    ft, plain = _run_both(local_job, tmp_path, ["--stage", str(stage), "--gas", str(gas)], group_size)
+    ft, plain = _run_both(local_job, tmp_path, ["--stage", str(stage), "--gas", str(gas), "--save-state"],
+                          group_size)
+    checkpoints = tmp_path / "ft" / "project" / "checkpoints"
+    assert [ft[r]["saved"] for r in range(len(ft))] == [
+        [str(checkpoints / "checkpoint_0"), str(checkpoints / "checkpoint_1")]] * group_size + [[None, None]] * (
+        len(ft) - group_size), "replica group 0 writes, the others count the saves"
+    assert os.listdir(checkpoints) == ["checkpoint_1"], "total_limit=1: the older one deleted after the seal"
+    assert manifest.verify(str(checkpoints / "checkpoint_1")) == []
+    assert all(r["reloaded"] for r in ft + plain), "load_state() restored the saved parameters on every rank"
     for r, (got, want) in enumerate(zip(ft, plain)):
         assert got["is_deepspeed_engine"], got["engine_type"]
         assert got["unwrapped_is_model"], "unwrap_model gives the user's model back"

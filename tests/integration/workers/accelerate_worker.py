@@ -9,13 +9,15 @@ the initial and final parameters, the learning rate after every optimizer step, 
 engine's class name, the keys of ``accelerator.get_state_dict(model)`` and of the unwrapped model.
 
 Flags: ``--out DIR``, ``--epochs``, ``--stage`` (ZeRO), ``--gas`` (gradient accumulation steps),
-``--no-shard`` (negative control: skip the re-sharding).
+``--no-shard`` (negative control: skip the re-sharding), ``--save-state`` (after training, two
+``save_state`` calls with ``total_limit=1``, then ``load_state()`` over parameters moved by 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -30,11 +32,13 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--no-shard", action="store_true")
+    p.add_argument("--save-state", action="store_true",
+                   help="after training: save_state twice (total_limit 1) into OUT/project, then load_state()")
     args = p.parse_args()
 
     import deepspeed
     from accelerate import Accelerator, DeepSpeedPlugin
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
     from ftbridge.integrations.accelerate import FaultTolerantAccelerator
 
@@ -46,7 +50,9 @@ def main() -> None:
     # On the CPU, Accelerate sets up a distributed state only with an explicit backend.
     accelerator = make(deepspeed_plugin=plugin, gradient_accumulation_steps=args.gas,
                        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=1234),
-                       kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+                       kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+                       project_config=ProjectConfiguration(project_dir=os.path.join(args.out, "project"),
+                                                           automatic_checkpoint_naming=True, total_limit=1))
     assert accelerator.num_processes == int(os.environ["WORLD_SIZE"]), accelerator.num_processes
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -82,6 +88,26 @@ def main() -> None:
         dp_rank = cfg.replica_group_id * cfg.group_size + cfg.group_rank
     unwrapped = accelerator.unwrap_model(model)
     state = accelerator.get_state_dict(model) or {}  # gathered under ZeRO-3, on each world's rank 0 only
+    saved, reloaded = [], None
+    if args.save_state:
+        saved = []
+        for _ in range(2):
+            saved.append(accelerator.save_state())
+            # Plain Accelerate's save_state returns before every rank has written its random states, and the
+            # next one deletes the older folder (total_limit): without this wait, a rank can write into a
+            # folder its main process just deleted.
+            accelerator.wait_for_everyone()
+        saved = [None if p is None else str(p) for p in saved]
+        latest = os.path.join(args.out, "project", "checkpoints", "checkpoint_1", "manifest.json")
+        deadline = time.monotonic() + 120  # the other groups read what replica group 0 writes
+        while not args.plain and not os.path.exists(latest) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with torch.no_grad():
+            for q in model.module.parameters():
+                q.add_(1.0)  # a load that does nothing would leave this
+        accelerator.load_state()
+        after = accelerator.get_state_dict(model) or {}
+        reloaded = all(torch.equal(after[n], q) for n, q in state.items())
     result = {
         "params": {n: q.detach().clone() for n, q in state.items()}, "initial": initial,
         "lrs": lrs, "rows": rows, "discarded": discarded, "global_steps": int(model.global_steps),
@@ -90,6 +116,7 @@ def main() -> None:
         "unwrapped_is_model": type(unwrapped) is torch.nn.Sequential,
         "state_dict_keys": sorted(state.keys()),
         "model_keys": sorted(unwrapped.state_dict().keys()),
+        "saved": saved, "reloaded": reloaded,
     }
     os.makedirs(args.out, exist_ok=True)
     torch.save(result, os.path.join(args.out, f"result_{dp_rank}.pt"))

@@ -1,14 +1,14 @@
-"""The Trainer's checkpoints, sealed: a resume takes the newest one that was written whole.
+"""Hugging Face checkpoints, sealed: a resume takes the newest one that was written whole.
 
 The Trainer writes ``output_dir/checkpoint-<global_step>/`` in place, file after file, and its resume
-(``train(resume_from_checkpoint=True)``) takes the highest-numbered folder, whole or not: a writer killed
-mid-save leaves a folder that the next resume loads, or fails on. Under
-:class:`~ftbridge.integrations.transformers.FaultTolerantTrainerMixin`, one replica group writes (group 0),
-and once the Trainer has written a checkpoint, before it rotates old ones away, :func:`seal` fsyncs its
-files and writes ``manifest.json`` (every file's size and SHA-256, :mod:`ftbridge.checkpoint.manifest`). A
-resume takes :func:`latest_sealed`: the newest folder whose every file matches its manifest, skipping (and
-logging) any other. A folder is sealed before the Trainer's rotation deletes any older one, so a writer
-killed at any point leaves the last sealed checkpoint in place.
+(``train(resume_from_checkpoint=True)``) takes the highest-numbered folder, whole or not; Accelerate's
+``save_state`` does the same in ``checkpoint_<iteration>`` folders, and its ``load_state()`` takes the
+newest. A writer killed mid-save leaves a folder that the next resume loads, or fails on. Under ftbridge's
+integrations, one replica group writes (group 0), and once a checkpoint is written, before any older one
+is rotated away, :func:`seal` fsyncs its files and writes ``manifest.json`` (every file's size and SHA-256,
+:mod:`ftbridge.checkpoint.manifest`). A resume takes :func:`latest_sealed`: the newest folder whose every
+file matches its manifest, skipping (and logging) any other. A folder is sealed before any older one is
+deleted, so a writer killed at any point leaves the last sealed checkpoint in place.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import List, Optional, Pattern, Tuple
 
 from ftbridge.checkpoint import manifest
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d{1,18})$")
+TRAINER = re.compile(r"^checkpoint-(\d{1,18})$")
 """The Trainer's checkpoint folder names (``PREFIX_CHECKPOINT_DIR``-``global_step``)."""
+ACCELERATE = re.compile(r"^checkpoint_(\d{1,18})$")
+"""Accelerate's automatically named ``save_state`` folders (``checkpoint_<iteration>``)."""
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ def seal(checkpoint_dir: str) -> None:
         for name in names:
             manifest.fsync_path(os.path.join(dirpath, name))
         manifest.fsync_path(dirpath)
-    manifest.write_manifest(checkpoint_dir, extra={"written_by": "ftbridge FaultTolerantTrainer"})
+    manifest.write_manifest(checkpoint_dir, extra={"written_by": "ftbridge (Hugging Face integration)"})
 
 
 def problems(checkpoint_dir: str) -> List[str]:
@@ -46,30 +48,43 @@ def problems(checkpoint_dir: str) -> List[str]:
     return manifest.verify(checkpoint_dir)
 
 
-def checkpoints(output_dir: str) -> List[Tuple[int, str]]:
-    """``(global_step, path)`` of every ``checkpoint-<step>`` folder in ``output_dir``, newest first."""
+def checkpoints(output_dir: str, names: Pattern[str] = TRAINER) -> List[Tuple[int, str]]:
+    """``(number, path)`` of every folder in ``output_dir`` whose name ``names`` matches, newest first."""
     found = []
     for entry in os.scandir(output_dir):
-        match = _CHECKPOINT.match(entry.name)
+        match = names.match(entry.name)
         if match and entry.is_dir(follow_symlinks=False):
             found.append((int(match.group(1)), entry.path))
     return sorted(found, reverse=True)
 
 
-def latest_sealed(output_dir: str) -> Optional[str]:
-    """The newest checkpoint in ``output_dir`` that :func:`problems` finds whole, or ``None``.
-
-    Each newer folder passed over is logged at WARNING with its first problem.
-    """
+def latest_sealed(output_dir: str, names: Pattern[str] = TRAINER) -> Optional[str]:
+    """The newest checkpoint in ``output_dir`` (folders named as ``names`` matches) that :func:`problems`
+    finds whole, or ``None``. Each newer folder passed over is logged at WARNING with its first problem."""
     if not os.path.isdir(output_dir):
         return None
-    for _, path in checkpoints(output_dir):
+    for _, path in checkpoints(output_dir, names):
         found = problems(path)
         if not found:
             return path
         log.warning("skipping %s: not a whole sealed checkpoint (%s%s)", path, found[0],
                     f", and {len(found) - 1} more" if len(found) > 1 else "")
     return None
+
+
+def check_named(folder: str) -> None:
+    """Refuse a checkpoint named by the caller that has a manifest its files do not match.
+
+    A folder without a manifest (written without ftbridge) is left to the caller.
+
+    Raises:
+        ValueError: naming the folder and its first problems, and the fix.
+    """
+    if os.path.exists(os.path.join(folder, manifest.MANIFEST)):
+        found = problems(folder)
+        if found:
+            raise ValueError(f"checkpoint {folder!r} does not match its manifest: " + "; ".join(found[:5])
+                             + ": load an older checkpoint, or the newest whole one")
 
 
 def resume_path(resume_from_checkpoint: object, output_dir: str) -> object:
@@ -93,10 +108,6 @@ def resume_path(resume_from_checkpoint: object, output_dir: str) -> object:
                              "checkpoint-<step> folder sealed with a manifest.json that its files match); resume "
                              "from a folder by name, or start without resume_from_checkpoint")
         return path
-    if isinstance(resume_from_checkpoint, str) and os.path.exists(
-            os.path.join(resume_from_checkpoint, manifest.MANIFEST)):
-        found = problems(resume_from_checkpoint)
-        if found:
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} does not match its manifest: "
-                             + "; ".join(found[:5]) + ": pass an older checkpoint, or True for the newest whole one")
+    if isinstance(resume_from_checkpoint, str):
+        check_named(resume_from_checkpoint)
     return resume_from_checkpoint

@@ -1,4 +1,4 @@
-"""Sealed Trainer checkpoints (:mod:`ftbridge.integrations.trainer_checkpoints`), on files only: a resume
+"""Sealed Hugging Face checkpoints (:mod:`ftbridge.integrations.sealed_checkpoints`), on files only: a resume
 takes the newest folder whose files match its manifest, whatever newer folder a killed writer left."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ftbridge.integrations import trainer_checkpoints as tc
+from ftbridge.integrations import sealed_checkpoints as tc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,3 +63,14 @@ def test_resume_from_nothing_whole_or_from_a_broken_folder_is_refused_with_the_f
     plain = _checkpoint(tmp_path, 4, sealed=False)  # a plain Trainer's: taken as given, by name only
     assert tc.resume_path(plain, str(tmp_path)) == plain
     assert tc.resume_path(None, str(tmp_path)) is None and tc.resume_path(False, str(tmp_path)) is False
+
+
+def test_accelerates_folder_names_are_read_with_their_pattern(tmp_path):
+    for step in (1, 2):
+        path = tmp_path / f"checkpoint_{step}"
+        path.mkdir()
+        (path / "random_states_0.pkl").write_bytes(b"r" * step)
+        tc.seal(str(path))
+    os.truncate(tmp_path / "checkpoint_2" / "random_states_0.pkl", 0)
+    assert tc.latest_sealed(str(tmp_path)) is None, "the Trainer's pattern does not match Accelerate's names"
+    assert tc.latest_sealed(str(tmp_path), tc.ACCELERATE) == str(tmp_path / "checkpoint_1")
