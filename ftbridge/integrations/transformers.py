@@ -29,8 +29,9 @@ mixin changes, through the Trainer's public methods only, and nothing else:
    saves, which would write the same ``output_dir``), the discarded steps in the logs, and a restarted
    group's place in the run: its heal carries the donor's ``global_step`` and its loader moves to the rows
    plain data parallelism reads next (``train`` routes the Trainer's resume skip to the same loader).
-5. ``train``: each checkpoint the Trainer writes is sealed (a manifest of its files), and
-   ``resume_from_checkpoint=True`` takes the newest whole one (:mod:`ftbridge.integrations.sealed_checkpoints`).
+5. ``train``: each checkpoint the Trainer writes is sealed (a manifest of its files) before old ones are
+   rotated away, and ``resume_from_checkpoint=True`` takes the newest whole one
+   (:mod:`ftbridge.integrations.sealed_checkpoints`).
 
 ``state.global_step`` advances on a discarded step, as on a skipped one: every group counts the same
 steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps - D`` updates.
@@ -208,6 +209,10 @@ class FaultToleranceCallback(TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         return self._one_writer(control)
 
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is not None:
+            self.trainer.seal_saved_checkpoint()
+
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
         if logs is not None:
             logs["ft_discarded_steps"] = self.discarded
@@ -248,6 +253,7 @@ class FaultTolerantTrainerMixin:
     lr_scheduler: Any
     _ft_callback: FaultToleranceCallback
     _ft_loader: Any
+    _ft_rotation: Any
 
     def __init__(self, *args: Any, ft_config: Optional[FTBridgeConfig] = None, checksum_every: Optional[int] = None,
                  comm_hook: Optional[Callable[..., Any]] = None, manager_factory: Optional[Callable[..., Any]] = None,
@@ -270,9 +276,9 @@ class FaultTolerantTrainerMixin:
         """The Trainer's ``train``, its checkpoints sealed and its resume skip moved by a heal.
 
         For the duration of this call, two names in ``transformers.trainer`` lead to ftbridge:
-        ``rotate_checkpoints`` first seals the checkpoint the Trainer has just written
-        (:func:`ftbridge.integrations.sealed_checkpoints.seal`), and ``skip_first_batches`` gives the loader
-        of :meth:`get_train_dataloader` its skip
+        ``rotate_checkpoints`` is held back until the checkpoint the Trainer has just written is sealed
+        (:meth:`seal_saved_checkpoint`, from :meth:`FaultToleranceCallback.on_save`), and
+        ``skip_first_batches`` gives the loader of :meth:`get_train_dataloader` its skip
         (:meth:`~ftbridge.integrations.accelerate_data.MovableLoader.skip_first`) instead of another loader,
         so a heal in a resumed epoch still moves what the Trainer reads. ``resume_from_checkpoint=True``
         takes the newest sealed checkpoint (:func:`ftbridge.integrations.sealed_checkpoints.resume_path`).
@@ -288,16 +294,35 @@ class FaultTolerantTrainerMixin:
                 return loader.skip_first(num_batches)
             return skip_original(loader, num_batches)
 
-        def rotate_checkpoints(*rotate_args: Any, **rotate_kwargs: Any) -> Any:
+        def rotate_checkpoints(*rotate_args: Any, **rotate_kwargs: Any) -> None:
             run_dir = str(rotate_kwargs.get("output_dir", rotate_args[0] if rotate_args else ""))
-            sealed_checkpoints.seal(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"))
-            return rotate_original(*rotate_args, **rotate_kwargs)
+            folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+            self._ft_rotation = (folder, functools.partial(rotate_original, *rotate_args, **rotate_kwargs))
 
         trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_first_batches, rotate_checkpoints
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
             trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_original, rotate_original
+
+    def seal_saved_checkpoint(self) -> None:
+        """Seal the checkpoint the Trainer has just written, then rotate old ones away; every rank of the
+        writing group calls it together (after the Trainer's save, :meth:`FaultToleranceCallback.on_save`).
+
+        The group waits for all its ranks first: each writes its own files (its random states) after the
+        DeepSpeed save. The process the Trainer saves its state from (``args.should_save``) then writes the
+        manifest (:func:`ftbridge.integrations.sealed_checkpoints.seal`) and only then runs the Trainer's
+        rotation (``save_total_limit``), which it held back.
+
+        Raises:
+            OSError: the checkpoint cannot be sealed (it stays unsealed, older ones stay; a resume skips it).
+        """
+        pending, self._ft_rotation = getattr(self, "_ft_rotation", None), None
+        self.accelerator.wait_for_everyone()
+        if pending is not None:
+            folder, rotate = pending
+            sealed_checkpoints.seal(folder)
+            rotate()
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``.

@@ -58,3 +58,25 @@ def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_wi
     assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 32", "[replica 1 rank 0] step 32"]
     checksums = {line.split(" params ")[1] for line in lines}
     assert len(checksums) == 1, f"the groups hold different parameters: {lines}"
+
+
+@pytest.mark.slow  # ~1 min
+@pytest.mark.timeout(420)
+def test_the_accelerate_example_heals_a_killed_group_which_reads_on_and_ends_with_the_same_model(local_job):
+    """``examples/hf_accelerate.py`` loops on the engine's committed steps: group 1, SIGKILLed after step 10
+    and restarted by torchrun (both groups needed for a quorum, so group 0 waits), heals, reads on at the
+    step it joined and ends at step 32 with group 0's parameters."""
+    pytest.importorskip("transformers")
+    job = local_job(2, 1, [], script=os.path.join(ROOT, "examples", "hf_accelerate.py"), min_replicas=2,
+                    lighthouse_min_replicas=2, max_restarts=1,
+                    env={"OMP_NUM_THREADS": "1", "FTBRIDGE_QUORUM_TIMEOUT_S": "120"})
+    job.start()
+    job.wait_until(lambda: any(e["committed"] and e["step"] >= 10 for e in job.steps(1)), 240,
+                   "group 1 to commit step 10")
+    killed = job.kill_workers(1)
+    assert job.wait(timeout_s=300) == {0: 0, 1: 0}, job.tails()
+    assert not any(pid_alive(p) for p in killed)
+    assert any(e["healed"] for e in job.steps(1)), "the restarted group healed from group 0"
+    lines = [[line for line in job.log_text(g).splitlines() if line.startswith("[replica")][-1] for g in (0, 1)]
+    assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 32", "[replica 1 rank 0] step 32"]
+    assert lines[0].split(" params ")[1] == lines[1].split(" params ")[1], lines
