@@ -242,3 +242,23 @@ def test_a_heal_puts_the_group_at_the_donors_step_and_rows(single_rank_world):
     assert callback.heal_state() == {"global_step": 13, "total_flos": 5.0, "num_input_tokens_seen": 408}
     callback.load_heal_state({"global_step": 19, "total_flos": 0.0, "num_input_tokens_seen": 0})
     assert callback.on_step_end(args, state, TrainerControl(), train_dataloader=loader).should_training_stop
+
+
+def test_a_saved_checkpoint_is_sealed_after_the_group_waited_and_before_the_rotation(tmp_path, monkeypatch):
+    """The order of :meth:`FaultTolerantTrainerMixin.seal_saved_checkpoint`: every rank of the group has
+    written (a barrier), then the manifest, then the Trainer's held-back rotation; a rank that saved no
+    Trainer state only waits."""
+    from ftbridge.integrations import sealed_checkpoints
+
+    order = []
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    (folder / "rng_state_1.pth").write_bytes(b"r")
+    monkeypatch.setattr(sealed_checkpoints, "seal", lambda path: order.append(("seal", path)))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(wait_for_everyone=lambda: order.append("wait")),
+                              _ft_rotation=(str(folder), lambda: order.append("rotate")))
+    FaultTolerantTrainerMixin.seal_saved_checkpoint(trainer)
+    assert order == ["wait", ("seal", str(folder)), "rotate"] and trainer._ft_rotation is None
+    order.clear()
+    FaultTolerantTrainerMixin.seal_saved_checkpoint(trainer)
+    assert order == ["wait"]
