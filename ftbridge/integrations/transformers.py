@@ -381,7 +381,7 @@ class FaultTolerantTrainerMixin:
         if engine is None or getattr(self, "_ft_heal_registered", False):
             return scheduler
         loader = getattr(self, "_ft_loader", None)
-        if loader is not None:  # a warm spare's, read as group 0 until now
+        if loader is not None:  # a warm spare's loader read as group 0 until now; any other's stays as it is
             cfg = engine.ftbridge.cfg
             loader.reassign(replica_group_id=cfg.replica_group_id, group_size=cfg.group_size,
                             group_rank=cfg.group_rank)
