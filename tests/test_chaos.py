@@ -325,6 +325,21 @@ def test_with_spares_scale_down_is_skipped_with_its_reason_and_the_report_counts
     assert (summary["spares_started"], summary["takeovers"], summary["standing_by_stopped"]) == (1, 1, [300, 301])
 
 
+@pytest.mark.parametrize("kind", [FailureKind.KILL_GROUP, FailureKind.KILL_RANK, FailureKind.HANG,
+                                  FailureKind.KILL_JOINER_IN_HEAL, FailureKind.SLOW_GROUP])
+def test_a_failure_drawn_on_a_group_whose_ranks_are_still_restarting_is_skipped_with_its_reason(kind):
+    # A kill_in_checkpoint killed group 0, and the next failure drew group 0 while its restart (and the spare
+    # taking its id) had no rank running yet: the failure is skipped, the run goes on.
+    from types import SimpleNamespace
+
+    from ftbridge.harness.chaos.inject import Injector
+    from ftbridge.harness.chaos.schedule import Failure
+
+    job = SimpleNamespace(worker_pids=lambda g: {}, holding_pids=lambda g, r=0: [])
+    inj = Injector(job=job, alive={0, 1, 2}, fault_dir="unused", seed=0).inject(Failure(3, kind, 1.0))
+    assert inj.skipped.startswith("group ") and "has no running ranks yet" in inj.skipped
+
+
 def test_a_kill_of_one_of_two_processes_holding_a_group_is_judged_as_a_hang():
     # A spare took group 1's id while group 1 was cut off from the lighthouse; both still run. The kill hits
     # the newer holder, and the older one may go on as group 1 with no heal: recovery is "heal or commit with

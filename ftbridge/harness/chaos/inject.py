@@ -30,6 +30,10 @@ SLOW_PERIOD_S = 0.2
 """A slowed group's ranks are stopped for the first half of every period of this length."""
 
 
+class _NoTarget(Exception):
+    """The failure drawn has nothing running to hit; it is skipped, with this reason."""
+
+
 @dataclass
 class Injected:
     """What one injected failure did.
@@ -110,11 +114,24 @@ class Injector:
             FailureKind.SLOW_GROUP: self._slow_group,
             FailureKind.PARTITION_PEER: self._partition_peer,
         }[kind]
-        return handler(failure, rng)
+        try:
+            return handler(failure, rng)
+        except _NoTarget as e:
+            return Injected(failure, time.time(), skipped=str(e))
 
     # -- kinds ------------------------------------------------------------
     def _pick(self, rng: random.Random) -> int:
-        return rng.choice(sorted(self.alive))
+        """A replica group to hit, drawn from the running ones.
+
+        Raises:
+            _NoTarget: the group drawn has no running ranks (killed by the previous failure and not back
+                yet: its restart, or a spare taking its id, is still starting); the failure is skipped.
+        """
+        g = rng.choice(sorted(self.alive))
+        if not self.job.worker_pids(g):
+            raise _NoTarget(f"group {g} has no running ranks yet (its restart, or a spare taking its id, is "
+                            "still starting)")
+        return g
 
     def _shared(self, g: int) -> str:
         """``""``, or a note when two processes hold group ``g`` (:meth:`LocalJob.holding_pids
