@@ -67,3 +67,19 @@ def test_extras_rows_are_well_formed_and_an_unverified_checkpoint_fails_its_row(
         assert stage in (1, 2, 3) and dtype in dc.TOLERANCE and flags, name
         assert exact == ("--comm-hook" not in flags), f"{name}: only a compressed all-reduce may differ"
     assert dc._verified_checkpoints(str(tmp_path)) == 0
+
+
+def test_a_failed_part_keeps_the_ranks_log_tails_out_of_the_table(capsys):
+    """A part that fails once on a lent machine must be readable afterwards: its message after the first
+    line (the ranks' log tails, as ``run_ftbridge`` raises it) is kept in the row and printed under it."""
+
+    def failing():
+        raise RuntimeError("ftbridge run in /x failed, exit codes {0: 1, 1: None}\n--- group 0 rank 0 ---\n"
+                           "ValueError: the real cause")
+
+    row = dc._timed_row(("z3_fp32_hook_power_sgd", failing))
+    assert not row["ok"] and row["part"] == "extras"
+    assert row["error"].startswith("RuntimeError: ftbridge run in /x failed")
+    assert "the real cause" in row["detail"]
+    assert "the real cause" in capsys.readouterr().out
+    assert "the real cause" not in dc.render_table([row])

@@ -159,6 +159,10 @@ def equivalence_row(workdir: str, plan: Plan, stage: int, dtype: str, overlap: b
     return row
 
 
+DETAIL_CHARS = 4000
+"""How much of a failed part's message after its first line (the ranks' log tails) a FAIL row keeps: printed
+under the row and kept in ``results.json``, so a failure seen once on a lent machine can be read afterwards."""
+
 EXTRAS = {
     "z2_fp32_offload": (2, "fp32", True, ["--offload-optimizer"], True),
     "z2_fp32_async_ckpt": (2, "fp32", True, ["--checkpoint-dir", "{dir}/ckpt", "--checkpoint-every", "2",
@@ -262,7 +266,7 @@ def render_table(rows: Sequence[Dict[str, Any]], header: str = "") -> str:
     """The rows as a text table: one line per row, ``part | config | ok | key=value ...``."""
     lines = [header] if header else []
     for r in rows:
-        rest = "  ".join(f"{k}={_fmt(v)}" for k, v in r.items() if k not in ("part", "config", "ok"))
+        rest = "  ".join(f"{k}={_fmt(v)}" for k, v in r.items() if k not in ("part", "config", "ok", "detail"))
         lines.append(f"{r['part']:<12} {r['config']:<26} {'ok' if r.get('ok') else 'FAIL':<4} {rest}")
     return "\n".join(lines)
 
@@ -301,10 +305,13 @@ def _timed_row(job: Any) -> Dict[str, Any]:
         row = fn()
     except Exception as e:  # noqa: BLE001 - one failed part must not hide the others' results
         part = name if name in ("failover", "overhead") else "extras" if name in EXTRAS else "equivalence"
-        row = {"part": part, "config": name, "ok": False,
-               "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+        lines = str(e).splitlines() or [""]
+        row = {"part": part, "config": name, "ok": False, "error": f"{type(e).__name__}: {lines[0][:300]}",
+               "detail": "\n".join(lines[1:])[-DETAIL_CHARS:]}
     row["wall_s"] = time.time() - t0
     print(render_table([row]), flush=True)
+    if row.get("detail"):
+        print(row["detail"], flush=True)
     return row
 
 
