@@ -45,7 +45,15 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import joined_empty, restart_without_peer
-from ftbridge.manager.commit import Agreement, QuorumWait, decide_group, encode_flags, rank_flags
+from ftbridge.manager.commit import (
+    Agreement,
+    QuorumWait,
+    continuous,
+    decide_group,
+    encode_flags,
+    id_runs,
+    rank_flags,
+)
 from ftbridge.manager.heal_agreement import HealAgreement
 from ftbridge.manager.lighthouse_status import replica_group_of
 from ftbridge.manager.outage import OutageRider, QuorumTimeout
@@ -145,6 +153,9 @@ class Revert:
     off from the lighthouse but not from its peers, completes the agreement and commits)."""
     stand_aside: bool = False
     """A group whose rank 0 cannot reach the quorum's store stays in every quorum (it never stands aside)."""
+    newest_dead_end_run: bool = False
+    """A member's row carries only its newest run of consecutive dead-end quorum ids: a dead end older than a
+    quorum it was not in (a joiner's quorum alone) is never vouched for, and every later quorum is discarded."""
     spare_holds_state: bool = False
     """A spare that took a group's id counts as holding the job's state (it is not ``empty``), like a group at the
     job's start: alone in a quorum, it trains a second model from step 0."""
@@ -669,6 +680,7 @@ class Sim:
         """AGREE: every rank's row, one summed collective per process group and group rank, every rank's verdict."""
         rows: Dict[Tuple[Any, int], Dict[int, List[float]]] = {}
         owns: Dict[Tuple[int, int], Optional[List[float]]] = {}
+        riders: Dict[Tuple[Any, int], Dict[int, OutageRider]] = {}
         for g in stepping:
             for i, r in enumerate(g.ranks):
                 if (g.key, i) in self.faults.late_error and r.tf.error is None:
@@ -679,9 +691,13 @@ class Sim:
                     own[8] = own[9] = 0.0
                 if own is not None and self.revert.continuity:
                     own[17] = own[18] = own[19] = own[22] = 0.0
+                    own[26:] = [0.0] * (len(own) - 26)
+                if own is not None and self.revert.newest_dead_end_run:
+                    own[26:] = [0.0] * (len(own) - 26)
                 owns[(g.key, i)] = own
                 if own is not None:
                     rows.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = own
+                    riders.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = r.rider
         for g in stepping:
             for i, r in enumerate(g.ranks):
                 own, summed = owns[(g.key, i)], None
@@ -694,8 +710,22 @@ class Sim:
                 if self.revert.agreement_watch and held_dead - {g.key}:
                     summed = None  # this member left the wait; the one the lighthouse holds dead completed it
                 r.agreement = r.rider.conclude(own, summed, "agreement all-reduce failed")
+                if summed is not None and r.agreement.consistent and not r.agreement.continuous:
+                    self._check_history_sent(r.rider.last.quorum_id, riders[(r.tf._pg.ident, i)].values(),
+                                             r.agreement.reason)
                 if self.revert.guard_primary and r.agreement.guard is not None and summed:
                     r.agreement = _primary_guard(r.agreement, summed)
+
+    def _check_history_sent(self, quorum_id: int, members: Any, reason: str) -> None:
+        """A quorum discarded for a gap in the job's history must be one its members could not account for
+        with everything they hold: every dead end of theirs, not only what fits their rows."""
+        if "none of its members took part" not in reason:
+            return
+        members = list(members)
+        full = continuous(quorum_id, [(m._certified, id_runs(m._dead, len(m._dead) + 1), m._certified_committers)
+                                      for m in members], max(m._missed for m in members))
+        assert full is not None, (f"round {self.now}: quorum {quorum_id} was discarded ({reason}), but its members' "
+                                  "dead ends together cover every quorum after the certified one: their rows lost it")
 
     def _decide_and_commit(self, g: SimGroup) -> Record:
         """DECIDE (the in-group exchange), the guard's action, torchft's commit vote, the update."""

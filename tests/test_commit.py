@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftbridge.manager.commit import (
+    DEAD_END_RUNS,
     FLAGS,
     ROW,
     Agreement,
@@ -16,10 +17,12 @@ from ftbridge.manager.commit import (
     QuorumWait,
     View,
     continuous,
+    dead_end_runs,
     decide_group,
     decide_ride,
     encode_flags,
     encode_view,
+    id_runs,
     judge,
     membership_digest,
     rank_flags,
@@ -230,16 +233,40 @@ def test_a_lighthouse_call_is_waited_for_until_a_ride_or_its_deadline():
 
 
 def test_continuity_counts_quorums_a_member_stayed_behind_in_and_the_committers_that_vouch_for_a_gap():
-    # (certified, dead ends, committers) per member
-    assert continuous(5, [(4, None, 2)]) is None                       # follows the certified quorum
-    assert continuous(7, [(4, None, 2), (-1, (5, 6), 0)]) is None      # 5 and 6 dead ends of a member
-    assert continuous(7, [(4, None, 2), (-1, (5, 5), 0)]) == 6         # 6: nobody here took part
-    assert continuous(7, [(4, None, 1)]) is None                       # the only committer of 4 is here
-    assert continuous(7, [(4, None, 2), (3, None, 2)]) == 5            # one of 4's two committers is missing
-    assert continuous(7, [(4, None, 2), (4, None, 2)]) is None         # both are here
-    assert continuous(5, [(3, None, 1)], missed=4) == 4                # a member discarded where others committed
-    assert continuous(7, [(3, None, 1), (5, None, 1)], missed=4) is None  # ... a member holds a later history
-    assert continuous(2, [(-1, None, 0)], missed=1) == 1               # even with nothing certified
+    # (certified, dead-end runs, committers) per member
+    assert continuous(5, [(4, (), 2)]) is None                          # follows the certified quorum
+    assert continuous(7, [(4, (), 2), (-1, ((5, 6),), 0)]) is None      # 5 and 6 dead ends of a member
+    assert continuous(7, [(4, (), 2), (-1, ((5, 5),), 0)]) == 6         # 6: nobody here took part
+    assert continuous(7, [(4, (), 1)]) is None                          # the only committer of 4 is here
+    assert continuous(7, [(4, (), 2), (3, (), 2)]) == 5                 # one of 4's two committers is missing
+    assert continuous(7, [(4, (), 2), (4, (), 2)]) is None              # both are here
+    assert continuous(5, [(3, (), 1)], missed=4) == 4                   # a member discarded where others committed
+    assert continuous(7, [(3, (), 1), (5, (), 1)], missed=4) is None    # ... a member holds a later history
+    assert continuous(2, [(-1, (), 0)], missed=1) == 1                  # even with nothing certified
+
+
+def test_continuity_takes_the_union_of_every_members_dead_end_runs():
+    """The seed-55 soak's quorums: 9 committed by 3 groups; group 1 then took part in 10 (its process group never
+    formed), 12 and 13; a spare that took group 0's id formed 11 alone. Groups 1 and 2 and the spare in 14 hold
+    every id after 9 between them, but only with group 1's older run: its newest alone (12, 13) leaves 10 open."""
+    group1, group2, spare = (9, ((12, 13), (10, 10)), 3), (9, (), 3), (-1, ((11, 13),), 0)
+    assert continuous(14, [group1, group2, spare]) is None
+    assert continuous(14, [(9, ((12, 13),), 3), group2, spare]) == 10
+    assert continuous(14, [group1, group2]) == 11                        # nobody here was in 11
+    assert continuous(14, [(9, ((12, 13), (10, 11)), 3), group2]) is None  # runs in any order
+    assert id_runs({10, 12, 13}, DEAD_END_RUNS) == ((12, 13), (10, 10))
+    assert id_runs({1, 3, 5, 7}, 2) == ((7, 7), (5, 5)) and id_runs((), 3) == ()
+
+
+def test_every_dead_end_run_travels_in_the_row_and_too_many_are_refused():
+    runs = tuple((10 * k, 10 * k + 3) for k in range(DEAD_END_RUNS, 0, -1))
+    a = encode_view(View(0, 99, D1, 10, 1, True, True, False, certified=4, dead_ends=runs, committers=2))
+    assert len(a) == ROW and dead_end_runs(a) == runs
+    assert judge([a], a, riding=False).continuous is False                 # 5..9 are not covered
+    b = encode_view(View(0, 99, D1, 10, 1, True, True, False, certified=4, dead_ends=((5, 98),), committers=2))
+    assert dead_end_runs(b) == ((5, 98),) and judge([b], b, riding=False).commit
+    with pytest.raises(ValueError, match="dead-end runs"):
+        encode_view(View(0, 99, D1, 10, 1, True, True, False, dead_ends=((1, 1),) * (DEAD_END_RUNS + 1)))
 
 
 def test_judge_reads_missed_and_committers_from_the_rows():

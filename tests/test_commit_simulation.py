@@ -390,6 +390,30 @@ def test_a_rank_whose_row_is_missing_from_its_agreement_leaves_no_quorum_missed(
     assert sim.groups[1].alive and sim.groups[2].alive
 
 
+INTERLEAVED_DEAD_ENDS = [
+    Faults(kill=frozenset({0})),
+    Faults(restart=frozenset({0}), cut_peer=frozenset({frozenset({0, 1})})),
+    Faults(kill=frozenset({0}), hang=frozenset({1})),
+    Faults(restart=frozenset({0}), hang=frozenset({1})),
+    Faults(cut_peer=frozenset({frozenset({0, 1})})),
+]
+"""The seed-55 soak's pattern (docs/chaos.md): quorum 1 committed by both groups; group 0 is killed and
+restarted, and quorum 2 (group 1 and the restart) fails; the restart is killed and restarted again and forms
+quorum 3 alone (group 1 hung); quorum 4 (both) fails. Group 1's dead ends are 2 and 4, the second restart's
+3 and 4. Only their union covers every id after quorum 1, whose other committer is gone."""
+
+
+def test_dead_ends_interleaved_with_a_quorum_another_member_formed_still_cover_the_gap():
+    sim = run(2, 1, False, INTERLEAVED_DEAD_ENDS)
+    assert all(g.alive for g in sim.groups) and sim.groups[0].launch == 2
+
+
+@pytest.mark.parametrize("ride", [False, True], ids=["no-ride", "ride"])
+def test_only_the_newest_dead_end_run_in_the_row_discards_every_later_quorum(ride):
+    with pytest.raises(AssertionError, match="their rows lost it"):
+        run(2, 1, ride, INTERLEAVED_DEAD_ENDS, revert=Revert(newest_dead_end_run=True))
+
+
 @pytest.mark.parametrize("ride", [False, True], ids=["no-ride", "ride"])
 def test_a_rank_that_lost_its_copy_of_the_answer_discards_and_its_group_trains_on(ride):
     """A rank paused past its try's deadline with the try in flight: its rank 0 got the round's answer, its own

@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # -- QUORUM ---------------------------------------------------------------------------------------------
 
@@ -113,7 +113,14 @@ class QuorumWait:
 
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
-ROW = 26
+DEAD_END_RUNS = 8
+"""Runs of consecutive dead-end quorum ids a member's row carries (:attr:`View.dead_ends`), newest first. A
+member's dead ends are interleaved with quorums it was not in (a joiner's quorum alone, say) that another member
+covers, so the gap after the certified quorum is covered by the union of the members' runs; a member with more
+runs than this leaves out its oldest, and the gap they held stays uncovered (the job discards until the rule's
+bound, ``restart_peer_wait``)."""
+
+ROW = 26 + 2 * (DEAD_END_RUNS - 1)
 """float64 values per member in the agreement (see :func:`encode_view`)."""
 
 
@@ -134,9 +141,9 @@ class View:
             participates, else ``None``.
         certified: the latest earlier quorum id (this lighthouse's lifetime) in which an agreement of this
             member passed (-1: none).
-        dead_ends: ``(first, last)`` ids of the latest run of consecutive earlier quorums this member took
-            part in after ``certified`` where none of its agreements passed, so nobody committed there
-            (``None``: no such run).
+        dead_ends: the earlier quorums after ``certified`` this member took part in where none of its agreements
+            passed, so nobody committed there, as runs of consecutive ids ``(first, last)``, newest first, at
+            most :data:`DEAD_END_RUNS` (empty: none).
         empty: this member joined with nothing to start from (a restart or a spare, :func:`ftbridge.heal.joined_empty`;
             it holds none of the job's state).
         num_groups: the job's replica groups (``num_replica_groups``); a quorum holding all of them
@@ -167,7 +174,7 @@ class View:
     lighthouse_seen: bool
     guard: Optional[str] = None
     certified: int = -1
-    dead_ends: Optional[Tuple[int, int]] = None
+    dead_ends: Tuple[Tuple[int, int], ...] = ()
     empty: bool = False
     num_groups: int = 0
     missed: int = -1
@@ -194,21 +201,46 @@ def _digest(chunks: Sequence[float]) -> str:
 
 def encode_view(v: View) -> List[float]:
     """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
-    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first dead end
-    + 1, last dead end + 1, empty, num groups, missed + 1, committers, holding, plan]`` (0 where none).
+    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first + 1 and
+    last + 1 of the newest dead-end run, empty, num groups, missed + 1, committers, holding, plan, then first
+    + 1 and last + 1 of each older run]`` (:data:`ROW` values, 0 where none).
 
     Raises:
-        ValueError: a digest is not 16 hex digits, or a number is negative or >= 2**53.
+        ValueError: a digest is not 16 hex digits, a number is negative or >= 2**53, or more than
+            :data:`DEAD_END_RUNS` dead-end runs are given.
     """
     for name in ("replica_group", "quorum_id", "step", "participants", "plan"):
         if not 0 <= getattr(v, name) < 2**53:
             raise ValueError(f"agreement view: {name}={getattr(v, name)} must be in [0, 2**53)")
+    if len(v.dead_ends) > DEAD_END_RUNS:
+        raise ValueError(f"agreement view: {len(v.dead_ends)} dead-end runs, at most {DEAD_END_RUNS} fit a row")
     guard = [1.0, *_chunks(v.guard, "guard digest")] if v.guard is not None else [0.0] * 5
-    first, last = v.dead_ends if v.dead_ends is not None else (-1, -1)
+    runs = [float(x + 1) for run in v.dead_ends for x in run]
+    runs += [0.0] * (2 * DEAD_END_RUNS - len(runs))
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
-            *guard, float(v.certified + 1), float(first + 1), float(last + 1), float(v.empty), float(v.num_groups),
-            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan)]
+            *guard, float(v.certified + 1), *runs[:2], float(v.empty), float(v.num_groups),
+            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan), *runs[2:]]
+
+
+def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
+    """The runs of consecutive ids in ``ids`` as ``(first, last)``, newest first, the newest ``limit`` of them
+    (pure; ``id_runs({10, 12, 13}, 8) == ((12, 13), (10, 10))``)."""
+    runs: List[List[int]] = []
+    for i in sorted(set(ids), reverse=True):
+        if runs and runs[-1][0] == i + 1:
+            runs[-1][0] = i
+        elif len(runs) == limit:
+            break
+        else:
+            runs.append([i, i])
+    return tuple((first, last) for first, last in runs)
+
+
+def dead_end_runs(row: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
+    """The dead-end runs ``(first, last)`` of one agreement row (:func:`encode_view`), newest first."""
+    cells = [row[18], row[19], *row[26:ROW]]
+    return tuple((int(cells[i]) - 1, int(cells[i + 1]) - 1) for i in range(0, len(cells), 2) if cells[i])
 
 
 @dataclass(frozen=True)
@@ -313,8 +345,7 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
                                               f"{int(key[6])}: the members disagree on who heals")
     guard_rows = [row for row in rows if row[9] == 1.0 and row[12] == 1.0]
     guard = judge_guard({int(row[1]) - 1: _digest(row[13:17]) for row in guard_rows}) if guard_rows else None
-    histories = [(int(row[17]) - 1, (int(row[18]) - 1, int(row[19]) - 1) if row[18] else None, int(row[23]))
-                 for row in rows]
+    histories = [(int(row[17]) - 1, dead_end_runs(row), int(row[23])) for row in rows]
     empty = all(row[20] == 1.0 for row in rows)
     if any(row[21] != own[21] for row in rows):
         return Agreement(False, False, False, f"the members disagree on the job's number of replica groups "
@@ -344,7 +375,7 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     return Agreement(True, True, ride_on, "", guard, True, empty)
 
 
-def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int, int]], int]],
+def continuous(quorum_id: int, histories: Sequence[Tuple[int, Sequence[Tuple[int, int]], int]],
                missed: int = -1) -> Optional[int]:
     """The first earlier quorum id that none of this quorum's members can account for, or ``None`` (pure).
 
@@ -364,13 +395,14 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int
 
     Args:
         quorum_id: this quorum's id.
-        histories: per member, ``(certified, dead_ends, committers)`` as in :class:`View`.
+        histories: per member, ``(certified, dead_ends, committers)`` as in :class:`View` (``dead_ends``: runs
+            ``(first, last)`` in any order).
         missed: the newest :attr:`View.missed` among the members (-1: none).
 
     Returns:
         ``None`` when continuous: no member has a history (the job's or the lighthouse's first quorum), or
-        every id after the newest certified one is covered by some member's dead ends and no member missed a
-        quorum after it. Else the first id nobody here can account for.
+        every id after the newest certified one is covered by some member's dead-end runs (their union) and no
+        member missed a quorum after it. Else the first id nobody here can account for.
     """
     certified = [c for c, _, _ in histories if c >= 0]
     if missed > max(certified, default=-1):
@@ -380,7 +412,7 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Optional[Tuple[int
     holders = [k for c, _, k in histories if c == max(certified)]
     if len(holders) >= max(holders):
         return None
-    runs = sorted(d for _, d, _ in histories if d is not None)
+    runs = sorted(run for _, member_runs, _ in histories for run in member_runs)
     want = max(certified) + 1
     for first, last in runs:
         if want >= quorum_id:

@@ -50,12 +50,14 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from ftbridge import faults
 from ftbridge.log import RepeatLimit
 from ftbridge.manager.commit import (
+    DEAD_END_RUNS,
     ROW,
     Agreement,
     QuorumWait,
     View,
     decide_ride,
     encode_view,
+    id_runs,
     judge,
     membership_digest,
 )
@@ -264,15 +266,11 @@ class OutageRider:
         self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
                                               int(result.replica_world_size)), members
 
-    def _dead_ends(self) -> Optional[Tuple[int, int]]:
-        """The newest run of consecutive dead-end quorum ids (:attr:`View.dead_ends`), ``None`` if none."""
+    def _dead_ends(self) -> Tuple[Tuple[int, int], ...]:
+        """This group's dead-end quorum ids as runs of consecutive ids, newest first, at most
+        :data:`~ftbridge.manager.commit.DEAD_END_RUNS` (:attr:`View.dead_ends`; empty if none)."""
         with self._history_lock:
-            if not self._dead:
-                return None
-            last = first = max(self._dead)
-            while first - 1 in self._dead:
-                first -= 1
-            return first, last
+            return id_runs(self._dead, DEAD_END_RUNS)
 
     def _left(self, future: concurrent.futures.Future) -> None:
         """The group left this lighthouse call and rode: whenever its answer comes, its quorum is a dead end
