@@ -72,3 +72,30 @@ def test_without_resharding_the_groups_train_another_model(local_job, tmp_path):
     ft, plain = _run_both(local_job, tmp_path, ["--no-shard"])
     assert ft[0]["rows"] == ft[1]["rows"], "every group reads the same rows"
     assert any((ft[0]["params"][n] - p).abs().max().item() > 100 * ATOL for n, p in plain[0]["params"].items())
+
+
+@pytest.mark.slow  # ~1.5 min: a job of 2 groups saves, then one of 3 loads
+@pytest.mark.timeout(500)
+def test_a_checkpoint_saved_by_2_groups_loads_into_3(local_job, tmp_path):
+    """``save_state`` of a 2-group job (written by replica group 0, sealed), ``load_state`` of that folder in
+    a 3-group job of the same group size: every group holds the saved parameters and step count."""
+    env = {"OMP_NUM_THREADS": "1"}
+    two, three = tmp_path / "two", tmp_path / "three"
+    job = local_job(2, 1, ["--out", str(two), "--epochs", "1", "--save-state"], script=WORKER, min_replicas=2,
+                    lighthouse_min_replicas=2, max_restarts=0, env=env)
+    job.start()
+    assert job.wait(timeout_s=240) == {0: 0, 1: 0}, job.tails()
+    saved = torch.load(two / "result_0.pt")
+    checkpoint = two / "project" / "checkpoints" / "checkpoint_1"
+    assert manifest.verify(str(checkpoint)) == [] and saved["global_steps"] > 0
+    job = local_job(3, 1, ["--out", str(three), "--epochs", "0", "--resume", str(checkpoint)], script=WORKER,
+                    min_replicas=3, lighthouse_min_replicas=3, max_restarts=0, env=env)
+    job.start()
+    assert job.wait(timeout_s=240) == {0: 0, 1: 0, 2: 0}, job.tails()
+    initial = saved["initial"]
+    for r in range(3):
+        got = torch.load(three / f"result_{r}.pt")
+        assert got["global_steps"] == saved["global_steps"], f"group {r}: the saved step count"
+        for name, want in saved["params"].items():
+            assert torch.equal(got["params"][name], want), f"group {r} did not load {name}"
+            assert not torch.equal(got["params"][name], initial[name]), "the saved model had trained"

@@ -10,7 +10,8 @@ engine's class name, the keys of ``accelerator.get_state_dict(model)`` and of th
 
 Flags: ``--out DIR``, ``--epochs``, ``--stage`` (ZeRO), ``--gas`` (gradient accumulation steps),
 ``--no-shard`` (negative control: skip the re-sharding), ``--save-state`` (after training, two
-``save_state`` calls with ``total_limit=1``, then ``load_state()`` over parameters moved by 1).
+``save_state`` calls with ``total_limit=1``, then ``load_state()`` over parameters moved by 1), ``--resume DIR``
+(``load_state(DIR)`` before training; with ``--epochs 0`` the result holds the loaded parameters).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--no-shard", action="store_true")
     p.add_argument("--save-state", action="store_true",
                    help="after training: save_state twice (total_limit 1) into OUT/project, then load_state()")
+    p.add_argument("--resume", help="load_state(RESUME) right after prepare, before training")
     args = p.parse_args()
 
     import deepspeed
@@ -66,6 +68,8 @@ def main() -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if not args.plain and not args.no_shard:
         loader = accelerator.shard_across_replica_groups(loader)
+    if args.resume:
+        accelerator.load_state(args.resume)
 
     lrs, rows, discarded = [], [], 0
     for _ in range(args.epochs):
