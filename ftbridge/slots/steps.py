@@ -1,7 +1,7 @@
 """The engine's side of slots: the units of one attempt of a step, and its accumulation boundary.
 
-With ``slots`` set (:attr:`ftbridge.config.FTBridgeConfig.slots`), the training loop iterates
-:meth:`ftbridge.engine.FaultTolerantEngine.units`, which :func:`units` implements::
+With ``slots`` set, the training loop iterates :meth:`ftbridge.engine.FaultTolerantEngine.units`, which
+:func:`units` implements::
 
     while engine.global_steps < steps:
         for unit in engine.units():
@@ -9,25 +9,11 @@ With ``slots`` set (:attr:`ftbridge.config.FTBridgeConfig.slots`), the training 
             engine.backward(engine(x, y))
             engine.step()
 
-One attempt of step ``s``:
-
-1. The quorum starts (asynchronously) and the group computes its home units
-   (:func:`ftbridge.slots.home_units`) but the last without waiting for it.
-2. Before the last home unit, the group waits for the quorum and takes one decision for all its
-   ranks (:func:`group_plan`, one in-group exchange; group rank 0's view wins): the participants
-   are the quorum's members, and :func:`ftbridge.slots.assign` gives this group the absent groups'
-   units it computes after its own.
-3. DeepSpeed's accumulation boundary is set before every unit: true on the last one only, so the
-   optimizer step (and the commit vote) follows the last unit whatever their number.
-
-A step in which a member heals cannot be covered: torchft zeroes the healing member's gradient, and
-no member learns from the quorum which member that is. Every member of such a quorum (the condition
-is the quorum's, so all read it alike) records an error before any gradient message, and the step is
-discarded everywhere; its retry, with the healed member taking part, trains the same units. A heal
-therefore costs one step's computation, and never changes what is trained.
-
-With ``slots`` 0, :func:`units` yields the group's own ``gradient_accumulation_steps`` micro-batches
-(data-parallel rank ``replica_group_id * group_size + group_rank``) and nothing else changes.
+The group computes its home units, waits for the quorum before the last one and takes one plan for all
+its ranks (:func:`group_plan`), then computes the absent groups' units it was given; a step in which a
+member heals is discarded everywhere (:class:`StepNotCovered`). With ``slots`` 0, :func:`units` yields
+the group's own micro-batches. Why: docs/design.md, "Failure-transparent training: the slot plan"
+(an attempt; participants are the quorum's members).
 """
 
 from __future__ import annotations
@@ -44,12 +30,11 @@ logger = logging.getLogger(__name__)
 
 
 class StepNotCovered(DiscardStep):
-    """This attempt cannot train every unit of the step exactly once; the step is discarded everywhere
-    (a heal received in it still applies)."""
+    """This attempt cannot train every unit of the step exactly once: the step is discarded everywhere (a heal received in it still applies)."""
 
 
 def _discard(manager: Any, reason: str) -> None:
-    """Record :class:`StepNotCovered` unless an error is recorded already (which it must not hide)."""
+    """Record :class:`StepNotCovered` unless an error is recorded already."""
     if manager.errored() is None:
         manager.report_error(StepNotCovered(reason))
 
@@ -59,12 +44,12 @@ def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tupl
 
     Args:
         members: torchft replica ids of the step's quorum (``replica_group_G:UUID``).
-        everyone: every member takes part (no member heals in this step).
+        everyone: no member heals in this step.
         groups: replica groups the job was configured with.
 
     Returns:
-        ``(sorted group ids, "")``, or ``([], reason)`` when a member heals, an id is not a replica
-        group of the job, or two members hold one id.
+        ``(sorted group ids, "")``, or ``([], reason)`` when the quorum is unknown, a member heals, an id is
+        not a replica group of the job, or two members hold one id.
     """
     if not members:
         return [], "the step's quorum is unknown (its quorum call failed)"
@@ -79,20 +64,16 @@ def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tupl
 
 
 def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) -> Tuple[List[UnitKey], str]:
-    """The units this group computes after its home units, decided for the whole group.
+    """The units this group computes after its home units, decided for the whole group (group rank 0's view wins).
 
-    Waits for the quorum, then one in-group exchange (:func:`ftbridge.device.exchange_in_group`) of
-    each rank's view; group rank 0's is taken by every rank, so all ranks compute as many units and
-    enter the same in-group collectives. A rank whose own view differs records an error (the step is
-    discarded).
+    Waits for the quorum, then one in-group exchange; a rank whose own view differs records an error.
 
     Returns:
-        ``(extra units in order, reason)``; ``reason`` is ``""`` when the plan covers the step, else
-        why the step is discarded (every rank has then recorded an error: :class:`StepNotCovered`,
-        unless one was recorded already).
+        ``(extra units in order, reason)``; ``reason`` is ``""`` when the plan covers the step, else why the
+        step is discarded (every rank has recorded an error).
 
     Raises:
-        RuntimeError: the in-group exchange failed (the in-group process group's timeout).
+        RuntimeError: the in-group exchange failed.
     """
     members, everyone = manager.step_members()
     present, why = participants_of(members, everyone, groups)
@@ -114,14 +95,14 @@ def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) ->
 
 
 def units(engine: Any) -> Iterator[Unit]:
-    """One attempt of the current step, unit by unit (:meth:`FaultTolerantEngine.units`; see the module).
+    """One attempt of the current step, unit by unit (:meth:`FaultTolerantEngine.units`).
 
     Args:
         engine: a :class:`ftbridge.engine.FaultTolerantEngine` between steps.
 
     Yields:
-        :class:`ftbridge.slots.Unit` s, home units first; DeepSpeed's accumulation boundary is set
-        for each before it is yielded.
+        :class:`ftbridge.slots.Unit` s, home units first, DeepSpeed's accumulation boundary set for each
+        (true on the last).
 
     Raises:
         RuntimeError: called inside a step (a forward ran since the last optimizer step).
@@ -154,9 +135,7 @@ def units(engine: Any) -> Iterator[Unit]:
 
 
 def plan_digest(cfg: Any, ds: Any) -> int:
-    """What the step's agreement compares (:attr:`ftbridge.manager.commit.View.plan`): 0 without slots,
-    else 1 + :func:`ftbridge.slots.config_digest` of the slots, DeepSpeed's accumulation steps and
-    micro-batch, and the group size. Members whose plans differ never commit a step together."""
+    """:attr:`ftbridge.manager.commit.View.plan`: 0 without slots, else 1 + :func:`ftbridge.slots.config_digest` of the slots, accumulation steps, micro-batch and group size."""
     if not cfg.slots:
         return 0
     return 1 + config_digest(cfg.slots, int(ds.gradient_accumulation_steps()),
