@@ -1,14 +1,9 @@
 """Slots: the job's fixed data-parallel grid, and which live replica group computes each unit of it (pure).
 
-A step is a grid of units ``(slot, micro)``: N slots x G micro-batches (G: DeepSpeed's
-``gradient_accumulation_steps``). Group rank r computing a unit reads data-parallel rank
-``slot * group_size + r`` of ``slots * group_size``. :func:`home_units` gives a group's units,
-:func:`assign` the step's plan for the participants (every unit exactly once, at most :func:`max_load`
-each), :func:`config_digest` the settings the agreement compares. Integers in, integers out: every rank
-of every group computes the same plan alone. I/O: :mod:`.steps` (the engine) and :mod:`.data` (rows and
-randomness per unit).
-
-Why and how: docs/design.md, "Failure-transparent training: the slot plan".
+A step is N slots x G micro-batches; :func:`home_units` gives a group's units, :func:`assign` the step's
+plan (every unit once, at most :func:`max_load` each), :func:`config_digest` what the agreement compares.
+Every rank computes the same plan alone. I/O: :mod:`.steps`, :mod:`.data`.
+Why: docs/design.md, "Failure-transparent training: the slot plan".
 """
 
 from __future__ import annotations
@@ -26,16 +21,7 @@ DIGEST_BITS = 20
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One unit of work as a rank computes it.
-
-    Attributes:
-        step: the optimizer step (committed steps before it).
-        slot: ``0 <= slot < slots``.
-        micro: micro-batch within the slot, ``0 <= micro < G``.
-        group_rank: the computing rank within its replica group.
-        group_size: ranks per replica group.
-        slots: the job's slots (N).
-    """
+    """One unit of work as a rank computes it: optimizer ``step``, ``slot`` (< ``slots``), ``micro`` (< G), the computing ``group_rank``, ``group_size``, and the job's ``slots`` (N)."""
 
     step: int
     slot: int
@@ -101,15 +87,10 @@ def max_load(slots: int, micro: int, participants: int) -> int:
 
 
 def assign(slots: int, micro: int, groups: int, participants: Iterable[int]) -> Dict[int, Tuple[UnitKey, ...]]:
-    """This step's plan: the units each participating replica group computes.
+    """This step's plan ``{group: units}`` for the participating replica group ids (any order, no repeats).
 
-    Args:
-        slots, micro, groups: N, G and M (``M <= N``; group ids ``0..M-1``).
-        participants: the replica group ids whose gradients count this step (any order, no repeats).
-
-    Returns:
-        ``{group: units}``: each participant's :func:`home_units` first, then the absent groups' units it
-        took, in grid order; every unit exactly once, at most :func:`max_load` per participant.
+    Each participant's :func:`home_units` come first, then the absent groups' units it took, in grid order;
+    every unit appears exactly once, at most :func:`max_load` per participant. ``groups`` is M (<= ``slots``).
 
     Raises:
         ValueError: see :func:`check_grid`; no participant, a repeated one, or one outside ``[0, groups)``.

@@ -1,20 +1,7 @@
-"""What a unit of work reads and draws, as functions of the unit alone (never of the group computing it).
-
-:class:`UnitSampler` gives a unit's indices in a map-style dataset, those
-:class:`torch.utils.data.DistributedSampler` (``drop_last=True``) gives data-parallel rank
-``unit.dp_rank`` in plain data parallelism; :func:`unit_rng` seeds torch's generators from the unit's
-rows. Python's ``random`` and NumPy are not touched: seed them from :meth:`Unit.seed
-<ftbridge.slots.Unit.seed>` inside the context if the forward draws from them::
-
-    sampler = UnitSampler.for_engine(engine, len(dataset), seed=1234)
-    while engine.global_steps < steps:
-        for unit in engine.units():
-            with unit_rng(unit, seed=1234):       # dropout as the failure-free run draws it
-                batch = collate([dataset[i] for i in sampler.indices(unit)])
-                engine.backward(loss_fn(engine(batch)))
-            engine.step()
-
-Usage: docs/your-script.md; why: docs/design.md, "Failure-transparent training: the slot plan".
+"""What a unit of work reads and draws, as functions of the unit alone: :class:`UnitSampler` (its dataset
+indices) and :func:`unit_rng` (torch's generators seeded from its rows). Python's ``random`` and NumPy are
+not touched. Usage: docs/your-script.md, "The same model whatever fails (slots)"; why: docs/design.md,
+"Failure-transparent training: the slot plan".
 """
 
 from __future__ import annotations
@@ -41,18 +28,16 @@ class _Length(Dataset[int]):
 class UnitSampler:
     """Indices of each unit's micro-batch in a map-style dataset, as plain data parallelism reads them.
 
-    The reference is ``DistributedSampler(dataset, num_replicas=dp_world_size, rank=r, shuffle=shuffle,
-    seed=seed, drop_last=True)`` with ``set_epoch(e)`` and batches of ``micro_batch`` rows. Step ``s`` is the
-    ``s % steps_per_epoch``-th full window of ``micro_steps`` batches in epoch ``s // steps_per_epoch``; a
-    shard's rows that do not fill a whole window at an epoch's end are skipped.
+    The same as ``DistributedSampler(num_replicas=dp_world_size, rank=unit.dp_rank, shuffle, seed,
+    drop_last=True)`` with ``set_epoch`` and batches of ``micro_batch``: step ``s`` is window
+    ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``; rows that do not fill a window at an epoch's
+    end are skipped.
 
     Args:
         num_samples: rows in the dataset, ``>= dp_world_size * micro_batch * micro_steps``.
-        micro_batch: rows per micro-batch and rank (``train_micro_batch_size_per_gpu``).
-        micro_steps: micro-batches per optimizer step (``gradient_accumulation_steps``).
+        micro_batch, micro_steps: DeepSpeed's micro-batch per rank and accumulation steps.
         dp_world_size: data-parallel ranks of the failure-free job (``unit.dp_world_size``).
-        shuffle: permute the rows every epoch (``torch.randperm`` seeded with ``seed + epoch``).
-        seed: the permutation's seed; the same on every replica group.
+        shuffle, seed: permute every epoch with ``torch.randperm`` seeded ``seed + epoch`` (same on every group).
 
     Raises:
         ValueError: a count below 1, or a dataset too small for one step.

@@ -1,19 +1,8 @@
-"""The engine's side of slots: the units of one attempt of a step, and its accumulation boundary.
-
-With ``slots`` set, the training loop iterates :meth:`ftbridge.engine.FaultTolerantEngine.units`, which
-:func:`units` implements::
-
-    while engine.global_steps < steps:
-        for unit in engine.units():
-            x, y = data.get_batch(unit.step, unit.micro, unit.dp_rank, unit.dp_world_size)
-            engine.backward(engine(x, y))
-            engine.step()
-
-The group computes its home units, waits for the quorum before the last one and takes one plan for all
-its ranks (:func:`group_plan`), then computes the absent groups' units it was given; a step in which a
-member heals is discarded everywhere (:class:`StepNotCovered`). With ``slots`` 0, :func:`units` yields
-the group's own micro-batches. Why: docs/design.md, "Failure-transparent training: the slot plan"
-(an attempt; participants are the quorum's members).
+"""The engine's side of slots: :func:`units` implements :meth:`ftbridge.engine.FaultTolerantEngine.units`,
+one attempt of a step unit by unit (home units, then one plan for the whole group, :func:`group_plan`,
+and DeepSpeed's accumulation boundary true on the last unit); a step in which a member heals is discarded
+everywhere (:class:`StepNotCovered`). With ``slots`` 0 it yields the group's own micro-batches.
+Usage: docs/your-script.md; why: docs/design.md, "Failure-transparent training: the slot plan".
 """
 
 from __future__ import annotations
@@ -40,17 +29,7 @@ def _discard(manager: Any, reason: str) -> None:
 
 
 def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tuple[List[int], str]:
-    """The replica group ids whose units count this step, or why the step cannot be covered (pure).
-
-    Args:
-        members: torchft replica ids of the step's quorum (``replica_group_G:UUID``).
-        everyone: no member heals in this step.
-        groups: replica groups the job was configured with.
-
-    Returns:
-        ``(sorted group ids, "")``, or ``([], reason)`` when the quorum is unknown, a member heals, an id is
-        not a replica group of the job, or two members hold one id.
-    """
+    """The sorted replica group ids whose units count this step, and ``""``; or ``([], reason)`` when the quorum is unknown, ``everyone`` is false (a member heals), an id of ``members`` is not a group in ``[0, groups)``, or two members hold one id (pure)."""
     if not members:
         return [], "the step's quorum is unknown (its quorum call failed)"
     if not everyone:
@@ -64,13 +43,11 @@ def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tupl
 
 
 def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) -> Tuple[List[UnitKey], str]:
-    """The units this group computes after its home units, decided for the whole group (group rank 0's view wins).
-
-    Waits for the quorum, then one in-group exchange; a rank whose own view differs records an error.
+    """The units this group computes after its home units, with group rank 0's view taken by every rank.
 
     Returns:
-        ``(extra units in order, reason)``; ``reason`` is ``""`` when the plan covers the step, else why the
-        step is discarded (every rank has recorded an error).
+        ``(extra units in order, "")``, or ``([], reason)`` when the step is discarded (every rank has then
+        recorded an error).
 
     Raises:
         RuntimeError: the in-group exchange failed.
@@ -95,14 +72,7 @@ def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) ->
 
 
 def units(engine: Any) -> Iterator[Unit]:
-    """One attempt of the current step, unit by unit (:meth:`FaultTolerantEngine.units`).
-
-    Args:
-        engine: a :class:`ftbridge.engine.FaultTolerantEngine` between steps.
-
-    Yields:
-        :class:`ftbridge.slots.Unit` s, home units first, DeepSpeed's accumulation boundary set for each
-        (true on the last).
+    """Yield one attempt of the current step as :class:`ftbridge.slots.Unit` s of ``engine`` (between steps), home units first, the accumulation boundary set for each.
 
     Raises:
         RuntimeError: called inside a step (a forward ran since the last optimizer step).
@@ -143,14 +113,7 @@ def plan_digest(cfg: Any, ds: Any) -> int:
 
 
 def refusal(cfg: Any, ds: Any, adapter: Any, hook_state: Any) -> str:
-    """Why this engine cannot train with slots, or ``""`` (checked at ``initialize``).
-
-    Args:
-        cfg: the resolved :class:`ftbridge.config.FTBridgeConfig`.
-        ds: the DeepSpeed engine.
-        adapter: its :class:`ftbridge.zero.adapter.ZeroAdapter`.
-        hook_state: the communication hook's state (:func:`ftbridge.comm_hooks.build`).
-    """
+    """Why this engine (``cfg``, DeepSpeed engine ``ds``, its ``adapter`` and comm ``hook_state``) cannot train with slots, or ``""``; checked at ``initialize``."""
     if not cfg.slots:
         return ""
     from ftbridge.comm_hooks.powersgd import PowerSGDState
