@@ -1,13 +1,10 @@
 """The per-step commit protocol of one rank as pure functions (no I/O).
 
-Steps: QUORUM (:func:`decide_ride`, :class:`QuorumWait`), SYNC (the gradient all-reduces), AGREE (one
-cross-replica all-reduce of every member's :class:`View`, :func:`encode_view`, judged by :func:`judge`),
-DECIDE (one in-group all-reduce of every rank's :class:`Flags`, :func:`decide_group`), COMMIT (torchft's
-``should_commit``). The drivers are :mod:`ftbridge.manager.replica`, :mod:`ftbridge.manager.outage` and
-:mod:`ftbridge.manager.quorum_guard`.
-
-Protocol and state diagram: docs/concepts.md, "The commit protocol". Invariants and why a commit never
-splits the job: docs/design.md.
+QUORUM (:func:`decide_ride`, :class:`QuorumWait`), AGREE (every member's :class:`View`, summed in one
+cross-replica all-reduce, judged by :func:`judge`), DECIDE (every rank's :class:`Flags`, one in-group
+all-reduce, :func:`decide_group`). Drivers: :mod:`ftbridge.manager.replica`, :mod:`ftbridge.manager.outage`,
+:mod:`ftbridge.manager.quorum_guard`. Protocol: docs/concepts.md, "The commit protocol"; invariants and
+why a commit never splits the job: docs/design.md.
 """
 
 from __future__ import annotations
@@ -24,18 +21,9 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
                 rode_last: bool, last_ride_on: bool, lighthouse_answers: Optional[bool]) -> bool:
     """Whether this step reuses the last quorum instead of asking the lighthouse (group rank 0 decides).
 
-    Args:
-        enabled: ``ride_out_lighthouse_outage`` is on.
-        has_last: this rank has taken part in a quorum.
-        same_process_group: torchft still holds that quorum's process group.
-        last_committed: the whole group committed the previous step.
-        rode_last: the previous step rode.
-        last_ride_on: the previous step's :attr:`Agreement.ride_on`.
-        lighthouse_answers: whether the lighthouse answered a request (not a TCP connect) within the probe
-            deadline; ``None``: no recent probe.
-
-    Returns:
-        ``True`` to ride: entry follows this group's own probe, staying on follows the previous agreement only.
+    Rides only if ``enabled``, ``has_last``, ``same_process_group`` (torchft still holds it) and
+    ``last_committed``; then, if ``rode_last``, as the last agreement said (``last_ride_on``), else only when
+    ``lighthouse_answers`` is ``False`` (a request unanswered within the probe deadline; ``None``: no probe).
     """
     if not (enabled and has_last and same_process_group and last_committed):
         return False
@@ -47,15 +35,10 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
 class QuorumWait:
     """Waiting for one lighthouse call of group rank 0: go on waiting, leave it and ride, or give up.
 
-    The driver polls it; a call that returns or raises ends the wait in the driver (exceptions re-raised).
-
     Args:
         started: monotonic seconds when the call was made.
-        deadline_s: seconds after which the call counts as lost (``quorum_timeout`` plus slack).
-        may_ride: riding is allowed for this step (:func:`decide_ride` with an unanswering lighthouse).
-
-    Raises:
-        ValueError: ``deadline_s`` is not positive.
+        deadline_s: seconds after which the call counts as lost (> 0).
+        may_ride: riding is allowed for this step.
     """
 
     WAIT, RIDE, EXPIRED = "wait", "ride", "expired"
@@ -66,12 +49,7 @@ class QuorumWait:
         self.started, self.deadline_s, self.may_ride = started, deadline_s, may_ride
 
     def poll(self, now: float, lighthouse_answers: Optional[bool]) -> str:
-        """The action for a call still in flight at ``now`` (monotonic s).
-
-        Returns:
-            :attr:`RIDE` when riding is allowed and the lighthouse does not answer; :attr:`EXPIRED` past the
-            deadline; else :attr:`WAIT`.
-        """
+        """At ``now`` (monotonic s): :attr:`RIDE` if riding is allowed and the lighthouse does not answer, :attr:`EXPIRED` past the deadline, else :attr:`WAIT`."""
         if self.may_ride and lighthouse_answers is False:
             return self.RIDE
         if now - self.started >= self.deadline_s:
@@ -92,27 +70,19 @@ ROW = 26 + 2 * (DEAD_END_RUNS - 1)
 class View:
     """What one member acts on in this step; every member's must match for a commit.
 
-    Field meanings beyond the names (why each exists: docs/design.md, "Why a commit never splits the job"):
-
     Attributes:
-        replica_group: replica group id (>= 0).
-        membership: :func:`membership_digest` of the quorum's replica ids (16 hex digits).
-        step: torchft's committed-step counter (a healing member's is the donor's).
-        participants: the divisor this member averages by (torchft's ``num_participants``).
-        participating: this member's gradient counts (``False`` while it heals).
-        ok: no error recorded on this rank in this step.
-        lighthouse_seen: the lighthouse answered this rank's group at this step's start.
-        guard: 16 hex digits of the state fingerprint when the guard is due and this member participates.
-        certified: newest earlier quorum id (this lighthouse's lifetime) where its agreement passed (-1: none).
-        dead_ends: runs ``(first, last)`` of quorums after ``certified`` it was in where none of its agreements
-            passed, newest first, at most :data:`DEAD_END_RUNS`.
-        empty: joined with nothing to start from (:func:`ftbridge.heal.joined_empty`).
-        num_groups: the job's replica groups (``num_replica_groups``).
-        missed: newest earlier quorum id whose agreement passed while this member's group discarded, unless a
-            later quorum certified it since (-1: none).
-        committers: members (this one included) that reported ok on the step that certified ``certified``.
-        holding: a lighthouse call this group left to ride is still in flight; every member then rides on.
-        plan: ``config_digest + 1`` of the slot plan (:mod:`ftbridge.slots`); 0 without slots.
+        replica_group, quorum_id, step, plan: ids (a healing member's step is the donor's); ``plan``:
+            ``config_digest + 1`` of the slot plan, 0 without slots.
+        membership: :func:`membership_digest` of the quorum's replica ids.
+        participants: the divisor it averages by; participating: its gradient counts (not healing).
+        ok: no error recorded in this step; lighthouse_seen: the lighthouse answered at the step's start.
+        guard: state fingerprint (16 hex digits) when the guard is due and it participates.
+        certified, dead_ends, missed, committers: its quorum history (docs/design.md, "Continuity"): the
+            newest quorum its agreement passed in (-1: none), runs ``(first, last)`` of later quorums it was in
+            where none passed (newest first, at most :data:`DEAD_END_RUNS`), the newest quorum it missed (-1:
+            none), and the members ok on the certifying step.
+        empty: joined with nothing (:func:`ftbridge.heal.joined_empty`); num_groups: ``num_replica_groups``.
+        holding: a lighthouse call its group left to ride is still in flight.
     """
 
     replica_group: int
@@ -195,14 +165,7 @@ def dead_end_runs(row: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class GuardVerdict:
-    """The divergence guard's majority judgement of one step's fingerprints.
-
-    Attributes:
-        digests: replica group id -> fingerprint, for every participating member that reported one.
-        majority: the fingerprint held by more than half of them; ``None`` in a tie.
-        differing: groups whose fingerprint is not the majority's (empty in a tie).
-        agreeing: groups holding the majority's fingerprint (heal sources for the differing ones).
-    """
+    """The divergence guard's majority judgement: ``digests`` (group -> fingerprint), the strict ``majority`` (``None`` in a tie), the ``differing`` groups and the ``agreeing`` ones (heal sources)."""
 
     digests: Dict[int, str]
     majority: Optional[str]
@@ -236,16 +199,14 @@ class Agreement:
     """One member's verdict on the summed agreement tensor (every member judges the same tensor).
 
     Attributes:
-        consistent: every member present once, on the same quorum, membership, step and divisor, with as
-            many participating members as the divisor.
-        continuous: ``consistent`` and the quorum follows the job's history (:func:`continuous`).
+        consistent: every member present once, on one quorum, membership, step and divisor, with as many
+            participants as the divisor.
+        continuous: ``consistent`` and following the job's history (:func:`continuous`).
         commit: ``continuous`` and, in a riding step, every member ok.
-        ride_on: ``commit``, and no member heard the lighthouse or a member is :attr:`View.holding`.
-        reason: why not ``commit`` ("" when it holds).
-        guard: the divergence guard's verdict when fingerprints were reported, else ``None``.
+        ride_on: ``commit``, and no member heard the lighthouse or one is :attr:`View.holding`.
+        reason: why not ``commit``; guard: the guard's verdict, if fingerprints came.
         all_empty: ``consistent`` and every member joined empty.
-        shared: every member of the process group reaches this verdict (judged on the complete tensor, or
-            this member's row missing); a failed all-reduce is not shared.
+        shared: every member reaches this verdict (the complete tensor, or this row missing).
     """
 
     consistent: bool
@@ -262,12 +223,10 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     """The verdict of one step's agreement (pure).
 
     Args:
-        rows: the summed agreement tensor, one row per member (quorum replica rank), :data:`ROW` each.
-        own: this member's own row (:func:`encode_view`).
+        rows: the summed tensor, one row of :data:`ROW` per member (quorum replica rank); a row whose first
+            value is not exactly 1 (missing or doubled) fails it.
+        own: this member's row (:func:`encode_view`).
         riding: this step reuses the last quorum, so every member must also be ok.
-
-    Returns:
-        :class:`Agreement`; a row whose first value is not exactly 1 (missing or doubled) fails it.
     """
     if not rows:
         return Agreement(False, False, False, "no members")
@@ -318,20 +277,16 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
 
 def continuous(quorum_id: int, histories: Sequence[Tuple[int, Sequence[Tuple[int, int]], int]],
                missed: int = -1) -> Optional[int]:
-    """The first earlier quorum id that none of this quorum's members can account for, or ``None`` (pure).
+    """The first earlier quorum id none of this quorum's members can account for, or ``None`` (pure).
 
-    The rule and its reasoning: docs/design.md, "Continuity". :func:`judge` skips it for a quorum holding every
-    replica group, each by a member taking part with state of its own.
+    ``None`` when no member has a history, every member that committed in the newest certified quorum is
+    here, or every id after it is in the union of the dead-end runs and nobody missed a later quorum. The rule:
+    docs/design.md, "Continuity".
 
     Args:
         quorum_id: this quorum's id.
-        histories: per member ``(certified, dead_ends, committers)`` as in :class:`View` (runs in any order).
+        histories: per member ``(certified, dead_ends, committers)`` as in :class:`View`.
         missed: the newest :attr:`View.missed` among the members (-1: none).
-
-    Returns:
-        ``None`` when no member has a history, when every member that committed in the newest certified quorum
-        is here, or when every id after it is in the union of the dead-end runs and nobody missed a later
-        quorum. Else the first id nobody here accounts for.
     """
     certified = [c for c, _, _ in histories if c >= 0]
     if missed > max(certified, default=-1):
@@ -362,22 +317,15 @@ class Flags:
     """What one rank of a replica group brings to the group's decision.
 
     Attributes:
-        step: torchft's step on this rank.
-        errored: an error is recorded on this rank.
-        agreement: its cross-replica agreement passed (:attr:`Agreement.commit`).
-        ride_on: it passed and says ride on.
-        healing: this rank heals in this step.
-        heal_ready: it holds its complete heal state.
-        guard_mismatch: the guard found some member's state differing.
-        guard_differs: the guard outvoted this group's state.
-        guard_tie: the guard found the members differ with no majority.
-        stop: this rank ends its group (no peer to heal from).
-        gap_stop: its quorums have not followed the job's history for longer than ``restart_peer_wait``.
-        fails_all: its agreement failed with a shared verdict, so no group commits this step.
-        store_unreachable: group rank 0 only: the quorum's store did not answer its probe within the
-            cross-replica timeout (:class:`ftbridge.manager.stand_aside.StandAside`).
-        met: its agreement ran with every member of its quorum (:attr:`Agreement.consistent`); steps without
-            it do not count towards ``restart_peer_wait``.
+        step, errored: torchft's step; an error is recorded on this rank.
+        agreement, ride_on: its agreement passed (:attr:`Agreement.commit`), and says ride on.
+        healing, heal_ready: it heals in this step, and holds its complete heal state.
+        guard_mismatch, guard_differs, guard_tie: some member differs; this group was outvoted; no majority.
+        stop, gap_stop: it ends the group (no peer to heal from; past ``restart_peer_wait`` without continuity).
+        fails_all: its agreement failed with a shared verdict: no group commits this step.
+        store_unreachable: group rank 0's probe of the quorum's store failed (:mod:`~ftbridge.manager.stand_aside`).
+        met: its agreement ran with every member (:attr:`Agreement.consistent`); only such steps count
+            towards ``restart_peer_wait``.
     """
 
     step: int
@@ -399,14 +347,7 @@ class Flags:
 def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
                replica_group: int, stop: bool = False, gap_stop: bool = False,
                store_unreachable: bool = False) -> Flags:
-    """This rank's :class:`Flags` from what it saw in the step (pure).
-
-    Args:
-        agreement: its cross-replica agreement; ``None`` (none made) counts as passed.
-        healing, heal_ready: its heal state (:meth:`ftbridge.manager.HealAgreement.state`).
-        replica_group: its replica group id.
-        step, errored, stop, gap_stop, store_unreachable: as in :class:`Flags`.
-    """
+    """This rank's :class:`Flags` (pure); ``agreement`` ``None`` (none made) counts as passed, ``replica_group`` names it to the guard."""
     g = agreement.guard if agreement is not None else None
     return Flags(step=step, errored=errored, agreement=agreement.commit if agreement is not None else True,
                  ride_on=bool(agreement and agreement.ride_on), healing=healing,
@@ -430,17 +371,12 @@ class GroupDecision:
     """The one decision of a replica group for this step, the same on every rank.
 
     Attributes:
-        commit: the group votes to commit (torchft's ``should_commit`` still ANDs it).
+        commit: the group votes to commit; reason: why not ("" when it does).
         drop_heal: the group heals but a rank lacks its state: nobody applies it.
-        guard_mismatch, guard_tie: as in :class:`Flags`, on any rank.
-        guard_differs: the guard outvoted this group: it discards and heals next.
+        guard_mismatch, guard_differs, guard_tie, stop, gap_stop, store_unreachable: any rank's :class:`Flags`.
         ride_next: committed on an agreement that says ride on, on every rank.
-        stop, gap_stop: a rank ends the group: every rank raises.
-        reason: why not ``commit`` ("" when it holds).
-        nobody_commits: a rank's agreement failed with a shared verdict: every group discards this step.
-        agreed: every rank's agreement passed, so a discard is this group's own decision.
-        store_unreachable: group rank 0 found the quorum's store silent.
-        met: every rank's agreement ran with every member of its quorum.
+        nobody_commits: a rank's agreement failed with a shared verdict: every group discards.
+        agreed, met: every rank's agreement passed; ran with every member.
     """
 
     commit: bool
