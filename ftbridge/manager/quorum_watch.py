@@ -1,15 +1,11 @@
 """The peer watch: cut a hung peer off once the lighthouse declares it dead (gloo process groups only).
 
-:class:`QuorumWatch` replaces the blocking wait of each cross-replica all-reduce (:class:`WatchedWork`).
-A wait longer than ``peer_watch_poll`` reads the lighthouse's ``/status`` every poll; once a member of
-this step's quorum is stale, the rank records :class:`PeerLost` (the step is discarded), abandons the
-all-reduce (it ran on a buffer nobody reads afterwards), sets the process group aside (``bury``) and has
-the next quorum rebuild it (:meth:`QuorumWatch.take_rebuild`). A resumed rank that was frozen during the
-step discards it (:meth:`QuorumWatch.dropped_while_frozen`, :class:`FreezeClock`). The step's agreement is
-never cut short, only gradient all-reduces and the reconfigure vote (:func:`wait_for_keys`).
-
-Why: docs/concepts.md, "The timeout hierarchy" (the hung peer paragraph); docs/design.md, "The agreement
-is never cut short" and "The peer watch". Off with NCCL (``use_cuda``).
+:class:`QuorumWatch` waits on each cross-replica all-reduce (:class:`WatchedWork`) and, past
+``peer_watch_poll``, reads the lighthouse's ``/status`` every poll; once a member of this step's quorum
+is stale it records :class:`PeerLost` (the step is discarded), abandons the all-reduce, sets its process
+group aside and has the next quorum rebuild. A resumed rank frozen during the step discards it
+(:meth:`QuorumWatch.dropped_while_frozen`). The step's agreement is never cut short.
+Why: docs/concepts.md, "The timeout hierarchy"; docs/design.md, "The peer watch".
 """
 
 from __future__ import annotations
@@ -40,31 +36,14 @@ def group_of(replica_id: str) -> str:
 
 
 def lost_members(members: Sequence[str], me: str, stale: Iterable[str]) -> Tuple[str, ...]:
-    """Members of this step's quorum, other than this replica group, that the lighthouse holds dead (pure).
-
-    Args:
-        members: torchft replica ids of this step's quorum (``replica_group_G:UUID``).
-        me: this replica group's id without the UUID (``replica_group_G``).
-        stale: replica ids whose heartbeat the lighthouse marks stale; a member absent from the heartbeat
-            table is not judged.
-
-    Returns:
-        The lost members, sorted; empty when all are alive.
-    """
+    """Members of quorum ``members`` (``replica_group_G:UUID``), other than group ``me`` (no UUID), whose id is in ``stale``; sorted (pure). A member absent from the heartbeat table is not judged."""
     dead = set(stale)
     return tuple(sorted(m for m in members if group_of(m) != me and m in dead))
 
 
 def dropped_from_quorum(step_quorum_id: int, me: str, lighthouse_quorum_id: int,
                         lighthouse_members: Sequence[str]) -> bool:
-    """Whether the lighthouse issued a later quorum than this step's without this replica group (pure).
-
-    Args:
-        step_quorum_id: id of the quorum this step ran in.
-        me: this replica group's id without the UUID.
-        lighthouse_quorum_id: the lighthouse's current quorum id (a lower one, after a restart, is not judged).
-        lighthouse_members: replica ids of its members.
-    """
+    """Whether the lighthouse issued a later quorum than ``step_quorum_id`` (a lower id is not judged) whose ``lighthouse_members`` exclude group ``me`` (pure)."""
     return lighthouse_quorum_id > step_quorum_id and all(group_of(m) != me for m in lighthouse_members)
 
 
@@ -132,22 +111,17 @@ class FreezeClock:
 
 
 class QuorumWatch:
-    """One rank's watch over its cross-replica waits (see the module docstring).
+    """One rank's watch over its cross-replica waits.
 
     Args:
         lighthouse: the lighthouse address (``http://HOST:PORT``).
         me: this replica group's id without the UUID (``replica_group_G``).
         quorum: returns ``(quorum_id, member replica ids)`` of this step's quorum, or ``None`` before the first.
-        poll: delay before the first look at the lighthouse, then between looks.
-        fetch: returns the lighthouse status (default :func:`fetch_status_bounded`, bounded by
-            ``min(1 s, 4 x poll)``).
+        poll: delay before the first look at the lighthouse, then between looks (> 0).
+        fetch: returns the lighthouse status (default :func:`fetch_status_bounded`, ``min(1 s, 4 x poll)``).
         freeze: the freeze detector (default: a started :class:`FreezeClock`).
         freeze_discard: a freeze at least this long discards the step without asking the lighthouse.
-        bury: sets the current c10d group aside after a wait was cut short
-            (:meth:`ftbridge.manager.store_probe.ProbedProcessGroupGloo.bury`); ``None``: nothing is set aside.
-
-    Raises:
-        ValueError: ``poll`` is not positive.
+        bury: sets the current c10d group aside after a wait was cut short; ``None``: nothing is.
     """
 
     def __init__(self, lighthouse: str, me: str, quorum: Callable[[], Optional[Tuple[int, Sequence[str]]]], *,
@@ -215,12 +189,7 @@ class QuorumWatch:
         return ()
 
     def wait(self, work: Any) -> Tuple[str, ...]:
-        """Block until the c10d ``work`` (with ``get_future()``) completes or the lighthouse holds a member dead.
-
-        Returns:
-            ``()`` once ``work`` completed (its own ``wait()`` tells how); else the lost members' ids, after
-            which :meth:`take_rebuild` returns ``True`` once.
-        """
+        """Block until the c10d ``work`` completes (``()``) or the lighthouse holds a member dead (the lost ids; :meth:`take_rebuild` then returns ``True`` once)."""
         since = time.monotonic()
         done = threading.Event()
         work.get_future().add_done_callback(lambda _fut: done.set())
@@ -249,18 +218,10 @@ class QuorumWatch:
         return rebuild
 
     def allreduce(self, manager: Any, tensor: torch.Tensor, reduce_op: Any, private: bool = False) -> "WatchedWork":
-        """torchft's ``manager.allreduce`` of ``tensor`` (or of a private copy), waited on under this watch.
+        """torchft's ``manager.allreduce`` of ``tensor`` (float, any shape) under this watch, as a :class:`WatchedWork`.
 
-        Args:
-            manager: the rank's torchft ``Manager``.
-            tensor: float tensor, any shape; holds the result after a successful ``wait()``.
-            reduce_op: ``ReduceOp.AVG`` or ``SUM``.
-            private: the caller lent ``tensor`` (:meth:`ftbridge.manager.ReplicaManager.lend`) and drops it after
-                a failed wait, so it is reduced in place; otherwise a copy is reduced (an abandoned operation may
-                still write into its buffer).
-
-        Returns:
-            A :class:`WatchedWork`.
+        ``reduce_op`` is ``AVG`` or ``SUM``. With ``private`` (the caller lent ``tensor``,
+        :meth:`ftbridge.manager.ReplicaManager.lend`) it is reduced in place, else a copy is.
         """
         buf = tensor if private else tensor.clone()
         return WatchedWork(manager.allreduce(buf, reduce_op=reduce_op), buf, tensor, self,
@@ -274,16 +235,7 @@ class QuorumWatch:
 
     # -- the resumed side ---------------------------------------------------
     def dropped_while_frozen(self, step_start: float) -> bool:
-        """Whether this step must be discarded because this process was frozen during it.
-
-        Args:
-            step_start: ``time.monotonic()`` at the start of the step.
-
-        Returns:
-            ``True`` after a freeze of at least ``freeze_discard``, or after a freeze longer than ``poll`` when
-            the lighthouse has since issued a later quorum without this group (:func:`dropped_from_quorum`;
-            a lighthouse that does not answer counts as no). Reads the lighthouse only in the second case.
-        """
+        """Whether this step (started at ``step_start``, monotonic s) must be discarded: a freeze of at least ``freeze_discard`` during it, or one longer than ``poll`` after which the lighthouse issued a later quorum without this group."""
         frozen = self._freeze.frozen_since(step_start)
         if frozen <= self._poll:
             return False
@@ -316,14 +268,7 @@ class QuorumWatch:
 
 
 def start_watch(cfg: Any, guard: Any, use_cuda: bool, process_group: Any = None) -> Optional[QuorumWatch]:
-    """The rank's peer watch, or ``None`` when off, on NCCL, or without the quorum guard.
-
-    Args:
-        cfg: :class:`ftbridge.config.FTBridgeConfig` (``peer_watch``, ``peer_watch_poll``, ``lighthouse``).
-        guard: the manager's quorum guard (``seen``, ``force_rebuild``), or ``None``.
-        use_cuda: NCCL process group.
-        process_group: the cross-replica process group; its ``bury``, if any, is used.
-    """
+    """The rank's peer watch (given ``cfg``, the quorum ``guard``, and the cross-replica ``process_group`` whose ``bury`` it uses), or ``None`` when off, on NCCL (``use_cuda``), or without the guard."""
     if not cfg.peer_watch or use_cuda or guard is None:
         if cfg.peer_watch:
             logger.info("peer watch off (%s): a hung peer costs the cross-replica timeout",
@@ -365,15 +310,7 @@ def wait_for_keys(store: Any, keys: List[str], timeout: timedelta, watch: Option
 
 
 class WatchedWork:
-    """A cross-replica all-reduce of a private buffer, waited on under a :class:`QuorumWatch`.
-
-    Args:
-        work: torchft's managed work for the all-reduce of ``buf``.
-        buf: the buffer torchft reduces: a copy of ``tensor``, or ``tensor`` itself when lent.
-        tensor: the caller's tensor; receives ``buf`` after a successful wait.
-        watch: the rank's watch.
-        on_lost: called with :class:`PeerLost` when the wait is cut short.
-    """
+    """A cross-replica all-reduce of ``buf`` (a copy of ``tensor``, or ``tensor`` itself when lent) by torchft's ``work``, waited on under ``watch``; ``on_lost`` gets the :class:`PeerLost` of a wait cut short."""
 
     def __init__(self, work: Any, buf: torch.Tensor, tensor: torch.Tensor, watch: QuorumWatch,
                  on_lost: Callable[[PeerLost], None]) -> None:
