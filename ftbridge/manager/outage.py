@@ -79,15 +79,7 @@ class OutageDisagreement(RuntimeError):
 
 @dataclass(frozen=True)
 class LastQuorum:
-    """The last quorum this rank got from the lighthouse (what a riding step reuses).
-
-    Attributes:
-        result: torchft's quorum result.
-        quorum_id: its id.
-        digest: :func:`~ftbridge.manager.commit.membership_digest` of its replica ids.
-        replica_rank: this group's rank in it (its rank in the process group).
-        world_size: members of the quorum (the process group's size).
-    """
+    """The last quorum this rank got from the lighthouse (what a riding step reuses): torchft's ``result``, its ``quorum_id``, membership ``digest``, this group's ``replica_rank`` in it and its ``world_size`` (the process group's rank and size)."""
 
     result: Any
     quorum_id: int
@@ -118,25 +110,17 @@ class OutageRider:
     """One rank's QUORUM and AGREE drivers (see the module docstring).
 
     Args:
-        manager: torchft's ``Manager`` of this rank; its internals are used, so build it only where
-            :func:`ftbridge.manager.torchft_api.internals_supported` holds.
-        enabled: riding is on; off, every step asks the lighthouse (the agreement still runs).
-        lighthouse: the lighthouse's address.
-        group_rank: this rank's rank in its replica group (0 decides).
-        group_size: ranks in the replica group.
+        manager: torchft's ``Manager``; its internals are used (build only where
+            :func:`ftbridge.manager.torchft_api.internals_supported` holds).
+        enabled: riding is on (off: every step asks the lighthouse; the agreement still runs).
+        lighthouse, replica_group_id, num_groups: the address; ids for logs and the agreement (0 groups:
+            unknown, the continuity check always applies).
+        group_rank, group_size: this rank in its replica group (0 decides), and the group's size.
         decision_timeout: how long a rank other than 0 waits for rank 0's decision or outcome.
         quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
-        quorum_timeout: all tries of one lighthouse call together.
-        tries: tries per call (``quorum_retries + 1``), each up to ``quorum_timeout / tries``.
-        monitor: group rank 0's lighthouse monitor (default: one with a 100 ms deadline).
-        replica_group_id: for logs and the agreement.
-        num_groups: the job's replica groups (0: unknown; the continuity check always applies).
-        gap_wait: how long quorums that do not follow the job's history are discarded before the group stops
-            (``restart_peer_wait``).
-        clock: monotonic seconds (for ``gap_wait``).
-
-    Raises:
-        ValueError: ``tries`` < 1.
+        quorum_timeout, tries: all tries of one call together, and their number (``quorum_retries + 1``, >= 1).
+        monitor: group rank 0's lighthouse monitor (default: a 100 ms deadline).
+        gap_wait, clock: ``restart_peer_wait`` before non-continuous quorums stop the group; monotonic seconds.
     """
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
@@ -361,16 +345,12 @@ class OutageRider:
     def ask(self, call: Callable[[timedelta], Any]) -> Any:
         """This step's lighthouse call, one try at a time in a helper thread; rank 0 rides instead if the lighthouse stops answering.
 
-        A try left to ride is taken up by the next step that asks (:meth:`holding`), never doubled. A try torchft
-        ends with its ``TimeoutError``, or a stale answer (:meth:`_stale_answer`), is made again, up to ``tries``.
-        With riding on, rank 0 publishes the outcome (``asked``, ``rode``, ``failed``) and the other ranks follow it.
-
-        Returns:
-            The lighthouse's answer, or the reused quorum (then :attr:`riding` is set).
+        A try left to ride is taken up by the next asking step, never doubled; a timed-out try or a stale answer
+        is tried again, up to ``tries``; with riding on, the other ranks follow rank 0's published outcome.
 
         Raises:
-            Whatever the last try raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` when the
-            tries outlive the quorum deadline, or rank 0's outcome does not come in time.
+            Whatever the last try raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` past the
+            quorum deadline, or when rank 0's outcome does not come in time.
         """
         future = self._take_up_left()
         self._made = int(future is not None)  # a try taken up was made at an earlier step
@@ -517,12 +497,10 @@ class OutageRider:
             return future.result()
 
     def _lost_answer(self, exc: BaseException, outcome: bytes) -> Any:
-        """Rank 0 got ``outcome`` and this rank's one try timed out first (a pause): discard on the quorum it holds.
-
-        Records :class:`QuorumAnswerLost` so the group discards the step; the next step asks again.
+        """Rank 0 got ``outcome`` and this rank's one try timed out first: discard the step (:class:`QuorumAnswerLost`) on the quorum it holds.
 
         Raises:
-            QuorumTimeout: rank 0's quorum is not the one this rank holds (its history would miss it).
+            QuorumTimeout: rank 0's quorum is not the one this rank holds.
         """
         last, words = self.last, outcome.split()
         same = (last is not None and len(words) == 3 and words[1] == str(last.quorum_id).encode()
@@ -542,15 +520,10 @@ class OutageRider:
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
     def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
-        """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's decision.
+        """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's decision. Never raises.
 
-        Args:
-            guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
-            empty: this group joined with nothing to start from (a restart or a spare).
-            plan: the slot plan's digest (:attr:`~ftbridge.manager.commit.View.plan`; 0 without slots).
-
-        Returns:
-            The :class:`~ftbridge.manager.commit.Agreement`. Never raises.
+        ``guard``: this rank's fingerprint when the guard is due; ``empty``: the group joined with nothing;
+        ``plan``: :attr:`~ftbridge.manager.commit.View.plan`.
         """
         own = self.own_row(guard, empty, plan)
         if own is None:
@@ -613,13 +586,9 @@ class OutageRider:
                      group_agreed: bool = True, group_met: bool = True) -> None:
         """Record the group's decision (the same on every rank) for the next step and the quorum history.
 
-        Args:
-            committed: the group committed this step.
-            ride_next: it committed on an agreement in which no member heard the lighthouse.
-            nobody_commits: :attr:`~ftbridge.manager.commit.GroupDecision.nobody_commits`.
-            group_agreed: :attr:`~ftbridge.manager.commit.GroupDecision.agreed`; only then is a discard a missed step.
-            group_met: :attr:`~ftbridge.manager.commit.GroupDecision.met`; a step without it does not count
-                towards ``gap_wait``.
+        ``committed``: the group committed; ``ride_next``, ``nobody_commits``, ``group_agreed``, ``group_met``:
+        :class:`~ftbridge.manager.commit.GroupDecision`'s ``ride_next``, ``nobody_commits``, ``agreed`` (only then
+        is a discard a missed step) and ``met`` (only then does the step count towards ``gap_wait``).
         """
         self._last_committed = committed
         if not group_met and self._gap_mark is not None:
