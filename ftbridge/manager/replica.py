@@ -56,11 +56,9 @@ class ReplicaManager:
         cfg: resolved configuration.
         state_dict: returns this rank's live state for a heal (nested dict of tensors and JSON scalars);
             called in torchft's quorum thread.
-        load_state_dict: loads a peer's state; called on the training thread inside :meth:`should_commit` of
-            a healing step, on every rank of the group.
-        use_cuda: the model is on a GPU (:func:`ftbridge.device.backend_for` picks NCCL or gloo); on the CPU gloo.
-        max_heal_bytes: the largest heal body this rank accepts (bytes), e.g.
-            :func:`ftbridge.heal.wire.size_bound` of its own state; ``None``: no bound.
+        load_state_dict: loads a peer's state, on the training thread inside :meth:`should_commit`.
+        use_cuda: the model is on a GPU (:func:`ftbridge.device.backend_for` picks the backend).
+        max_heal_bytes: the largest heal body this rank accepts (bytes); ``None``: no bound.
 
     Raises:
         KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset.
@@ -222,17 +220,9 @@ class ReplicaManager:
 
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
-        """Average (or sum) ``tensor`` in place over the participating replica groups.
+        """Average (``AVG``) or sum (``SUM``) ``tensor`` (floating point, on the process group's device) in place over the participating groups; a ``Work`` to wait on.
 
-        A healing replica contributes zeros. Errors never raise: they are recorded, the work completes, and
-        :meth:`should_commit` then returns ``False`` everywhere.
-
-        Args:
-            tensor: floating point, any shape, on the process group's device.
-            reduce_op: ``AVG`` or ``SUM`` (the gradient sync sends ``SUM`` and scales itself).
-
-        Returns:
-            A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
+        Never raises: an error is recorded, the work completes and :meth:`should_commit` returns ``False``.
         """
         clean = self._torchft.errored() is None
         if self.quorum_watch is None:
@@ -269,23 +259,15 @@ class ReplicaManager:
 
     def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0,
                plan: int = 0) -> "StepVerdict":
-        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step.
+        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step, kept as :attr:`verdict`.
 
-        Call on every rank of the group after the step's gradient all-reduces, right before
-        :meth:`should_commit`. A step the group discards records an error on every rank.
-
-        Args:
-            guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
-            empty: this group started with nothing (:func:`ftbridge.heal.restart_without_peer`).
-            waited_s: seconds since this launch started, for that rule.
-            plan: the slot plan's digest (:attr:`ftbridge.manager.commit.View.plan`; 0 without slots).
-
-        Returns:
-            :class:`StepVerdict`, also kept as :attr:`verdict`.
+        Call on every rank after the step's gradient all-reduces, right before :meth:`should_commit`. ``guard``:
+        the fingerprint when the guard is due; ``empty``, ``waited_s``: for
+        :func:`ftbridge.heal.restart_without_peer`; ``plan``: :attr:`ftbridge.manager.commit.View.plan`.
 
         Raises:
             QuorumTimeout: no quorum within its deadline and no ride.
-            QuorumGap: the group's quorums have not followed the job's history for ``restart_peer_wait``.
+            QuorumGap: no quorum following the job's history for ``restart_peer_wait``.
             RuntimeError: the in-group exchange failed; the rank must exit.
         """
         tf = self._torchft
