@@ -1,15 +1,9 @@
-"""Read the state of a running torchft 0.2 lighthouse (quorum, members, heartbeats) from ``GET /status``.
+"""Read a running torchft 0.2 lighthouse's state (quorum, members, heartbeats) from ``GET /status``.
 
-:func:`fetch_status` fetches the HTML fragment torchft's dashboard polls and :func:`parse_status` (pure)
-parses it into :class:`LighthouseStatus`; a template it does not know raises :class:`StatusFormatError`
-naming what is missing. Read by the peer watch, the lighthouse probe, warm spares and
-``ftbridge-lighthouse status``. Why not gRPC (no read-only RPC): docs/lighthouse.md, "Status".
-
-Example::
-
-    from ftbridge.manager.lighthouse_status import fetch_status
-
-    print(fetch_status("http://127.0.0.1:29510").quorum_id)
+:func:`fetch_status` fetches the HTML fragment torchft's dashboard polls; :func:`parse_status` (pure)
+parses it into :class:`LighthouseStatus`, or raises :class:`StatusFormatError` naming what is missing.
+Why not gRPC (no read-only RPC): docs/lighthouse.md, "Status". Example:
+``fetch_status("http://127.0.0.1:29510").quorum_id``.
 """
 
 from __future__ import annotations
@@ -71,11 +65,7 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class LighthouseStatus:
-    """One snapshot of a lighthouse.
-
-    ``quorum_id`` is its current quorum id (it changes with the membership or a reported commit failure, and
-    starts over when the lighthouse restarts).
-    """
+    """One snapshot of a lighthouse; ``quorum_id`` is its current quorum id (it starts over with a restart)."""
 
     quorum_id: int
     next_quorum: str
@@ -106,11 +96,10 @@ def _text(fragment: str) -> str:
 
 
 def parse_status(fragment: str) -> LighthouseStatus:
-    """Parse the ``GET /status`` HTML fragment (str) of torchft 0.2's lighthouse; members carry their heartbeat age.
+    """Parse torchft 0.2's ``GET /status`` fragment; members carry their heartbeat age.
 
     Raises:
-        StatusFormatError: the fragment lacks the current quorum id, or a member block or heartbeat entry
-            lacks a field (named).
+        StatusFormatError: no current quorum id, or a member block or heartbeat entry lacks a field (named).
     """
     current = re.search(r"Current quorum_id:\s*(-?\d+)", fragment)
     if current is None:
@@ -181,16 +170,12 @@ for _handler in (urllib.request.ProxyHandler({}), urllib.request.HTTPHandler(), 
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
-    """GET ``{address}/status`` and parse it, with no proxy, no redirect, at most :data:`MAX_STATUS_BYTES` read.
-
-    Args:
-        address: ``http://HOST:PORT``, ``https://...`` or a bare ``HOST:PORT`` (http).
-        timeout_s: connect and per-read timeout (s).
+    """GET ``{address}`` (``http(s)://HOST:PORT`` or ``HOST:PORT``) ``/status`` and parse it; no proxy, no redirect, ``timeout_s`` per connect and read.
 
     Raises:
-        ValueError: ``address`` is not an ``http``/``https`` address.
-        OSError: unreachable, or an HTTP error or redirect (``urllib.error.URLError``).
-        StatusFormatError: not torchft 0.2's status fragment, over :data:`MAX_STATUS_BYTES`, or not HTTP at all.
+        ValueError: not an ``http``/``https`` address.
+        OSError: unreachable, or an HTTP error or redirect.
+        StatusFormatError: not torchft 0.2's status fragment, over :data:`MAX_STATUS_BYTES`, or not HTTP.
     """
     url = status_url(address)
     try:
@@ -206,11 +191,7 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
 
 
 def status_url(address: str) -> str:
-    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL).
-
-    Raises:
-        ValueError: a scheme other than ``http``/``https``.
-    """
+    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL); ``ValueError`` for a scheme other than ``http``/``https``."""
     address = address.strip().rstrip("/")
     if "://" not in address:
         address = f"http://{address}"

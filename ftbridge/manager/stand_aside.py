@@ -21,18 +21,10 @@ logger = logging.getLogger(__name__)
 class StandAside:
     """Whether a replica group cut off from its peers, but not from the lighthouse, stands aside now, and for how long.
 
-    It stands aside after group rank 0's probe of the quorum's store failed in ``after`` consecutive quorums
-    (distinct ids) in which the group committed nothing; the pause doubles with each stand-aside until the
-    group commits again, up to ``max_s``. The caller must feed every rank the same inputs, report no failed
-    store while a post-restart majority wait is pending, and keep ``max_s`` within :func:`longest_pause`.
-
-    Args:
-        after: consecutive silent quorums before standing aside (>= 1).
-        base_s: the first pause (seconds, > 0).
-        max_s: the longest pause (seconds, > 0; default ``8 * base_s``).
-
-    Raises:
-        ValueError: an argument out of range.
+    It stands aside after group rank 0's store probe failed in ``after`` (>= 1) consecutive quorums in which
+    the group committed nothing; the pause starts at ``base_s`` (> 0) and doubles with each stand-aside until
+    the group commits, up to ``max_s`` (default ``8 * base_s``; keep it within :func:`longest_pause`). Every
+    rank must feed it the same inputs; ``ValueError`` for an argument out of range.
     """
 
     AFTER = 2
@@ -71,20 +63,14 @@ class StandAside:
 def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Callable[[], Any],
                   lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta, connect_timeout: timedelta,
                   quorum_retries: int) -> None:
-    """Stand aside for ``pause_s`` seconds (> 0); every rank of the group calls it at the same step.
+    """Stand aside for ``pause_s`` seconds; every rank of the group calls it at the same step.
 
-    Group rank 0 shuts its torchft manager server down for the pause and builds it again on the same port
-    (:func:`ftbridge.manager.torchft_api.pause_manager_server`); ``barrier`` (one collective over the group)
-    then holds the other ranks until it is back. The next quorum heals the group.
-
-    Args:
-        manager: this rank's torchft ``Manager``.
-        group_rank: this rank's rank in its replica group.
-        lighthouse_addr, hostname, heartbeat_interval, connect_timeout, quorum_retries: what group rank 0's
-            manager server was built with.
+    Group rank 0 shuts its manager server down and builds it again on the same port with the arguments it was
+    built with (:func:`ftbridge.manager.torchft_api.pause_manager_server`); ``barrier`` (one collective over
+    the group) holds the other ranks until then.
 
     Raises:
-        RuntimeError: ``barrier`` failed (a rank of the group died meanwhile); the rank must exit.
+        RuntimeError: ``barrier`` failed; the rank must exit.
     """
     resume = None
     if group_rank == 0:
