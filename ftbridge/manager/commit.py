@@ -33,13 +33,7 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
 
 
 class QuorumWait:
-    """Waiting for one lighthouse call of group rank 0: go on waiting, leave it and ride, or give up.
-
-    Args:
-        started: monotonic seconds when the call was made.
-        deadline_s: seconds after which the call counts as lost (> 0).
-        may_ride: riding is allowed for this step.
-    """
+    """Waiting for one lighthouse call of group rank 0, started at monotonic ``started``: wait, leave it and ride (if ``may_ride``), or give up after ``deadline_s`` (> 0)."""
 
     WAIT, RIDE, EXPIRED = "wait", "ride", "expired"
 
@@ -121,14 +115,11 @@ def _digest(chunks: Sequence[float]) -> str:
 
 
 def encode_view(v: View) -> List[float]:
-    """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
-    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first + 1 and
-    last + 1 of the newest dead-end run, empty, num groups, missed + 1, committers, holding, plan, then first
-    + 1 and last + 1 of each older run]`` (:data:`ROW` values, 0 where none).
+    """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step, participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first + 1, last + 1), empty, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none).
 
     Raises:
-        ValueError: a digest is not 16 hex digits, a number is negative or >= 2**53, or more than
-            :data:`DEAD_END_RUNS` dead-end runs are given.
+        ValueError: a digest is not 16 hex digits, a number is outside ``[0, 2**53)``, or more than
+            :data:`DEAD_END_RUNS` runs.
     """
     for name in ("replica_group", "quorum_id", "step", "participants", "plan"):
         if not 0 <= getattr(v, name) < 2**53:
@@ -277,11 +268,7 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
 
 def continuous(quorum_id: int, histories: Sequence[Tuple[int, Sequence[Tuple[int, int]], int]],
                missed: int = -1) -> Optional[int]:
-    """The first earlier quorum id none of this quorum's members can account for, or ``None`` (pure).
-
-    ``None`` when no member has a history, every member that committed in the newest certified quorum is
-    here, or every id after it is in the union of the dead-end runs and nobody missed a later quorum. The rule:
-    docs/design.md, "Continuity".
+    """The first earlier quorum id none of this quorum's members can account for, or ``None`` (pure; the rule: docs/design.md, "Continuity").
 
     Args:
         quorum_id: this quorum's id.
