@@ -33,7 +33,8 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
 
 
 class QuorumWait:
-    """Waiting for one lighthouse call of group rank 0, started at monotonic ``started``: wait, leave it and ride (if ``may_ride``), or give up after ``deadline_s`` (> 0)."""
+    """Waiting for one lighthouse call of group rank 0, started at monotonic ``started``: wait, leave it and ride (if
+    ``may_ride``), or give up after ``deadline_s`` (> 0)."""
 
     WAIT, RIDE, EXPIRED = "wait", "ride", "expired"
 
@@ -43,7 +44,8 @@ class QuorumWait:
         self.started, self.deadline_s, self.may_ride = started, deadline_s, may_ride
 
     def poll(self, now: float, lighthouse_answers: Optional[bool]) -> str:
-        """At ``now`` (monotonic s): :attr:`RIDE` if riding is allowed and the lighthouse does not answer, :attr:`EXPIRED` past the deadline, else :attr:`WAIT`."""
+        """At ``now`` (monotonic s): :attr:`RIDE` if riding is allowed and the lighthouse does not answer,
+        :attr:`EXPIRED` past the deadline, else :attr:`WAIT`."""
         if self.may_ride and lighthouse_answers is False:
             return self.RIDE
         if now - self.started >= self.deadline_s:
@@ -54,7 +56,8 @@ class QuorumWait:
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
 DEAD_END_RUNS = 8
-"""Runs of consecutive dead-end quorum ids a row carries (:attr:`View.dead_ends`); older runs are dropped. Why: docs/design.md, "Continuity"."""
+"""Runs of consecutive dead-end quorum ids a row carries (:attr:`View.dead_ends`); older runs are dropped. Why:
+docs/design.md, "Continuity"."""
 
 ROW = 26 + 2 * (DEAD_END_RUNS - 1)
 """float64 values per member in the agreement (:func:`encode_view`)."""
@@ -115,7 +118,9 @@ def _digest(chunks: Sequence[float]) -> str:
 
 
 def encode_view(v: View) -> List[float]:
-    """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step, participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first + 1, last + 1), empty, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none).
+    """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step,
+    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first
+    + 1, last + 1), empty, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none).
 
     Raises:
         ValueError: a digest is not 16 hex digits, a number is outside ``[0, 2**53)``, or more than
@@ -136,7 +141,8 @@ def encode_view(v: View) -> List[float]:
 
 
 def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
-    """The newest ``limit`` runs of consecutive ids as ``(first, last)``, newest first (``id_runs({10, 12, 13}, 8) == ((12, 13), (10, 10))``)."""
+    """The newest ``limit`` runs of consecutive ids as ``(first, last)``, newest first (``id_runs({10, 12, 13}, 8) ==
+    ((12, 13), (10, 10))``)."""
     runs: List[List[int]] = []
     for i in sorted(set(ids), reverse=True):
         if runs and runs[-1][0] == i + 1:
@@ -156,7 +162,8 @@ def dead_end_runs(row: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class GuardVerdict:
-    """The divergence guard's majority judgement: ``digests`` (group -> fingerprint), the strict ``majority`` (``None`` in a tie), the ``differing`` groups and the ``agreeing`` ones (heal sources)."""
+    """The divergence guard's majority judgement: ``digests`` (group -> fingerprint), the strict ``majority`` (``None``
+    in a tie), the ``differing`` groups and the ``agreeing`` ones (heal sources)."""
 
     digests: Dict[int, str]
     majority: Optional[str]
@@ -268,7 +275,8 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
 
 def continuous(quorum_id: int, histories: Sequence[Tuple[int, Sequence[Tuple[int, int]], int]],
                missed: int = -1) -> Optional[int]:
-    """The first earlier quorum id none of this quorum's members can account for, or ``None`` (pure; the rule: docs/design.md, "Continuity").
+    """The first earlier quorum id none of this quorum's members can account for, or ``None`` (pure; the rule:
+    docs/design.md, "Continuity").
 
     Args:
         quorum_id: this quorum's id.
@@ -334,7 +342,8 @@ class Flags:
 def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
                replica_group: int, stop: bool = False, gap_stop: bool = False,
                store_unreachable: bool = False) -> Flags:
-    """This rank's :class:`Flags` (pure); ``agreement`` ``None`` (none made) counts as passed, ``replica_group`` names it to the guard."""
+    """This rank's :class:`Flags` (pure); ``agreement`` ``None`` (none made) counts as passed, ``replica_group`` names
+    it to the guard."""
     g = agreement.guard if agreement is not None else None
     return Flags(step=step, errored=errored, agreement=agreement.commit if agreement is not None else True,
                  ride_on=bool(agreement and agreement.ride_on), healing=healing,
@@ -346,7 +355,8 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
 
 
 def encode_flags(f: Flags) -> List[float]:
-    """One rank's row of the in-group exchange, exact in float64: ``[1, step]`` then the boolean fields of :class:`Flags` in order."""
+    """One rank's row of the in-group exchange, exact in float64: ``[1, step]`` then the boolean fields of
+    :class:`Flags` in order."""
     return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.ride_on),
             float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
             float(f.guard_tie), float(f.stop), float(f.gap_stop), float(f.fails_all), float(f.store_unreachable),

@@ -15,7 +15,8 @@ T = TypeVar("T")
 
 
 def in_thread(fn: Callable[[], T], name: str) -> "concurrent.futures.Future[T]":
-    """Start ``fn()`` in a daemon thread named ``name``; the future ends with its result or exception (``BaseException`` too). Never raises."""
+    """Start ``fn()`` in a daemon thread named ``name``; the future ends with its result or exception (``BaseException``
+    too). Never raises."""
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:

@@ -13,7 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 class DiscardStep(RuntimeError):
-    """An error recorded to discard a step on purpose; a heal received in the step still applies (:meth:`HealAgreement.state`)."""
+    """An error recorded to discard a step on purpose; a heal received in the step still applies
+    (:meth:`HealAgreement.state`)."""
 
 
 def _harmless(error: Any) -> bool:
@@ -45,7 +46,8 @@ class HealAgreement:
         manager.load_state_dict = load_state_dict
 
     def state(self) -> Tuple[bool, bool]:
-        """``(healing, ready)``: this rank heals in this step, and holds its complete heal state with no error but a :class:`DiscardStep`; call after ``wait_quorum``."""
+        """``(healing, ready)``: this rank heals in this step, and holds its complete heal state with no error but a
+        :class:`DiscardStep`; call after ``wait_quorum``."""
         m = self._manager
         healing = bool(getattr(m, "_healing", False))
         error = m.errored()
@@ -53,7 +55,8 @@ class HealAgreement:
                          and (error is None or _harmless(error)))
 
     def settle(self, drop: bool) -> None:
-        """Apply the group's decision; with ``drop``, drop this rank's received state, restore torchft's counters and record an error. Every rank, every step, after :meth:`state`."""
+        """Apply the group's decision; with ``drop``, drop this rank's received state, restore torchft's counters and
+        record an error. Every rank, every step, after :meth:`state`."""
         before, self._before = self._before, None
         if not drop:
             return

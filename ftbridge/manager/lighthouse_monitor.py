@@ -51,7 +51,8 @@ class LighthouseMonitor:
         self.probes = 0
 
     def answers(self, since: float) -> Optional[bool]:
-        """The lighthouse's state from a probe started at or after ``since`` (monotonic s); starts one if none is in flight.
+        """The lighthouse's state from a probe started at or after ``since`` (monotonic s); starts one if none is in
+        flight.
 
         Returns:
             ``True`` once it got an answer (a late answer, read after a pause of this process, counts);

@@ -170,7 +170,8 @@ for _handler in (urllib.request.ProxyHandler({}), urllib.request.HTTPHandler(), 
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
-    """GET ``{address}`` (``http(s)://HOST:PORT`` or ``HOST:PORT``) ``/status`` and parse it; no proxy, no redirect, ``timeout_s`` per connect and read.
+    """GET ``{address}`` (``http(s)://HOST:PORT`` or ``HOST:PORT``) ``/status`` and parse it; no proxy, no redirect,
+    ``timeout_s`` per connect and read.
 
     Raises:
         ValueError: not an ``http``/``https`` address.
@@ -191,7 +192,8 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
 
 
 def status_url(address: str) -> str:
-    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL); ``ValueError`` for a scheme other than ``http``/``https``."""
+    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL); ``ValueError`` for a scheme other
+    than ``http``/``https``."""
     address = address.strip().rstrip("/")
     if "://" not in address:
         address = f"http://{address}"

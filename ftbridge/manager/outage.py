@@ -79,7 +79,9 @@ class OutageDisagreement(RuntimeError):
 
 @dataclass(frozen=True)
 class LastQuorum:
-    """The last quorum this rank got from the lighthouse (what a riding step reuses): torchft's ``result``, its ``quorum_id``, membership ``digest``, this group's ``replica_rank`` in it and its ``world_size`` (the process group's rank and size)."""
+    """The last quorum this rank got from the lighthouse (what a riding step reuses): torchft's ``result``, its
+    ``quorum_id``, membership ``digest``, this group's ``replica_rank`` in it and its ``world_size`` (the process
+    group's rank and size)."""
 
     result: Any
     quorum_id: int
@@ -143,7 +145,8 @@ class OutageRider:
         self._tries, self._try_timeout = tries, quorum_timeout / tries
         self.unanswered_tries = 0
         self.lost_answers = 0
-        """Steps this rank (not group rank 0) discarded because its copy of rank 0's answer was lost (:meth:`_lost_answer`)."""
+        """Steps this rank (not group rank 0) discarded because its copy of rank 0's answer was lost
+        (:meth:`_lost_answer`)."""
         self.lost = False
         """This step's quorum is the last one again because this rank's answer was lost: nothing of it is new."""
         self._made = 0  # tries of this step's call that reached torchft's manager server (ranks other than 0)
@@ -169,7 +172,8 @@ class OutageRider:
         self._gap_mark: Optional[float] = None  # end of the last counted step of a gap (None: no gap)
         self._gap_s = 0.0  # seconds of the gap counted so far
         self.gap_expired = False
-        """Non-continuous quorums have been discarded for longer than ``gap_wait`` (met steps only, :meth:`after_commit`)."""
+        """Non-continuous quorums have been discarded for longer than ``gap_wait`` (met steps only,
+        :meth:`after_commit`)."""
         self.riding = False
         """Whether the current step reuses the last quorum."""
         self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
@@ -184,7 +188,8 @@ class OutageRider:
         self.disagreements = 0
         """Agreements that did not pass (each discarded a step)."""
         self.skipped_collective: Callable[[], bool] = lambda: manager.errored() is not None
-        """Whether this rank's collectives of this step may no longer pair with its peers' (set by :class:`ftbridge.manager.ReplicaManager`)."""
+        """Whether this rank's collectives of this step may no longer pair with its peers' (set by
+        :class:`ftbridge.manager.ReplicaManager`)."""
 
     @classmethod
     def for_config(cls, manager: Any, cfg: Any) -> "OutageRider":
@@ -199,12 +204,14 @@ class OutageRider:
 
     # -- QUORUM (torchft's quorum thread) --------------------------------------------------------------
     def quorum(self, call: Callable[[timedelta], Any]) -> Any:
-        """This step's quorum: the last one reused (:meth:`reuse`), or the answer to ``call(timeout)`` (:meth:`ask`); :attr:`riding` tells which."""
+        """This step's quorum: the last one reused (:meth:`reuse`), or the answer to ``call(timeout)`` (:meth:`ask`);
+        :attr:`riding` tells which."""
         reused = self.reuse()
         return reused if reused is not None else self.ask(call)
 
     def remember(self, result: Any, replica_ids: Sequence[str]) -> None:
-        """Keep ``result``, the quorum torchft is about to use, for riding, and close the history of the one before (certified, missed or dead end)."""
+        """Keep ``result``, the quorum torchft is about to use, for riding, and close the history of the one before
+        (certified, missed or dead end)."""
         qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
         if last is not None and (qid != last.quorum_id or members != self._members):
             self._certified_members = self.certified_members()
@@ -245,7 +252,8 @@ class OutageRider:
         future.add_done_callback(note)
 
     def holding(self) -> bool:
-        """Whether a lighthouse call this rank left to ride is still in flight (:attr:`View.holding`); it ends by its try's deadline."""
+        """Whether a lighthouse call this rank left to ride is still in flight (:attr:`View.holding`); it ends by its
+        try's deadline."""
         call = self._left_call
         return call is not None and not call.done()
 
@@ -259,11 +267,13 @@ class OutageRider:
             return call
 
     def certified_members(self) -> Tuple[str, ...]:
-        """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none); the quorum guard's majority rule after a lighthouse restart counts them."""
+        """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none); the quorum guard's
+        majority rule after a lighthouse restart counts them."""
         return self._members if self._passed else self._certified_members
 
     def may_ride(self) -> bool:
-        """Whether this step may ride: riding is on, the group committed the last step, and torchft still holds the last quorum's process group."""
+        """Whether this step may ride: riding is on, the group committed the last step, and torchft still holds the last
+        quorum's process group."""
         last = self.last
         return (self.enabled and last is not None and self._last_committed
                 and int(self._manager._quorum_id) == last.quorum_id)
@@ -274,7 +284,8 @@ class OutageRider:
         return self._ride()
 
     def reuse(self) -> Optional[Any]:
-        """This step's quorum result if it rides from its start, else ``None``; once per step on every rank, before the lighthouse call.
+        """This step's quorum result if it rides from its start, else ``None``; once per step on every rank, before the
+        lighthouse call.
 
         Raises:
             QuorumTimeout: rank 0 rides but this rank holds no matching quorum, or the decision could not be shared.
@@ -343,7 +354,8 @@ class OutageRider:
                                 "is gone or hung") from exc
 
     def ask(self, call: Callable[[timedelta], Any]) -> Any:
-        """This step's lighthouse call, one try at a time in a helper thread; rank 0 rides instead if the lighthouse stops answering.
+        """This step's lighthouse call, one try at a time in a helper thread; rank 0 rides instead if the lighthouse
+        stops answering.
 
         A try left to ride is taken up by the next asking step, never doubled; a timed-out try or a stale answer
         is tried again, up to ``tries``; with riding on, the other ranks follow rank 0's published outcome.
@@ -392,7 +404,8 @@ class OutageRider:
 
     def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0),
              unless: Optional[Callable[[], bool]] = None) -> concurrent.futures.Future:
-        """One try in a helper thread, started ``after`` from now; ends with :class:`TryNotMade` if ``unless()`` holds by then."""
+        """One try in a helper thread, started ``after`` from now; ends with :class:`TryNotMade` if ``unless()`` holds
+        by then."""
         def run() -> Any:
             if after:
                 time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
@@ -413,7 +426,8 @@ class OutageRider:
         return future
 
     def _stale_answer(self, result: Any) -> bool:
-        """Whether the first answer after a cleanly left ride counts a member of the ridden quorum behind (an earlier try's request): ask again."""
+        """Whether the first answer after a cleanly left ride counts a member of the ridden quorum behind (an earlier
+        try's request): ask again."""
         if not (self._rode_last and self._last_committed) or bool(getattr(result, "heal", False)):
             return False
         ridden = sum(1 for rid in list(getattr(result, "replica_ids", []) or []) if rid in self._members)
@@ -427,7 +441,8 @@ class OutageRider:
     def _next_try(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any],
                   tried: int, unless: Optional[Callable[[], bool]] = None
                   ) -> Optional[Tuple[concurrent.futures.Future, int]]:
-        """``(next try, tried + 1)`` for a try that timed out or got a stale answer while tries remain; ``None`` when it is the outcome."""
+        """``(next try, tried + 1)`` for a try that timed out or got a stale answer while tries remain; ``None`` when it
+        is the outcome."""
         if tried >= self._tries:
             return None
         exc = future.exception()
@@ -458,7 +473,8 @@ class OutageRider:
                 logger.error("%s could not publish this step's quorum outcome (%s)", self._who, exc)
 
     def _follow(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any]) -> Any:
-        """A rank other than 0: act on rank 0's outcome, never on its own call alone; try again while rank 0 may need it."""
+        """A rank other than 0: act on rank 0's outcome, never on its own call alone; try again while rank 0 may need
+        it."""
         key = f"ftbridge/outage/{self._seq}/outcome"
         store, bound = self._manager._store, self._quorum_deadline + self._decision_timeout
         end, tried = time.monotonic() + bound.total_seconds(), 1
@@ -497,7 +513,8 @@ class OutageRider:
             return future.result()
 
     def _lost_answer(self, exc: BaseException, outcome: bytes) -> Any:
-        """Rank 0 got ``outcome`` and this rank's one try timed out first: discard the step (:class:`QuorumAnswerLost`) on the quorum it holds.
+        """Rank 0 got ``outcome`` and this rank's one try timed out first: discard the step (:class:`QuorumAnswerLost`)
+        on the quorum it holds.
 
         Raises:
             QuorumTimeout: rank 0's quorum is not the one this rank holds.
@@ -520,7 +537,8 @@ class OutageRider:
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
     def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
-        """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's decision. Never raises.
+        """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's
+        decision. Never raises.
 
         ``guard``: this rank's fingerprint when the guard is due; ``empty``: the group joined with nothing;
         ``plan``: :attr:`~ftbridge.manager.commit.View.plan`.
@@ -532,7 +550,8 @@ class OutageRider:
         return self.conclude(own, rows, failure)
 
     def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Optional[List[float]]:
-        """This member's agreement row, or ``None`` when it cannot take part (no quorum, a process group not the last quorum's or failed, a collective of this step skipped)."""
+        """This member's agreement row, or ``None`` when it cannot take part (no quorum, a process group not the last
+        quorum's or failed, a collective of this step skipped)."""
         m, last = self._manager, self.last
         if last is None or int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None \
                 or self.skipped_collective():
@@ -544,7 +563,8 @@ class OutageRider:
                                 self.num_groups, self._missed, self._certified_committers, self.holding(), plan))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
-        """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that does not commit records an error with torchft."""
+        """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that
+        does not commit records an error with torchft."""
         m, last = self._manager, self.last
         verdict = (replace(judge(rows, own, riding=self.riding), shared=True) if own is not None and rows is not None
                    else Agreement(False, False, False, failure, shared=own is None))

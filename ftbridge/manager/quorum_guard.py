@@ -93,7 +93,8 @@ class _QuorumGuard:
         self.rider: Optional[OutageRider] = None
         """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.manager.outage`); set by ReplicaManager."""
         self.watch: Any = None
-        """The peer watch, or ``None``: a wait it cut short makes this member vote to rebuild; it ends the vote's wait when a member is dead."""
+        """The peer watch, or ``None``: a wait it cut short makes this member vote to rebuild; it ends the vote's wait
+        when a member is dead."""
 
     def _quorum(self, **kwargs: Any) -> Any:
         def call(timeout: timedelta) -> Any:
@@ -163,7 +164,9 @@ class _QuorumGuard:
         return self.majority.expired
 
     def _check_majority(self, quorum_id: int, members: List[str]) -> None:
-        """After a lighthouse restart, record an error (the step is discarded) on a quorum that lacks the majority (:class:`~ftbridge.manager.quorum_rules.RestartMajority`) until the group commits; past ``majority_wait`` :attr:`majority_expired` is set."""
+        """After a lighthouse restart, record an error (the step is discarded) on a quorum that lacks the majority
+        (:class:`~ftbridge.manager.quorum_rules.RestartMajority`) until the group commits; past ``majority_wait``
+        :attr:`majority_expired` is set."""
         was_expired, now = self.majority.expired, time.monotonic()
         if not self.majority.lacks(members, now):
             return
@@ -180,7 +183,8 @@ class _QuorumGuard:
             "two such quorums could commit the same step apart; step discarded, asking again"))
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
-        """Publish ``mine`` and return the quorum-wide decision (:func:`~ftbridge.manager.quorum_rules.decide_reconfigure`).
+        """Publish ``mine`` and return the quorum-wide decision
+        (:func:`~ftbridge.manager.quorum_rules.decide_reconfigure`).
 
         The store calls run bounded by ``store_call_timeout`` (a hung primary's store never answers); past it, or
         on any error, the vote counts as failed.
@@ -203,7 +207,8 @@ class _QuorumGuard:
         return decide_reconfigure(mine, votes)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> Any:
-        """torchft's commit vote of the group: the AND of every group rank's ``should_commit``; a one-rank group answers it here.
+        """torchft's commit vote of the group: the AND of every group rank's ``should_commit``; a one-rank group answers
+        it here.
 
         Raises:
             TimeoutError: (larger groups) not every rank voted within ``timeout``.
@@ -218,7 +223,8 @@ class _QuorumGuard:
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
                    timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
-    """One rank's vote on the primary's store: write ``mine`` and ``group_size`` (0: not published), wait for every member's (under ``watch``), read them.
+    """One rank's vote on the primary's store: write ``mine`` and ``group_size`` (0: not published), wait for every
+    member's (under ``watch``), read them.
 
     ``base`` is the quorum's key prefix; ``store`` a cached client or ``None``; ``last``
     ``(store, base, replica_rank)`` of the previous vote, deleted only on the store that just answered.

@@ -22,21 +22,24 @@ class QuorumSeen:
 
 
 def detect_lighthouse_restart(prev: Optional[QuorumSeen], quorum_id: int, members: Sequence[str]) -> bool:
-    """Whether ``quorum_id``/``members`` (any order) must come from a restarted lighthouse: the id went down since ``prev``, or repeated with other members (pure; ``prev`` ``None``: no)."""
+    """Whether ``quorum_id``/``members`` (any order) must come from a restarted lighthouse: the id went down since
+    ``prev``, or repeated with other members (pure; ``prev`` ``None``: no)."""
     if prev is None:
         return False
     return quorum_id < prev.quorum_id or (quorum_id == prev.quorum_id and tuple(sorted(members)) != prev.members)
 
 
 def decide_reconfigure(own: bool, votes: Optional[Sequence[bool]]) -> bool:
-    """Rebuild if any member's vote (``votes``, ``True``: rebuild) says so; ``own`` when the vote could not complete (``votes`` ``None``) (pure)."""
+    """Rebuild if any member's vote (``votes``, ``True``: rebuild) says so; ``own`` when the vote could not complete
+    (``votes`` ``None``) (pure)."""
     if votes is None:
         return own
     return own or any(votes)
 
 
 VOTE_SKIP_WINDOW_S = 1.0
-"""Seconds: the longest quorum call, and gap since the previous call returned, with which a steady member skips the vote (:func:`vote_needed`)."""
+"""Seconds: the longest quorum call, and gap since the previous call returned, with which a steady member skips the vote
+(:func:`vote_needed`)."""
 
 
 def vote_needed(own: bool, same_as_voted: bool, rode: bool, call_s: float, since_last_s: float,
@@ -56,7 +59,8 @@ class GroupSizeMismatch(ValueError):
 
 
 def group_size_conflict(sizes: Sequence[int], replica_rank: int, quorum_id: int) -> Optional[str]:
-    """Why this member (``replica_rank``) must leave quorum ``quorum_id``, or ``None``: its entry in ``sizes`` (ranks per group, by replica rank; 0: unknown, never judged) differs from replica rank 0's."""
+    """Why this member (``replica_rank``) must leave quorum ``quorum_id``, or ``None``: its entry in ``sizes`` (ranks
+    per group, by replica rank; 0: unknown, never judged) differs from replica rank 0's."""
     if not sizes or replica_rank >= len(sizes):
         return None
     mine, primary = int(sizes[replica_rank]), int(sizes[0])
@@ -75,7 +79,8 @@ def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
 
 
 def lacks_majority(previous_members: Sequence[str], members: Sequence[str]) -> bool:
-    """Whether the quorum of ``members`` holds at most half of the groups of ``previous_members``, the last quorum before a lighthouse restart (pure)."""
+    """Whether the quorum of ``members`` holds at most half of the groups of ``previous_members``, the last quorum
+    before a lighthouse restart (pure)."""
     before, now = {_group(m) for m in previous_members}, {_group(m) for m in members}
     return 2 * len(before & now) <= len(before)
 
@@ -107,7 +112,8 @@ class RestartMajority:
         """The last quorum lacked the majority and the wait has passed."""
 
     def restarted(self, before: Sequence[str], now: float) -> None:
-        """A restart was detected at ``now``; ``before``: the replica ids that last held the job's history (empty: nothing required)."""
+        """A restart was detected at ``now``; ``before``: the replica ids that last held the job's history (empty:
+        nothing required)."""
         if self.pending is None and before:
             self.pending = (tuple(before), now)
 

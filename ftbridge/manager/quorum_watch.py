@@ -36,14 +36,16 @@ def group_of(replica_id: str) -> str:
 
 
 def lost_members(members: Sequence[str], me: str, stale: Iterable[str]) -> Tuple[str, ...]:
-    """Members of quorum ``members`` (``replica_group_G:UUID``), other than group ``me`` (no UUID), whose id is in ``stale``; sorted (pure). A member absent from the heartbeat table is not judged."""
+    """Members of quorum ``members`` (``replica_group_G:UUID``), other than group ``me`` (no UUID), whose id is in
+    ``stale``; sorted (pure). A member absent from the heartbeat table is not judged."""
     dead = set(stale)
     return tuple(sorted(m for m in members if group_of(m) != me and m in dead))
 
 
 def dropped_from_quorum(step_quorum_id: int, me: str, lighthouse_quorum_id: int,
                         lighthouse_members: Sequence[str]) -> bool:
-    """Whether the lighthouse issued a later quorum than ``step_quorum_id`` (a lower id is not judged) whose ``lighthouse_members`` exclude group ``me`` (pure)."""
+    """Whether the lighthouse issued a later quorum than ``step_quorum_id`` (a lower id is not judged) whose
+    ``lighthouse_members`` exclude group ``me`` (pure)."""
     return lighthouse_quorum_id > step_quorum_id and all(group_of(m) != me for m in lighthouse_members)
 
 
@@ -177,7 +179,8 @@ class QuorumWatch:
         return lost
 
     def _look_nowait(self, since: float) -> Tuple[str, ...]:
-        """The verdict of the last finished :meth:`look` started at or after ``since``; starts the next one; never blocks."""
+        """The verdict of the last finished :meth:`look` started at or after ``since``; starts the next one; never
+        blocks."""
         if self._pending is not None:
             started, pending = self._pending
             if not pending.done():
@@ -189,7 +192,8 @@ class QuorumWatch:
         return ()
 
     def wait(self, work: Any) -> Tuple[str, ...]:
-        """Block until the c10d ``work`` completes (``()``) or the lighthouse holds a member dead (the lost ids; :meth:`take_rebuild` then returns ``True`` once)."""
+        """Block until the c10d ``work`` completes (``()``) or the lighthouse holds a member dead (the lost ids;
+        :meth:`take_rebuild` then returns ``True`` once)."""
         since = time.monotonic()
         done = threading.Event()
         work.get_future().add_done_callback(lambda _fut: done.set())
@@ -235,7 +239,9 @@ class QuorumWatch:
 
     # -- the resumed side ---------------------------------------------------
     def dropped_while_frozen(self, step_start: float) -> bool:
-        """Whether this step (started at ``step_start``, monotonic s) must be discarded: a freeze of at least ``freeze_discard`` during it, or one longer than ``poll`` after which the lighthouse issued a later quorum without this group."""
+        """Whether this step (started at ``step_start``, monotonic s) must be discarded: a freeze of at least
+        ``freeze_discard`` during it, or one longer than ``poll`` after which the lighthouse issued a later quorum
+        without this group."""
         frozen = self._freeze.frozen_since(step_start)
         if frozen <= self._poll:
             return False
@@ -268,7 +274,8 @@ class QuorumWatch:
 
 
 def start_watch(cfg: Any, guard: Any, use_cuda: bool, process_group: Any = None) -> Optional[QuorumWatch]:
-    """The rank's peer watch (given ``cfg``, the quorum ``guard``, and the cross-replica ``process_group`` whose ``bury`` it uses), or ``None`` when off, on NCCL (``use_cuda``), or without the guard."""
+    """The rank's peer watch (given ``cfg``, the quorum ``guard``, and the cross-replica ``process_group`` whose
+    ``bury`` it uses), or ``None`` when off, on NCCL (``use_cuda``), or without the guard."""
     if not cfg.peer_watch or use_cuda or guard is None:
         if cfg.peer_watch:
             logger.info("peer watch off (%s): a hung peer costs the cross-replica timeout",
@@ -310,7 +317,8 @@ def wait_for_keys(store: Any, keys: List[str], timeout: timedelta, watch: Option
 
 
 class WatchedWork:
-    """A cross-replica all-reduce of ``buf`` (a copy of ``tensor``, or ``tensor`` itself when lent) by torchft's ``work``, waited on under ``watch``; ``on_lost`` gets the :class:`PeerLost` of a wait cut short."""
+    """A cross-replica all-reduce of ``buf`` (a copy of ``tensor``, or ``tensor`` itself when lent) by torchft's
+    ``work``, waited on under ``watch``; ``on_lost`` gets the :class:`PeerLost` of a wait cut short."""
 
     def __init__(self, work: Any, buf: torch.Tensor, tensor: torch.Tensor, watch: QuorumWatch,
                  on_lost: Callable[[PeerLost], None]) -> None:
@@ -318,7 +326,8 @@ class WatchedWork:
         self._watch, self._on_lost = watch, on_lost
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Wait under the watch; ``False`` when the step is to be discarded (``tensor`` is then untouched if copied, undefined if lent)."""
+        """Wait under the watch; ``False`` when the step is to be discarded (``tensor`` is then untouched if copied,
+        undefined if lent)."""
         # torchft 0.2 _ManagedWork: the process group's own work (an internal; the watch runs only where
         # ftbridge.manager.torchft_api.internals_supported holds, see start_watch)
         raw = getattr(self._work, "_work", None)

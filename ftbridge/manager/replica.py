@@ -177,7 +177,8 @@ class ReplicaManager:
             self._serve_early(joiners, int(result.max_step))
 
     def _serve_early(self, joiners: List[int], step: int) -> None:
-        """Serve this donor's heal state as soon as the quorum names it a donor; best effort (docs/concepts.md, "Heal")."""
+        """Serve this donor's heal state as soon as the quorum names it a donor; best effort (docs/concepts.md, "Heal").
+        """
         state_dict = getattr(self._torchft, "_manager_state_dict", None)  # behind the quorum guard's version check
         if state_dict is None:
             return
@@ -220,7 +221,8 @@ class ReplicaManager:
 
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
-        """Average (``AVG``) or sum (``SUM``) ``tensor`` (floating point, on the process group's device) in place over the participating groups; a ``Work`` to wait on.
+        """Average (``AVG``) or sum (``SUM``) ``tensor`` (floating point, on the process group's device) in place over
+        the participating groups; a ``Work`` to wait on.
 
         Never raises: an error is recorded, the work completes and :meth:`should_commit` returns ``False``.
         """
@@ -259,7 +261,8 @@ class ReplicaManager:
 
     def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0,
                plan: int = 0) -> "StepVerdict":
-        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step, kept as :attr:`verdict`.
+        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step, kept as
+        :attr:`verdict`.
 
         Call on every rank after the step's gradient all-reduces, right before :meth:`should_commit`. ``guard``:
         the fingerprint when the guard is due; ``empty``, ``waited_s``: for
@@ -431,7 +434,8 @@ class GroupDiscard(RuntimeError):
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What :meth:`ReplicaManager.decide` found: this rank's agreement (``None`` without torchft's internals) and the group's decision."""
+    """What :meth:`ReplicaManager.decide` found: this rank's agreement (``None`` without torchft's internals) and the
+    group's decision."""
 
     agreement: Optional[Agreement]
     decision: GroupDecision

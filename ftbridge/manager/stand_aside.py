@@ -44,7 +44,8 @@ class StandAside:
         self._pauses = 0  # stand-asides since the group last committed
 
     def step(self, *, quorum_id: int, store_unreachable: bool, committed: bool) -> float:
-        """Feed one step's outcome (``store_unreachable``: :attr:`GroupDecision.store_unreachable`; ``committed``: torchft's vote); the seconds to stand aside now (0.0: stay)."""
+        """Feed one step's outcome (``store_unreachable``: :attr:`GroupDecision.store_unreachable`; ``committed``:
+        torchft's vote); the seconds to stand aside now (0.0: stay)."""
         if committed:
             self._silent, self._pauses = [], 0
             return 0.0
@@ -84,6 +85,7 @@ def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Cal
 
 
 def longest_pause(base_s: float, restart_peer_wait_s: float) -> float:
-    """The longest pause: ``8 * base_s``, and at most half of ``restart_peer_wait_s`` when that is > 0 (docs/design.md, "Standing aside")."""
+    """The longest pause: ``8 * base_s``, and at most half of ``restart_peer_wait_s`` when that is > 0 (docs/design.md,
+    "Standing aside")."""
     cap = base_s * 2 ** StandAside.MAX_DOUBLINGS
     return min(cap, restart_peer_wait_s / 2) if restart_peer_wait_s > 0 else cap

@@ -44,7 +44,8 @@ class _Probed:
     abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
 
     def bury(self) -> None:
-        """Set the current c10d process group aside with its operations pending; the next ``configure`` builds a new one.
+        """Set the current c10d process group aside with its operations pending; the next ``configure`` builds a new
+        one.
 
         Groups set aside are released once older than twice the timeout. Until then collectives on this group fail.
         """
@@ -65,7 +66,8 @@ class _Probed:
         super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
 
     def take_store_unreachable(self) -> bool:
-        """Whether a ``configure`` since the last call found the quorum's store unanswering (then cleared); call after ``Manager.wait_quorum``."""
+        """Whether a ``configure`` since the last call found the quorum's store unanswering (then cleared); call after
+        ``Manager.wait_quorum``."""
         unreachable = getattr(self, "_store_unreachable", False)
         self._store_unreachable = False
         return unreachable

@@ -53,7 +53,9 @@ def installed_version() -> str:
 
 
 def internals_supported(manager: Any) -> bool:
-    """Whether ftbridge may use ``manager``'s private fields: the installed torchft is one of :data:`TORCHFT_GUARDED_VERSIONS` and ``manager`` (a :class:`Manager` or a stand-in) has the fields the quorum guard uses."""
+    """Whether ftbridge may use ``manager``'s private fields: the installed torchft is one of
+    :data:`TORCHFT_GUARDED_VERSIONS` and ``manager`` (a :class:`Manager` or a stand-in) has the fields the quorum guard
+    uses."""
     return (installed_version().startswith(TORCHFT_GUARDED_VERSIONS)
             and all(hasattr(manager, a) for a in _GUARDED_FIELDS))
 

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16
 """Heal requests a donor serves at once; more are closed unread."""
 SERVING_SWITCH_INTERVAL_S = 0.0005
-"""Python's GIL switch interval (s) while a donor serves a heal; restored by :meth:`SafeHTTPTransport.disallow_checkpoint`."""
+"""Python's GIL switch interval (s) while a donor serves a heal; restored by
+:meth:`SafeHTTPTransport.disallow_checkpoint`."""
 UNBOUNDED_CHUNK_BYTES = 64 << 20
 """Chunk size (bytes) of a body read without a size bound, so allocation follows the bytes received."""
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
@@ -65,7 +66,8 @@ def _read_into(resp: Any, view: memoryview) -> int:
 
 
 def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` with the body: ``http.client``'s buffered bytes, then one blocking ``MSG_WAITALL`` read; the bytes read."""
+    """Fill ``view`` with the body: ``http.client``'s buffered bytes, then one blocking ``MSG_WAITALL`` read; the bytes
+    read."""
     got = resp.fp.readinto1(view) if len(view) else 0  # bytes buffered with the headers, at most one raw read
     sock.settimeout(None)
     while got < len(view):
@@ -129,7 +131,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._saved_switch_interval: Optional[float] = None
         self._step = -1
         self.last_recv: Optional[Dict[str, Any]] = None
-        """Timing of the last successful fetch: ``bytes`` and wall times (s since the epoch) ``start``, ``response``, ``fetched``, ``end``."""
+        """Timing of the last successful fetch: ``bytes`` and wall times (s since the epoch) ``start``, ``response``,
+        ``fetched``, ``end``."""
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         send_s = (heal_timeout or 2 * timeout).total_seconds()
         self._server = BoundedHTTPServer((bind, 0), self._handler_class(), family=family,
@@ -296,7 +299,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                             time.perf_counter() - t0)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Dict[str, Any]:
-        """Fetch and decode the donor's state for ``step`` within one overall deadline (``heal_timeout`` or ``timeout``).
+        """Fetch and decode the donor's state for ``step`` within one overall deadline (``heal_timeout`` or
+        ``timeout``).
 
         Raises:
             ValueError: ``metadata`` is not an allowed heal URL (:func:`ftbridge.heal.limits.check_heal_url`),

@@ -21,7 +21,8 @@ DIGEST_BITS = 20
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One unit of work as a rank computes it: optimizer ``step``, ``slot`` (< ``slots``), ``micro`` (< G), the computing ``group_rank``, ``group_size``, and the job's ``slots`` (N)."""
+    """One unit of work as a rank computes it: optimizer ``step``, ``slot`` (< ``slots``), ``micro`` (< G), the
+    computing ``group_rank``, ``group_size``, and the job's ``slots`` (N)."""
 
     step: int
     slot: int
@@ -46,7 +47,8 @@ class Unit:
 
 
 def unit_seed(seed: int, step: int, dp_rank: int, micro: int) -> int:
-    """A 63-bit RNG seed of ``seed`` and a unit's rows (step, data-parallel rank, micro-batch), whichever group computes it: blake2b (RFC 7693), 8 bytes, little-endian, halved."""
+    """A 63-bit RNG seed of ``seed`` and a unit's rows (step, data-parallel rank, micro-batch), whichever group computes
+    it: blake2b (RFC 7693), 8 bytes, little-endian, halved."""
     key = f"{seed}/{step}/{dp_rank}/{micro}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
@@ -69,7 +71,8 @@ def check_grid(slots: int, micro: int, groups: int) -> None:
 
 
 def home_units(slots: int, micro: int, groups: int, group: int) -> List[UnitKey]:
-    """The units replica group ``group`` computes first, in grid order: block ``group`` of ``groups`` contiguous blocks of ``k = slot * micro + m``, ``[g * T // groups, (g + 1) * T // groups)`` with ``T = slots * micro``.
+    """The units replica group ``group`` computes first, in grid order: block ``group`` of ``groups`` contiguous blocks
+    of ``k = slot * micro + m``, ``[g * T // groups, (g + 1) * T // groups)`` with ``T = slots * micro``.
 
     Raises:
         ValueError: see :func:`check_grid`, or ``group`` outside ``[0, groups)``.

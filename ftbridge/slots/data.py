@@ -62,7 +62,8 @@ class UnitSampler:
 
     @classmethod
     def for_engine(cls, engine: Any, num_samples: int, *, shuffle: bool = True, seed: int = 0) -> "UnitSampler":
-        """A sampler with ``engine``'s micro-batch, accumulation steps and data-parallel size (``slots``, or the replica groups, times the group size)."""
+        """A sampler with ``engine``'s micro-batch, accumulation steps and data-parallel size (``slots``, or the replica
+        groups, times the group size)."""
         cfg, ds = engine.cfg, engine.engine
         width = (cfg.slots or cfg.num_replica_groups) * cfg.group_size
         return cls(num_samples, int(ds.train_micro_batch_size_per_gpu()), int(ds.gradient_accumulation_steps()),
@@ -114,7 +115,9 @@ def unit_rng(unit: Unit, seed: int = 0) -> Iterator[int]:
 
 @contextlib.contextmanager
 def seeded_rng(value: int) -> Iterator[int]:
-    """Run the block with torch's CPU generator, and the current CUDA device's if any, forked (:func:`torch.random.fork_rng`) and seeded with ``value``; the caller's state is restored on exit. Yields ``value``."""
+    """Run the block with torch's CPU generator, and the current CUDA device's if any, forked
+    (:func:`torch.random.fork_rng`) and seeded with ``value``; the caller's state is restored on exit. Yields ``value``.
+    """
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.default_generator.manual_seed(value)

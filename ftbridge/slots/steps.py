@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepNotCovered(DiscardStep):
-    """This attempt cannot train every unit of the step exactly once: the step is discarded everywhere (a heal received in it still applies)."""
+    """This attempt cannot train every unit of the step exactly once: the step is discarded everywhere (a heal received
+    in it still applies)."""
 
 
 def _discard(manager: Any, reason: str) -> None:
@@ -29,7 +30,9 @@ def _discard(manager: Any, reason: str) -> None:
 
 
 def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tuple[List[int], str]:
-    """The sorted replica group ids whose units count this step, and ``""``; or ``([], reason)`` when the quorum is unknown, ``everyone`` is false (a member heals), an id of ``members`` is not a group in ``[0, groups)``, or two members hold one id (pure)."""
+    """The sorted replica group ids whose units count this step, and ``""``; or ``([], reason)`` when the quorum is
+    unknown, ``everyone`` is false (a member heals), an id of ``members`` is not a group in ``[0, groups)``, or two
+    members hold one id (pure)."""
     if not members:
         return [], "the step's quorum is unknown (its quorum call failed)"
     if not everyone:
@@ -72,7 +75,8 @@ def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) ->
 
 
 def units(engine: Any) -> Iterator[Unit]:
-    """Yield one attempt of the current step as :class:`ftbridge.slots.Unit` s of ``engine`` (between steps), home units first, the accumulation boundary set for each.
+    """Yield one attempt of the current step as :class:`ftbridge.slots.Unit` s of ``engine`` (between steps), home units
+    first, the accumulation boundary set for each.
 
     Raises:
         RuntimeError: called inside a step (a forward ran since the last optimizer step).
@@ -105,7 +109,8 @@ def units(engine: Any) -> Iterator[Unit]:
 
 
 def plan_digest(cfg: Any, ds: Any) -> int:
-    """:attr:`ftbridge.manager.commit.View.plan`: 0 without slots, else 1 + :func:`ftbridge.slots.config_digest` of the slots, accumulation steps, micro-batch and group size."""
+    """:attr:`ftbridge.manager.commit.View.plan`: 0 without slots, else 1 + :func:`ftbridge.slots.config_digest` of the
+    slots, accumulation steps, micro-batch and group size."""
     if not cfg.slots:
         return 0
     return 1 + config_digest(cfg.slots, int(ds.gradient_accumulation_steps()),
@@ -113,7 +118,8 @@ def plan_digest(cfg: Any, ds: Any) -> int:
 
 
 def refusal(cfg: Any, ds: Any, adapter: Any, hook_state: Any) -> str:
-    """Why this engine (``cfg``, DeepSpeed engine ``ds``, its ``adapter`` and comm ``hook_state``) cannot train with slots, or ``""``; checked at ``initialize``."""
+    """Why this engine (``cfg``, DeepSpeed engine ``ds``, its ``adapter`` and comm ``hook_state``) cannot train with
+    slots, or ``""``; checked at ``initialize``."""
     if not cfg.slots:
         return ""
     from ftbridge.comm_hooks.powersgd import PowerSGDState
