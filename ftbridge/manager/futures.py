@@ -30,15 +30,10 @@ def in_thread(fn: Callable[[], T], name: str) -> "concurrent.futures.Future[T]":
 
 
 def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
-    """``fn()`` run by :func:`in_thread`, waited for at most ``timeout``.
-
-    Args:
-        fn: the call; it must not mutate shared state (an overrun keeps running, its result dropped).
-        timeout: the deadline.
-        what: what was called, for the error message.
+    """``fn()`` run by :func:`in_thread`, waited for at most ``timeout``; ``fn`` must not mutate shared state.
 
     Raises:
-        TimeoutError: ``fn`` did not return within ``timeout``.
+        TimeoutError: ``fn`` did not return within ``timeout`` (the message names ``what``).
         Exception: whatever ``fn`` raised, with its traceback.
     """
     future = in_thread(fn, "ftbridge-bounded-call")

@@ -25,13 +25,9 @@ def _harmless(error: Any) -> bool:
 class HealAgreement:
     """The ranks of one replica group apply a heal together or not at all.
 
-    Each rank reports :meth:`state` in the group's in-group exchange, then every rank calls :meth:`settle`
-    with the group's decision. The constructor wraps ``manager.load_state_dict`` to remember torchft's
-    counters before a heal, so that a dropped heal takes them back too.
-
-    Args:
-        manager: the rank's ``torchft.Manager`` (or an object with ``state_dict``, ``load_state_dict``,
-            ``errored``, ``report_error``, ``_healing`` and ``_pending_state_dict``).
+    Each rank reports :meth:`state` in the group's in-group exchange; every rank then calls :meth:`settle`
+    with the group's decision. It wraps ``manager.load_state_dict`` (a ``torchft.Manager`` or a stand-in with
+    its fields) so a dropped heal also restores torchft's counters.
     """
 
     def __init__(self, manager: Any) -> None:

@@ -28,16 +28,10 @@ def probe_status(address: str, timeout_s: float) -> None:
 
 
 class LighthouseMonitor:
-    """Whether the lighthouse answers, from probes run one at a time in a helper thread.
+    """Whether the lighthouse at ``address`` answers, from probes run one at a time in a helper thread.
 
-    Args:
-        address: the lighthouse (``http://HOST:PORT``).
-        deadline: a probe's timeout; no answer within it counts as "does not answer".
-        probe: ``probe(address, timeout_s)``, returns on an answer, raises otherwise (default :func:`probe_status`).
-        clock: monotonic seconds.
-
-    Raises:
-        ValueError: ``deadline`` is not positive.
+    ``deadline`` (> 0) is a probe's timeout; ``probe(address, timeout_s)`` returns on an answer and raises
+    otherwise (default :func:`probe_status`); ``clock`` gives monotonic seconds.
     """
 
     def __init__(self, address: str, *, deadline: timedelta, probe: Callable[[str, float], None] = probe_status,

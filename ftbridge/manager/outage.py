@@ -1,18 +1,11 @@
-"""The QUORUM and AGREE drivers of the commit protocol: riding out lighthouse outages, and the agreement.
+"""The QUORUM and AGREE drivers of the commit protocol, one :class:`OutageRider` per rank.
 
-One :class:`OutageRider` per rank does the I/O for :mod:`ftbridge.manager.commit`'s decisions:
-
-* QUORUM (torchft's quorum thread): group rank 0 decides whether the step rides
-  (:func:`~ftbridge.manager.commit.decide_ride`) and shares it on the group's TCPStore; a step that asks
-  makes the lighthouse call in tries in a helper thread (:meth:`OutageRider.ask`), which rank 0 may leave
-  to ride while :class:`~ftbridge.manager.lighthouse_monitor.LighthouseMonitor` finds the lighthouse not
-  answering; the other ranks follow rank 0's published outcome.
-* AGREE (training thread, every step): one SUM all-reduce of every member's
-  :class:`~ftbridge.manager.commit.View` over the cross-replica process group, judged by
-  :func:`~ftbridge.manager.commit.judge` (:meth:`OutageRider.agree`).
-
-Why: docs/concepts.md, "The commit protocol" (QUORUM, one call in flight per group, riding out a lighthouse
-outage); docs/design.md, "Riding", "Continuity" and "The outage rider".
+QUORUM (torchft's quorum thread): group rank 0 decides whether the step rides
+(:func:`~ftbridge.manager.commit.decide_ride`), or makes the lighthouse call in tries
+(:meth:`OutageRider.ask`), which it leaves to ride when the lighthouse stops answering; the other ranks
+follow rank 0 through the group's TCPStore. AGREE (every step): one SUM all-reduce of every member's
+:class:`~ftbridge.manager.commit.View` (:meth:`OutageRider.agree`). Why: docs/concepts.md, "The commit
+protocol"; docs/design.md, "Riding", "Continuity" and "The outage rider".
 """
 
 from __future__ import annotations

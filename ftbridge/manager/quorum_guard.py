@@ -1,11 +1,8 @@
-"""Survive lighthouse restarts: the quorum guard around torchft's manager client (torchft 0.2 internals).
+"""Survive lighthouse restarts: :class:`_QuorumGuard` wraps torchft's manager client (torchft 0.2 internals).
 
-:class:`_QuorumGuard`, installed as ``Manager._client`` where
-:func:`ftbridge.manager.torchft_api.internals_supported` holds, applies :mod:`ftbridge.manager.quorum_rules`
-per quorum: it detects a restart, runs the reconfigure vote on the quorum's TCPStore (skipped on a steady
-quorum), refuses a member of another group size, requires a majority after a restart, and namespaces the
-rendezvous keys. The outage rider and the peer watch hook into torchft's quorum call here.
-
+Per quorum it applies :mod:`ftbridge.manager.quorum_rules`: detects a restart, runs the reconfigure vote
+on the quorum's TCPStore (skipped on a steady quorum), refuses another group size, requires a majority
+after a restart and namespaces the rendezvous keys; the outage rider and the peer watch hook in here.
 Why: docs/lighthouse.md, "Restart survival"; docs/design.md, "The quorum guard".
 """
 
@@ -223,14 +220,12 @@ class _QuorumGuard:
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
                    timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
-    """One rank's vote on the primary's store: write ``mine`` and ``group_size`` (0: not published), wait for every
-    member's (under ``watch``), read them.
-
-    ``base`` is the quorum's key prefix; ``store`` a cached client or ``None``; ``last``
-    ``(store, base, replica_rank)`` of the previous vote, deleted only on the store that just answered.
+    """One rank's vote on the primary's store under the key prefix ``base``: write ``mine`` and ``group_size`` (0:
+    unknown), wait for every member's (under ``watch``), read them; delete the previous vote ``last`` only on this
+    store.
 
     Returns:
-        ``(store client, votes, sizes)``, one vote and group size per replica rank.
+        ``(store client, votes, sizes)``, by replica rank.
 
     Raises:
         Whatever the store raises: ``DistStoreError`` when a vote does not come within ``timeout``.

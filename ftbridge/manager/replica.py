@@ -1,14 +1,9 @@
 """torchft's quorum and the cross-replica process group for one rank: :class:`ReplicaManager`.
 
-It wraps torchft's ``Manager`` (group rank 0 runs its manager server, which joins the lighthouse's quorum)
-and a reconfigurable cross-replica process group (:mod:`ftbridge.device`) linking the ranks with the same
-group rank across the live replica groups. It sets torchft's ``TORCHFT_*`` environment variables to the
-resolved config first (they override torchft's constructor arguments), heals through
-:class:`ftbridge.manager.transport.SafeHTTPTransport`, and drives the commit protocol
-(:meth:`ReplicaManager.decide`, :meth:`ReplicaManager.should_commit`). The replica group's own
-torch.distributed world must be initialised first (``MASTER_ADDR``/``MASTER_PORT``).
-
-Why: docs/concepts.md, "The commit protocol", "Heal" and "The timeout hierarchy".
+It wraps torchft's ``Manager`` after setting torchft's ``TORCHFT_*`` variables to the resolved config,
+heals through :class:`ftbridge.manager.transport.SafeHTTPTransport`, and drives the commit protocol
+(:meth:`ReplicaManager.decide`, :meth:`ReplicaManager.should_commit`). Initialise the replica group's own
+torch.distributed world first. Why: docs/concepts.md, "The commit protocol", "Heal".
 """
 
 from __future__ import annotations

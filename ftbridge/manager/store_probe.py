@@ -1,12 +1,9 @@
 """Bounded calls to a TCPStore that may be hung, and a bounded gloo rendezvous.
 
 :func:`probe_store` makes one request with a deadline; :class:`ProbedProcessGroupGloo` and
-:class:`ProbedProcessGroupNCCL` probe the quorum's store before torchft's ``configure`` dials it, so a
-quorum whose primary hung fails that step instead of blocking; the gloo one also bounds the rendezvous at
-:data:`RENDEZVOUS_BOUND` times the timeout. Both can :meth:`~_Probed.bury` a group with a pending operation.
-
-Why: docs/design.md, "The quorum guard" (hung stores), "What safety costs" (the rendezvous bound) and
-"The peer watch" (bury).
+:class:`ProbedProcessGroupNCCL` probe the quorum's store before torchft's ``configure`` dials it (a hung
+primary fails that step instead of blocking), the gloo one bounds its rendezvous, and both can set a group
+with a pending operation aside (``bury``). Why: docs/design.md, "The quorum guard" and "The peer watch".
 """
 
 from __future__ import annotations

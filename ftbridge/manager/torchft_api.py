@@ -1,16 +1,10 @@
 """The one door to torchft: every torchft name ftbridge and the lighthouse service use, and the version check.
 
 No other module of ``ftbridge/``, ``lighthouse/`` or ``scripts/`` imports torchft
-(``tests/test_boundaries.py``; the import graph: docs/concepts.md, "Import graph"). Upgrading torchft
-starts here.
-
-Public torchft API: :class:`Manager`, :class:`ProcessGroupGloo`, :class:`ProcessGroupNCCL`,
-:func:`create_store_client`, :class:`CheckpointTransport`, :class:`LighthouseServer`.
-
-torchft internals, used only inside :mod:`ftbridge.manager` and only where :func:`internals_supported`
-holds: :class:`DummyWork` (``torchft.work._DummyWork``); ``Manager._client``, ``_quorum_id``,
-``_healing``, ``_pending_state_dict``, ``_pg``, ``_store``, ``_manager`` (its ``ManagerServer``,
-:func:`pause_manager_server`); the process group wrapper's ``_pg``; ``_ManagedWork._work``.
+(``tests/test_boundaries.py``; docs/concepts.md, "Import graph"). torchft internals (:class:`DummyWork`,
+``Manager._client``, ``_quorum_id``, ``_healing``, ``_pending_state_dict``, ``_pg``, ``_store``,
+``_manager``, the wrapper's ``_pg``, ``_ManagedWork._work``) are used only inside :mod:`ftbridge.manager`
+and only where :func:`internals_supported` holds.
 """
 
 from __future__ import annotations
@@ -62,16 +56,8 @@ def internals_supported(manager: Any) -> bool:
 
 def pause_manager_server(manager: Any, *, lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta,
                          connect_timeout: timedelta, quorum_retries: int) -> Callable[[], None]:
-    """Shut down group rank 0's torchft manager server (its heartbeats to the lighthouse stop with it).
-
-    Args:
-        manager: group rank 0's :class:`Manager`.
-        lighthouse_addr, hostname, heartbeat_interval, connect_timeout, quorum_retries: what the manager
-            was built with.
-
-    Returns:
-        ``resume()``, which builds a new server on the same port with the same replica id and installs it;
-        until then the group must not call torchft.
+    """Shut down group rank 0's manager server (its heartbeats stop); return ``resume()``, which builds a new one on the
+    same port with the same replica id and the given arguments. The group must not call torchft in between.
 
     Raises:
         AttributeError: ``manager`` holds no manager server (not group rank 0).

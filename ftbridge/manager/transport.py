@@ -94,21 +94,15 @@ def _read_chunked(resp: Any, total: int) -> tuple:
 class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     """torchft checkpoint transport over HTTP with a pickle-free format and bounded ends.
 
-    The donor serves ``GET /heal/{step}`` from :meth:`send_checkpoint` until :meth:`disallow_checkpoint`,
-    sending the tensors' bytes from the tensors themselves (:mod:`ftbridge.heal.stream`).
-
     Args:
         bind: interface address to listen on, e.g. ``"127.0.0.1"``; the OS picks the port.
         timeout: the donor's bound on receiving a request, and on waiting for the requested step.
-        heal_timeout: overall deadline of one fetch on the joiner, and the donor's for sending one response;
-            ``None``: the ``timeout`` torchft passes to :meth:`recv_checkpoint` (the donor allows ``2 * timeout``).
+        heal_timeout: overall deadline of one fetch, and the donor's for one response; ``None``: the
+            ``timeout`` torchft passes to :meth:`recv_checkpoint` (the donor allows ``2 * timeout``).
         token: the job token (``FTBRIDGE_JOB_TOKEN``); ``None`` or empty: no authentication.
-        max_recv_bytes: returns the largest body this rank accepts (bytes), e.g.
-            :func:`ftbridge.heal.wire.size_bound`; called at each fetch. ``None``: no bound (the body is
-            allocated as it arrives).
+        max_recv_bytes: returns the largest body accepted (bytes), called at each fetch; ``None``: no bound.
         max_connections: requests served at once; more are closed unread.
-        device: where the joiner's tensors go; CUDA reads through one pinned staging buffer
-            (:mod:`ftbridge.staging`). ``None``: CPU tensors viewing the received bytes.
+        device: where received tensors go (CUDA: through :mod:`ftbridge.staging`); ``None``: CPU tensors.
 
     Raises:
         OSError: ``bind`` is not an address of this machine.
