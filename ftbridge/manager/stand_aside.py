@@ -85,7 +85,8 @@ def leave_quorums(manager: Any, *, pause_s: float, group_rank: int, barrier: Cal
 
 
 def longest_pause(base_s: float, restart_peer_wait_s: float) -> float:
-    """The longest pause: ``8 * base_s``, and at most half of ``restart_peer_wait_s`` when that is > 0 (docs/design.md,
-    "Standing aside")."""
+    """The longest pause: ``8 * base_s``, and at most half of ``restart_peer_wait_s`` when that is > 0.
+
+    Why: docs/design.md, "Standing aside keeps every argument above"."""
     cap = base_s * 2 ** StandAside.MAX_DOUBLINGS
     return min(cap, restart_peer_wait_s / 2) if restart_peer_wait_s > 0 else cap
