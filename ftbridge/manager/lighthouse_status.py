@@ -2,7 +2,9 @@
 
 :func:`fetch_status` fetches the HTML fragment torchft's dashboard polls; :func:`parse_status` (pure)
 parses it into :class:`LighthouseStatus`, or raises :class:`StatusFormatError` naming what is missing.
-Why not gRPC (no read-only RPC): docs/lighthouse.md, "Status". Example:
+Why not gRPC: its only methods change the lighthouse's state (``Quorum`` joins the next quorum, and a
+``Heartbeat`` adds a replica id that then counts in the split-brain guard and makes a quorum that changes
+membership wait ``join_timeout_ms`` for it); docs/lighthouse.md, "Status". Example:
 ``fetch_status("http://127.0.0.1:29510").quorum_id``.
 """
 
