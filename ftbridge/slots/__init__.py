@@ -54,11 +54,8 @@ def unit_seed(seed: int, step: int, dp_rank: int, micro: int) -> int:
 
 
 def check_grid(slots: int, micro: int, groups: int) -> None:
-    """Refuse a grid no plan can cover: ``slots`` (N), ``micro`` (G) and ``groups`` (M) each >= 1, and M <= N.
-
-    Raises:
-        ValueError: naming the value and the fix.
-    """
+    """Raise ``ValueError`` (naming the value and the fix) for a grid no plan can cover: ``slots`` (N), ``micro`` (G) or
+    ``groups`` (M) below 1, or M > N."""
     if slots < 1:
         raise ValueError(f"slots={slots}: use at least 1 (the default is the number of replica groups)")
     if micro < 1:
@@ -92,8 +89,9 @@ def max_load(slots: int, micro: int, participants: int) -> int:
 def assign(slots: int, micro: int, groups: int, participants: Iterable[int]) -> Dict[int, Tuple[UnitKey, ...]]:
     """This step's plan ``{group: units}`` for the participating replica group ids (any order, no repeats).
 
-    Each participant's :func:`home_units` come first, then the absent groups' units it took, in grid order;
-    every unit appears exactly once, at most :func:`max_load` per participant. ``groups`` is M (<= ``slots``).
+    Each participant keeps its :func:`home_units` first; the absent groups' units, in grid order, go one at a
+    time to the participant with the fewest so far (ties: the lowest id). Every unit appears exactly once, at
+    most :func:`max_load` per participant (docs/design.md, "Orphans"). ``groups`` is M (<= ``slots``).
 
     Raises:
         ValueError: see :func:`check_grid`; no participant, a repeated one, or one outside ``[0, groups)``.
