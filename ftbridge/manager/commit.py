@@ -1,41 +1,10 @@
-"""The per-step commit protocol of one rank: its inputs, its decisions and their invariants (no I/O).
+"""The per-step commit protocol of one rank as pure functions (no I/O).
 
-Every decision of a step that decides whether replicas stay identical is a
-pure function here; :mod:`ftbridge.manager.replica`, :mod:`ftbridge.manager.outage`
-and :mod:`ftbridge.manager.quorum_guard` are the drivers that feed them from
-torchft, the lighthouse, the stores and the process groups, and carry out what
-they return. ``tests/test_commit_simulation.py`` runs these functions under a
-deterministic simulation with faults at every step. The state diagram and the
-no-split argument are in ``docs/concepts.md`` ("The commit protocol").
-
-One step of one rank::
-
-    QUORUM   group rank 0 decides: ride the last quorum, or ask the lighthouse
-             (decide_ride), and while a call is in flight whether to wait, leave
-             it and ride, or give up (QuorumWait); the other ranks follow rank 0.
-    SYNC     the gradient all-reduces (ftbridge.zero.grad_sync).
-    AGREE    one cross-replica all-reduce: every member's View (encode_view),
-             judged identically by every member (judge).
-    DECIDE   one in-group all-reduce: every rank's Flags (encode_flags), one
-             GroupDecision for the whole group (decide_group).
-    COMMIT   torchft's should_commit (an AND over the group), then the next step.
-    ASIDE    a group whose rank 0 found the quorum's store silent in consecutive quorums
-             leaves the quorums for a pause (ftbridge.manager.stand_aside), then heals.
-
-Invariants (checked after every transition of the simulation):
-
-* no two replica groups commit one step with different parameters: a commit
-  needs every member of the step's process group to report the same quorum,
-  membership, step and participation view (who averages, by what divisor),
-  and a quorum that follows quorums none of its members took part in (where
-  others may have committed steps), or a member that discarded a step others
-  may have committed and no member holding that step, commits nothing
-  (:func:`continuous`);
-* every rank of a group takes the same decision: the decision is a function
-  of the in-group exchange, which every rank sees whole;
-* no committed step is lost: a group only ever discards its own step;
-* liveness: every wait has a deadline (QuorumWait, the process groups'
-  timeouts), and its outcome is a discard, a ride or an error naming the setting.
+QUORUM (:func:`decide_ride`, :class:`QuorumWait`), AGREE (every member's :class:`View`, summed in one
+cross-replica all-reduce, judged by :func:`judge`), DECIDE (every rank's :class:`Flags`, one in-group
+all-reduce, :func:`decide_group`). Drivers: :mod:`ftbridge.manager.replica`, :mod:`ftbridge.manager.outage`,
+:mod:`ftbridge.manager.quorum_guard`. Protocol: docs/concepts.md, "The commit protocol"; invariants and
+why a commit never splits the job: docs/design.md.
 """
 
 from __future__ import annotations
@@ -52,20 +21,9 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
                 rode_last: bool, last_ride_on: bool, lighthouse_answers: Optional[bool]) -> bool:
     """Whether this step reuses the last quorum instead of asking the lighthouse (group rank 0 decides).
 
-    Args:
-        enabled: riding out lighthouse outages is on (``ride_out_lighthouse_outage``).
-        has_last: this rank has taken part in a quorum.
-        same_process_group: torchft still holds that quorum's process group.
-        last_committed: the whole group committed the previous step.
-        rode_last: the previous step rode.
-        last_ride_on: the previous step's agreement said ride on (:attr:`Agreement.ride_on`).
-        lighthouse_answers: whether the lighthouse answered a request within the probe deadline
-            (``None``: no recent probe). A TCP connect does not count: a hung lighthouse, or a proxy in
-            front of a dead one, accepts connections.
-
-    Returns:
-        ``True`` to ride. Entry follows this group's own probe; staying on follows the previous
-        agreement only, which every member judged from the same summed tensor.
+    Rides only if ``enabled``, ``has_last``, ``same_process_group`` (torchft still holds it) and
+    ``last_committed``; then, if ``rode_last``, as the last agreement said (``last_ride_on``), else only when
+    ``lighthouse_answers`` is ``False`` (a request unanswered within the probe deadline; ``None``: no probe).
     """
     if not (enabled and has_last and same_process_group and last_committed):
         return False
@@ -75,20 +33,8 @@ def decide_ride(*, enabled: bool, has_last: bool, same_process_group: bool, last
 
 
 class QuorumWait:
-    """Waiting for one lighthouse call of group rank 0: go on waiting, leave it and ride, or give up.
-
-    The driver polls every few tens of milliseconds with the clock and the
-    latest lighthouse probe; :meth:`poll` says what to do. A call that returns
-    or raises ends the wait in the driver (its result or its exception,
-    re-raised: torchft's ``TimeoutError`` included).
-
-    Args:
-        started: monotonic seconds when the call was made.
-        deadline_s: seconds after which the call counts as lost even if it has not raised
-            (``quorum_timeout`` plus slack: torchft's own bound should have ended it first).
-        may_ride: riding is allowed for this step (:func:`decide_ride` with an unanswering lighthouse
-            would say yes: on, a last quorum on the same process group, the last step committed).
-    """
+    """Waiting for one lighthouse call of group rank 0, started at monotonic ``started``: wait, leave it and ride (if
+    ``may_ride``), or give up after ``deadline_s`` (> 0)."""
 
     WAIT, RIDE, EXPIRED = "wait", "ride", "expired"
 
@@ -98,12 +44,8 @@ class QuorumWait:
         self.started, self.deadline_s, self.may_ride = started, deadline_s, may_ride
 
     def poll(self, now: float, lighthouse_answers: Optional[bool]) -> str:
-        """The action after one poll of a call still in flight at ``now`` (monotonic s).
-
-        Returns:
-            :attr:`RIDE` when riding is allowed and the lighthouse does not answer;
-            :attr:`EXPIRED` past the deadline; else :attr:`WAIT`.
-        """
+        """At ``now`` (monotonic s): :attr:`RIDE` if riding is allowed and the lighthouse does not answer,
+        :attr:`EXPIRED` past the deadline, else :attr:`WAIT`."""
         if self.may_ride and lighthouse_answers is False:
             return self.RIDE
         if now - self.started >= self.deadline_s:
@@ -114,14 +56,11 @@ class QuorumWait:
 # -- AGREE: one cross-replica all-reduce per step ------------------------------------------------------
 
 DEAD_END_RUNS = 8
-"""Runs of consecutive dead-end quorum ids a member's row carries (:attr:`View.dead_ends`), newest first. A
-member's dead ends are interleaved with quorums it was not in (a joiner's quorum alone, say) that another member
-covers, so the gap after the certified quorum is covered by the union of the members' runs; a member with more
-runs than this leaves out its oldest, and the gap they held stays uncovered (the job discards until the rule's
-bound, ``restart_peer_wait``)."""
+"""Runs of consecutive dead-end quorum ids a row carries (:attr:`View.dead_ends`); older runs are dropped. Why:
+docs/design.md, "Continuity"."""
 
 ROW = 26 + 2 * (DEAD_END_RUNS - 1)
-"""float64 values per member in the agreement (see :func:`encode_view`)."""
+"""float64 values per member in the agreement (:func:`encode_view`)."""
 
 
 @dataclass(frozen=True)
@@ -129,39 +68,18 @@ class View:
     """What one member acts on in this step; every member's must match for a commit.
 
     Attributes:
-        replica_group: this member's replica group id (>= 0).
-        quorum_id: the step's quorum id.
-        membership: 16 hex digits, :func:`membership_digest` of the quorum's replica ids.
-        step: torchft's committed-step counter at this step (a healing member's is the donor's).
-        participants: the divisor this member averages by (torchft's ``num_participants``).
-        participating: whether this member's gradient counts (``False`` while it heals).
-        ok: no error recorded on this rank in this step.
-        lighthouse_seen: the lighthouse answered this rank's group at this step's start.
-        guard: 16 hex digits of the state fingerprint when the divergence guard is due and this member
-            participates, else ``None``.
-        certified: the latest earlier quorum id (this lighthouse's lifetime) in which an agreement of this
-            member passed (-1: none).
-        dead_ends: the earlier quorums after ``certified`` this member took part in where none of its agreements
-            passed, so nobody committed there, as runs of consecutive ids ``(first, last)``, newest first, at
-            most :data:`DEAD_END_RUNS` (empty: none).
-        empty: this member joined with nothing to start from (a restart or a spare, :func:`ftbridge.heal.joined_empty`;
-            it holds none of the job's state).
-        num_groups: the job's replica groups (``num_replica_groups``); a quorum holding all of them
-            follows the job's history whatever its ids (nobody outside it can have trained).
-        missed: the latest earlier quorum id (this lighthouse's lifetime) whose agreement passed while this
-            member's group discarded its last such step there (others may have committed it; this member
-            stayed behind), unless a later quorum certified it since (-1: none).
-        committers: on the step that certified ``certified``, how many members of that quorum (this one
-            included) reported ok; every other member discarded that step (0: nothing certified). When that
-            many members certified the quorum and all are here, nobody else holds its history, and no quorum
-            without them can have committed after it.
-        holding: a lighthouse call this member's group left to ride is still in flight. torchft's manager
-            server cannot take it back: its request (with the step it was made at) may still reach the
-            lighthouse and its answer may still come, and a second call of the group would receive that
-            answer as its own. While a member holds, every member rides on.
-        plan: the slot plan this member computes by (:mod:`ftbridge.slots`): ``config_digest + 1`` of its
-            slots, accumulation steps, micro-batch and group size; 0 without slots. Members that differ
-            would cover the step's units differently, so they never commit together.
+        replica_group, quorum_id, step, plan: ids (a healing member's step is the donor's); ``plan``:
+            ``config_digest + 1`` of the slot plan, 0 without slots.
+        membership: :func:`membership_digest` of the quorum's replica ids.
+        participants: the divisor it averages by; participating: its gradient counts (not healing).
+        ok: no error recorded in this step; lighthouse_seen: the lighthouse answered at the step's start.
+        guard: state fingerprint (16 hex digits) when the guard is due and it participates.
+        certified, dead_ends, missed, committers: its quorum history (docs/design.md, "Continuity"): the
+            newest quorum its agreement passed in (-1: none), runs ``(first, last)`` of later quorums it was in
+            where none passed (newest first, at most :data:`DEAD_END_RUNS`), the newest quorum it missed (-1:
+            none), and the members ok on the certifying step.
+        empty: joined with nothing (:func:`ftbridge.heal.joined_empty`); num_groups: ``num_replica_groups``.
+        holding: a lighthouse call its group left to ride is still in flight.
     """
 
     replica_group: int
@@ -200,14 +118,13 @@ def _digest(chunks: Sequence[float]) -> str:
 
 
 def encode_view(v: View) -> List[float]:
-    """One member's agreement row, exact in float64: ``[1, group + 1, quorum id, membership x4, step,
-    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, first + 1 and
-    last + 1 of the newest dead-end run, empty, num groups, missed + 1, committers, holding, plan, then first
-    + 1 and last + 1 of each older run]`` (:data:`ROW` values, 0 where none).
+    """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step,
+    participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first
+    + 1, last + 1), empty, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none).
 
     Raises:
-        ValueError: a digest is not 16 hex digits, a number is negative or >= 2**53, or more than
-            :data:`DEAD_END_RUNS` dead-end runs are given.
+        ValueError: a digest is not 16 hex digits, a number is outside ``[0, 2**53)``, or more than
+            :data:`DEAD_END_RUNS` runs.
     """
     for name in ("replica_group", "quorum_id", "step", "participants", "plan"):
         if not 0 <= getattr(v, name) < 2**53:
@@ -224,8 +141,8 @@ def encode_view(v: View) -> List[float]:
 
 
 def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
-    """The runs of consecutive ids in ``ids`` as ``(first, last)``, newest first, the newest ``limit`` of them
-    (pure; ``id_runs({10, 12, 13}, 8) == ((12, 13), (10, 10))``)."""
+    """The newest ``limit`` runs of consecutive ids as ``(first, last)``, newest first (``id_runs({10, 12, 13}, 8) ==
+    ((12, 13), (10, 10))``)."""
     runs: List[List[int]] = []
     for i in sorted(set(ids), reverse=True):
         if runs and runs[-1][0] == i + 1:
@@ -245,15 +162,8 @@ def dead_end_runs(row: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class GuardVerdict:
-    """The divergence guard's judgement of one step's fingerprints, by majority.
-
-    Attributes:
-        digests: replica group id -> fingerprint, for every participating member that reported one.
-        majority: the fingerprint held by more than half of them; ``None`` in a tie (2 groups that
-            differ, or no fingerprint held by more than half).
-        differing: groups whose fingerprint is not the majority's (empty in a tie).
-        agreeing: groups holding the majority's fingerprint: the ones a differing group heals from.
-    """
+    """The divergence guard's majority judgement: ``digests`` (group -> fingerprint), the strict ``majority`` (``None``
+    in a tie), the ``differing`` groups and the ``agreeing`` ones (heal sources)."""
 
     digests: Dict[int, str]
     majority: Optional[str]
@@ -272,11 +182,7 @@ class GuardVerdict:
 
 
 def judge_guard(digests: Dict[int, str]) -> GuardVerdict:
-    """Which groups differ from the state most groups hold (pure).
-
-    No group is the reference: a corrupted primary is outvoted like any other
-    member. With two groups that differ, or a tie, nobody can be named right.
-    """
+    """Which groups differ from the state a strict majority holds; no group is the reference (pure)."""
     counts = Counter(digests.values())
     top = counts.most_common(1)[0] if counts else None
     majority = top[0] if top is not None and 2 * top[1] > len(digests) else None
@@ -291,18 +197,14 @@ class Agreement:
     """One member's verdict on the summed agreement tensor (every member judges the same tensor).
 
     Attributes:
-        consistent: every member is present once and reports the same quorum, membership, step and
-            participation view (the count of participating members equals the divisor).
-        continuous: ``consistent`` and the quorum follows the job's history (:func:`continuous`).
+        consistent: every member present once, on one quorum, membership, step and divisor, with as many
+            participants as the divisor.
+        continuous: ``consistent`` and following the job's history (:func:`continuous`).
         commit: ``continuous`` and, in a riding step, every member ok.
-        ride_on: ``commit``, and no member heard the lighthouse at this step's start or a member still
-            waits on a lighthouse call it left (:attr:`View.holding`): the next step rides too.
-        reason: why not ``commit`` ("" when it holds).
-        guard: the divergence guard's verdict when fingerprints were reported, else ``None``.
-        all_empty: ``consistent`` and every member was restarted with nothing: none holds the job's state.
-        shared: every member of this process group reaches this same verdict: it was judged on the complete
-            summed tensor, or this member could not put its row in (each other member then finds it
-            missing). A failed all-reduce is not shared: another member may have completed it.
+        ride_on: ``commit``, and no member heard the lighthouse or one is :attr:`View.holding`.
+        reason: why not ``commit``; guard: the guard's verdict, if fingerprints came.
+        all_empty: ``consistent`` and every member joined empty.
+        shared: every member reaches this verdict (the complete tensor, or this row missing).
     """
 
     consistent: bool
@@ -319,14 +221,10 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     """The verdict of one step's agreement (pure).
 
     Args:
-        rows: the summed agreement tensor as rows, one per member (quorum replica rank), :data:`ROW` each.
-        own: this member's own row (:func:`encode_view`).
-        riding: this step reuses the last quorum: every member must also be ok. On a quorum from the
-            lighthouse each group commits or discards on its own, as with torchft alone (a differing
-            group discards and heals while the others commit).
-
-    Returns:
-        :class:`Agreement`. A row not exactly 1 in its first value (missing, or written twice) fails.
+        rows: the summed tensor, one row of :data:`ROW` per member (quorum replica rank); a row whose first
+            value is not exactly 1 (missing or doubled) fails it.
+        own: this member's row (:func:`encode_view`).
+        riding: this step reuses the last quorum, so every member must also be ok.
     """
     if not rows:
         return Agreement(False, False, False, "no members")
@@ -377,32 +275,13 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
 
 def continuous(quorum_id: int, histories: Sequence[Tuple[int, Sequence[Tuple[int, int]], int]],
                missed: int = -1) -> Optional[int]:
-    """The first earlier quorum id that none of this quorum's members can account for, or ``None`` (pure).
-
-    A group cut off from the lighthouse is dropped from its quorums while the others train on; if the
-    others are then cut off in turn and the first group comes back alone, the lighthouse gives it a quorum
-    of its own at its old step, and it would commit steps the others already committed, with other
-    parameters. Every quorum id between the newest one some member certified (its group committed there
-    on a passing agreement, so it holds that quorum's history) and this one must therefore be a dead end
-    some member took part in (no agreement there passed, so nobody committed there). Likewise a member that
-    discarded where an agreement passed (a late error, a heal that did not apply, the guard outvoting it)
-    stayed behind while others may have committed: until some member certified a later quorum, nobody here
-    holds that history. When every member that committed in the newest certified quorum is here
-    (:attr:`View.committers` of them certified it), they vouch for every id after it: no quorum without
-    them holds that history, so nobody can have committed there. :func:`judge` skips the check for a
-    quorum that holds every replica group of the job, each by a member that takes part with state of its
-    own (neither joined empty nor healing): nobody outside it can have trained.
+    """The first earlier quorum id none of this quorum's members can account for, or ``None`` (pure; the rule:
+    docs/design.md, "Continuity").
 
     Args:
         quorum_id: this quorum's id.
-        histories: per member, ``(certified, dead_ends, committers)`` as in :class:`View` (``dead_ends``: runs
-            ``(first, last)`` in any order).
+        histories: per member ``(certified, dead_ends, committers)`` as in :class:`View`.
         missed: the newest :attr:`View.missed` among the members (-1: none).
-
-    Returns:
-        ``None`` when continuous: no member has a history (the job's or the lighthouse's first quorum), or
-        every id after the newest certified one is covered by some member's dead-end runs (their union) and no
-        member missed a quorum after it. Else the first id nobody here can account for.
     """
     certified = [c for c, _, _ in histories if c >= 0]
     if missed > max(certified, default=-1):
@@ -425,7 +304,7 @@ def continuous(quorum_id: int, histories: Sequence[Tuple[int, Sequence[Tuple[int
 # -- DECIDE: one in-group exchange per step -----------------------------------------------------------
 
 FLAGS = 15
-"""float64 values per rank in the in-group exchange (see :func:`encode_flags`)."""
+"""float64 values per rank in the in-group exchange (:func:`encode_flags`)."""
 
 
 @dataclass(frozen=True)
@@ -433,27 +312,15 @@ class Flags:
     """What one rank of a replica group brings to the group's decision.
 
     Attributes:
-        step: torchft's step on this rank.
-        errored: an error is recorded on this rank (a failed collective, a peer lost, a failed heal fetch...).
-        agreement: this rank's cross-replica agreement passed (``Agreement.commit``).
-        ride_on: it passed and says ride on (:attr:`Agreement.ride_on`).
-        healing: this rank heals in this step.
-        heal_ready: it holds its complete heal state.
-        guard_mismatch: the guard found some member's state differing (this group's or another's).
-        guard_differs: the guard found this group's state outvoted.
-        guard_tie: the guard found the members differ with no majority.
-        stop: this rank ends its group this step (a restarted group that found no peer to heal from).
-        gap_stop: this rank's quorums have followed quorums nobody in them took part in for longer than
-            the wait: the group stops rather than fork the job.
-        fails_all: this rank's agreement failed with a shared verdict (:attr:`Agreement.shared`): the same
-            rank of every group of the quorum failed it, so no group commits this step.
-        store_unreachable: this is group rank 0 and the quorum's store (the primary group's TCPStore, which
-            group rank 0 of every member dials) did not answer its probe within the cross-replica timeout
-            when this step's process group was built (:class:`ftbridge.manager.stand_aside.StandAside`).
-        met: this rank's agreement ran and every member of its quorum took part in it
-            (:attr:`Agreement.consistent`). A step in which a rank did not meet the others (its process
-            group never formed, a member died or hung) is time the group could not meet them: it does not
-            count towards ``restart_peer_wait`` (:meth:`ftbridge.manager.outage.OutageRider.after_commit`).
+        step, errored: torchft's step; an error is recorded on this rank.
+        agreement, ride_on: its agreement passed (:attr:`Agreement.commit`), and says ride on.
+        healing, heal_ready: it heals in this step, and holds its complete heal state.
+        guard_mismatch, guard_differs, guard_tie: some member differs; this group was outvoted; no majority.
+        stop, gap_stop: it ends the group (no peer to heal from; past ``restart_peer_wait`` without continuity).
+        fails_all: its agreement failed with a shared verdict: no group commits this step.
+        store_unreachable: group rank 0's probe of the quorum's store failed (:mod:`~ftbridge.manager.stand_aside`).
+        met: its agreement ran with every member (:attr:`Agreement.consistent`); only such steps count
+            towards ``restart_peer_wait``.
     """
 
     step: int
@@ -475,19 +342,8 @@ class Flags:
 def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], healing: bool, heal_ready: bool,
                replica_group: int, stop: bool = False, gap_stop: bool = False,
                store_unreachable: bool = False) -> Flags:
-    """This rank's :class:`Flags` from what it saw in the step (pure).
-
-    Args:
-        step: torchft's step.
-        errored: an error is recorded on this rank.
-        agreement: its cross-replica agreement (``None``: none made, where torchft's internals are not
-            supported; counts as passed).
-        healing, heal_ready: its heal state (:meth:`ftbridge.manager.HealAgreement.state`).
-        replica_group: its replica group id (the guard names groups by it).
-        stop: it ends its group this step.
-        gap_stop: it has waited past its bound for a quorum that follows the job's history.
-        store_unreachable: see :attr:`Flags.store_unreachable` (``False`` on every rank but group rank 0).
-    """
+    """This rank's :class:`Flags` (pure); ``agreement`` ``None`` (none made) counts as passed, ``replica_group`` names
+    it to the guard."""
     g = agreement.guard if agreement is not None else None
     return Flags(step=step, errored=errored, agreement=agreement.commit if agreement is not None else True,
                  ride_on=bool(agreement and agreement.ride_on), healing=healing,
@@ -499,9 +355,8 @@ def rank_flags(*, step: int, errored: bool, agreement: Optional[Agreement], heal
 
 
 def encode_flags(f: Flags) -> List[float]:
-    """One rank's row of the in-group exchange: ``[1, step, errored, agreement, ride on, healing,
-    heal ready, guard mismatch, guard differs, guard tie, stop, gap stop, fails all, store unreachable, met]``
-    (exact in float64)."""
+    """One rank's row of the in-group exchange, exact in float64: ``[1, step]`` then the boolean fields of
+    :class:`Flags` in order."""
     return [1.0, float(f.step), float(f.errored), float(f.agreement), float(f.ride_on),
             float(f.healing), float(f.heal_ready), float(f.guard_mismatch), float(f.guard_differs),
             float(f.guard_tie), float(f.stop), float(f.gap_stop), float(f.fails_all), float(f.store_unreachable),
@@ -513,23 +368,12 @@ class GroupDecision:
     """The one decision of a replica group for this step, the same on every rank.
 
     Attributes:
-        commit: the group votes to commit (torchft's ``should_commit`` still ANDs it over the group).
-        drop_heal: the group heals but a rank lacks its state: nobody applies it; counters go back.
-        guard_mismatch: the guard found some member differing, on any rank of the group.
-        guard_differs: the guard outvoted this group: it discards this step and heals next.
-        guard_tie: the guard found the groups differing with no majority.
-        ride_next: the group committed on an agreement that says ride on, on every rank.
-        stop: a rank of the group ends it (no peer to heal from): every rank raises.
-        gap_stop: a rank waited past its bound for a quorum that follows the job's history: every rank raises.
-        reason: why not ``commit`` ("" when it holds).
-        nobody_commits: a rank's agreement failed with a shared verdict, so every group of the quorum
-            discards this step (what another member's ok row on another rank says about it does not hold).
-        agreed: every rank's agreement passed: a discard is this group's own decision (an error late in the
-            step, a heal a rank lacks, the guard), not the failure of a collective another member may have
-            died in.
-        store_unreachable: group rank 0 found the quorum's store silent in this step
-            (:class:`ftbridge.manager.stand_aside.StandAside`).
-        met: every rank's agreement ran with every member of its quorum (:attr:`Flags.met`).
+        commit: the group votes to commit; reason: why not ("" when it does).
+        drop_heal: the group heals but a rank lacks its state: nobody applies it.
+        guard_mismatch, guard_differs, guard_tie, stop, gap_stop, store_unreachable: any rank's :class:`Flags`.
+        ride_next: committed on an agreement that says ride on, on every rank.
+        nobody_commits: a rank's agreement failed with a shared verdict: every group discards.
+        agreed, met: every rank's agreement passed; ran with every member.
     """
 
     commit: bool
@@ -551,7 +395,7 @@ def decode_flags(row: Sequence[float]) -> Flags:
     """The :class:`Flags` of one :func:`encode_flags` row.
 
     Raises:
-        ValueError: not exactly one rank's row (missing, or written twice into the summed tensor).
+        ValueError: not exactly one rank's row (missing, or written twice into the sum).
     """
     if len(row) != FLAGS or row[0] != 1.0 or any(v not in (0.0, 1.0) for v in row[2:]):
         raise ValueError(f"in-group exchange: flags missing or doubled ({list(row)})")
@@ -562,8 +406,7 @@ def decide_group(rows: Sequence[Sequence[float]]) -> GroupDecision:
     """The replica group's decision from every rank's :func:`encode_flags` row (pure; same on every rank).
 
     Raises:
-        ValueError: a row is missing or written twice (the exchange itself failed; the caller must not
-            guess a decision its group mates may not take).
+        ValueError: a row is missing or doubled; the caller must not guess a decision.
     """
     flags = []
     for rank, row in enumerate(rows):

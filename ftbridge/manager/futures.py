@@ -1,10 +1,7 @@
-"""Calls that may block past their deadline: each runs in a daemon thread, and the caller waits on a future.
-
-The manager makes several calls that a hung peer or lighthouse can hold forever (a TCPStore read, a
-lighthouse try, a status read): the caller must go on by its deadline while the call is left running.
-:func:`in_thread` runs one and hands back a :class:`concurrent.futures.Future`; :func:`call_bounded`
-waits for it with a deadline. A call left behind keeps running until its own I/O gives up, and its
-result is dropped: such a call must not change shared state the caller has moved past.
+"""Calls that may block past their deadline (a TCPStore read, a lighthouse try, a status read) run in a
+daemon thread while the caller waits on a future: :func:`in_thread`, :func:`call_bounded`. A call left
+behind keeps running until its own I/O gives up and its result is dropped, so it must not change shared
+state the caller has moved past.
 """
 
 from __future__ import annotations
@@ -18,10 +15,8 @@ T = TypeVar("T")
 
 
 def in_thread(fn: Callable[[], T], name: str) -> "concurrent.futures.Future[T]":
-    """Start ``fn()`` in a daemon thread named ``name``; the future ends with its result or exception.
-
-    Never raises: whatever ``fn`` raises (``BaseException`` too) is set on the future, with its traceback.
-    """
+    """Start ``fn()`` in a daemon thread named ``name``; the future ends with its result or exception (``BaseException``
+    too). Never raises."""
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
@@ -35,20 +30,11 @@ def in_thread(fn: Callable[[], T], name: str) -> "concurrent.futures.Future[T]":
 
 
 def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
-    """Run ``fn()`` in a daemon thread (:func:`in_thread`) and wait at most ``timeout`` for it.
-
-    Args:
-        fn: the call; it must not mutate shared state (if it overruns, it keeps
-            running until its own I/O gives up, and its result is dropped).
-        timeout: the deadline.
-        what: what was called, for the error message.
-
-    Returns:
-        ``fn()``'s result.
+    """``fn()`` run by :func:`in_thread`, waited for at most ``timeout``; ``fn`` must not mutate shared state.
 
     Raises:
-        TimeoutError: ``fn`` did not return within ``timeout``.
-        Exception: whatever ``fn`` raised, re-raised with its traceback.
+        TimeoutError: ``fn`` did not return within ``timeout`` (the message names ``what``).
+        Exception: whatever ``fn`` raised, with its traceback.
     """
     future = in_thread(fn, "ftbridge-bounded-call")
     done, _ = concurrent.futures.wait([future], timeout=timeout.total_seconds())

@@ -1,8 +1,7 @@
-"""The ranks of one replica group apply a heal together or not at all (torchft 0.2 internals).
+"""The ranks of one replica group apply a heal together or not at all: :class:`HealAgreement` (torchft 0.2
+internals, built only where :func:`ftbridge.manager.torchft_api.internals_supported` holds).
 
-:class:`HealAgreement` reads torchft's ``Manager._healing`` and
-``_pending_state_dict``; :class:`ftbridge.manager.ReplicaManager` builds it only
-where :func:`ftbridge.manager.torchft_api.internals_supported` holds.
+Why: docs/concepts.md, "Heal" (the load ends with an in-group collective).
 """
 
 from __future__ import annotations
@@ -14,37 +13,21 @@ logger = logging.getLogger(__name__)
 
 
 class DiscardStep(RuntimeError):
-    """An error recorded to discard a step on purpose, with nothing broken: a heal received in the step
-    still applies (:meth:`HealAgreement.state`), so the retry finds every member at one step."""
+    """An error recorded to discard a step on purpose; a heal received in the step still applies
+    (:meth:`HealAgreement.state`)."""
 
 
 def _harmless(error: Any) -> bool:
-    """Whether torchft's recorded ``error`` (its ``ExceptionWithTraceback`` or the exception) is a
-    :class:`DiscardStep`."""
+    """Whether torchft's recorded ``error`` (wrapped or not) is a :class:`DiscardStep`."""
     return isinstance(getattr(error, "original_exception", error), DiscardStep)
 
 
 class HealAgreement:
-    """The ranks of one replica group apply a heal together or not at all (torchft 0.2 internals).
+    """The ranks of one replica group apply a heal together or not at all.
 
-    torchft heals per rank: each group rank of a joining group fetches the
-    state of the same group rank in a healthy group on torchft's quorum
-    thread, and ``should_commit`` applies it. ftbridge's load ends with a
-    collective inside the group (ZeRO-1/2 all-gather the updated parameters;
-    ZeRO-3 wraps the load in its checkpoint events), so either every rank of
-    the group loads, or none may. Each rank reports :meth:`state` in the
-    group's one in-group exchange (:meth:`ftbridge.manager.ReplicaManager.decide`),
-    and every rank then calls :meth:`settle` with the group's decision.
-
-    torchft also loads its own counters (``step``, ``batches_committed``)
-    from the donor as soon as a rank's fetch succeeds; a dropped heal must
-    take those back too, or the ranks of the group report different steps.
-    The constructor wraps the manager's ``load_state_dict`` to remember them.
-
-    Args:
-        manager: the rank's ``torchft.Manager`` (or an object with the same
-            ``state_dict``/``load_state_dict``/``errored``/``report_error``
-            and ``_healing``/``_pending_state_dict``).
+    Each rank reports :meth:`state` in the group's in-group exchange; every rank then calls :meth:`settle`
+    with the group's decision. It wraps ``manager.load_state_dict`` (a ``torchft.Manager`` or a stand-in with
+    its fields) so a dropped heal also restores torchft's counters.
     """
 
     def __init__(self, manager: Any) -> None:
@@ -59,11 +42,8 @@ class HealAgreement:
         manager.load_state_dict = load_state_dict
 
     def state(self) -> Tuple[bool, bool]:
-        """``(healing, ready)`` of this rank: it heals in this step, and holds its complete heal state
-        with no error recorded but a :class:`DiscardStep`.
-
-        Call after the step's quorum is applied (``wait_quorum``).
-        """
+        """``(healing, ready)``: this rank heals in this step, and holds its complete heal state with no error but a
+        :class:`DiscardStep`; call after ``wait_quorum``."""
         m = self._manager
         healing = bool(getattr(m, "_healing", False))
         error = m.errored()
@@ -71,9 +51,8 @@ class HealAgreement:
                          and (error is None or _harmless(error)))
 
     def settle(self, drop: bool) -> None:
-        """Apply the group's decision: with ``drop``, this rank's received state is dropped, torchft's
-        counters go back to their values before the heal, and an error is recorded (the step is
-        discarded; the next quorum heals again). Call on every rank, every step, after :meth:`state`."""
+        """Apply the group's decision; with ``drop``, drop this rank's received state, restore torchft's counters and
+        record an error. Every rank, every step, after :meth:`state`."""
         before, self._before = self._before, None
         if not drop:
             return

@@ -1,10 +1,6 @@
-"""Whether the lighthouse answers, judged by answers within a deadline, never by a TCP connect.
-
-A SIGSTOPped (hung) lighthouse, or a proxy or load balancer in front of a dead
-one, accepts TCP connections; only an answer says the lighthouse works. The
-monitor asks for ``GET /status`` (the read-only page of torchft's lighthouse,
-:mod:`ftbridge.manager.lighthouse_status`) in a helper thread, so its caller, the quorum thread
-of group rank 0, never blocks on it, and one probe runs at a time.
+"""Whether the lighthouse answers ``GET /status`` within a deadline (never judged by a TCP connect, which a
+hung lighthouse or a proxy accepts): :class:`LighthouseMonitor`, probing in a helper thread so its caller,
+group rank 0's quorum thread, never blocks. Why: docs/concepts.md, "The commit protocol" (QUORUM).
 """
 
 from __future__ import annotations
@@ -21,10 +17,10 @@ logger = logging.getLogger(__name__)
 
 
 def probe_status(address: str, timeout_s: float) -> None:
-    """Ask the lighthouse for ``GET /status``; returns once it answered with its status page.
+    """Return once the lighthouse at ``address`` answered ``GET /status`` with its status page.
 
     Raises:
-        OSError, ValueError: no answer, an HTTP error, or not a lighthouse's page.
+        OSError, ValueError: no answer within ``timeout_s``, an HTTP error, or not a lighthouse's page.
     """
     from ftbridge.manager.lighthouse_status import fetch_status
 
@@ -32,14 +28,10 @@ def probe_status(address: str, timeout_s: float) -> None:
 
 
 class LighthouseMonitor:
-    """Whether the lighthouse answers, from probes run in a helper thread (never blocks its caller).
+    """Whether the lighthouse at ``address`` answers, from probes run one at a time in a helper thread.
 
-    Args:
-        address: the lighthouse (``http://HOST:PORT``).
-        deadline: a probe's timeout: one that gets no answer within it counts as "does not answer".
-        probe: ``probe(address, timeout_s)``, returns on an answer, raises otherwise
-            (default :func:`probe_status`); a seam for tests.
-        clock: monotonic seconds.
+    ``deadline`` (> 0) is a probe's timeout; ``probe(address, timeout_s)`` returns on an answer and raises
+    otherwise (default :func:`probe_status`); ``clock`` gives monotonic seconds.
     """
 
     def __init__(self, address: str, *, deadline: timedelta, probe: Callable[[str, float], None] = probe_status,
@@ -53,16 +45,12 @@ class LighthouseMonitor:
         self.probes = 0
 
     def answers(self, since: float) -> Optional[bool]:
-        """The lighthouse's state from a probe started at or after ``since`` (monotonic s).
+        """The lighthouse's state from a probe started at or after ``since`` (monotonic s); starts one if none is in
+        flight.
 
-        Starts such a probe when none is in flight. Returns ``True`` once it
-        got an answer, ``False`` once it failed (no answer within the deadline,
-        its socket timeout: a hung or unreachable lighthouse) or is still in
-        flight at twice the deadline, ``None`` while it is too early to say.
-        An answer that arrives after the deadline counts: when this process was
-        paused (a SIGSTOP, a VM or GC pause) the reply waits in its socket and
-        the probe thread reads it as soon as it runs again, while a probe of a
-        lighthouse that does not answer ends with its own timeout.
+        Returns:
+            ``True`` once it got an answer (a late answer, read after a pause of this process, counts);
+            ``False`` once it failed, or is still in flight at twice the deadline; ``None`` while too early to say.
         """
         with self._lock:
             now = self._clock()

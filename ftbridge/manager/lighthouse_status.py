@@ -1,42 +1,11 @@
-"""Read the state of a running torchft lighthouse: quorum, members, heartbeats.
+"""Read a running torchft 0.2 lighthouse's state (quorum, members, heartbeats) from ``GET /status``.
 
-Why the HTTP status route and not gRPC: torchft 0.2's lighthouse has exactly
-two gRPC methods, ``LighthouseService.Quorum`` and ``.Heartbeat``, and both
-change its state. ``Quorum`` *joins* the next quorum as a replica group, and
-``Heartbeat`` adds a replica id to the heartbeat table, which then counts in
-the lighthouse's split-brain guard and makes quorums wait ``join_timeout_ms``
-for a group that never joins. There is no read-only RPC and no reflection.
-The only read-only interface is ``GET /status`` on the same port, the HTML
-fragment torchft's dashboard polls. This module fetches that fragment and
-parses it into :class:`LighthouseStatus`; :func:`parse_status` is a pure
-function over the text, tested against torchft 0.2's template
-(``templates/status.html``). A template change in a later torchft raises
-:class:`StatusFormatError` naming what was missing, rather than returning
-wrong numbers.
-
-What the fields mean (torchft 0.2):
-
-* ``quorum_id``: the lighthouse's current quorum id (bumped when membership
-  changes or a member reports commit failures; restarts at 0 with the
-  lighthouse, which keeps its state in memory only);
-* ``members``: the participants of the last quorum issued, each with the
-  ``step`` it reported when it asked for that quorum, its group size
-  (``world_size``, ranks per replica group), its torchft manager address and
-  its TCPStore; ``recovering`` when behind the quorum's highest step;
-* ``heartbeats``: every replica id the lighthouse has heard from, with the
-  seconds since its last heartbeat (``age_s``) and ``stale`` once older than
-  the lighthouse's heartbeat timeout.
-
-Read by the peer watch (:mod:`ftbridge.manager.quorum_watch`), the lighthouse
-probe (:mod:`ftbridge.manager.lighthouse_monitor`), warm spares
-(:mod:`ftbridge.spare`) and ``ftbridge-lighthouse status`` (which formats it,
-:mod:`lighthouse.status`).
-
-Example::
-
-    from ftbridge.manager.lighthouse_status import fetch_status
-
-    print(fetch_status("http://127.0.0.1:29510").quorum_id)
+:func:`fetch_status` fetches the HTML fragment torchft's dashboard polls; :func:`parse_status` (pure)
+parses it into :class:`LighthouseStatus`, or raises :class:`StatusFormatError` naming what is missing.
+Why not gRPC: its only methods change the lighthouse's state (``Quorum`` joins the next quorum, and a
+``Heartbeat`` adds a replica id that then counts in the split-brain guard and makes a quorum that changes
+membership wait ``join_timeout_ms`` for it); docs/lighthouse.md, "Status". Example:
+``fetch_status("http://127.0.0.1:29510").quorum_id``.
 """
 
 from __future__ import annotations
@@ -59,8 +28,7 @@ class Member:
     """One participant of the last quorum."""
 
     replica_id: str
-    """torchft replica id, ``replica_group_G:UUID`` for ftbridge groups (the
-    UUID changes when the group restarts)."""
+    """torchft replica id, ``replica_group_G:UUID`` for ftbridge groups (the UUID changes on a restart)."""
     step: int
     """Committed steps the group reported when it asked for this quorum."""
     world_size: int
@@ -99,7 +67,7 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class LighthouseStatus:
-    """One snapshot of a lighthouse; see the module docstring for the fields."""
+    """One snapshot of a lighthouse; ``quorum_id`` is its current quorum id (it starts over with a restart)."""
 
     quorum_id: int
     next_quorum: str
@@ -130,18 +98,10 @@ def _text(fragment: str) -> str:
 
 
 def parse_status(fragment: str) -> LighthouseStatus:
-    """Parse the ``GET /status`` HTML fragment of torchft 0.2's lighthouse.
-
-    Args:
-        fragment: the response body (str).
-
-    Returns:
-        The parsed :class:`LighthouseStatus`; members carry the heartbeat age
-        of their replica id.
+    """Parse torchft 0.2's ``GET /status`` fragment; members carry their heartbeat age.
 
     Raises:
-        StatusFormatError: the fragment lacks the current quorum id, or a
-            member block lacks one of its fields (names the field).
+        StatusFormatError: no current quorum id, or a member block or heartbeat entry lacks a field (named).
     """
     current = re.search(r"Current quorum_id:\s*(-?\d+)", fragment)
     if current is None:
@@ -194,7 +154,7 @@ def parse_status(fragment: str) -> LighthouseStatus:
 
 
 MAX_STATUS_BYTES = 4 << 20
-"""Largest status page read (bytes): a lighthouse of a thousand groups answers well under 1 MiB."""
+"""Largest status page read (bytes)."""
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -204,37 +164,21 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+# http/https only, no proxy from the environment (one could see and answer for the lighthouse), no redirect
 _OPENER = urllib.request.OpenerDirector()
 for _handler in (urllib.request.ProxyHandler({}), urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
                  urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor(), _NoRedirect()):
     _OPENER.add_handler(_handler)
-"""Opener for ``http``/``https`` only (no ``file://``, ``ftp://``, ``data:``), ignoring ``http_proxy``/
-``HTTP_PROXY`` (the lighthouse sits on the job's private network, and a proxy would see, and could answer
-for, it) and following no redirect."""
 
 
 def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
-    """GET ``{address}/status`` and parse it.
-
-    Args:
-        address: the lighthouse, ``http://HOST:PORT`` (a bare ``HOST:PORT`` is
-            taken as http; ``https`` is allowed, nothing else).
-        timeout_s: connect and per-read timeout (s).
-
-    Environment proxies (``http_proxy``) are never used and redirects are
-    never followed; at most :data:`MAX_STATUS_BYTES` are read.
-
-    Returns:
-        The current :class:`LighthouseStatus`.
+    """GET ``{address}`` (``http(s)://HOST:PORT`` or ``HOST:PORT``) ``/status`` and parse it; no proxy, no redirect,
+    ``timeout_s`` per connect and read.
 
     Raises:
-        ValueError: ``address`` is not an ``http``/``https`` address.
-        OSError: the lighthouse cannot be reached or answers with an HTTP
-            error, a redirect included (``urllib.error.URLError`` is an
-            ``OSError``).
-        StatusFormatError: it answered with something else than torchft 0.2's
-            status fragment, with more than :data:`MAX_STATUS_BYTES`, or not as an
-            HTTP server at all.
+        ValueError: not an ``http``/``https`` address.
+        OSError: unreachable, or an HTTP error or redirect.
+        StatusFormatError: not torchft 0.2's status fragment, over :data:`MAX_STATUS_BYTES`, or not HTTP.
     """
     url = status_url(address)
     try:
@@ -250,11 +194,8 @@ def fetch_status(address: str, timeout_s: float = 5.0) -> LighthouseStatus:
 
 
 def status_url(address: str) -> str:
-    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL).
-
-    Raises:
-        ValueError: the address has a scheme other than ``http``/``https``.
-    """
+    """``http://HOST:PORT/status`` for a lighthouse address (``HOST:PORT`` or a URL); ``ValueError`` for a scheme other
+    than ``http``/``https``."""
     address = address.strip().rstrip("/")
     if "://" not in address:
         address = f"http://{address}"

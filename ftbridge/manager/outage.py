@@ -1,37 +1,11 @@
-"""The QUORUM and AGREE drivers of the commit protocol: riding out lighthouse outages, the agreement.
+"""The QUORUM and AGREE drivers of the commit protocol, one :class:`OutageRider` per rank.
 
-The lighthouse is only needed to *change* the membership. While it does not
-answer (dead, hung, or behind a blackholed link) and nothing has failed, the
-groups of the last quorum go on with its id and its cross-replica process
-group. The decisions are :mod:`ftbridge.manager.commit`'s; this module does
-their I/O, one :class:`OutageRider` per rank:
-
-* **QUORUM** (torchft's quorum thread). Group rank 0 decides whether the
-  step rides (:func:`~ftbridge.manager.commit.decide_ride`) and the other ranks
-  read its decision from the group's TCPStore. A step that asks the
-  lighthouse makes the call in a helper thread and polls it every
-  :data:`POLL` (:class:`~ftbridge.manager.commit.QuorumWait`): rank 0 leaves a
-  call the lighthouse does not answer and rides, and publishes the outcome of
-  every asked step (``asked``, ``rode`` or ``failed``), which the other ranks
-  follow whatever their own call returned, so no rank of a group acts on a
-  quorum its rank 0 left. The lighthouse is judged by :class:`LighthouseMonitor`:
-  an answer to ``GET /status`` within ``lighthouse_probe_timeout``, never a TCP
-  connect (a hung process, or a proxy in front of a dead one, accepts those).
-  A call that raises (torchft's quorum timeout) ends the wait with that error.
-* **AGREE** (training thread, every step, riding or not): one SUM all-reduce
-  over the cross-replica process group gathers every member's
-  :class:`~ftbridge.manager.commit.View` (quorum, membership, step, divisor, who
-  participates, ok, lighthouse seen, the guard's fingerprint when due), judged
-  by :func:`~ftbridge.manager.commit.judge`. A member whose all-reduce torchft
-  made a no-op after an error leaves it out (its collectives no longer pair
-  with its peers'); the others then fail it and discard.
-
-Why riding never splits the job is in ``docs/concepts.md`` ("The commit
-protocol"): a riding commit needs an agreement in which every member of the
-last quorum took part with the same view; the process group of that quorum
-admits no other member; the lighthouse, the only source of a new membership,
-is not consulted. Safety rests on the agreement, not on the probe: a probe
-that is wrong costs a discarded step, never a split.
+QUORUM (torchft's quorum thread): group rank 0 decides whether the step rides
+(:func:`~ftbridge.manager.commit.decide_ride`), or makes the lighthouse call in tries
+(:meth:`OutageRider.ask`), which it leaves to ride when the lighthouse stops answering; the other ranks
+follow rank 0 through the group's TCPStore. AGREE (every step): one SUM all-reduce of every member's
+:class:`~ftbridge.manager.commit.View` (:meth:`OutageRider.agree`). Why: docs/concepts.md, "The commit
+protocol"; docs/design.md, "Riding", "Continuity" and "The outage rider".
 """
 
 from __future__ import annotations
@@ -68,18 +42,16 @@ from ftbridge.manager.quorum_rules import QuorumSeen, detect_lighthouse_restart
 logger = logging.getLogger(__name__)
 
 POLL = timedelta(milliseconds=25)
-"""While a lighthouse call is in flight, how often rank 0 looks at the clock and the lighthouse probe."""
+"""How often rank 0 polls a lighthouse call in flight (the clock and the probe)."""
 
 REPROBE = timedelta(milliseconds=500)
-"""While a lighthouse call is in flight, a probe older than this is repeated: a lighthouse that answered when the
-call began may hang (or its link drop) while the call waits."""
+"""While a call is in flight, a lighthouse probe older than this is repeated."""
 
 RETRY_GRACE = timedelta(milliseconds=200)
-"""Pause before a lighthouse call's next try, so that the last try's request in torchft's manager server (whose
-deadline starts a little later than the caller's) has ended before another one starts."""
+"""Pause before a lighthouse call's next try (docs/design.md, "The outage rider")."""
 
 FRESH = timedelta(seconds=1)
-"""At a step's start, a lighthouse probe started this long ago still counts (riding steps probe about this often)."""
+"""At a step's start, a lighthouse probe started at most this long ago still counts."""
 
 
 class QuorumTimeout(RuntimeError):
@@ -87,7 +59,7 @@ class QuorumTimeout(RuntimeError):
 
 
 class TryNotMade(TimeoutError):
-    """A rank other than group rank 0 did not make a try again: rank 0 had decided the step's call by then."""
+    """A rank other than group rank 0 did not make a try again: rank 0 had decided the step's call."""
 
 
 class QuorumAnswerLost(RuntimeError):
@@ -100,15 +72,9 @@ class OutageDisagreement(RuntimeError):
 
 @dataclass(frozen=True)
 class LastQuorum:
-    """The last quorum this rank got from the lighthouse (what a riding step reuses).
-
-    Attributes:
-        result: torchft's quorum result as torchft saw it.
-        quorum_id: its id.
-        digest: :func:`~ftbridge.manager.commit.membership_digest` of its replica ids.
-        replica_rank: this group's rank in it (= its rank in the process group).
-        world_size: members of the quorum (= size of the process group).
-    """
+    """The last quorum this rank got from the lighthouse (what a riding step reuses): torchft's ``result``, its
+    ``quorum_id``, membership ``digest``, this group's ``replica_rank`` in it and its ``world_size`` (the process
+    group's rank and size)."""
 
     result: Any
     quorum_id: int
@@ -139,24 +105,17 @@ class OutageRider:
     """One rank's QUORUM and AGREE drivers (see the module docstring).
 
     Args:
-        manager: torchft's ``Manager`` of this rank (``_quorum_id``, ``_pg``, ``_store``, ``errored``,
-            ``report_error``, ``current_step``, ``num_participants``, ``is_participating``). Built only
-            inside :mod:`ftbridge.manager`, where :func:`ftbridge.manager.torchft_api.internals_supported` holds.
-        enabled: riding is on; off, every step asks the lighthouse (the agreement still runs).
-        lighthouse: the lighthouse's address.
-        group_rank: this rank's rank in its replica group (0 decides).
-        group_size: ranks in the replica group.
+        manager: torchft's ``Manager``; its internals are used (build only where
+            :func:`ftbridge.manager.torchft_api.internals_supported` holds).
+        enabled: riding is on (off: every step asks the lighthouse; the agreement still runs).
+        lighthouse, replica_group_id, num_groups: the address; ids for logs and the agreement (0 groups:
+            unknown, the continuity check always applies).
+        group_rank, group_size: this rank in its replica group (0 decides), and the group's size.
         decision_timeout: how long a rank other than 0 waits for rank 0's decision or outcome.
         quorum_deadline: bound on one lighthouse call's wait, past which it counts as lost.
-        quorum_timeout: the time all tries of one lighthouse call take together (:meth:`ask`).
-        tries: tries of one lighthouse call (``quorum_retries + 1``); each may take ``quorum_timeout / tries``.
-        monitor: the lighthouse monitor of group rank 0 (default: one with a 100 ms deadline).
-        replica_group_id: for logs and the agreement.
-        num_groups: the job's replica groups (``num_replica_groups``; 0: unknown, the continuity check always
-            applies).
-        gap_wait: how long quorums that do not follow the job's history
-            (:func:`~ftbridge.manager.commit.continuous`) are discarded before the group stops.
-        clock: monotonic seconds (for ``gap_wait``).
+        quorum_timeout, tries: all tries of one call together, and their number (``quorum_retries + 1``, >= 1).
+        monitor: group rank 0's lighthouse monitor (default: a 100 ms deadline).
+        gap_wait, clock: ``restart_peer_wait`` before non-continuous quorums stop the group; monotonic seconds.
     """
 
     def __init__(self, manager: Any, *, enabled: bool, lighthouse: str, group_rank: int, group_size: int,
@@ -179,13 +138,11 @@ class OutageRider:
         self._tries, self._try_timeout = tries, quorum_timeout / tries
         self.unanswered_tries = 0
         self.lost_answers = 0
-        """Steps this rank (not group rank 0) discarded because its copy of an answer its rank 0 got was lost
-        (its try's deadline passed first, as in a pause of the process): :meth:`_lost_answer`."""
+        """Steps this rank (not group rank 0) discarded because its copy of rank 0's answer was lost
+        (:meth:`_lost_answer`)."""
         self.lost = False
-        """This step's quorum is the last one again because this rank's answer was lost (:meth:`_lost_answer`):
-        torchft keeps its process group, and the quorum guard treats nothing of it as new."""
+        """This step's quorum is the last one again because this rank's answer was lost: nothing of it is new."""
         self._made = 0  # tries of this step's call that reached torchft's manager server (ranks other than 0)
-        """Tries of this step's lighthouse call that ended by their deadline, unanswered (:meth:`ask`)."""
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
         self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
@@ -208,8 +165,8 @@ class OutageRider:
         self._gap_mark: Optional[float] = None  # end of the last counted step of a gap (None: no gap)
         self._gap_s = 0.0  # seconds of the gap counted so far
         self.gap_expired = False
-        """Quorums that do not follow the job's history have been discarded for longer than ``gap_wait``, not
-        counting steps in which the group could not meet the others (:meth:`after_commit`)."""
+        """Non-continuous quorums have been discarded for longer than ``gap_wait`` (met steps only,
+        :meth:`after_commit`)."""
         self.riding = False
         """Whether the current step reuses the last quorum."""
         self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
@@ -225,7 +182,7 @@ class OutageRider:
         """Agreements that did not pass (each discarded a step)."""
         self.skipped_collective: Callable[[], bool] = lambda: manager.errored() is not None
         """Whether this rank's collectives of this step may no longer pair with its peers' (set by
-        :class:`ftbridge.manager.ReplicaManager`: an all-reduce torchft made a no-op after an error)."""
+        :class:`ftbridge.manager.ReplicaManager`)."""
 
     @classmethod
     def for_config(cls, manager: Any, cfg: Any) -> "OutageRider":
@@ -240,14 +197,14 @@ class OutageRider:
 
     # -- QUORUM (torchft's quorum thread) --------------------------------------------------------------
     def quorum(self, call: Callable[[timedelta], Any]) -> Any:
-        """This step's quorum: the last one reused (:meth:`reuse`), or the lighthouse's answer to
-        ``call(timeout)`` (:meth:`ask`). :attr:`riding` tells which."""
+        """This step's quorum: the last one reused (:meth:`reuse`), or the answer to ``call(timeout)`` (:meth:`ask`);
+        :attr:`riding` tells which."""
         reused = self.reuse()
         return reused if reused is not None else self.ask(call)
 
     def remember(self, result: Any, replica_ids: Sequence[str]) -> None:
-        """Keep ``result``, the quorum torchft is about to use, for later riding steps, and close the history
-        of the quorum before it (certified, or a dead end)."""
+        """Keep ``result``, the quorum torchft is about to use, for riding, and close the history of the one before
+        (certified, missed or dead end)."""
         qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
         if last is not None and (qid != last.quorum_id or members != self._members):
             self._certified_members = self.certified_members()
@@ -267,14 +224,11 @@ class OutageRider:
                                               int(result.replica_world_size)), members
 
     def _dead_ends(self) -> Tuple[Tuple[int, int], ...]:
-        """This group's dead-end quorum ids as runs of consecutive ids, newest first, at most
-        :data:`~ftbridge.manager.commit.DEAD_END_RUNS` (:attr:`View.dead_ends`; empty if none)."""
         with self._history_lock:
             return id_runs(self._dead, DEAD_END_RUNS)
 
     def _left(self, future: concurrent.futures.Future) -> None:
-        """The group left this lighthouse call and rode: whenever its answer comes, its quorum is a dead end
-        (no member of it can complete an agreement there without this group, which never joined it)."""
+        """The group left this call to ride: its quorum, whenever it comes, is a dead end."""
         epoch = self._epoch
         self._left_call = future
 
@@ -291,19 +245,13 @@ class OutageRider:
         future.add_done_callback(note)
 
     def holding(self) -> bool:
-        """Whether a lighthouse call this rank left to ride is still in flight (:attr:`View.holding`).
-
-        torchft's manager server cannot take such a try back: its request may still reach the lighthouse
-        with the step it was made at, and its answer would go to the group's next call too. The try ends
-        by its deadline (``quorum_timeout / tries``); until then the group rides on, or takes the try up
-        again (:meth:`ask`) instead of making a second one.
-        """
+        """Whether a lighthouse call this rank left to ride is still in flight (:attr:`View.holding`); it ends by its
+        try's deadline."""
         call = self._left_call
         return call is not None and not call.done()
 
     def _take_up_left(self) -> Optional[concurrent.futures.Future]:
-        """The lighthouse call this rank left, if still in flight: this step waits on it instead of a new
-        call (its answer comes to whichever call of the group is waiting). ``None``: make a new call."""
+        """The left call if still in flight (this step waits on it instead of a new call), else ``None``."""
         with self._history_lock:
             call = self._left_call
             if call is None or call.done():
@@ -312,14 +260,13 @@ class OutageRider:
             return call
 
     def certified_members(self) -> Tuple[str, ...]:
-        """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none): after a
-        lighthouse restart, a quorum must hold a majority of them (the quorum guard), not of a quorum that
-        only ever discarded."""
+        """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none); the quorum guard's
+        majority rule after a lighthouse restart counts them."""
         return self._members if self._passed else self._certified_members
 
     def may_ride(self) -> bool:
-        """Whether this step may ride: riding is on, the group committed the last step, and torchft still
-        holds the last quorum's process group (the same on every rank of the group)."""
+        """Whether this step may ride: riding is on, the group committed the last step, and torchft still holds the last
+        quorum's process group."""
         last = self.last
         return (self.enabled and last is not None and self._last_committed
                 and int(self._manager._quorum_id) == last.quorum_id)
@@ -330,9 +277,11 @@ class OutageRider:
         return self._ride()
 
     def reuse(self) -> Optional[Any]:
-        """This step's quorum result if it rides from its start (no lighthouse call), else ``None``.
+        """This step's quorum result if it rides from its start, else ``None``; once per step on every rank, before the
+        lighthouse call.
 
-        Called once per step on every rank, in torchft's quorum thread, before its lighthouse call.
+        Raises:
+            QuorumTimeout: rank 0 rides but this rank holds no matching quorum, or the decision could not be shared.
         """
         self._seq += 1
         self.riding, self._seen, self.unanswered_tries, self.lost = False, True, 0, False
@@ -376,7 +325,7 @@ class OutageRider:
         return ride, (answers is True) if ride else True
 
     def _share(self, ride: bool, seen: bool) -> Tuple[bool, bool]:
-        """Rank 0's ``(ride, seen)`` for this step, read by every rank of the group from the group's TCPStore.
+        """Rank 0's ``(ride, seen)``, shared on the group's TCPStore.
 
         Raises:
             QuorumTimeout: the store failed, or rank 0's decision did not come within the decision timeout.
@@ -398,24 +347,15 @@ class OutageRider:
                                 "is gone or hung") from exc
 
     def ask(self, call: Callable[[timedelta], Any]) -> Any:
-        """This step's lighthouse call, in tries: ``call(per_try_timeout)`` runs in a helper thread, one try
-        at a time; rank 0 rides instead if it finds the lighthouse not answering while a try is in flight.
+        """This step's lighthouse call, one try at a time in a helper thread; rank 0 rides instead if the lighthouse
+        stops answering.
 
-        torchft's manager server makes one lighthouse request per try (ftbridge sets its own retries to 0)
-        and cannot take one back, so this rank never has two in flight: a try it left to ride is taken up
-        by the next step that asks (:meth:`holding`). A try that torchft ends with its ``TimeoutError`` is
-        made again, after :data:`RETRY_GRACE`, up to ``tries`` tries in all (``quorum_timeout`` together).
-
-        With riding on, rank 0 publishes the outcome (``asked``, ``rode``, ``failed``) and the other ranks
-        of the group follow it, making their own tries again as theirs time out (torchft's manager server
-        sends a try to the lighthouse once every rank of the group made it).
-
-        Returns:
-            The lighthouse's answer, or the reused quorum (then :attr:`riding` is set).
+        A try left to ride is taken up by the next asking step, never doubled; a timed-out try or a stale answer
+        is tried again, up to ``tries``; with riding on, the other ranks follow rank 0's published outcome.
 
         Raises:
-            Whatever the last try raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` when
-            the tries outlive the quorum deadline, or rank 0's outcome does not come in time.
+            Whatever the last try raises (torchft's ``TimeoutError`` included); :class:`QuorumTimeout` past the
+            quorum deadline, or when rank 0's outcome does not come in time.
         """
         future = self._take_up_left()
         self._made = int(future is not None)  # a try taken up was made at an earlier step
@@ -457,8 +397,8 @@ class OutageRider:
 
     def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0),
              unless: Optional[Callable[[], bool]] = None) -> concurrent.futures.Future:
-        """One try of the lighthouse call in a helper thread, started ``after`` from now; not made when
-        ``unless()`` holds by then (the future ends with :class:`TryNotMade`)."""
+        """One try in a helper thread, started ``after`` from now; ends with :class:`TryNotMade` if ``unless()`` holds
+        by then."""
         def run() -> Any:
             if after:
                 time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
@@ -479,16 +419,8 @@ class OutageRider:
         return future
 
     def _stale_answer(self, result: Any) -> bool:
-        """Whether the lighthouse's answer, right after a ride this group left cleanly, counts a member of the
-        ridden quorum as behind this group.
-
-        Every member of a ride commits the same steps, and leaves it at the same step with a fresh call (the
-        agreement said so, and no member held a call in flight). A member counted behind was counted from a
-        request of an earlier try torchft's manager server had left at the lighthouse: its owner is not
-        waiting for this answer and would never join its process group. Such an answer is asked again (the
-        lighthouse has dropped that request by issuing the quorum); each rank of the group reads the same
-        answer the same way.
-        """
+        """Whether the first answer after a cleanly left ride counts a member of the ridden quorum behind (an earlier
+        try's request): ask again."""
         if not (self._rode_last and self._last_committed) or bool(getattr(result, "heal", False)):
             return False
         ridden = sum(1 for rid in list(getattr(result, "replica_ids", []) or []) if rid in self._members)
@@ -502,10 +434,8 @@ class OutageRider:
     def _next_try(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any],
                   tried: int, unless: Optional[Callable[[], bool]] = None
                   ) -> Optional[Tuple[concurrent.futures.Future, int]]:
-        """For a try that ended (``tried`` made so far): ``(next try, tried + 1)`` when it ended by torchft's
-        deadline (the builtin ``TimeoutError``; after :data:`RETRY_GRACE`) or with a stale answer
-        (:meth:`_stale_answer`), while fewer than ``tries`` were made; ``None`` when it is the call's outcome.
-        ``unless``: see :meth:`_try`."""
+        """``(next try, tried + 1)`` for a try that timed out or got a stale answer while tries remain; ``None`` when it
+        is the outcome."""
         if tried >= self._tries:
             return None
         exc = future.exception()
@@ -518,13 +448,12 @@ class OutageRider:
 
     @staticmethod
     def _asked(result: Any) -> bytes:
-        """Rank 0's outcome ``asked``, with the quorum it got: ``b"asked <quorum id> <membership digest>"``."""
+        """Rank 0's outcome ``b"asked <quorum id> <membership digest>"``."""
         ids = list(getattr(result, "replica_ids", []) or [])
         return f"asked {int(getattr(result, 'quorum_id', -1))} {membership_digest(ids)}".encode()
 
     def _warn(self, key: str, msg: str, *args: Any) -> None:
-        """A ride transition's warning, at most one per ``key`` every 30 s (a flapping link would log every
-        step); the next line says how many were held back."""
+        """A ride transition's warning, at most one per ``key`` every 30 s, with the count held back."""
         held = self._repeats.allow(key, time.monotonic())
         if held is not None:
             logger.warning(msg + (f" ({held} more like this since the last one logged)" if held else ""), *args)
@@ -537,8 +466,8 @@ class OutageRider:
                 logger.error("%s could not publish this step's quorum outcome (%s)", self._who, exc)
 
     def _follow(self, future: concurrent.futures.Future, call: Callable[[timedelta], Any]) -> Any:
-        """A rank other than 0: act on rank 0's outcome of this step, never on its own call alone; make
-        this rank's try again while rank 0's may be waiting for it (:meth:`ask`)."""
+        """A rank other than 0: act on rank 0's outcome, never on its own call alone; try again while rank 0 may need
+        it."""
         key = f"ftbridge/outage/{self._seq}/outcome"
         store, bound = self._manager._store, self._quorum_deadline + self._decision_timeout
         end, tried = time.monotonic() + bound.total_seconds(), 1
@@ -577,18 +506,11 @@ class OutageRider:
             return future.result()
 
     def _lost_answer(self, exc: BaseException, outcome: bytes) -> Any:
-        """Rank 0 got this step's answer (``outcome``, :meth:`_asked`), and this rank's copy of it was lost: its
-        one try's deadline passed first (the process paused with the try in flight). Rounds of torchft's
-        manager server stay paired (that try was the round's, and this rank made no other). When rank 0's
-        quorum is the one this rank holds (same id and members: the common case, a pause in steady training),
-        this rank discards the step on it instead of exiting: the error recorded here skips its collectives,
-        the group's decision discards the step on every rank, and the next step asks again. Nothing of the
-        quorum history differs between the group's ranks.
+        """Rank 0 got ``outcome`` and this rank's one try timed out first: discard the step (:class:`QuorumAnswerLost`)
+        on the quorum it holds.
 
         Raises:
-            QuorumTimeout: rank 0 got another quorum (this rank's history would miss it, and the continuity
-                rule would then stop the group for a gap) or torchft holds no such quorum: the rank exits,
-                torchrun restarts the group.
+            QuorumTimeout: rank 0's quorum is not the one this rank holds.
         """
         last, words = self.last, outcome.split()
         same = (last is not None and len(words) == 3 and words[1] == str(last.quorum_id).encode()
@@ -608,17 +530,11 @@ class OutageRider:
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
     def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
-        """Agree with every member of this step's quorum on its view; call on every rank, every step,
-        right before the group's decision: :meth:`own_row`, one SUM all-reduce over the cross-replica
-        process group, :meth:`conclude`.
+        """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's
+        decision. Never raises.
 
-        Args:
-            guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
-            empty: this group joined with nothing to start from (a restart or a spare).
-            plan: the slot plan's digest (:attr:`~ftbridge.manager.commit.View.plan`; 0 without slots).
-
-        Returns:
-            The :class:`~ftbridge.manager.commit.Agreement`. Never raises.
+        ``guard``: this rank's fingerprint when the guard is due; ``empty``: the group joined with nothing;
+        ``plan``: :attr:`~ftbridge.manager.commit.View.plan`.
         """
         own = self.own_row(guard, empty, plan)
         if own is None:
@@ -627,10 +543,8 @@ class OutageRider:
         return self.conclude(own, rows, failure)
 
     def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Optional[List[float]]:
-        """This member's agreement row (:func:`~ftbridge.manager.commit.encode_view`), or ``None`` when it
-        cannot take part: no quorum yet, a process group that is not the last quorum's or has failed, or
-        an all-reduce of this step that torchft made a no-op (its collectives no longer pair with its
-        peers'; they fail the agreement without it)."""
+        """This member's agreement row, or ``None`` when it cannot take part (no quorum, a process group not the last
+        quorum's or failed, a collective of this step skipped)."""
         m, last = self._manager, self.last
         if last is None or int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None \
                 or self.skipped_collective():
@@ -642,16 +556,8 @@ class OutageRider:
                                 self.num_groups, self._missed, self._certified_committers, self.holding(), plan))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
-        """The verdict on the summed rows (``None``: the all-reduce failed, for ``failure``); a verdict that
-        does not commit records an error with torchft (this group discards).
-
-        A quorum becomes this rank's certified one (:attr:`View.certified`) only if its group committed
-        there on a continuous verdict and did not discard a later step there that another member may have
-        committed (its row ok; :meth:`after_commit`). A group that discarded such a step (a late error, a
-        heal that did not apply, the guard outvoting it) stayed at its older step: it reports the quorum as
-        missed (:attr:`View.missed`) instead of vouching for it. A quorum where neither happened is a dead
-        end: nobody committed there.
-        """
+        """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that
+        does not commit records an error with torchft."""
         m, last = self._manager, self.last
         verdict = (replace(judge(rows, own, riding=self.riding), shared=True) if own is not None and rows is not None
                    else Agreement(False, False, False, failure, shared=own is None))
@@ -675,7 +581,6 @@ class OutageRider:
         return verdict
 
     def _exchange(self, own: List[float]) -> Tuple[Optional[List[List[float]]], str]:
-        """The summed rows of every member, or ``(None, why)`` when the all-reduce failed or a member was lost."""
         m, last = self._manager, self.last
         assert last is not None
         try:
@@ -692,22 +597,11 @@ class OutageRider:
 
     def after_commit(self, committed: bool, ride_next: bool, nobody_commits: bool = False,
                      group_agreed: bool = True, group_met: bool = True) -> None:
-        """Record the group's decision for the next step's (the same on every rank of the group).
+        """Record the group's decision (the same on every rank) for the next step and the quorum history.
 
-        Args:
-            committed: the group committed this step.
-            ride_next: it committed on an agreement in which no member, on any rank, heard the lighthouse.
-            nobody_commits: a rank of the group failed its agreement with a shared verdict
-                (:attr:`~ftbridge.manager.commit.GroupDecision.nobody_commits`): no group commits this step.
-            group_agreed: every rank of the group passed its agreement
-                (:attr:`~ftbridge.manager.commit.GroupDecision.agreed`). Only then is a discard the group's
-                own, and the step one it *missed*; a rank's failed all-reduce is most often a member dying
-                in it, which then holds no history anyone could fork from.
-            group_met: every rank's agreement ran with every member (:attr:`GroupDecision.met`). A step
-                in which the group could not meet the others (a rendezvous that failed, a member lost) does
-                not count towards ``gap_wait``: the gap clock goes on from the end of this step. The same
-                on every rank, so the ranks' clocks stay together and no holder of the job's history stops
-                for time it spent unable to meet the others.
+        ``committed``: the group committed; ``ride_next``, ``nobody_commits``, ``group_agreed``, ``group_met``:
+        :class:`~ftbridge.manager.commit.GroupDecision`'s ``ride_next``, ``nobody_commits``, ``agreed`` (only then
+        is a discard a missed step) and ``met`` (only then does the step count towards ``gap_wait``).
         """
         self._last_committed = committed
         if not group_met and self._gap_mark is not None:

@@ -1,18 +1,9 @@
-"""Survive lighthouse restarts: the quorum guard around torchft's manager client (torchft 0.2 internals).
+"""Survive lighthouse restarts: :class:`_QuorumGuard` wraps torchft's manager client (torchft 0.2 internals).
 
-The lighthouse keeps its state in memory; restarted, it numbers quorums from
-1 again, which torchft 0.2 mistakes for old quorums. :class:`_QuorumGuard`
-wraps the manager's client (``Manager._client``, installed only where
-:func:`ftbridge.manager.torchft_api.internals_supported` holds) and, per quorum,
-detects a restart, runs a vote on the quorum's TCPStore so that every member
-rebuilds the cross-replica process group or none does (skipped on a steady
-quorum, :func:`ftbridge.manager.quorum_rules.vote_needed`), refuses a member of
-another group size, and namespaces the rendezvous keys; a group of one rank answers its own commit
-vote without a round trip to its manager server. The rules, and why,
-are in :mod:`ftbridge.manager.quorum_rules`.
-
-The guard is also where the peer watch (:mod:`ftbridge.manager.quorum_watch`)
-and the outage rider (:mod:`ftbridge.manager.outage`) hook into torchft's quorum call.
+Per quorum it applies :mod:`ftbridge.manager.quorum_rules`: detects a restart, runs the reconfigure vote
+on the quorum's TCPStore (skipped on a steady quorum), refuses another group size, requires a majority
+after a restart and namespaces the rendezvous keys; the outage rider and the peer watch hook in here.
+Why: docs/lighthouse.md, "Restart survival"; docs/design.md, "The quorum guard".
 """
 
 from __future__ import annotations
@@ -58,13 +49,10 @@ class _QuorumView:
 
 
 class _QuorumGuard:
-    """Wraps torchft's ``ManagerClient`` of one rank to survive lighthouse restarts.
+    """Wraps torchft's ``ManagerClient`` of one rank (as ``Manager._client``); anything not overridden is delegated.
 
-    Installed as ``Manager._client``; torchft calls ``_quorum`` from its
-    quorum thread, then compares ``quorum_id`` with ``Manager._quorum_id`` and
-    reconfigures with ``store_address``. A one-rank group's commit vote is
-    answered here (:meth:`should_commit`); everything else is delegated. See
-    the module docstring for what it does.
+    torchft calls ``_quorum`` from its quorum thread, then compares ``quorum_id`` with ``Manager._quorum_id``
+    and reconfigures with ``store_address``.
     """
 
     def __init__(self, manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
@@ -102,8 +90,8 @@ class _QuorumGuard:
         self.rider: Optional[OutageRider] = None
         """Rides out lighthouse outages on the last quorum (:mod:`ftbridge.manager.outage`); set by ReplicaManager."""
         self.watch: Any = None
-        """The peer watch (:class:`ftbridge.manager.quorum_watch.QuorumWatch`) or ``None``: after it cut a wait short
-        this member votes to rebuild; it cuts the vote's wait short when a member is dead."""
+        """The peer watch, or ``None``: a wait it cut short makes this member vote to rebuild; it ends the vote's wait
+        when a member is dead."""
 
     def _quorum(self, **kwargs: Any) -> Any:
         def call(timeout: timedelta) -> Any:
@@ -173,16 +161,9 @@ class _QuorumGuard:
         return self.majority.expired
 
     def _check_majority(self, quorum_id: int, members: List[str]) -> None:
-        """After a lighthouse restart, discard steps on quorums that lack most groups of the last one before it,
-        until the group commits (:class:`ftbridge.manager.quorum_rules.RestartMajority`).
-
-        The error recorded here (on torchft's quorum thread, after
-        ``start_quorum`` cleared the last one) makes ``should_commit`` discard
-        this step; the next step asks again. Past ``majority_wait``
-        (``FTBridgeConfig.restart_peer_wait``) :attr:`majority_expired` is set:
-        the group stops (its decision's ``gap_stop``) rather than train on a
-        minority that may fork the job.
-        """
+        """After a lighthouse restart, record an error (the step is discarded) on a quorum that lacks the majority
+        (:class:`~ftbridge.manager.quorum_rules.RestartMajority`) until the group commits; past ``majority_wait``
+        :attr:`majority_expired` is set."""
         was_expired, now = self.majority.expired, time.monotonic()
         if not self.majority.lacks(members, now):
             return
@@ -199,14 +180,11 @@ class _QuorumGuard:
             "two such quorums could commit the same step apart; step discarded, asking again"))
 
     def _vote(self, result: Any, namespace: str, mine: bool) -> bool:
-        """Publish ``mine`` and return the quorum-wide decision (:func:`decide_reconfigure`).
+        """Publish ``mine`` and return the quorum-wide decision
+        (:func:`~ftbridge.manager.quorum_rules.decide_reconfigure`).
 
-        The store is the primary's: its group's rank 0. A SIGSTOPped (hung)
-        rank 0 accepts TCP connections but never answers, and c10d's TCPStore
-        client then blocks without a timeout (connecting, ``delete_key``), so
-        the store calls run in a helper thread bounded by
-        ``FTBridgeConfig.store_call_timeout`` (:func:`ftbridge.manager.futures.call_bounded`);
-        past it the vote counts as failed.
+        The store calls run bounded by ``store_call_timeout`` (a hung primary's store never answers); past it, or
+        on any error, the vote counts as failed.
         """
         base = f"{int(result.quorum_id)}/{namespace}"
         store, last = self._stores.get(result.store_address), self._last_vote
@@ -226,11 +204,8 @@ class _QuorumGuard:
         return decide_reconfigure(mine, votes)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> Any:
-        """torchft's commit vote of the group: an AND of every group rank's ``should_commit``.
-
-        A group of one rank answers its own vote here, without the round trip to its manager server:
-        the server's handler only collects ``group_size`` votes and returns their AND (torchft
-        ``src/manager.rs``, ``should_commit``), so the answer is the same. Larger groups ask the server.
+        """torchft's commit vote of the group: the AND of every group rank's ``should_commit``; a one-rank group answers
+        it here.
 
         Raises:
             TimeoutError: (larger groups) not every rank voted within ``timeout``.
@@ -245,24 +220,15 @@ class _QuorumGuard:
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
                    timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
-    """One rank's vote on the primary's store: write ``mine`` and ``group_size``, wait for every member's, read them.
-
-    Args:
-        result: torchft's quorum result (``store_address``, ``replica_rank``, ``replica_world_size``).
-        base: the quorum's key prefix (quorum id and rendezvous namespace).
-        mine: this rank's vote (``True``: rebuild).
-        store: a cached client of that store, or ``None`` to connect.
-        last: ``(store, base, replica_rank)`` of this rank's previous vote.
-        timeout: bound on waiting for the other members' votes.
-        group_size: ranks of this replica group (0: not published).
-        watch: the peer watch, which ends the wait early once a member is dead (``None``: none).
+    """One rank's vote on the primary's store under the key prefix ``base``: write ``mine`` and ``group_size`` (0:
+    unknown), wait for every member's (under ``watch``), read them; delete the previous vote ``last`` only on this
+    store.
 
     Returns:
-        ``(store client, votes, sizes)``, one vote and group size per replica rank (0 where a member did
-        not publish its size).
+        ``(store client, votes, sizes)``, by replica rank.
 
     Raises:
-        Whatever the store raises: ``DistStoreError`` when a member's vote does not come within ``timeout``.
+        Whatever the store raises: ``DistStoreError`` when a vote does not come within ``timeout``.
     """
     if store is None:
         store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)

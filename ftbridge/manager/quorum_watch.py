@@ -1,89 +1,11 @@
-"""Cut a hung peer off as soon as the lighthouse declares it dead.
+"""The peer watch: cut a hung peer off once the lighthouse declares it dead (gloo process groups only).
 
-The problem
------------
-A replica group that hangs (SIGSTOP, a frozen host) in the middle of a
-step leaves the others blocked in their cross-replica all-reduce until the
-process group's timeout (``cross_replica_timeout``, 10 s by default), although
-the lighthouse stops counting the hung group after its heartbeat timeout
-(the hung group's manager stops heartbeating). Measured on main: 10.1 s
-without a commit, against a 5 s heartbeat timeout.
-
-What this module does
----------------------
-:class:`QuorumWatch` replaces the blocking wait on each cross-replica
-all-reduce (:class:`WatchedWork`). While a wait lasts longer than
-``poll`` (``FTBRIDGE_PEER_WATCH_POLL_MS``), the waiting rank reads the
-lighthouse's read-only status page (:mod:`ftbridge.manager.lighthouse_status`) every
-``poll`` and asks :func:`lost_members`: is a member of *this step's* quorum,
-other than this replica group, marked stale (no heartbeat for the
-lighthouse's heartbeat timeout)? If so the rank
-
-1. records :class:`PeerLost` with the manager (``report_error``): this
-   step is discarded; the in-group ``should_commit`` is an AND, and every
-   rank of the group waits on its own cross-replica all-reduce with the same
-   hung group, so every rank sees the same stale member and discards too;
-2. abandons the all-reduce. Gloo cannot cancel it (torch 2.13's
-   ``ProcessGroupGloo`` has no ``abort``; calling the process group's
-   ``abort`` blocked until the operation timed out), so the operation goes
-   on in gloo's worker thread until it completes or times out. Two things
-   make that harmless: the all-reduce runs on a private copy of the tensor
-   (:class:`WatchedWork`; measured: a peer resumed after the abandonment
-   completed the operation and the copy received the sum, which would
-   otherwise have landed in DeepSpeed's gradient buffer during a later
-   step), and the process group holding it is set aside (``bury``) instead
-   of aborted, so the next reconfigure does not wait for it;
-3. asks for a rebuild of the cross-replica process group at the next quorum
-   (:meth:`QuorumWatch.take_rebuild`, read by the manager's quorum vote, which
-   makes every member rebuild): a quorum with the same id and members would
-   otherwise keep the process group whose operation is still pending, and
-   the next all-reduce would pair with it.
-
-The next quorum leaves the hung group out (the lighthouse already holds it
-stale), so the survivors commit again after about one heartbeat timeout, one
-poll and one step.
-
-Only waits longer than ``poll`` read the status page, so a healthy job never
-calls the lighthouse from here; during a stall every waiting rank reads it
-every ``poll`` (a relay through group rank 0 would cut that to one reader per
-group).
-
-What it promises
-----------------
-A step is committed identically on every participant or discarded:
-this group discards; the hung group, if it resumes while the abandoned
-operation is still pending, may complete that all-reduce (the true average)
-and commit it, which leaves it one step ahead of where the survivors
-discarded, and torchft heals whichever group is behind when they meet again.
-A *false positive* (the lighthouse drops a group that is only slow) costs
-the same: a discarded step and a reconfigure, never a partial average applied,
-since an abandoned result is never read.
-
-Only the waits of gradient all-reduces are cut short, never the step's
-agreement (:mod:`ftbridge.manager.outage`): that all-reduce decides the
-step, and a member that left it after adding its row would discard a step
-that a member the lighthouse wrongly holds dead (alive, but cut off from the
-lighthouse) completes and commits.
-
-The resumed group must therefore never commit a step the survivors
-discarded: the survivors, alone, would commit the same step number with
-another average, and if the two groups met again with equal counters
-torchft would not heal. Before it commits, the resumed group looks at how
-long it was frozen during the step (a gap in :class:`FreezeClock`'s ticks;
-:meth:`QuorumWatch.dropped_while_frozen`): at least
-``FTBridgeConfig.peer_watch_freeze_discard`` (1 s): it discards, whatever the
-lighthouse says (the survivors may have cut it off before the lighthouse
-issued the quorum without it); shorter than that but longer than a poll: it
-discards if the lighthouse issued a later quorum without it. A freeze
-shorter than the lighthouse's heartbeat timeout minus the heartbeat
-interval cannot make the lighthouse declare the group dead, so the
-survivors cannot have cut it off; the bound must stay below that (1 s
-against the default 5 s heartbeat timeout). A discard is always safe: the
-group is then one step behind and heals.
-
-Scope: CPU (gloo) process groups. With NCCL (``use_cuda``) the watch is off:
-the host does not block in ``wait()`` there (the stream does), so it needs a
-different hook (NCCL's abort) and a GPU to test it on.
+:class:`QuorumWatch` waits on each cross-replica all-reduce (:class:`WatchedWork`) and, past
+``peer_watch_poll``, reads the lighthouse's ``/status`` every poll; once a member of this step's quorum
+is stale it records :class:`PeerLost` (the step is discarded), abandons the all-reduce, sets its process
+group aside and has the next quorum rebuild. A resumed rank frozen during the step discards it
+(:meth:`QuorumWatch.dropped_while_frozen`). The step's agreement is never cut short.
+Why: docs/concepts.md, "The timeout hierarchy"; docs/design.md, "The peer watch".
 """
 
 from __future__ import annotations
@@ -114,39 +36,16 @@ def group_of(replica_id: str) -> str:
 
 
 def lost_members(members: Sequence[str], me: str, stale: Iterable[str]) -> Tuple[str, ...]:
-    """Members of this step's quorum, other than this replica group, that the lighthouse holds dead (pure).
-
-    Args:
-        members: torchft replica ids of the quorum this step's all-reduce runs in
-            (``replica_group_G:UUID``).
-        me: this replica group's id without the UUID (``replica_group_G``);
-            ranks other than 0 do not know the UUID their rank 0 registered.
-        stale: replica ids whose heartbeat the lighthouse marks stale (older
-            than its heartbeat timeout). A member absent from the heartbeat
-            table is not judged (a restarted lighthouse has not heard from
-            anyone yet): the process group's timeout stays the bound there.
-
-    Returns:
-        The lost members, sorted; empty when all are alive.
-    """
+    """Members of quorum ``members`` (``replica_group_G:UUID``), other than group ``me`` (no UUID), whose id is in
+    ``stale``; sorted (pure). A member absent from the heartbeat table is not judged."""
     dead = set(stale)
     return tuple(sorted(m for m in members if group_of(m) != me and m in dead))
 
 
 def dropped_from_quorum(step_quorum_id: int, me: str, lighthouse_quorum_id: int,
                         lighthouse_members: Sequence[str]) -> bool:
-    """Whether the lighthouse issued a later quorum than this step's without this replica group (pure).
-
-    Args:
-        step_quorum_id: id of the quorum this step ran in.
-        me: this replica group's id without the UUID.
-        lighthouse_quorum_id: the lighthouse's current quorum id.
-        lighthouse_members: replica ids of its members.
-
-    Returns:
-        ``True`` only for a later id (a restarted lighthouse numbers from 1
-        again; a lower id is not judged) whose members exclude ``me``.
-    """
+    """Whether the lighthouse issued a later quorum than ``step_quorum_id`` (a lower id is not judged) whose
+    ``lighthouse_members`` exclude group ``me`` (pure)."""
     return lighthouse_quorum_id > step_quorum_id and all(group_of(m) != me for m in lighthouse_members)
 
 
@@ -156,8 +55,7 @@ def stale_ids(status: LighthouseStatus) -> List[str]:
 
 
 def fetch_status_bounded(address: str, timeout: timedelta) -> LighthouseStatus:
-    """``GET {address}/status`` and parse it: :func:`ftbridge.manager.lighthouse_status.fetch_status` (no proxy,
-    no redirect, at most ``ftbridge.manager.lighthouse_status.MAX_STATUS_BYTES`` read).
+    """:func:`ftbridge.manager.lighthouse_status.fetch_status` of ``address`` within ``timeout``.
 
     Raises:
         OSError: unreachable or an HTTP error.
@@ -215,22 +113,17 @@ class FreezeClock:
 
 
 class QuorumWatch:
-    """One rank's watch over its cross-replica waits (see the module docstring).
+    """One rank's watch over its cross-replica waits.
 
     Args:
         lighthouse: the lighthouse address (``http://HOST:PORT``).
         me: this replica group's id without the UUID (``replica_group_G``).
-        quorum: returns ``(quorum_id, member replica ids)`` of this step's quorum,
-            or ``None`` before the first.
-        poll: wait this long before the first look at the lighthouse, then look this often.
-        fetch: returns the lighthouse status (default: :func:`fetch_status_bounded`,
-            bounded by ``min(1 s, 4 x poll)``); injectable for tests.
-        freeze: the freeze detector for :meth:`dropped_while_frozen` (default: a started :class:`FreezeClock`).
-        freeze_discard: a freeze at least this long discards the step without asking the lighthouse
-            (``FTBridgeConfig.peer_watch_freeze_discard``).
-        bury: sets the cross-replica process group's current c10d group aside after a wait was cut
-            short (:meth:`ftbridge.manager.store_probe.ProbedProcessGroupGloo.bury` of the group
-            :class:`ftbridge.manager.ReplicaManager` built); ``None``: nothing is set aside.
+        quorum: returns ``(quorum_id, member replica ids)`` of this step's quorum, or ``None`` before the first.
+        poll: delay before the first look at the lighthouse, then between looks (> 0).
+        fetch: returns the lighthouse status (default :func:`fetch_status_bounded`, ``min(1 s, 4 x poll)``).
+        freeze: the freeze detector (default: a started :class:`FreezeClock`).
+        freeze_discard: a freeze at least this long discards the step without asking the lighthouse.
+        bury: sets the current c10d group aside after a wait was cut short; ``None``: nothing is.
     """
 
     def __init__(self, lighthouse: str, me: str, quorum: Callable[[], Optional[Tuple[int, Sequence[str]]]], *,
@@ -264,11 +157,9 @@ class QuorumWatch:
 
     # -- the survivor's side ------------------------------------------------
     def look(self, remember: bool = False) -> Tuple[str, ...]:
-        """Read the lighthouse once; the members of this step's quorum it holds dead (empty: none, or no answer).
+        """Read the lighthouse once: the members of this step's quorum it holds dead (empty: none, or no answer).
 
-        Args:
-            remember: keep a non-empty answer for this quorum, so that this
-                quorum's all-reduce waits are cut at once (the vote uses it).
+        Never raises. With ``remember``, a non-empty answer makes this quorum's later waits end at once.
         """
         seen = self._quorum()
         if seen is None:
@@ -288,13 +179,8 @@ class QuorumWatch:
         return lost
 
     def _look_nowait(self, since: float) -> Tuple[str, ...]:
-        """The verdict of the last finished :meth:`look` started at or after ``since``; starts the next one.
-
-        Never blocks: a lighthouse that answers slowly (hung, or behind a link that drops packets) must not
-        hold up a wait whose collective completes meanwhile. A look started before ``since`` (the start of
-        the current wait, in ``time.monotonic()`` seconds) belongs to an earlier wait: it judged another
-        quorum's members against heartbeats since gone stale, so its verdict is dropped, never used.
-        """
+        """The verdict of the last finished :meth:`look` started at or after ``since``; starts the next one; never
+        blocks."""
         if self._pending is not None:
             started, pending = self._pending
             if not pending.done():
@@ -306,16 +192,8 @@ class QuorumWatch:
         return ()
 
     def wait(self, work: Any) -> Tuple[str, ...]:
-        """Block until the c10d ``work`` completes, or until the lighthouse holds a member of this quorum dead.
-
-        Args:
-            work: a c10d ``Work`` with ``get_future()`` (gloo's).
-
-        Returns:
-            ``()`` once ``work`` completed (successfully or not: its own
-            ``wait()`` tells); the lost members' ids when the wait was cut
-            short, after which :meth:`take_rebuild` returns ``True`` once.
-        """
+        """Block until the c10d ``work`` completes (``()``) or the lighthouse holds a member dead (the lost ids;
+        :meth:`take_rebuild` then returns ``True`` once)."""
         since = time.monotonic()
         done = threading.Event()
         work.get_future().add_done_callback(lambda _fut: done.set())
@@ -344,27 +222,16 @@ class QuorumWatch:
         return rebuild
 
     def allreduce(self, manager: Any, tensor: torch.Tensor, reduce_op: Any, private: bool = False) -> "WatchedWork":
-        """torchft's ``manager.allreduce`` of ``tensor`` (or of a private copy), waited on under this watch.
+        """torchft's ``manager.allreduce`` of ``tensor`` (float, any shape) under this watch, as a :class:`WatchedWork`.
 
-        Args:
-            manager: the rank's torchft ``Manager`` (its public ``allreduce`` and ``report_error``).
-            tensor: float tensor, any shape; holds the result after a successful ``wait()``.
-            reduce_op: ``ReduceOp.AVG`` or ``SUM``.
-            private: the caller lent ``tensor`` (:meth:`ftbridge.manager.ReplicaManager.lend`): nothing else
-                uses it until the wait and it is dropped after a failed one, so it is reduced in place.
-
-        Returns:
-            A :class:`WatchedWork`. Without ``private`` the copy costs one
-            tensor's memory and two copies while it is in flight: an abandoned
-            operation may still write into its buffer, which must then not be
-            the caller's.
+        ``reduce_op`` is ``AVG`` or ``SUM``. With ``private`` (the caller lent ``tensor``,
+        :meth:`ftbridge.manager.ReplicaManager.lend`) it is reduced in place, else a copy is.
         """
         buf = tensor if private else tensor.clone()
         return WatchedWork(manager.allreduce(buf, reduce_op=reduce_op), buf, tensor, self,
                            lambda error: self._on_lost(manager, error))
 
     def _on_lost(self, manager: Any, error: Exception) -> None:
-        """A wait was cut short: discard the step, set the process group with the pending operation aside."""
         logger.warning("[%s] %s", self.me, error)
         manager.report_error(error)
         if self._bury is not None:
@@ -372,17 +239,9 @@ class QuorumWatch:
 
     # -- the resumed side ---------------------------------------------------
     def dropped_while_frozen(self, step_start: float) -> bool:
-        """Whether this process was frozen during the step and the lighthouse has since left its group out.
-
-        Args:
-            step_start: ``time.monotonic()`` at the start of the step.
-
-        Returns:
-            ``True`` when a freeze longer than ``poll`` ended after
-            ``step_start`` and the lighthouse issued a later quorum without
-            this group (:func:`dropped_from_quorum`): the step must be
-            discarded. Reads the lighthouse only after such a freeze.
-        """
+        """Whether this step (started at ``step_start``, monotonic s) must be discarded: a freeze of at least
+        ``freeze_discard`` during it, or one longer than ``poll`` after which the lighthouse issued a later quorum
+        without this group."""
         frozen = self._freeze.frozen_since(step_start)
         if frozen <= self._poll:
             return False
@@ -415,16 +274,8 @@ class QuorumWatch:
 
 
 def start_watch(cfg: Any, guard: Any, use_cuda: bool, process_group: Any = None) -> Optional[QuorumWatch]:
-    """The rank's peer watch, or ``None`` when off or impossible.
-
-    Args:
-        cfg: :class:`ftbridge.config.FTBridgeConfig` (``peer_watch``, ``peer_watch_poll``, ``lighthouse``).
-        guard: the manager's quorum guard (``seen``: this step's quorum; ``force_rebuild``); ``None``
-            when torchft is not a version it was written for.
-        use_cuda: NCCL process group (the watch is for gloo only).
-        process_group: the cross-replica process group handed to torchft's ``Manager``; its ``bury``
-            (:mod:`ftbridge.manager.store_probe`), if it has one, sets a group with a pending operation aside.
-    """
+    """The rank's peer watch (given ``cfg``, the quorum ``guard``, and the cross-replica ``process_group`` whose
+    ``bury`` it uses), or ``None`` when off, on NCCL (``use_cuda``), or without the guard."""
     if not cfg.peer_watch or use_cuda or guard is None:
         if cfg.peer_watch:
             logger.info("peer watch off (%s): a hung peer costs the cross-replica timeout",
@@ -442,10 +293,7 @@ def start_watch(cfg: Any, guard: Any, use_cuda: bool, process_group: Any = None)
 
 
 def wait_for_keys(store: Any, keys: List[str], timeout: timedelta, watch: Optional[QuorumWatch]) -> None:
-    """``store.wait(keys, timeout)``, in slices of the watch's poll, ended early once a quorum member is dead.
-
-    The quorum guard's reconfigure vote (:mod:`ftbridge.manager.quorum_guard`) waits for every member's key; a member
-    that hung between the lighthouse issuing the quorum and its vote would hold it for ``timeout``.
+    """``store.wait(keys, timeout)`` in slices of the watch's poll, ended early once a quorum member is dead.
 
     Raises:
         PeerLost: the lighthouse holds a member of this quorum dead.
@@ -469,16 +317,8 @@ def wait_for_keys(store: Any, keys: List[str], timeout: timedelta, watch: Option
 
 
 class WatchedWork:
-    """A cross-replica all-reduce of a private buffer, waited on under a :class:`QuorumWatch`.
-
-    Args:
-        work: torchft's managed work for the all-reduce of ``buf``.
-        buf: the buffer torchft reduces: a copy of ``tensor``, or ``tensor`` itself when it was lent.
-        tensor: the caller's tensor; receives ``buf`` after a successful wait.
-        watch: the rank's watch.
-        on_lost: called with :class:`PeerLost` when the wait is cut short
-            (the manager's ``report_error`` and process group ``bury``).
-    """
+    """A cross-replica all-reduce of ``buf`` (a copy of ``tensor``, or ``tensor`` itself when lent) by torchft's
+    ``work``, waited on under ``watch``; ``on_lost`` gets the :class:`PeerLost` of a wait cut short."""
 
     def __init__(self, work: Any, buf: torch.Tensor, tensor: torch.Tensor, watch: QuorumWatch,
                  on_lost: Callable[[PeerLost], None]) -> None:
@@ -486,8 +326,8 @@ class WatchedWork:
         self._watch, self._on_lost = watch, on_lost
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Wait (see the class); ``False`` when the step is to be discarded (``tensor`` is then untouched if it
-        was copied, undefined if it was lent)."""
+        """Wait under the watch; ``False`` when the step is to be discarded (``tensor`` is then untouched if copied,
+        undefined if lent)."""
         # torchft 0.2 _ManagedWork: the process group's own work (an internal; the watch runs only where
         # ftbridge.manager.torchft_api.internals_supported holds, see start_watch)
         raw = getattr(self._work, "_work", None)

@@ -1,27 +1,9 @@
-"""torchft quorum and the cross-replica process group for one rank.
+"""torchft's quorum and the cross-replica process group for one rank: :class:`ReplicaManager`.
 
-:class:`ReplicaManager` wraps torchft's ``Manager`` (composition, no
-copy): group rank 0 of each replica group runs torchft's manager server,
-which joins the quorum kept by the lighthouse; every rank gets a
-reconfigurable cross-replica process group (torchft's gloo or NCCL one,
-:mod:`ftbridge.device`) linking the ranks with the same group rank across
-the live replica groups; torchft rebuilds it on every quorum change.
-
-Heals go through :class:`ftbridge.manager.transport.SafeHTTPTransport` (no pickle,
-bound to one interface). Before the manager is created, torchft's
-``TORCHFT_*`` environment variables are set to the resolved config, because
-torchft lets them override its constructor arguments.
-
-Requires the replica group's own torch.distributed world to be initialised
-first (``MASTER_ADDR``/``MASTER_PORT`` name its TCPStore, which group rank 0
-hosts and the cross-replica process group's rendezvous may use).
-
-Lighthouse restarts are survived by the quorum guard (:mod:`ftbridge.manager.quorum_guard`);
-its rider (:mod:`ftbridge.manager.outage`) makes each quorum call in
-``quorum_retries + 1`` tries of ``quorum_timeout / (quorum_retries + 1)``,
-one at a time, and torchft's manager server retries nothing. See
-:class:`ftbridge.config.FTBridgeConfig` and ``docs/lighthouse.md`` for the
-defaults and what they survive.
+It wraps torchft's ``Manager`` after setting torchft's ``TORCHFT_*`` variables to the resolved config,
+heals through :class:`ftbridge.manager.transport.SafeHTTPTransport`, and drives the commit protocol
+(:meth:`ReplicaManager.decide`, :meth:`ReplicaManager.should_commit`). Initialise the replica group's own
+torch.distributed world first. Why: docs/concepts.md, "The commit protocol", "Heal".
 """
 
 from __future__ import annotations
@@ -54,11 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def _export_torchft_environ(cfg: FTBridgeConfig) -> None:
-    """Set torchft's environment variables to ``cfg`` (they override the Manager's arguments).
-
-    A different value already in the environment (a user's ``TORCHFT_TIMEOUT_SEC``)
-    is replaced, with a warning naming the ftbridge setting to use instead.
-    """
+    """Set torchft's environment variables to ``cfg``, replacing (with a warning) a different value already set."""
     for name, value in cfg.torchft_environ().items():
         old = os.environ.get(name)
         if old is not None and old != value:
@@ -71,22 +49,14 @@ class ReplicaManager:
 
     Args:
         cfg: resolved configuration.
-        state_dict: returns this rank's live state for a heal (nested dict of
-            tensors and JSON scalars); called in torchft's quorum thread when a
-            peer needs it.
-        load_state_dict: loads a peer's state; called on the training thread
-            inside :meth:`should_commit` of a healing step, on every rank of
-            the group at the same point.
-        use_cuda: the model is on a GPU: torchft's NCCL group, or gloo with CUDA tensors where groups
-            share a GPU (:func:`ftbridge.device.backend_for`); on the CPU always gloo.
-        max_heal_bytes: the largest heal body this rank accepts (bytes),
-            e.g. :func:`ftbridge.heal.wire.size_bound` of its own state; called in
-            torchft's quorum thread before each fetch. ``None``: no bound
-            (the body is then allocated as it arrives).
+        state_dict: returns this rank's live state for a heal (nested dict of tensors and JSON scalars);
+            called in torchft's quorum thread.
+        load_state_dict: loads a peer's state, on the training thread inside :meth:`should_commit`.
+        use_cuda: the model is on a GPU (:func:`ftbridge.device.backend_for` picks the backend).
+        max_heal_bytes: the largest heal body this rank accepts (bytes); ``None``: no bound.
 
     Raises:
-        KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset (not launched by torchrun
-            and no process group initialised).
+        KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset.
         ValueError: ``cfg.cross_replica_backend`` cannot work here (NCCL on CPU or on a shared GPU).
     """
 
@@ -158,12 +128,11 @@ class ReplicaManager:
         self._stand_aside = (StandAside(base_s=base, max_s=longest_pause(base, cfg.restart_peer_wait.total_seconds()))
                              if self.quorum_guard is not None and base > 0 else None)
         self.stood_aside: Optional[Tuple[float, float]] = None
-        """``(wall-clock start, seconds)`` of the pause the group took after this step's commit vote
-        (:meth:`should_commit`; ``None``: it did not stand aside)."""
+        """``(wall-clock start, seconds)`` of the pause taken after this step's commit vote, else ``None``."""
         self.verdict: Optional[StepVerdict] = None
         """This step's agreement and group decision (:meth:`decide`), ``None`` before it."""
         self.protocol_s = 0.0
-        """Seconds spent in :meth:`decide` after the quorum (the agreement and the in-group exchange), all steps."""
+        """Seconds spent in :meth:`decide` after the quorum, all steps."""
         self.protocol_steps = 0
 
     def _on_lighthouse_restart(self, old_id: int, new_id: int) -> None:
@@ -172,12 +141,11 @@ class ReplicaManager:
                        "cross-replica process group", self.cfg.replica_group_id, self.cfg.group_rank, new_id, old_id)
 
     def _on_quorum(self, result: Any) -> None:
-        """Tell the transport the host this quorum's donor may serve heal state from (see ``local_group_size``).
+        """Point the transport at this quorum's heal donor and serve early if this rank donates.
 
         Raises:
-            ftbridge.spare.DuplicateReplicaGroup: this group heals into a quorum in which another member
-                holds its id (:func:`ftbridge.spare.must_leave`); the training thread gets it at its next
-                cross-replica call.
+            ftbridge.spare.DuplicateReplicaGroup: another member of the quorum holds this group's id
+                (:func:`ftbridge.spare.must_leave`).
         """
         cfg = self.cfg
         spans_nodes = 0 < cfg.local_group_size < cfg.group_size
@@ -204,16 +172,7 @@ class ReplicaManager:
             self._serve_early(joiners, int(result.max_step))
 
     def _serve_early(self, joiners: List[int], step: int) -> None:
-        """Serve this donor's heal state as soon as the quorum names it a donor.
-
-        torchft 0.2 serves only after it has rebuilt the cross-replica
-        process group (10-30 ms for gloo here, longer than the 10 MB
-        transfer), while the joiner, which has no old group to tear down, is
-        often ready first and its request waited for the donor. The state may
-        be served this early: it does not change before the optimizer step,
-        which comes after :meth:`SafeHTTPTransport.disallow_checkpoint`.
-        torchft's own ``send_checkpoint`` for the same step then finds it
-        served. Best effort: on any error torchft's call serves as before.
+        """Serve this donor's heal state as soon as the quorum names it a donor; best effort (docs/concepts.md, "Heal").
         """
         state_dict = getattr(self._torchft, "_manager_state_dict", None)  # behind the quorum guard's version check
         if state_dict is None:
@@ -243,12 +202,10 @@ class ReplicaManager:
         self._torchft.wait_quorum()
 
     def step_members(self) -> Tuple[Tuple[str, ...], bool]:
-        """This step's quorum: its members' torchft replica ids, and whether every one of them takes part.
+        """This step's quorum members' torchft replica ids, and whether every one takes part (waits for the quorum).
 
-        Waits for the quorum (:meth:`wait_quorum`). The second value is ``False`` in a step in which a
-        member heals (it is behind the others, and torchft zeroes its gradient): a fact of the quorum,
-        so every member of it reads the same. ``((), False)`` when the quorum is unknown (no quorum
-        guard, or the quorum call failed before any quorum).
+        ``False`` in a step in which a member heals (the same on every member); ``((), False)`` when the quorum is
+        unknown.
         """
         self.wait_quorum()
         result = self.quorum_guard.last_result if self.quorum_guard is not None else None
@@ -259,20 +216,10 @@ class ReplicaManager:
 
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
-        """Average (or, with ``reduce_op=SUM``, sum) ``tensor`` in place over the participating replica groups.
+        """Average (``AVG``) or sum (``SUM``) ``tensor`` (floating point, on the process group's device) in place over
+        the participating groups; a ``Work`` to wait on.
 
-        A healing replica contributes zeros and receives the average of the
-        others. Errors never raise: they are recorded, the returned work
-        completes, and :meth:`should_commit` then returns ``False`` everywhere.
-
-        Args:
-            tensor: floating point, any shape, on the process group's device.
-            reduce_op: ``AVG`` (sum, then divide by the participants) or ``SUM``
-                (what the gradient sync sends: :class:`ftbridge.comm_hooks.base.CommHookState`
-                scales the sum itself).
-
-        Returns:
-            A ``Work`` whose ``wait()`` returns once ``tensor`` holds the result.
+        Never raises: an error is recorded, the work completes and :meth:`should_commit` returns ``False``.
         """
         clean = self._torchft.errored() is None
         if self.quorum_watch is None:
@@ -288,21 +235,15 @@ class ReplicaManager:
         return work
 
     def lend(self, tensor: torch.Tensor) -> None:
-        """Declare ``tensor`` a private buffer of this step's next :meth:`allreduce` of it.
+        """Declare ``tensor`` a private buffer of this step's next :meth:`allreduce` of it (reduced in place, no copy).
 
-        The caller promises that nothing else reads or writes ``tensor`` until
-        that all-reduce's ``wait()`` returns, and that it drops ``tensor`` when
-        the wait reports a failure. The peer watch then reduces ``tensor``
-        itself instead of a copy (an abandoned all-reduce may still write into
-        its buffer later: harmless in a buffer nobody reads again). Forgotten
-        at the next :meth:`start_quorum`; a tensor never passed to
-        :meth:`allreduce` costs nothing.
+        The caller must not read or write ``tensor`` until that wait returns, and must drop it when the wait
+        fails. Forgotten at the next :meth:`start_quorum`.
         """
         self._lent[id(tensor)] = weakref.ref(tensor)
 
     def skipped_collective(self) -> bool:
-        """Whether an all-reduce of this step may not have reached the process group (torchft made it a no-op
-        after a recorded error); then this rank's cross-replica collectives no longer pair with its peers'."""
+        """Whether torchft made an all-reduce of this step a no-op after an error (its collectives no longer pair)."""
         return self._skipped_collective
 
     def state_dict(self) -> Dict[str, int]:
@@ -315,33 +256,17 @@ class ReplicaManager:
 
     def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0,
                plan: int = 0) -> "StepVerdict":
-        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step.
+        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step, kept as
+        :attr:`verdict`.
 
-        Call on every rank of the group after the step's gradient all-reduces and right before
-        :meth:`should_commit`. Waits for the quorum; a frozen process the lighthouse left out records an
-        error (the peer watch); one cross-replica all-reduce gathers every member's view; one in-group
-        all-reduce gathers every rank's flags; every rank then takes the same decision: a heal a rank
-        lacks is dropped on all (torchft's counters go back), and a step the group must discard records
-        an error on every rank, so torchft's ``should_commit`` returns ``False`` on all of them.
-
-        Args:
-            guard: this rank's state fingerprint (16 hex digits) when the divergence guard is due.
-            empty: this group was restarted by torchrun with nothing to start from
-                (:func:`ftbridge.heal.restart_without_peer`: while no member of the quorum holds the job's
-                state it discards, and past ``restart_peer_wait`` the group stops: ``decision.stop``).
-            waited_s: seconds since this launch started, for that rule.
-            plan: the slot plan's digest (:attr:`ftbridge.manager.commit.View.plan`; 0 without slots):
-                members that differ discard.
-
-        Returns:
-            :class:`StepVerdict`, also kept as :attr:`verdict`.
+        Call on every rank after the step's gradient all-reduces, right before :meth:`should_commit`. ``guard``:
+        the fingerprint when the guard is due; ``empty``, ``waited_s``: for
+        :func:`ftbridge.heal.restart_without_peer`; ``plan``: :attr:`ftbridge.manager.commit.View.plan`.
 
         Raises:
-            QuorumTimeout (from the quorum thread): no quorum within its deadline and no ride.
-            QuorumGap: the group's quorums have not followed the job's history for ``restart_peer_wait``
-                (on every rank of the group: the decision is the group's).
-            RuntimeError: the in-group exchange failed (a rank of the group died or hung past the
-                in-group timeout); the rank must exit, its group mates cannot be followed.
+            QuorumTimeout: no quorum within its deadline and no ride.
+            QuorumGap: no quorum following the job's history for ``restart_peer_wait``.
+            RuntimeError: the in-group exchange failed; the rank must exit.
         """
         tf = self._torchft
         tf.wait_quorum()
@@ -371,8 +296,7 @@ class ReplicaManager:
         return self.verdict
 
     def _restart_rule(self, agreement: Optional[Agreement], empty: bool, waited_s: float) -> bool:
-        """:func:`ftbridge.heal.restart_without_peer` after the agreement: records the error of a step that waits;
-        whether this rank says stop."""
+        """:func:`ftbridge.heal.restart_without_peer`; records the error of a step that waits; whether to stop."""
         all_empty = agreement.all_empty if agreement is not None else self.participants <= 1
         rule = restart_without_peer(restarted_empty=empty, all_members_empty=all_empty, waited_s=waited_s,
                                     limit_s=self.cfg.restart_peer_wait.total_seconds())
@@ -398,17 +322,11 @@ class ReplicaManager:
                     or (self.quorum_guard is not None and self.quorum_guard.majority_expired))
 
     def should_commit(self) -> bool:
-        """torchft's commit vote (an AND over the group's ranks), after :meth:`decide`.
-
-        Applies a pending heal first (on every rank of a healing group).
+        """torchft's commit vote (an AND over the group's ranks), after :meth:`decide`; applies a pending heal first.
 
         Raises:
-            RuntimeError: the group's commit vote did not complete within
-                :attr:`ftbridge.config.FTBridgeConfig.torchft_timeout` (another rank
-                of this group is hung or far behind). The rank must exit, not go on:
-                its vote is already cast, so treating the step as discarded here
-                could let the group's ranks decide differently. torchrun restarts
-                the group, which then heals from a peer.
+            RuntimeError: the vote did not complete within ``torchft_timeout``; the rank must exit (its vote is
+                cast, so going on could split the group's decision).
         """
         try:
             committed = self._torchft.should_commit()
@@ -476,8 +394,7 @@ class ReplicaManager:
 
     @property
     def quorum_id(self) -> int:
-        """Id of the quorum of the current step (-1 before the first, or where torchft has no such field:
-        a version :func:`ftbridge.manager.torchft_api.internals_supported` does not cover)."""
+        """Id of the current step's quorum (-1 before the first, or where torchft has no such field)."""
         return int(getattr(self._torchft, "_quorum_id", -1))
 
     @property
@@ -512,8 +429,8 @@ class GroupDiscard(RuntimeError):
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What :meth:`ReplicaManager.decide` found: this rank's agreement (``None`` where torchft's internals
-    are not supported) and the group's decision."""
+    """What :meth:`ReplicaManager.decide` found: this rank's agreement (``None`` without torchft's internals) and the
+    group's decision."""
 
     agreement: Optional[Agreement]
     decision: GroupDecision

@@ -1,29 +1,9 @@
-"""Bounded calls to a TCPStore that may be hung.
+"""Bounded calls to a TCPStore that may be hung, and a bounded gloo rendezvous.
 
-The cross-replica process group of a quorum rendezvouses on the primary
-group's store (torchft's ``store_address``), which lives in that group's
-rank 0. When that rank hangs (SIGSTOP, a stuck host), its kernel still accepts
-TCP connections but nothing answers, and c10d's TCPStore client then blocks
-with no timeout: connecting (the validation handshake) and ``delete_key``
-block for as long as the hang, whatever timeout the client was given. Any
-such call made from torchft's quorum thread stalls the whole group; its
-``should_commit`` then expires and the group dies.
-
-:func:`probe_store` makes one request with a deadline
-(:func:`ftbridge.manager.futures.call_bounded`), and
-:class:`ProbedProcessGroupGloo` / :class:`ProbedProcessGroupNCCL` check that
-the store answers before torchft's ``configure`` dials it, so a quorum whose
-primary just hung fails that step (torchft records the error and the step is
-discarded on every replica) instead of blocking until the hang ends.
-
-Gloo's rendezvous is bounded too (:class:`ProbedProcessGroupGloo`): when a
-member published its address and then died, gloo's ``connectFullMesh`` keeps
-connecting to it for five times the group's timeout (25 s for the default 5 s
-cross-replica timeout), whatever that timeout says, and the member's quorum
-thread with it. :data:`RENDEZVOUS_BOUND` times the timeout is the most a
-rendezvous may take here (gloo's wait for the peers' addresses, then one
-connect window); past it ``configure`` raises, the step is discarded, and the
-group built late in the abandoned thread is dropped, never installed.
+:func:`probe_store` makes one request with a deadline; :class:`ProbedProcessGroupGloo` and
+:class:`ProbedProcessGroupNCCL` probe the quorum's store before torchft's ``configure`` dials it (a hung
+primary fails that step instead of blocking), the gloo one bounds its rendezvous, and both can set a group
+with a pending operation aside (``bury``). Why: docs/design.md, "The quorum guard" and "The peer watch".
 """
 
 from __future__ import annotations
@@ -37,7 +17,7 @@ from ftbridge.manager.futures import call_bounded, in_thread
 from ftbridge.manager.torchft_api import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 
 RENDEZVOUS_BOUND = 2
-"""A gloo rendezvous may take at most this many times the group's timeout (:class:`ProbedProcessGroupGloo`)."""
+"""A gloo rendezvous may take at most this many times the group's timeout."""
 
 
 def probe_store(store_addr: str, timeout: timedelta) -> None:
@@ -61,14 +41,10 @@ class _Probed:
     abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
 
     def bury(self) -> None:
-        """Set the current c10d process group aside, with its operations still pending
-        (:mod:`ftbridge.manager.quorum_watch`).
+        """Set the current c10d process group aside with its operations pending; the next ``configure`` builds a new
+        one.
 
-        Gloo cannot cancel an operation, and aborting or dropping the group
-        waited for the pending one to time out; kept here, the group is
-        released once every group set aside earlier is older than twice the
-        timeout (its operations have timed out by then). The next
-        ``configure`` builds a new group; until then collectives on this one fail.
+        Groups set aside are released once older than twice the timeout. Until then collectives on this group fail.
         """
         now = time.monotonic()
         graves = getattr(self, "_graves", [])
@@ -87,11 +63,8 @@ class _Probed:
         super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
 
     def take_store_unreachable(self) -> bool:
-        """Whether a ``configure`` since the last call found the quorum's store unanswering (then cleared).
-
-        Read on the training thread after the quorum (``Manager.wait_quorum``): the step's ``configure``, run in
-        torchft's quorum thread, has finished by then.
-        """
+        """Whether a ``configure`` since the last call found the quorum's store unanswering (then cleared); call after
+        ``Manager.wait_quorum``."""
         unreachable = getattr(self, "_store_unreachable", False)
         self._store_unreachable = False
         return unreachable
@@ -102,13 +75,11 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
     :data:`RENDEZVOUS_BOUND` times it when a peer it must connect to is gone."""
 
     def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-        """Gloo's rendezvous (torchft's ``_create_pg``), bounded by ``RENDEZVOUS_BOUND x`` the timeout.
+        """Gloo's rendezvous (torchft's ``_create_pg``), bounded by :data:`RENDEZVOUS_BOUND` times the timeout.
 
         Raises:
-            TimeoutError: the rendezvous did not end within the bound. It keeps running in its daemon
-                thread until gloo gives up; a group it builds then is dropped (``self._pg`` stays ``None``,
-                as ``configure`` left it), so the next ``configure`` starts afresh.
-            RuntimeError: gloo's own failure within the bound (a peer's address never came).
+            TimeoutError: not done within the bound; a group the abandoned thread builds later is dropped.
+            RuntimeError: gloo's own failure within the bound.
         """
         bound = self._timeout * RENDEZVOUS_BOUND
         build = in_thread(lambda: super(ProbedProcessGroupGloo, self)._create_pg(store, rank, world_size),

@@ -1,30 +1,10 @@
 """The one door to torchft: every torchft name ftbridge and the lighthouse service use, and the version check.
 
 No other module of ``ftbridge/``, ``lighthouse/`` or ``scripts/`` imports torchft
-(``tests/test_boundaries.py`` checks it; the import graph is in ``docs/concepts.md``).
-Upgrading torchft starts here: the names below are what ftbridge builds on, and
-:func:`internals_supported` is what decides whether the code that reads torchft's
-private fields runs at all.
-
-Public torchft API:
-
-* :class:`Manager` (:class:`ftbridge.manager.ReplicaManager` composes it);
-* :class:`ProcessGroupGloo`, :class:`ProcessGroupNCCL`, :func:`create_store_client`
-  (:mod:`ftbridge.manager.store_probe` subclasses the groups; the quorum guard's vote
-  and the store probe connect to the primary's TCPStore);
-* :class:`CheckpointTransport` (the base of :class:`ftbridge.manager.transport.SafeHTTPTransport`);
-* :class:`LighthouseServer` (``torchft.coordination``'s native lighthouse, started by
-  :func:`lighthouse.server.start_lighthouse`).
-
-torchft internals, read or written only inside :mod:`ftbridge.manager` and only when
-:func:`internals_supported` holds (the quorum guard, the heal agreement, the peer watch
-and the outage rider are built only then):
-
-* :class:`DummyWork` (``torchft.work._DummyWork``), the placeholder work after an error;
-* ``Manager._client``, ``_quorum_id``, ``_healing``, ``_pending_state_dict``, ``_pg``,
-  ``_store``; the process group wrapper's ``_pg``; ``_ManagedWork._work``;
-* ``Manager._manager`` (its ``ManagerServer``), shut down and rebuilt by
-  :func:`pause_manager_server` while a replica group stands aside.
+(``tests/test_boundaries.py``; docs/concepts.md, "Import graph"). torchft internals (:class:`DummyWork`,
+``Manager._client``, ``_quorum_id``, ``_healing``, ``_pending_state_dict``, ``_pg``, ``_store``,
+``_manager``, the wrapper's ``_pg``, ``_ManagedWork._work``) are used only inside :mod:`ftbridge.manager`
+and only where :func:`internals_supported` holds.
 """
 
 from __future__ import annotations
@@ -56,10 +36,9 @@ __all__ = [
 ]
 
 TORCHFT_GUARDED_VERSIONS = ("0.2.",)
-"""torchft versions whose ``Manager`` internals the quorum guard (and what hangs on it) was written against."""
+"""torchft version prefixes whose ``Manager`` internals ftbridge was written against."""
 
 _GUARDED_FIELDS = ("_client", "_quorum_id", "_async_quorum")
-"""``Manager`` fields whose presence :func:`internals_supported` checks besides the version."""
 
 
 def installed_version() -> str:
@@ -68,31 +47,17 @@ def installed_version() -> str:
 
 
 def internals_supported(manager: Any) -> bool:
-    """Whether ftbridge may read and write ``manager``'s private fields.
-
-    Args:
-        manager: a :class:`Manager` (or a stand-in with the same fields).
-
-    Returns:
-        ``True`` when the installed torchft is one of :data:`TORCHFT_GUARDED_VERSIONS` and
-        ``manager`` has the fields the quorum guard replaces or reads.
-    """
+    """Whether ftbridge may use ``manager``'s private fields: the installed torchft is one of
+    :data:`TORCHFT_GUARDED_VERSIONS` and ``manager`` (a :class:`Manager` or a stand-in) has the fields the quorum guard
+    uses."""
     return (installed_version().startswith(TORCHFT_GUARDED_VERSIONS)
             and all(hasattr(manager, a) for a in _GUARDED_FIELDS))
 
 
 def pause_manager_server(manager: Any, *, lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta,
                          connect_timeout: timedelta, quorum_retries: int) -> Callable[[], None]:
-    """Shut down group rank 0's torchft manager server (its heartbeats to the lighthouse stop with it).
-
-    Args:
-        manager: group rank 0's :class:`Manager`.
-        lighthouse_addr, hostname, heartbeat_interval, connect_timeout, quorum_retries: what the manager
-            was built with.
-
-    Returns:
-        ``resume()``: builds a new server on the same port with the same replica id (the group's other ranks'
-        clients reconnect to it) and installs it in ``manager``. Until then the group must not call torchft.
+    """Shut down group rank 0's manager server (its heartbeats stop); return ``resume()``, which builds a new one on the
+    same port with the same replica id and the given arguments. The group must not call torchft in between.
 
     Raises:
         AttributeError: ``manager`` holds no manager server (not group rank 0).

@@ -1,35 +1,13 @@
 """Heal transport: serves a healthy rank's live state to a joining replica group.
 
-Implements torchft's ``CheckpointTransport`` interface, so torchft's
-``Manager`` drives it unchanged (``send_checkpoint`` on the donor while the
-step's quorum is being computed, ``recv_checkpoint`` on
-the joiner, ``disallow_checkpoint`` once the donor's step may mutate state).
+:class:`SafeHTTPTransport` implements torchft's ``CheckpointTransport`` (``send_checkpoint`` on the donor,
+``recv_checkpoint`` on the joiner, ``disallow_checkpoint`` once the donor's state may change) over HTTP
+with the pickle-free format of :mod:`ftbridge.heal.wire`, bound to one interface, with both ends bounded
+(:mod:`ftbridge.heal.limits`) and an optional job token.
 
-Why not torchft's own ``HTTPTransport``: it binds every interface and loads
-what it receives with ``torch.load(weights_only=False)``, i.e. with pickle:
-whoever answers the joiner's request can run code on it. This transport
-
-* binds only the interface given (``FTBridgeConfig.heal_bind``);
-* sends the pickle-free format of :mod:`ftbridge.heal.wire` (JSON header plus a
-  safetensors blob), decoded under that module's contract (``ValueError`` or
-  a valid state); anything but tensors and JSON scalars in the state is
-  refused with ``TypeError`` on the sending side;
-* bounds both ends (:mod:`ftbridge.heal.limits`): the joiner refuses a body
-  larger than its own state needs before allocating it, fetches only
-  ``http://HOST:PORT/heal/`` from the donor's host, follows no redirect, uses
-  no proxy, and stops at one overall deadline; the donor serves a capped
-  number of connections, each with a deadline;
-* with a job token (``FTBRIDGE_JOB_TOKEN``), serves only requests that carry
-  an HMAC of it (:func:`ftbridge.heal.limits.request_mac`); without one, anyone
-  who reaches the port can download the state (keep it on a private network).
-
-Speed: the donor encodes nothing up front; it sends the
-tensors' bytes from the tensors themselves while torchft allows it, and keeps
-a copy only of what responses still in flight lack when
-``disallow_checkpoint`` comes (:mod:`ftbridge.heal.stream`). The joiner reads
-the body with one blocking read into memory a restarted rank touched while
-it started up (:meth:`SafeHTTPTransport.prepare_recv`): fresh pages cost
-about 1.7 ms per MB here, more than the loopback transfer itself.
+Why (instead of torchft's ``HTTPTransport``) and how it is fast: docs/concepts.md, "Heal" (Transport);
+the threats and limits: docs/lighthouse.md, "The heal path"; measurements: docs/benchmarks.md,
+"Heal at link speed".
 """
 
 from __future__ import annotations
@@ -66,19 +44,18 @@ __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
-"""Heal requests a donor serves at once (each joining group sends one per rank pair); more are closed unread."""
+"""Heal requests a donor serves at once; more are closed unread."""
 SERVING_SWITCH_INTERVAL_S = 0.0005
-"""Python's GIL switch interval while a donor serves a heal (s; the default is 5 ms): each step of a
-response (accept, request, send) waits for the GIL held by the training thread, up to the interval
-each time. Restored by :meth:`SafeHTTPTransport.disallow_checkpoint`."""
+"""Python's GIL switch interval (s) while a donor serves a heal; restored by
+:meth:`SafeHTTPTransport.disallow_checkpoint`."""
 UNBOUNDED_CHUNK_BYTES = 64 << 20
-"""Without a size bound, the body is read in chunks of this many bytes (allocation follows the bytes received)."""
+"""Chunk size (bytes) of a body read without a size bound, so allocation follows the bytes received."""
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 
 
 
 def _read_into(resp: Any, view: memoryview) -> int:
-    """Fill ``view`` from the HTTP response; returns the bytes read (fewer if the body ended early)."""
+    """Fill ``view`` from the HTTP response; the bytes read (fewer if the body ended early)."""
     got = 0
     while got < len(view):
         k = resp.readinto(view[got:])
@@ -89,15 +66,8 @@ def _read_into(resp: Any, view: memoryview) -> int:
 
 
 def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` with the response body: what ``http.client`` already buffered, then straight from ``sock``.
-
-    The socket is switched to blocking mode and read with ``MSG_WAITALL``:
-    one system call, so this thread takes the GIL back once rather than after
-    every partial read (each time up to the 5 ms switch interval while the
-    training thread runs). The overall deadline still holds: the
-    :data:`~ftbridge.heal.limits.REAPER` shuts the socket down, which ends the
-    read. Returns the bytes read (fewer if the body ended early).
-    """
+    """Fill ``view`` with the body: ``http.client``'s buffered bytes, then one blocking ``MSG_WAITALL`` read; the bytes
+    read."""
     got = resp.fp.readinto1(view) if len(view) else 0  # bytes buffered with the headers, at most one raw read
     sock.settimeout(None)
     while got < len(view):
@@ -109,11 +79,7 @@ def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
 
 
 def _read_chunked(resp: Any, total: int) -> tuple:
-    """Read up to ``total`` bytes in chunks of :data:`UNBOUNDED_CHUNK_BYTES`: ``(bytearray, bytes read)``.
-
-    Used without a size bound: memory follows the bytes that really arrive,
-    not the ``Content-Length`` the donor claims.
-    """
+    """Read up to ``total`` bytes in chunks of :data:`UNBOUNDED_CHUNK_BYTES`: ``(bytearray, bytes read)``."""
     chunks, got = [], 0
     while got < total:
         buf = bytearray(min(UNBOUNDED_CHUNK_BYTES, total - got))
@@ -128,34 +94,15 @@ def _read_chunked(resp: Any, total: int) -> tuple:
 class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     """torchft checkpoint transport over HTTP with a pickle-free format and bounded ends.
 
-    The donor snapshots its state in :meth:`send_checkpoint` (in torchft's
-    quorum thread, overlapping the forward pass) and serves it until
-    :meth:`disallow_checkpoint`; the joiner fetches ``GET /heal/{step}``. The
-    response starts before the snapshot is complete: the body is laid out
-    from shapes alone and its tensor bytes are sent as they are copied
-    (:mod:`ftbridge.heal.stream`).
-
     Args:
-        bind: interface address to listen on, e.g. ``"127.0.0.1"``; port is
-            chosen by the OS.
-        timeout: the donor's bound on receiving a whole request, and on
-            waiting for the requested step to be served.
-        heal_timeout: overall deadline of one fetch on the joiner (connect,
-            request, the whole body), and the donor's deadline for sending one
-            response; ``None``: the ``timeout`` torchft passes to
-            :meth:`recv_checkpoint` (the donor then allows ``2 * timeout``).
-        token: the job token (``FTBRIDGE_JOB_TOKEN``); ``None`` or empty: no
-            authentication, as before.
-        max_recv_bytes: returns the largest body this rank accepts (bytes),
-            e.g. :func:`ftbridge.heal.wire.size_bound` of its own state; called at
-            each fetch. ``None``: no bound, but the body is allocated as it
-            arrives, never up front at the claimed size.
+        bind: interface address to listen on, e.g. ``"127.0.0.1"``; the OS picks the port.
+        timeout: the donor's bound on receiving a request, and on waiting for the requested step.
+        heal_timeout: overall deadline of one fetch, and the donor's for one response; ``None``: the
+            ``timeout`` torchft passes to :meth:`recv_checkpoint` (the donor allows ``2 * timeout``).
+        token: the job token (``FTBRIDGE_JOB_TOKEN``); ``None`` or empty: no authentication.
+        max_recv_bytes: returns the largest body accepted (bytes), called at each fetch; ``None``: no bound.
         max_connections: requests served at once; more are closed unread.
-        device: where the joiner's received tensors go; a CUDA device reads
-            them through one pinned staging buffer straight into GPU tensors.
-            ``None``: CPU tensors viewing the received bytes. A donor whose
-            state is on a GPU serves it through the same staging buffer
-            (:mod:`ftbridge.staging`), without a host copy of the whole body.
+        device: where received tensors go (CUDA: through :mod:`ftbridge.staging`); ``None``: CPU tensors.
 
     Raises:
         OSError: ``bind`` is not an address of this machine.
@@ -178,9 +125,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._saved_switch_interval: Optional[float] = None
         self._step = -1
         self.last_recv: Optional[Dict[str, Any]] = None
-        """Timing of the last successful fetch (the heal benchmark reads it): ``bytes``, and wall
-        times (seconds since the epoch) ``start``, ``response`` (status and headers received), ``fetched``
-        (body received) and ``end`` (decoded)."""
+        """Timing of the last successful fetch: ``bytes`` and wall times (s since the epoch) ``start``, ``response``,
+        ``fetched``, ``end``."""
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         send_s = (heal_timeout or 2 * timeout).total_seconds()
         self._server = BoundedHTTPServer((bind, 0), self._handler_class(), family=family,
@@ -297,22 +243,12 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                         timeout: timedelta) -> None:
         """Serve ``state_dict`` for ``step`` until :meth:`disallow_checkpoint`; returns at once.
 
-        If ``step`` is served already (``ReplicaManager`` serves a donor's
-        state as soon as the quorum names it, before torchft reconfigures and
-        calls this), the body being served is kept and nothing is laid out again.
-
-        Lays the body out from keys, shapes and dtypes
-        (:func:`ftbridge.heal.wire.plan_body`) and serves it, with Python's GIL
-        switch interval lowered to :data:`SERVING_SWITCH_INTERVAL_S` until
-        :meth:`disallow_checkpoint`: responses write the
-        tensors' bytes from the tensors themselves
-        (:class:`ftbridge.heal.stream.StreamBody`), so the tensors in
-        ``state_dict`` must not change before :meth:`disallow_checkpoint`
-        (torchft calls it right before the donor's optimizer step).
+        Keeps a body already served for ``step`` (served early by :class:`ftbridge.manager.ReplicaManager`). The
+        tensors in ``state_dict`` must not change before :meth:`disallow_checkpoint` (they are sent from). Lowers
+        the GIL switch interval to :data:`SERVING_SWITCH_INTERVAL_S` meanwhile.
 
         Raises:
-            TypeError: the state holds a leaf that is neither tensor nor JSON
-                scalar (before anything is served).
+            TypeError: a leaf is neither tensor nor JSON scalar (before anything is served).
         """
         with self._cond:
             if self._body is not None and self._step == step:  # served early (ReplicaManager._serve_early)
@@ -335,12 +271,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     def disallow_checkpoint(self) -> None:
         """Stop serving: the donor's state may change from here on.
 
-        Responses in flight keep going from a copy of what they have not
-        sent yet (:meth:`ftbridge.heal.stream.StreamBody.freeze`); a response
-        still blocked in a write after ``ftbridge.heal.stream.FREEZE_GRACE_S`` is cut
-        off. A GPU state (:mod:`ftbridge.staging`) is written from the live
-        tensors through the pinned buffer, so this waits until every such
-        response has finished (each bounded by the response deadline).
+        Responses in flight go on from a copy of what they have not sent; one still blocked after
+        ``ftbridge.heal.stream.FREEZE_GRACE_S`` is cut off. A GPU state's responses are waited for (each bounded
+        by the response deadline).
         """
         deadline = time.monotonic() + self._server.response_deadline_s
         with self._cond:
@@ -360,23 +293,16 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                             time.perf_counter() - t0)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Dict[str, Any]:
-        """Fetch and decode the donor's state for ``step``, within one overall deadline.
-
-        The deadline is ``heal_timeout`` (or ``timeout``) from the call: a
-        donor that sends slowly is cut off there, so torchft's quorum thread,
-        which runs this fetch and on which torchft waits without a timeout,
-        ends in bounded time.
+        """Fetch and decode the donor's state for ``step`` within one overall deadline (``heal_timeout`` or
+        ``timeout``).
 
         Raises:
-            ValueError: ``metadata`` is not an allowed heal URL
-                (:func:`ftbridge.heal.limits.check_heal_url`), the donor
-                announces a body above ``max_recv_bytes``, or the body is
-                malformed.
+            ValueError: ``metadata`` is not an allowed heal URL (:func:`ftbridge.heal.limits.check_heal_url`),
+                the donor announces a body above ``max_recv_bytes``, or the body is malformed.
             TimeoutError: the deadline passed.
-            urllib.error.HTTPError: the donor answered with another status
-                than 200 (403: wrong or missing job token; 409: step not served).
-            OSError / http.client.HTTPException: the donor is unreachable or
-                died; ``ConnectionError`` when the body ended early.
+            urllib.error.HTTPError: a status other than 200 (403: wrong or missing job token; 409: step not served).
+            OSError, http.client.HTTPException: the donor is unreachable or died; ``ConnectionError`` when the
+                body ended early.
         """
         seconds = (self._heal_timeout or timeout).total_seconds()
         deadline = time.monotonic() + seconds
@@ -447,16 +373,10 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         return head, blob, size
 
     def prepare_recv(self, wait_s: float = 0.0) -> None:
-        """Map and touch memory for the next fetch now, in a background thread (a restarted rank, during start-up).
+        """Map and touch memory for the next fetch now, in a background thread, waiting up to ``wait_s`` here.
 
-        Sized by ``max_recv_bytes`` (nothing without it, nor for a CUDA
-        ``device``, whose fetch reads through the pinned staging buffer). The next fetch
-        receives into it if it is large enough (:class:`ftbridge.heal.stream.ReceiveBuffer`),
-        after waiting for the touch to finish; :meth:`release_recv` drops it
-        unused.
-
-        Args:
-            wait_s: wait up to this long for the touch to finish here (s).
+        Sized by ``max_recv_bytes`` (nothing without it, nor for a CUDA ``device``); the next fetch uses it if it
+        is large enough; :meth:`release_recv` drops it unused.
         """
         if self._max_recv_bytes is not None and getattr(self._device, "type", self._device) != "cuda":
             self._recv_buffer = ReceiveBuffer(self._max_recv_bytes())  # (a CUDA joiner reads through ftbridge.staging)

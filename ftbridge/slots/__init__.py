@@ -1,28 +1,9 @@
-"""Slots: the job's fixed data-parallel grid, and which live replica group computes each unit of it.
+"""Slots: the job's fixed data-parallel grid, and which live replica group computes each unit of it (pure).
 
-A job with slots has ``slots`` (N) logical data-parallel slots, whatever number of replica groups is
-alive. One optimizer step is a grid of *units* ``(slot, micro)``: N slots x G micro-batches, G being
-DeepSpeed's ``gradient_accumulation_steps``. Each rank of the group that computes a unit reads its own
-rows of it: data-parallel rank ``slot * group_size + group_rank`` of ``slots * group_size``, exactly the
-rows plain data parallelism on that many ranks would give that rank.
-
-Every unit is computed exactly once per step by some participating group:
-
-* :func:`home_units`: the units a group computes first. The grid, in order
-  ``k = slot * G + micro``, is cut into ``groups`` contiguous blocks whose sizes differ by at most one;
-  with one slot per group (the default) a group's home is its own slot.
-* :func:`assign`: the whole step's plan from the participants: each keeps its home units, and the home
-  units of the absent groups, in grid order, go one at a time to the participant with the fewest
-  units so far (ties to the lowest replica group id). No participant gets more than
-  ``ceil(slots * G / participants)`` units (:func:`max_load`).
-* :func:`config_digest`: a digest of the settings every participant must share; the step's agreement
-  compares it (:attr:`ftbridge.manager.commit.View.plan`), so members that would plan differently never
-  commit a step together.
-
-Everything in this module is pure: integers in, integers out, no torch, no clock, no I/O. The same
-inputs give the same plan on every rank of every group, which is what lets each decide alone. The
-package's other modules do the I/O: :mod:`.steps` drives a step's units through the engine, and
-:mod:`.data` makes a unit's rows and random numbers a function of the unit alone.
+A step is N slots x G micro-batches; :func:`home_units` gives a group's units, :func:`assign` the step's
+plan (every unit once, at most :func:`max_load` each), :func:`config_digest` what the agreement compares.
+Every rank computes the same plan alone. I/O: :mod:`.steps`, :mod:`.data`.
+Why: docs/design.md, "Failure-transparent training: the slot plan".
 """
 
 from __future__ import annotations
@@ -40,16 +21,8 @@ DIGEST_BITS = 20
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One unit of work as a rank computes it.
-
-    Attributes:
-        step: the optimizer step (committed steps before it).
-        slot: ``0 <= slot < slots``.
-        micro: micro-batch within the slot, ``0 <= micro < G``.
-        group_rank: the computing rank within its replica group.
-        group_size: ranks per replica group.
-        slots: the job's slots (N).
-    """
+    """One unit of work as a rank computes it: optimizer ``step``, ``slot`` (< ``slots``), ``micro`` (< G), the
+    computing ``group_rank``, ``group_size``, and the job's ``slots`` (N)."""
 
     step: int
     slot: int
@@ -74,28 +47,15 @@ class Unit:
 
 
 def unit_seed(seed: int, step: int, dp_rank: int, micro: int) -> int:
-    """A 63-bit RNG seed of ``seed`` and a unit's rows: step, data-parallel rank and micro-batch.
-
-    A function of the rows alone, so dropout and other randomness in the forward do not depend on
-    which group computes the unit, and plain data parallelism (rank ``dp_rank``) can draw the same.
-    blake2b (RFC 7693), 8 bytes, little-endian, halved.
-    """
+    """A 63-bit RNG seed of ``seed`` and a unit's rows (step, data-parallel rank, micro-batch), whichever group computes
+    it: blake2b (RFC 7693), 8 bytes, little-endian, halved."""
     key = f"{seed}/{step}/{dp_rank}/{micro}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def check_grid(slots: int, micro: int, groups: int) -> None:
-    """Refuse a grid no plan can cover.
-
-    Args:
-        slots: the job's slots (N).
-        micro: micro-batches per slot and step (G, DeepSpeed's ``gradient_accumulation_steps``).
-        groups: replica groups the job was configured with (M).
-
-    Raises:
-        ValueError: ``slots``, ``micro`` or ``groups`` below 1, or more groups than slots (a group
-            would have no home unit); the message names the value and the fix.
-    """
+    """Raise ``ValueError`` (naming the value and the fix) for a grid no plan can cover: ``slots`` (N), ``micro`` (G) or
+    ``groups`` (M) below 1, or M > N."""
     if slots < 1:
         raise ValueError(f"slots={slots}: use at least 1 (the default is the number of replica groups)")
     if micro < 1:
@@ -108,11 +68,8 @@ def check_grid(slots: int, micro: int, groups: int) -> None:
 
 
 def home_units(slots: int, micro: int, groups: int, group: int) -> List[UnitKey]:
-    """The units replica group ``group`` computes first, in grid order.
-
-    The grid ``k = slot * micro + m`` (``0 <= k < slots * micro``) is cut into ``groups`` contiguous
-    blocks, block ``g`` holding ``k`` in ``[g * T // groups, (g + 1) * T // groups)`` with
-    ``T = slots * micro``. With ``slots == groups`` a group's home is its slot's micro-batches.
+    """The units replica group ``group`` computes first, in grid order: block ``group`` of ``groups`` contiguous blocks
+    of ``k = slot * micro + m``, ``[g * T // groups, (g + 1) * T // groups)`` with ``T = slots * micro``.
 
     Raises:
         ValueError: see :func:`check_grid`, or ``group`` outside ``[0, groups)``.
@@ -130,22 +87,14 @@ def max_load(slots: int, micro: int, participants: int) -> int:
 
 
 def assign(slots: int, micro: int, groups: int, participants: Iterable[int]) -> Dict[int, Tuple[UnitKey, ...]]:
-    """This step's plan: the units each participating replica group computes, its home units first.
+    """This step's plan ``{group: units}`` for the participating replica group ids (any order, no repeats).
 
-    Args:
-        slots: the job's slots (N).
-        micro: micro-batches per slot (G).
-        groups: replica groups the job was configured with (M, ``<= slots``); ids are ``0..M-1``.
-        participants: the replica group ids whose gradients count this step (any order, no repeats).
-
-    Returns:
-        ``{group: units}`` for every participant; each unit of the grid appears exactly once over
-        all of them; a participant's own :func:`home_units` come first and unchanged, then the absent
-        groups' units it took, in grid order. No participant has more than :func:`max_load` units.
+    Each participant keeps its :func:`home_units` first; the absent groups' units, in grid order, go one at a
+    time to the participant with the fewest so far (ties: the lowest id). Every unit appears exactly once, at
+    most :func:`max_load` per participant (docs/design.md, "Orphans"). ``groups`` is M (<= ``slots``).
 
     Raises:
-        ValueError: see :func:`check_grid`; no participant, a repeated one, or one outside
-            ``[0, groups)``.
+        ValueError: see :func:`check_grid`; no participant, a repeated one, or one outside ``[0, groups)``.
     """
     check_grid(slots, micro, groups)
     present = sorted(participants)

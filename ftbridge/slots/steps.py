@@ -1,33 +1,8 @@
-"""The engine's side of slots: the units of one attempt of a step, and its accumulation boundary.
-
-With ``slots`` set (:attr:`ftbridge.config.FTBridgeConfig.slots`), the training loop iterates
-:meth:`ftbridge.engine.FaultTolerantEngine.units`, which :func:`units` implements::
-
-    while engine.global_steps < steps:
-        for unit in engine.units():
-            x, y = data.get_batch(unit.step, unit.micro, unit.dp_rank, unit.dp_world_size)
-            engine.backward(engine(x, y))
-            engine.step()
-
-One attempt of step ``s``:
-
-1. The quorum starts (asynchronously) and the group computes its home units
-   (:func:`ftbridge.slots.home_units`) but the last without waiting for it.
-2. Before the last home unit, the group waits for the quorum and takes one decision for all its
-   ranks (:func:`group_plan`, one in-group exchange; group rank 0's view wins): the participants
-   are the quorum's members, and :func:`ftbridge.slots.assign` gives this group the absent groups'
-   units it computes after its own.
-3. DeepSpeed's accumulation boundary is set before every unit: true on the last one only, so the
-   optimizer step (and the commit vote) follows the last unit whatever their number.
-
-A step in which a member heals cannot be covered: torchft zeroes the healing member's gradient, and
-no member learns from the quorum which member that is. Every member of such a quorum (the condition
-is the quorum's, so all read it alike) records an error before any gradient message, and the step is
-discarded everywhere; its retry, with the healed member taking part, trains the same units. A heal
-therefore costs one step's computation, and never changes what is trained.
-
-With ``slots`` 0, :func:`units` yields the group's own ``gradient_accumulation_steps`` micro-batches
-(data-parallel rank ``replica_group_id * group_size + group_rank``) and nothing else changes.
+"""The engine's side of slots: :func:`units` implements :meth:`ftbridge.engine.FaultTolerantEngine.units`,
+one attempt of a step unit by unit (home units, then one plan for the whole group, :func:`group_plan`,
+and DeepSpeed's accumulation boundary true on the last unit); a step in which a member heals is discarded
+everywhere (:class:`StepNotCovered`). With ``slots`` 0 it yields the group's own micro-batches.
+Usage: docs/your-script.md; why: docs/design.md, "Failure-transparent training: the slot plan".
 """
 
 from __future__ import annotations
@@ -44,28 +19,20 @@ logger = logging.getLogger(__name__)
 
 
 class StepNotCovered(DiscardStep):
-    """This attempt cannot train every unit of the step exactly once; the step is discarded everywhere
-    (a heal received in it still applies)."""
+    """This attempt cannot train every unit of the step exactly once: the step is discarded everywhere (a heal received
+    in it still applies)."""
 
 
 def _discard(manager: Any, reason: str) -> None:
-    """Record :class:`StepNotCovered` unless an error is recorded already (which it must not hide)."""
+    """Record :class:`StepNotCovered` unless an error is recorded already."""
     if manager.errored() is None:
         manager.report_error(StepNotCovered(reason))
 
 
 def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tuple[List[int], str]:
-    """The replica group ids whose units count this step, or why the step cannot be covered (pure).
-
-    Args:
-        members: torchft replica ids of the step's quorum (``replica_group_G:UUID``).
-        everyone: every member takes part (no member heals in this step).
-        groups: replica groups the job was configured with.
-
-    Returns:
-        ``(sorted group ids, "")``, or ``([], reason)`` when a member heals, an id is not a replica
-        group of the job, or two members hold one id.
-    """
+    """The sorted replica group ids whose units count this step, and ``""``; or ``([], reason)`` when the quorum is
+    unknown, ``everyone`` is false (a member heals), an id of ``members`` is not a group in ``[0, groups)``, or two
+    members hold one id (pure)."""
     if not members:
         return [], "the step's quorum is unknown (its quorum call failed)"
     if not everyone:
@@ -79,20 +46,14 @@ def participants_of(members: Sequence[str], everyone: bool, groups: int) -> Tupl
 
 
 def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) -> Tuple[List[UnitKey], str]:
-    """The units this group computes after its home units, decided for the whole group.
-
-    Waits for the quorum, then one in-group exchange (:func:`ftbridge.device.exchange_in_group`) of
-    each rank's view; group rank 0's is taken by every rank, so all ranks compute as many units and
-    enter the same in-group collectives. A rank whose own view differs records an error (the step is
-    discarded).
+    """The units this group computes after its home units, with group rank 0's view taken by every rank.
 
     Returns:
-        ``(extra units in order, reason)``; ``reason`` is ``""`` when the plan covers the step, else
-        why the step is discarded (every rank has then recorded an error: :class:`StepNotCovered`,
-        unless one was recorded already).
+        ``(extra units in order, "")``, or ``([], reason)`` when the step is discarded (every rank has then
+        recorded an error).
 
     Raises:
-        RuntimeError: the in-group exchange failed (the in-group process group's timeout).
+        RuntimeError: the in-group exchange failed.
     """
     members, everyone = manager.step_members()
     present, why = participants_of(members, everyone, groups)
@@ -114,14 +75,8 @@ def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) ->
 
 
 def units(engine: Any) -> Iterator[Unit]:
-    """One attempt of the current step, unit by unit (:meth:`FaultTolerantEngine.units`; see the module).
-
-    Args:
-        engine: a :class:`ftbridge.engine.FaultTolerantEngine` between steps.
-
-    Yields:
-        :class:`ftbridge.slots.Unit` s, home units first; DeepSpeed's accumulation boundary is set
-        for each before it is yielded.
+    """Yield one attempt of the current step as :class:`ftbridge.slots.Unit` s of ``engine`` (between steps), home units
+    first, the accumulation boundary set for each.
 
     Raises:
         RuntimeError: called inside a step (a forward ran since the last optimizer step).
@@ -154,9 +109,8 @@ def units(engine: Any) -> Iterator[Unit]:
 
 
 def plan_digest(cfg: Any, ds: Any) -> int:
-    """What the step's agreement compares (:attr:`ftbridge.manager.commit.View.plan`): 0 without slots,
-    else 1 + :func:`ftbridge.slots.config_digest` of the slots, DeepSpeed's accumulation steps and
-    micro-batch, and the group size. Members whose plans differ never commit a step together."""
+    """:attr:`ftbridge.manager.commit.View.plan`: 0 without slots, else 1 + :func:`ftbridge.slots.config_digest` of the
+    slots, accumulation steps, micro-batch and group size."""
     if not cfg.slots:
         return 0
     return 1 + config_digest(cfg.slots, int(ds.gradient_accumulation_steps()),
@@ -164,14 +118,8 @@ def plan_digest(cfg: Any, ds: Any) -> int:
 
 
 def refusal(cfg: Any, ds: Any, adapter: Any, hook_state: Any) -> str:
-    """Why this engine cannot train with slots, or ``""`` (checked at ``initialize``).
-
-    Args:
-        cfg: the resolved :class:`ftbridge.config.FTBridgeConfig`.
-        ds: the DeepSpeed engine.
-        adapter: its :class:`ftbridge.zero.adapter.ZeroAdapter`.
-        hook_state: the communication hook's state (:func:`ftbridge.comm_hooks.build`).
-    """
+    """Why this engine (``cfg``, DeepSpeed engine ``ds``, its ``adapter`` and comm ``hook_state``) cannot train with
+    slots, or ``""``; checked at ``initialize``."""
     if not cfg.slots:
         return ""
     from ftbridge.comm_hooks.powersgd import PowerSGDState
