@@ -77,8 +77,9 @@ class FTBridgeConfig:
     (``FTBRIDGE_IN_GROUP_TIMEOUT_S``)."""
 
     quorum_timeout: timedelta = timedelta(seconds=30)
-    """Bound on one step's quorum call, retries included; also about the longest lighthouse
-    restart the job rides out (docs/lighthouse.md) (``FTBRIDGE_QUORUM_TIMEOUT_S`` / ``TORCHFT_QUORUM_TIMEOUT_SEC``)."""
+    """Bound on one step's quorum call, retries included, so on the lighthouse outage a step that
+    cannot ride waits out (docs/lighthouse.md, "Restart survival") (``FTBRIDGE_QUORUM_TIMEOUT_S`` /
+    ``TORCHFT_QUORUM_TIMEOUT_SEC``)."""
 
     connect_timeout: timedelta = timedelta(seconds=10)
     """Timeout to open gRPC connections to the lighthouse and managers
@@ -159,8 +160,8 @@ class FTBridgeConfig:
     all-reduce after backward) (``FTBRIDGE_SYNC_MODE``). See docs/concepts.md, "Where the sync sits in a ZeRO step"."""
 
     cross_replica_bucket_bytes: int = 25 << 20
-    """Per-bucket mode: coalesce reduced buckets until this many bytes are ready (0: one message per
-    bucket; default 25 MiB, DDP's ``bucket_cap_mb``) (``FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES``)."""
+    """Per-bucket mode: smallest cross-replica message, bytes (0: one per parameter fragment); default
+    25 MiB, DDP's ``bucket_cap_mb`` (``FTBRIDGE_CROSS_REPLICA_BUCKET_BYTES``)."""
 
     checksum_every: int = 100
     """Log a SHA-256 checksum of the full parameters every this many steps (0: never); costs a pass
