@@ -26,9 +26,8 @@ class Machine:
 
     Attributes:
         cuda_available: ``torch.cuda.is_available()``.
-        visible_gpus: GPUs this process may use (``torch.cuda.device_count()``, after ``CUDA_VISIBLE_DEVICES``).
-        physical_gpus: GPUs of the machine (NVML's count, ignoring ``CUDA_VISIBLE_DEVICES``; ``visible_gpus``
-            where NVML cannot be read).
+        visible_gpus: GPUs this process may use (after ``CUDA_VISIBLE_DEVICES``).
+        physical_gpus: GPUs of the machine (NVML, ignoring ``CUDA_VISIBLE_DEVICES``; else ``visible_gpus``).
     """
 
     cuda_available: bool
@@ -116,9 +115,9 @@ def cross_replica_backend(requested: str, *, on_cuda: bool, shared: bool) -> str
 
 
 def is_loopback(host: str) -> bool:
-    """``host`` (an IP literal, bracketed or not, or a name) only reaches this machine: ``127.0.0.0/8``,
-    ``::1``, ``localhost``, ``localhost.localdomain``. Any other name is ``False``: it may resolve to any
-    interface."""
+    """Whether ``host`` (an IP literal, bracketed or not, or a name) only reaches this machine:
+    ``127.0.0.0/8``, ``::1``, ``localhost``, ``localhost.localdomain``; any other name is ``False``.
+    """
     bare = host.strip("[]")
     if bare.lower() in ("localhost", "localhost.localdomain"):
         return True
