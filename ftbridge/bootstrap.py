@@ -1,16 +1,9 @@
 """From a model and a DeepSpeed config to a running fault-tolerant engine: :func:`initialize`, :func:`attach`.
 
-:func:`initialize` checks everything that can be checked before any work (the
-ftbridge settings and their timeout hierarchy, the DeepSpeed version, the ZeRO
-stage, fp16 support, the device placement, the torch.distributed world against
-the replica group size), then runs ``deepspeed.initialize``, lets a warm spare
-stand by until it takes over a dead group's id (:mod:`ftbridge.spare`), and
-wraps the DeepSpeed engine in :class:`ftbridge.engine.FaultTolerantEngine`.
-``ftbridge.initialize`` is this module's :func:`initialize`.
-
-:func:`attach` (``ftbridge.attach``) does the same to an engine a framework
-built itself: the checks that still apply, the spare's stand-by, and the
-controller installed on the engine instance, which stays a ``DeepSpeedEngine``.
+:func:`initialize` (``ftbridge.initialize``) checks what can be checked before any work, runs
+``deepspeed.initialize``, lets a warm spare stand by (:mod:`ftbridge.spare`) and wraps the engine
+in :class:`ftbridge.engine.FaultTolerantEngine`. :func:`attach` (``ftbridge.attach``) does the same
+to an engine a framework built, which stays a ``DeepSpeedEngine``.
 """
 
 from __future__ import annotations
@@ -37,36 +30,25 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
     """``deepspeed.initialize`` for one replica group of a fault-tolerant job.
 
     Args:
-        model: the module, identically initialised on every replica group
-            (build it after seeding the same way everywhere).
-        config: the DeepSpeed config (dict or JSON path), ZeRO stage 1, 2 or 3.
-            An ``"ftbridge"`` section (``comm_hook``, ``comm_wrapper``,
-            ``comm_state_option``, or any other :class:`FTBridgeConfig` field)
-            is removed before DeepSpeed sees the config and overrides the
-            environment (an explicit ``ft_config`` wins over both).
-        ft_config: ftbridge settings; resolved from the environment when ``None``. With
-            ``spare_index >= 0`` this call returns only once the spare has taken over a dead
-            group's id (:func:`ftbridge.spare.stand_by`); read ``engine.cfg.replica_group_id``
-            (the data shard) after it, not before.
-        checksum_every: see :class:`FaultTolerantEngine`.
-        comm_hook: a user communication hook, see :class:`FaultTolerantEngine`.
-        manager_factory: see :class:`FaultTolerantEngine` (default: torchft through
-            :class:`ftbridge.manager.ReplicaManager`).
-        **kwargs: passed to ``deepspeed.initialize`` (``optimizer``,
-            ``model_parameters``, ``lr_scheduler``, ``training_data`` ...).
+        model: the module, identically initialised on every replica group (same seed everywhere).
+        config: the DeepSpeed config (dict or JSON path), ZeRO stage 1, 2 or 3. Its ``"ftbridge"``
+            section (any :class:`FTBridgeConfig` field) is removed before DeepSpeed sees it and
+            overrides the environment; ``ft_config`` wins over both.
+        ft_config: ftbridge settings; resolved from the environment when ``None``. A spare
+            (``spare_index >= 0``) returns only once it took over a dead group's id: read
+            ``engine.cfg.replica_group_id`` (the data shard) after this call.
+        checksum_every, comm_hook, manager_factory: see :class:`FaultTolerantEngine`.
+        **kwargs: passed to ``deepspeed.initialize`` (``optimizer``, ``model_parameters`` ...).
 
     Returns:
-        ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed,
-        with ``engine`` a :class:`FaultTolerantEngine`.
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed, with ``engine``
+        a :class:`FaultTolerantEngine`.
 
     Raises:
-        SystemExit: (status 0) a spare (``spare_index >= 0``) whose job ended while it stood by.
-        ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported
-            optimizer path, a device setup that cannot work
-            (:func:`ftbridge.device.check_placement`: the model on a GPU under
-            ``DS_ACCELERATOR=cpu``, no GPU for this rank, NCCL across ranks that
-            share a GPU), or a torch.distributed world whose size is not the
-            replica group size — all before the engine is built where possible.
+        SystemExit: (status 0) a spare whose job ended while it stood by.
+        ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported optimizer path, a placement
+            that cannot work (:func:`ftbridge.device.check_placement`), or a world whose size is not
+            the replica group size; before the engine is built where possible.
         RuntimeError: an untested DeepSpeed version.
     """
     prepare_jit_build()
@@ -98,24 +80,15 @@ def attach(engine: Any, *, ft_config: Optional[FTBridgeConfig] = None, checksum_
            manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> Any:
     """Make a ``deepspeed.DeepSpeedEngine`` that someone else built fault-tolerant, in place.
 
-    For frameworks that call ``deepspeed.initialize`` themselves (Hugging Face Accelerate,
-    :mod:`ftbridge.integrations.accelerate`) and must keep a real ``DeepSpeedEngine``. Runs the
-    checks of :func:`initialize` that still apply once the engine exists (ftbridge settings,
-    DeepSpeed version, ZeRO stage, fp16 support, placement, the world against the replica group,
-    no model-parallel unit), lets a warm spare stand by, then builds the controller
-    (:class:`FaultTolerantEngine`) and installs its ``forward``, ``backward`` and ``step`` on the
-    engine *instance*: ``type(engine)`` stays ``DeepSpeedEngine``, ``engine(batch)``,
-    ``engine.backward(loss)`` and ``engine.step()`` follow the commit protocol exactly as under
-    :func:`initialize`, and the controller calls DeepSpeed's own methods, bound before the
-    installation. The controller (``register_state``, ``add_step_hook``, ``events``,
-    ``last_committed``, ``shutdown`` ...) is ``engine.ftbridge``.
+    For frameworks that call ``deepspeed.initialize`` themselves (:mod:`ftbridge.integrations.accelerate`).
+    Runs the checks of :func:`initialize` that still apply, lets a spare stand by, then installs the
+    controller's ``forward``, ``backward`` and ``step`` on the engine *instance* (``type(engine)`` is
+    unchanged); the controller is ``engine.ftbridge``.
 
     Args:
-        engine: a ``DeepSpeedEngine`` whose torch.distributed world is one replica group, before
-            its first training step.
-        ft_config: ftbridge settings; default: resolved from the environment and the
-            ``"ftbridge"`` section of ``engine.config`` when it is a dict. A warm spare's settings
-            are replaced by the group's it takes over (read ``engine.ftbridge.cfg`` after this call).
+        engine: a ``DeepSpeedEngine`` whose world is one replica group, before its first training step.
+        ft_config: ftbridge settings; default: the environment and the ``"ftbridge"`` section of a dict
+            ``engine.config``. A spare's are replaced by the group's it takes over (``engine.ftbridge.cfg``).
         checksum_every, comm_hook, manager_factory: as for :class:`FaultTolerantEngine`.
 
     Returns:
@@ -123,10 +96,8 @@ def attach(engine: Any, *, ft_config: Optional[FTBridgeConfig] = None, checksum_
 
     Raises:
         TypeError: ``engine`` is not a ``DeepSpeedEngine``.
-        ValueError: ftbridge is attached already; bad ftbridge settings, ZeRO stage 0, fp16
-            without device support, a placement that cannot work, a world that is not the replica
-            group, or a model-parallel unit (``mpu``: tensor or sequence parallelism), which would
-            split the group's world.
+        ValueError: attached already, or as :func:`initialize`, or a model-parallel unit (``mpu``),
+            which would split the group's world.
         RuntimeError: an untested DeepSpeed version.
         SystemExit: (status 0) a spare whose job ended while it stood by.
     """
@@ -158,11 +129,7 @@ def attach(engine: Any, *, ft_config: Optional[FTBridgeConfig] = None, checksum_
 
 
 def check_ds_config(config: Dict[str, Any]) -> None:
-    """Refuse a DeepSpeed config ftbridge cannot run: ZeRO stage 0, or fp16 where the device has none.
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
+    """Raise ``ValueError`` (naming the fix) for ZeRO stage 0, or fp16 where the device has none."""
     from deepspeed.accelerator import get_accelerator
 
     stage = int(config.get("zero_optimization", {}).get("stage", 0))
@@ -177,10 +144,7 @@ def check_ds_config(config: Dict[str, Any]) -> None:
 
 
 def check_placement(model: torch.nn.Module, cfg: FTBridgeConfig) -> Tuple[str, str]:
-    """:func:`ftbridge.device.check_placement` for ``model`` under DeepSpeed's accelerator.
-
-    Returns:
-        ``(device, in-group backend)``, e.g. ``("cuda:1", "nccl")``.
+    """``(device, in-group backend)`` of ``model`` under DeepSpeed's accelerator, e.g. ``("cuda:1", "nccl")``.
 
     Raises:
         ValueError: see :func:`ftbridge.device.check_placement`.
@@ -193,11 +157,7 @@ def check_placement(model: torch.nn.Module, cfg: FTBridgeConfig) -> Tuple[str, s
 
 
 def check_world(cfg: FTBridgeConfig) -> None:
-    """Refuse a torch.distributed world that is not this replica group.
-
-    Raises:
-        ValueError: the world's size or this rank differ from ``cfg.group_size`` / ``cfg.group_rank``.
-    """
+    """Raise ``ValueError`` when the world's size or this rank differ from ``cfg.group_size`` / ``cfg.group_rank``."""
     if dist.get_world_size() != cfg.group_size or dist.get_rank() != cfg.group_rank:
         raise ValueError(
             f"torch.distributed world is rank {dist.get_rank()} of {dist.get_world_size()} but ftbridge expects "
@@ -209,11 +169,7 @@ def check_world(cfg: FTBridgeConfig) -> None:
 def control(engine: Any, cfg: FTBridgeConfig, *, in_place: bool = False, checksum_every: Optional[int] = None,
             comm_hook: Optional[Callable[..., Any]] = None,
             manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> FaultTolerantEngine:
-    """The controller of a built engine: a warm spare stands by first, then :class:`FaultTolerantEngine`.
-
-    A spare (``cfg.spare_index >= 0`` after :func:`ftbridge.spare.demote_if_taken`) returns from
-    here only once it has taken over a dead group's id; the controller then holds that group's
-    settings and logs the takeover.
+    """The controller of a built engine; a spare stands by first and the controller takes the group it took.
 
     Raises:
         SystemExit: (status 0) a spare whose job ended while it stood by.
@@ -241,8 +197,7 @@ def control(engine: Any, cfg: FTBridgeConfig, *, in_place: bool = False, checksu
 def split_ds_config(config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """The DeepSpeed config (dict or JSON path) without its ``"ftbridge"`` section, and that section.
 
-    Raises:
-        ValueError: the section is not a JSON object.
+    Raises ``ValueError`` when the section is not a JSON object.
     """
     if isinstance(config, str):
         import json

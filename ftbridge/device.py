@@ -1,25 +1,10 @@
 """Where one rank computes, and which backends its process groups use: decided once, before any work.
 
-Pure decision functions (the facts about the machine are passed in, so they
-are tested without a GPU) plus :func:`probe`, which reads those facts.
-
-* :func:`resolve_device`: ``--device auto|cpu|cuda`` to ``cpu`` or
-  ``cuda:LOCAL_RANK`` (one GPU per rank of a replica group: NCCL refuses two
-  ranks of one communicator on one GPU).
-* :func:`in_group_backend`: the replica group's own world (DeepSpeed's
-  collectives): NCCL on CUDA, gloo on CPU.
-* :func:`cross_replica_backend`: torchft's reconfigurable process group
-  between replica groups. NCCL when every rank of the job has a GPU of its
-  own; gloo *with CUDA tensors* when ranks of different replica groups share
-  a GPU (one machine with one GPU running 2 groups x 1 rank), since NCCL
-  cannot either. ``auto`` takes gloo exactly when the job runs on one machine
-  (``heal_bind`` is a loopback address) and that machine has fewer GPUs than
-  the job has ranks (``num_replica_groups x local ranks per group``);
-  ``FTBridgeConfig.cross_replica_backend`` (``FTBRIDGE_CROSS_REPLICA_BACKEND``)
-  overrides it. Every rank must decide alike (the rule reads only what all
-  ranks of one job share); a job that gives its groups disjoint
-  ``CUDA_VISIBLE_DEVICES`` on one machine counts the machine's GPUs, not the
-  visible ones, so it gets NCCL.
+Pure decisions (the machine's facts are passed in, so they are tested without a GPU) plus
+:func:`probe`, which reads those facts: :func:`resolve_device` (``cpu`` or ``cuda:LOCAL_RANK``),
+:func:`in_group_backend` (NCCL on CUDA, gloo on CPU) and :func:`cross_replica_backend` (NCCL, or
+gloo with CUDA tensors where ranks of different groups share a GPU). Every rank of a job must
+decide alike. Why: docs/gpu.md, "The backend choice".
 """
 
 from __future__ import annotations
@@ -41,9 +26,8 @@ class Machine:
 
     Attributes:
         cuda_available: ``torch.cuda.is_available()``.
-        visible_gpus: GPUs this process may use (``torch.cuda.device_count()``, after ``CUDA_VISIBLE_DEVICES``).
-        physical_gpus: GPUs of the machine (NVML's count, ignoring ``CUDA_VISIBLE_DEVICES``; ``visible_gpus``
-            where NVML cannot be read).
+        visible_gpus: GPUs this process may use (after ``CUDA_VISIBLE_DEVICES``).
+        physical_gpus: GPUs of the machine (NVML, ignoring ``CUDA_VISIBLE_DEVICES``; else ``visible_gpus``).
     """
 
     cuda_available: bool
@@ -74,8 +58,8 @@ def resolve_device(requested: str, machine: Machine, local_rank: int) -> str:
         local_rank: this rank's index on its node within its replica group (``LOCAL_RANK``).
 
     Raises:
-        ValueError: ``requested`` is none of :data:`DEVICES`; ``cuda`` asked but no GPU is visible;
-            more ranks of this group on this node than visible GPUs (NCCL needs one GPU per rank).
+        ValueError: ``requested`` is none of :data:`DEVICES`; ``cuda`` without a visible GPU; more
+            ranks of this group on this node than visible GPUs (NCCL needs one GPU per rank).
     """
     if requested not in DEVICES:
         raise ValueError(f"device={requested!r} is not one of {DEVICES}")
@@ -97,13 +81,8 @@ def in_group_backend(device_type: str) -> str:
 
 
 def gpus_shared(*, single_host: bool, num_replica_groups: int, local_group_size: int, physical_gpus: int) -> bool:
-    """Whether ranks of different replica groups must share GPUs (pure; see the module docstring).
-
-    Args:
-        single_host: the whole job runs on this machine (its ``heal_bind`` is a loopback address).
-        num_replica_groups: replica groups of the job.
-        local_group_size: ranks of one replica group on this machine.
-        physical_gpus: GPUs of the machine.
+    """Whether ranks of different replica groups must share GPUs (pure): the whole job runs on this
+    machine (``single_host``) and it has fewer ``physical_gpus`` than ``num_replica_groups x local_group_size``.
     """
     return single_host and num_replica_groups * max(1, local_group_size) > physical_gpus
 
@@ -117,7 +96,7 @@ def cross_replica_backend(requested: str, *, on_cuda: bool, shared: bool) -> str
         shared: :func:`gpus_shared`.
 
     Raises:
-        ValueError: ``nccl`` asked for a model on the CPU, or for ranks that share a GPU.
+        ValueError: ``nccl`` for a model on the CPU, or for ranks that share a GPU.
     """
     if requested not in CROSS_REPLICA_BACKENDS:
         raise ValueError(f"cross_replica_backend={requested!r} is not one of {CROSS_REPLICA_BACKENDS}")
@@ -136,9 +115,9 @@ def cross_replica_backend(requested: str, *, on_cuda: bool, shared: bool) -> str
 
 
 def is_loopback(host: str) -> bool:
-    """``host`` (an IP literal, bracketed or not, or a name) only reaches this machine: ``127.0.0.0/8``,
-    ``::1``, ``localhost``, ``localhost.localdomain``. Any other name is ``False``: it may resolve to any
-    interface."""
+    """Whether ``host`` (an IP literal, bracketed or not, or a name) only reaches this machine:
+    ``127.0.0.0/8``, ``::1``, ``localhost``, ``localhost.localdomain``; any other name is ``False``.
+    """
     bare = host.strip("[]")
     if bare.lower() in ("localhost", "localhost.localdomain"):
         return True
@@ -155,11 +134,7 @@ def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
 
 
 def backend_for(cfg: FTBridgeConfig, *, on_cuda: bool, machine: Optional[Machine] = None) -> str:
-    """:func:`cross_replica_backend` for ``cfg`` on this machine (probes the GPUs only when ``on_cuda``).
-
-    Raises:
-        ValueError: as :func:`cross_replica_backend`.
-    """
+    """:func:`cross_replica_backend` for ``cfg`` on this machine (probes GPUs only when ``on_cuda``)."""
     shared = False
     if on_cuda:
         machine = machine or probe()
@@ -175,18 +150,17 @@ def check_placement(model_devices: Iterable[str], accelerator: str, cfg: FTBridg
 
     Args:
         model_devices: device types of the model's parameters (``"cpu"``, ``"cuda"``).
-        accelerator: DeepSpeed's accelerator (``get_accelerator().device_name()``: ``cuda`` or ``cpu``),
-            which decides where DeepSpeed puts the model.
+        accelerator: DeepSpeed's accelerator name (``cuda`` or ``cpu``), which places the model.
         cfg: resolved settings (``cross_replica_backend``, topology).
         machine: :func:`probe`'s result (probed when ``None`` and needed).
-        rank_on_node: ``LOCAL_RANK`` (read from the environment when ``None``).
+        rank_on_node: ``LOCAL_RANK`` (from the environment when ``None``).
 
     Returns:
         ``(device, in-group backend, cross-replica backend)``, e.g. ``("cuda:1", "nccl", "gloo")``.
 
     Raises:
-        ValueError: parameters on a GPU while DeepSpeed's accelerator is the CPU (``DS_ACCELERATOR=cpu``);
-            a CUDA accelerator without a GPU for this rank; a cross-replica backend that cannot work.
+        ValueError: parameters on a GPU under ``DS_ACCELERATOR=cpu``; a CUDA accelerator without a
+            GPU for this rank; a cross-replica backend that cannot work.
     """
     kinds = set(model_devices)
     if accelerator != "cuda" and kinds - {"cpu", "meta"}:
@@ -202,9 +176,8 @@ def check_placement(model_devices: Iterable[str], accelerator: str, cfg: FTBridg
 
 
 def collective_device(backend: str) -> Any:
-    """Device of the small tensors ftbridge itself sends through a process group of ``backend``.
-
-    NCCL moves only GPU tensors (this rank's current GPU); gloo takes CPU tensors.
+    """Device of ftbridge's own small tensors on a process group of ``backend``: this rank's GPU
+    for NCCL, the CPU for gloo.
     """
     import torch
 
@@ -221,10 +194,7 @@ def group_backend(group: Any = None) -> str:
 
 
 def exchange_in_group(row: List[float], group_size: Optional[int] = None, group: Any = None) -> List[List[float]]:
-    """Every rank's ``row``, by group rank: one SUM all-reduce over the replica group (the default world).
-
-    The one in-group exchange of small values: the commit protocol's flags, the checkpointer's stop and
-    save requests, which ranks found a damaged checkpoint file, group rank 0's resume choice.
+    """Every rank's ``row``, by group rank: one SUM all-reduce over the replica group.
 
     Args:
         row: this rank's row (float64-exact values: integers below 2**53, flags).
@@ -235,7 +205,7 @@ def exchange_in_group(row: List[float], group_size: Optional[int] = None, group:
         ``group_size`` rows of ``len(row)`` floats; without an initialised world, ``[row]``.
 
     Raises:
-        RuntimeError: the all-reduce failed or timed out (the in-group process group's timeout).
+        RuntimeError: the all-reduce failed or timed out.
     """
     import torch
     import torch.distributed as dist

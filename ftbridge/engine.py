@@ -1,9 +1,8 @@
 """The DeepSpeed engine wrapper: quorum, gradient sync, commit or discard.
 
-:func:`ftbridge.initialize` (:mod:`ftbridge.bootstrap`) mirrors
-``deepspeed.initialize`` and returns a :class:`FaultTolerantEngine` that
-composes (never subclasses) the DeepSpeed engine, as torchft's
-``OptimizerWrapper`` does for a plain optimizer::
+:func:`ftbridge.initialize` (:mod:`ftbridge.bootstrap`) mirrors ``deepspeed.initialize``
+and returns a :class:`FaultTolerantEngine`, which composes (never subclasses) the
+DeepSpeed engine::
 
     engine, optimizer, _, scheduler = ftbridge.initialize(model=model, optimizer=opt, config=ds_config)
     for batch in data:
@@ -11,31 +10,9 @@ composes (never subclasses) the DeepSpeed engine, as torchft's
         engine.backward(loss)         # boundary: cross-replica all-reduce of the partition
         engine.step()                 # boundary: should_commit -> DeepSpeed step, or discard
 
-Per optimizer step (a *window* of micro-steps, however the caller ends it):
-
-1. first forward of the window: ``start_quorum`` (torchft reconfigures the
-   cross-replica process group if the quorum changed, and serves or fetches
-   heal state);
-2. backward of the boundary micro-step: the rank's reduced gradient partition
-   is averaged across replica groups in messages fixed by the parameter
-   layout, overlapped with backward where exact (:mod:`ftbridge.zero.grad_sync`;
-   under ZeRO-1/2 optimizer offload, after backward, on the CPU partition);
-3. where DeepSpeed steps the optimizer (its ``_take_model_step``, reached
-   from ``step()`` whichever way the accumulation boundary was set): wait for
-   that work, then ``should_commit`` (applies a pending heal first). Commit
-   runs DeepSpeed's own step (overflow check, norm, clipping, optimizer,
-   scheduler, counters). Discard drops the gradients and leaves optimizer,
-   scheduler, loss scaler and the ``global_steps``/``global_samples``/
-   ``skipped_steps`` counters untouched; ``micro_steps`` advances as after a
-   step, so the next window starts aligned.
-
-Accumulation patterns: ``gradient_accumulation_steps`` with ``step()`` after
-every micro-batch, ``set_gradient_accumulation_boundary`` at any count,
-``managed_gradient_accumulation: false`` and ``coalesce_grad_reduction`` each
-give one cross-replica average and one commit vote per optimizer step. A
-backward after the boundary's backward in the same window, or a step without
-a boundary backward under managed accumulation, raises (DeepSpeed itself
-would drop or miss gradients there).
+A discarded step leaves optimizer, scheduler, loss scaler and DeepSpeed's step
+counters untouched. Why and how: docs/concepts.md, "Where the sync sits in a
+ZeRO step" (accumulation windows included) and "Commit or discard".
 """
 
 from __future__ import annotations
@@ -74,15 +51,12 @@ class FaultTolerantEngine:
     Args:
         engine: an initialised DeepSpeed engine whose world is one replica group.
         cfg: resolved ftbridge configuration.
-        checksum_every: write a parameter checksum to the event log every N
-            steps (0: never; default ``cfg.checksum_every``, 100). Under
-            ZeRO-3 this gathers the parameters.
-        comm_hook: a user communication hook ``hook(state, flat) -> work``
-            (:mod:`ftbridge.comm_hooks`); default: ``cfg.comm_hook``.
-        manager_factory: builds the replica manager, called as
-            ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=..., max_heal_bytes=...)``;
-            default :class:`ftbridge.manager.ReplicaManager`. A seam for tests (a
-            scripted manager, no lighthouse) and for other quorum backends.
+        checksum_every: log a parameter checksum every N steps (0: never; default
+            ``cfg.checksum_every``).
+        comm_hook: a communication hook ``hook(state, flat) -> work`` (:mod:`ftbridge.comm_hooks`);
+            default ``cfg.comm_hook``.
+        manager_factory: ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=...,
+            max_heal_bytes=...)``; default :class:`ftbridge.manager.ReplicaManager` (a seam for tests).
         in_place: :func:`ftbridge.attach` installs this object's ``forward``, ``backward`` and ``step``
             on ``engine`` itself; this object calls DeepSpeed's own, bound before that.
     """
@@ -115,8 +89,7 @@ class FaultTolerantEngine:
         if refused:
             raise ValueError(refused)
         self.slot_plan: List[Tuple[int, int]] = []
-        """``(slot, micro)`` of every unit this group computes in the current step's attempt, in order
-        (:meth:`units`; empty without it)."""
+        """``(slot, micro)`` of every unit this group computes in the current attempt (:meth:`units`)."""
         self._plan = slot_steps.plan_digest(cfg, engine)
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
                                hook=hook, hook_state=hook_state)
@@ -135,8 +108,7 @@ class FaultTolerantEngine:
 
         self._in_step = False
         self.cross_replica_wait_s = 0.0
-        """Seconds ``step()`` has blocked on cross-replica all-reduces not finished by the end of
-        backward (the communication the overlap did not hide), summed over all steps."""
+        """Seconds ``step()`` blocked on cross-replica all-reduces unfinished at the end of backward, summed."""
         self._window_start = 0
         self._backwards = 0          # backward calls in this optimizer step's window
         self._boundary_backward = False  # the window's boundary backward has run
@@ -167,10 +139,8 @@ class FaultTolerantEngine:
 
         Args:
             key: unique name.
-            state_dict: returns a nested dict of tensors and JSON scalars.
-                A heal sends its tensors from their memory until the
-                optimizer step (:mod:`ftbridge.heal.stream`): return a clone
-                of any tensor that forward or backward changes.
+            state_dict: returns a nested dict of tensors and JSON scalars. A heal sends tensors from
+                their memory until the optimizer step: return a clone of any tensor forward or backward changes.
             load_state_dict: applies a peer's value.
 
         Raises:
@@ -188,11 +158,9 @@ class FaultTolerantEngine:
     def units(self) -> Iterator[Unit]:
         """The units of work of the current step, for a loop that trains one step per iteration.
 
-        Each :class:`ftbridge.slots.Unit` names the rows to read: data-parallel rank ``unit.dp_rank``
-        of ``unit.dp_world_size`` at ``unit.step``, micro-batch ``unit.micro``. Run forward and
-        backward for each (and ``step()`` after each, or once after the loop); the accumulation
-        boundary is set for you on the last unit. With ``slots`` on, that is every slot's units the
-        live groups must cover (:mod:`ftbridge.slots.steps`); without, this group's own micro-batches.
+        Each :class:`ftbridge.slots.Unit` names the rows to read (``dp_rank`` of ``dp_world_size`` at ``step``,
+        micro-batch ``micro``). Run forward and backward for each; the boundary is set on the last unit. With
+        ``slots``, every slot's units the live groups must cover; without, this group's own micro-batches.
 
         Raises:
             RuntimeError: called inside a step.
@@ -206,8 +174,7 @@ class FaultTolerantEngine:
         """DeepSpeed forward; the first micro-step of a window starts the quorum.
 
         Raises:
-            RuntimeError: with ``slots``, a training forward outside :meth:`units` (the step would miss
-                the units of absent groups while dividing by every slot).
+            RuntimeError: with ``slots``, a training forward outside :meth:`units`.
         """
         if self.engine.module.training and not self._in_step:
             if self.cfg.slots:
@@ -234,15 +201,13 @@ class FaultTolerantEngine:
             faults.point("first_quorum")
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
-        """DeepSpeed backward; at the boundary, the cross-replica all-reduce starts (overlapped or after).
+        """DeepSpeed backward; at the boundary, the cross-replica all-reduce starts.
 
         Raises:
-            RuntimeError: called outside a step (no forward in training mode
-                first), or after the accumulation boundary's backward without
-                ``step()`` in between: DeepSpeed would drop or re-sum gradients
-                the cross-replica average has already sent.
-            ValueError: a second backward in one optimizer step where
-                DeepSpeed cannot accumulate exactly (ZeRO-1 with ``overlap_comm``).
+            RuntimeError: called outside a step (no training forward first), or after the boundary's
+                backward without ``step()`` in between.
+            ValueError: a second backward in one optimizer step where DeepSpeed cannot accumulate
+                exactly (ZeRO-1 with ``overlap_comm``).
         """
         if not self._in_step:
             raise RuntimeError("backward() without a training forward(): call engine(batch) in train() mode first")
@@ -278,17 +243,11 @@ class FaultTolerantEngine:
         return out
 
     def step(self, **kwargs: Any) -> None:
-        """DeepSpeed step; where DeepSpeed steps the optimizer, commit or discard on every replica.
-
-        Whichever way the caller decides where an optimizer step ends
-        (``gradient_accumulation_steps``, ``set_gradient_accumulation_boundary``,
-        ``managed_gradient_accumulation: false``, ``coalesce_grad_reduction``),
-        the vote and the cross-replica average happen exactly once, right
-        before DeepSpeed's own optimizer step (:meth:`_model_step`).
+        """DeepSpeed step; where DeepSpeed steps the optimizer, average, vote, then commit or discard.
 
         Raises:
-            RuntimeError: the window's boundary backward ran but DeepSpeed did
-                not step (the boundary was switched off before ``step()``).
+            RuntimeError: the boundary backward ran but DeepSpeed did not step (the boundary was
+                switched off before ``step()``).
         """
         self._decision = None
         self._ds_step(**kwargs)
@@ -308,10 +267,7 @@ class FaultTolerantEngine:
             hook(committed)
 
     def _model_step(self, take_model_step: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Runs in place of DeepSpeed's optimizer step: average, vote, then step or discard.
-
-        DeepSpeed has assembled this window's gradient partition when it gets here.
-        """
+        """Runs in place of DeepSpeed's optimizer step, on the assembled partition: average, vote, step or discard."""
         e = self.engine
         if (e.managed_gradient_accumulation() and self._backwards and not self._boundary_backward
                 and not self._deferred_backward):
@@ -399,20 +355,13 @@ class FaultTolerantEngine:
 
     # -- the state ftbridge adds to a replica ---------------------------------
     def replica_state(self) -> Dict[str, Any]:
-        """What this rank holds beyond DeepSpeed's model, optimizer and scheduler (tensors and JSON scalars).
-
-        The one owner of that state: the heal sends it with the optimizer
-        partition (:meth:`heal_state`) and the checkpointer saves it per rank;
-        both restore it with :meth:`load_replica_state`.
+        """What this rank holds beyond DeepSpeed's model, optimizer and scheduler; heals and checkpoints carry it.
 
         Returns:
-            ``counters``: DeepSpeed's ``global_steps``, ``global_samples``,
-            ``skipped_steps`` (int); ``window_start``: ``micro_steps`` at the
-            start of the current accumulation window (of the next one between
-            steps), which decides where a window ends and is in no DeepSpeed
-            checkpoint; ``extra``: every :meth:`register_state` entry, as
-            :func:`ftbridge.zero.state.to_wire` gives it; ``manager``:
-            torchft's counters (``step``, ``batches_committed``).
+            ``counters`` (DeepSpeed's ``global_steps``, ``global_samples``, ``skipped_steps``),
+            ``window_start`` (``micro_steps`` at the start of the current or next window), ``extra``
+            (every :meth:`register_state` entry, as :func:`ftbridge.zero.state.to_wire` gives it) and
+            ``manager`` (torchft's ``step``, ``batches_committed``).
         """
         e = self.engine
         return {
@@ -425,15 +374,9 @@ class FaultTolerantEngine:
     def load_replica_state(self, state: Dict[str, Any], *, manager: bool = True) -> None:
         """Apply a :meth:`replica_state` of a peer or a checkpoint (every rank of the group).
 
-        The window restarts at the saved start, aligned to this engine's
-        ``gradient_accumulation_steps`` (which may differ from the saver's),
-        keeping this rank's offset into a step in progress. Registered state
-        is loaded for the keys present.
-
         Args:
-            state: :meth:`replica_state` output (decoded from the wire or a file).
-            manager: also set torchft's counters (a heal leaves them to
-                torchft, which loads the donor's itself).
+            state: :meth:`replica_state` output.
+            manager: also set torchft's counters (a heal leaves them to torchft).
 
         Raises:
             ValueError: a registered state's keys or tensor shapes differ.
@@ -454,13 +397,7 @@ class FaultTolerantEngine:
 
     # -- heal -------------------------------------------------------------
     def _prepare_heal_receive(self) -> None:
-        """A group that joined with nothing (restarted, or a spare) heals first: map its receive buffer while it
-        starts up, drop it at the first commit.
-
-        Until that commit, each step waits for its quorum (and so for the
-        heal fetch) before its forward: the forward of a step that heals is
-        discarded, and run beside the fetch it only takes CPU from it.
-        """
+        """Joined with nothing: map the heal's receive buffer now and wait for quorums before forward."""
         transport: Any = getattr(self.manager, "transport", None)
         if self._joined_empty and hasattr(transport, "prepare_recv"):
             transport.prepare_recv()
@@ -474,11 +411,8 @@ class FaultTolerantEngine:
             self._step_hooks.append(first_commit)
 
     def heal_state(self) -> Dict[str, Any]:
-        """This rank's live state for a joining peer (nested dict of tensors and scalars).
-
-        Holds: ZeRO optimizer partition and its optimizer state (with the
-        fp32 master weights), lr scheduler, and :meth:`replica_state`. Taken
-        at the start of a step, before its optimizer step.
+        """This rank's live state for a joining peer: ZeRO optimizer partition and state (fp32 master
+        weights included), lr scheduler and :meth:`replica_state`, taken before the step's optimizer step.
         """
         e = self.engine
         state: Dict[str, Any] = {"optimizer": self.adapter.heal_state(), "replica": self.replica_state()}
@@ -487,9 +421,9 @@ class FaultTolerantEngine:
         return state
 
     def heal_size_bound(self) -> int:
-        """Largest heal body this rank accepts from a donor (bytes): its own :meth:`heal_state`'s size,
-        plus optimizer state not created yet (:func:`ftbridge.heal.lazy_state_bytes`), plus headers
-        (:func:`ftbridge.heal.wire.size_bound`). Copies no tensor."""
+        """Largest heal body (bytes) this rank accepts: its :meth:`heal_state`'s size, plus optimizer
+        state not created yet, plus headers. Copies no tensor.
+        """
         return size_bound(self.heal_state(), extra_bytes=lazy_state_bytes(self.adapter.optimizer))
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:

@@ -37,13 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 def tensor_checksum(tensors: Iterable[torch.Tensor]) -> str:
-    """SHA-256 over the raw bytes of ``tensors`` in order; first 16 hex digits.
-
-    Args:
-        tensors: any dtypes/shapes/devices; each is copied to contiguous CPU.
-
-    Returns:
-        16 lowercase hex characters. Bit-identical tensors give equal digests.
+    """SHA-256 over the raw bytes of ``tensors`` in order (any dtype, shape, device; each copied to
+    contiguous CPU): 16 lowercase hex digits, equal for bit-identical tensors.
     """
     h = hashlib.sha256()
     for tensor in tensors:
@@ -57,8 +52,7 @@ class EventLog:
     """Append-only JSON-lines writer, flushed after every record.
 
     Args:
-        path: file to append to; parent folders are created. ``None`` makes
-            every call a no-op.
+        path: file to append to; parent folders are created. ``None`` makes every call a no-op.
         identity: fields added to every record (e.g. replica_group, group_rank).
     """
 
@@ -79,11 +73,8 @@ class EventLog:
                         self._file.write("\n")
 
     def add_listener(self, listener: Callable[[Dict[str, Any]], None]) -> None:
-        """Call ``listener(record)`` with every record written from now on, with or without a file.
-
-        Listeners (the Prometheus metrics, :mod:`ftbridge.metrics`) run in the
-        writer's thread; an exception in one is logged once and never reaches
-        the writer.
+        """Call ``listener(record)`` with every record written from now on, with or without a file, in the
+        writer's thread; a listener's exception is logged once and never reaches the writer.
         """
         self._listeners.append(listener)
 
@@ -111,10 +102,8 @@ class EventLog:
 
 
 def read_events(paths: Iterable[str]) -> List[Dict[str, Any]]:
-    """Read and merge JSON-lines event logs, skipping a torn last line.
-
-    A process killed mid-write may leave a partial last line; it is ignored.
-    Records are returned sorted by ``time``.
+    """Read and merge JSON-lines event logs, sorted by ``time``; a torn last line (a process killed
+    mid-write) is skipped.
     """
     out: List[Dict[str, Any]] = []
     for path in paths:

@@ -1,38 +1,26 @@
 """Named fault points: SIGKILL (or freeze) this process at a precise place, for chaos runs and tests.
 
-Some failures cannot be hit reliably from outside by timing a signal: "the
-donor dies half-way through sending its state" lasts milliseconds. The code
-at such a place calls :func:`point`; it does nothing unless the run armed it.
+Code at a place too brief to hit by timing a signal calls :func:`point`, which
+does nothing unless the run armed it (one dictionary lookup when
+``FTBRIDGE_FAULT_DIR`` is unset). Arming: set ``FTBRIDGE_FAULT_DIR`` (a folder)
+for the processes and create ``$FTBRIDGE_FAULT_DIR/<name>`` (:func:`arm`) holding
+which process fires: empty (the first to reach it), ``"G"`` (the first rank of
+replica group ``G``) or ``"G R"`` (group rank ``R`` of group ``G``), optionally
+followed by ``freeze=S`` (SIGSTOP for ``S`` seconds instead of dying). A point
+fires **once**: the firing process renames the trigger to ``<name>.fired``
+(atomically) and appends its identity and the time.
 
-Arming: set ``FTBRIDGE_FAULT_DIR`` (a folder) in the environment of the
-processes, then create ``$FTBRIDGE_FAULT_DIR/<name>`` holding which process
-should die:
-
-* empty: the first process to reach the point;
-* ``"G"``: the first rank of replica group ``G`` to reach it;
-* ``"G R"``: group rank ``R`` of replica group ``G``.
-
-A trigger may end with ``freeze=S``: the process then freezes itself with
-SIGSTOP for ``S`` seconds (a detached ``sleep S; kill -CONT`` resumes it),
-as a rank paused by the OS or a debugger would, instead of dying.
-
-A point fires **once**: the process that fires renames the trigger file to
-``<name>.fired`` (an atomic rename, so two processes never both fire) and
-appends its identity and the time to it, then kills (or freezes) itself.
-With ``FTBRIDGE_FAULT_DIR`` unset, :func:`point` costs one dictionary lookup.
-
-Points in ftbridge:
+Points (:data:`POINTS`):
 
 * ``heal_send``: the donor, after sending half of its heal state;
-* ``heal_recv``: the joiner, after receiving the heal state's header, before its tensors;
-* ``first_quorum``: a launch's first step, once its quorum is decided, before any training;
-* ``in_allreduce``: a rank in a step's quorum, before the backward of its accumulation boundary: the
-  other groups' cross-replica all-reduce of that step has a participant that never sends (killing
-  after the backward races the all-reduce, which may already have completed);
-* ``checkpoint_publish``: the checkpoint writer's group rank 0, with the checkpoint staged and its
-  manifest written, before the atomic publish;
-* ``in_quorum_call``: a rank whose try of a step's quorum call is still in flight 5 ms after it went out
-  (checked from a timer thread; a try answered sooner leaves the point armed); meant for ``freeze=S``.
+* ``heal_recv``: the joiner, after the heal state's header, before its tensors;
+* ``first_quorum``: a launch's first step, once its quorum is decided;
+* ``in_allreduce``: a rank in a step's quorum, before the backward of its accumulation boundary
+  (the others' all-reduce then has a participant that never sends);
+* ``checkpoint_publish``: the checkpoint writer's rank 0, staged and manifest written, before publishing;
+* ``in_quorum_call``: a rank whose quorum try is still in flight 5 ms after it went out (for ``freeze=S``).
+
+See docs/chaos.md, "Failure kinds".
 """
 
 from __future__ import annotations

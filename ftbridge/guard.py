@@ -1,37 +1,12 @@
 """Divergence guard: replica groups compare a fingerprint of their state every N committed steps, by majority.
 
-The gradient sync is meant to keep every replica group identical after every
-commit (:mod:`ftbridge.zero.grad_sync`); the guard checks that it did, so a
-bug of that kind (a sync that pairs the wrong gradients, a hook that skips a
-bucket, a kernel that is not deterministic across machines, a corrupted
-update) shows up as an event and is repaired or stops the job, instead of
-training on quietly on different models.
-
-Every ``guard_every`` committed steps (``FTBRIDGE_GUARD_EVERY``; 0 turns it
-off), in the next step, each participating rank takes a SHA-256 fingerprint
-of what its optimizer steps on (the fp32 master partition and its optimizer
-state, :meth:`ftbridge.zero.adapter.ZeroAdapter.fingerprint_tensors`) and puts
-it in the step's cross-replica agreement (:mod:`ftbridge.manager.commit`), which
-every member judges the same way (:func:`ftbridge.manager.commit.judge_guard`):
-the state held by more than half of the groups is taken as right; no group,
-the quorum's primary included, is the reference. The group's one in-group
-exchange then gives every rank of a group the same verdict.
-
-On a mismatch the guard writes a ``divergence`` event (step, the majority's
-groups, the differing groups, every fingerprint) and logs it; then:
-
-* ``guard_action="heal"`` (default) with a majority: the outvoted groups
-  discard the step while the others commit; one step behind, they heal from a
-  group of the majority at the next quorum (their step record names the donor);
-* no majority (two groups that differ, or a tie): ``guard_on_tie="stop"``
-  (default) stops every group with :class:`ReplicaDivergenceError`, naming the
-  fingerprints; ``"flag"`` writes the event on every check and trains on;
-* ``guard_action="stop"``: every rank of every group raises
-  :class:`ReplicaDivergenceError` on any mismatch.
-
-Cost: one pass over the partition and its optimizer state (SHA-256, about
-0.5 GB/s on one core) every ``guard_every`` steps; the fingerprint rides in the
-agreement, which every step makes anyway. ``ftbridge-bench overhead`` reports it.
+Every ``guard_every`` committed steps each participating rank puts a SHA-256
+fingerprint of its fp32 master partition and optimizer state
+(:meth:`ftbridge.zero.adapter.ZeroAdapter.fingerprint_tensors`) into the next
+step's agreement, judged alike by every member
+(:func:`ftbridge.manager.commit.judge_guard`); :class:`DivergenceGuard` records
+the verdict and acts on it (``guard_action``, ``guard_on_tie``). Why and what
+each setting does: docs/concepts.md, "The divergence guard".
 """
 
 from __future__ import annotations
@@ -93,7 +68,7 @@ class DivergenceGuard:
         return digest
 
     def act(self, step: int, verdict: Optional[GuardVerdict], decision: GroupDecision) -> None:
-        """Record and act on this step's verdict (every rank of every group calls it after the decision).
+        """Record and act on this step's verdict (every rank of every group, after the decision).
 
         Args:
             step: the committed step the fingerprints were taken after.
@@ -102,7 +77,7 @@ class DivergenceGuard:
 
         Raises:
             ReplicaDivergenceError: a mismatch with ``action="stop"``, or without a majority with
-                ``on_tie="stop"`` (on every rank of every group: each sees the same flags).
+                ``on_tie="stop"`` (on every rank of every group).
         """
         if verdict is not None and len(verdict.digests) > 1:
             self.checks += 1

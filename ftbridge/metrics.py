@@ -1,28 +1,12 @@
 """Prometheus metrics of one replica group, served by its group rank 0 at ``/metrics``.
 
-Off unless a port is given: ``FTBRIDGE_METRICS_PORT`` (or the ``metrics_port``
-setting of :class:`~ftbridge.config.FTBridgeConfig`); ``0`` picks a free port.
-Group rank 0 of every replica group then serves ``http://HEAL_BIND:PORT/metrics``
-on the interface the heal transport binds (``FTBRIDGE_HEAL_BIND``, 127.0.0.1
-by default), prints that address to stdout and writes it to its event log as a
-``metrics`` event (``address``). The other ranks serve nothing.
-
-The figures are not measured twice: :class:`GroupMetrics` listens to the
-engine's event log (:meth:`ftbridge.events.EventLog.add_listener`), so each step
-record, ``heal_transfer``, ``checkpoint_saved``, ``checkpoint_stall`` and
-``divergence`` event the engine, heal and checkpoint code already write updates
-them; the cross-replica byte and wait totals are read from the engine at
-scrape time. Every metric has the label ``replica_group``; the whole list,
-with units and alert rules, is in ``docs/monitoring.md``.
-
-Each :class:`GroupMetrics` owns its own ``CollectorRegistry`` (never the
-process-wide default), so several engines in one process (tests) do not clash.
-
-Example::
-
-    FTBRIDGE_METRICS_PORT=0 ftbridge-run --replica-group-id 0 --num-replica-groups 2 -- train.py
-    # stdout: ftbridge metrics: http://127.0.0.1:40123/metrics (replica group 0)
-    curl -s http://127.0.0.1:40123/metrics | grep ftbridge_steps_committed_total
+Off unless ``metrics_port`` (``FTBRIDGE_METRICS_PORT``) is set; ``0`` picks a free
+port. :func:`attach` makes group rank 0 serve ``http://HEAL_BIND:PORT/metrics``,
+print the address and write it as a ``metrics`` event. :class:`GroupMetrics`
+listens to the engine's event log (:meth:`ftbridge.events.EventLog.add_listener`)
+and reads the cross-replica totals from the engine at scrape time; each owns
+its own ``CollectorRegistry``, so several engines in one process do not clash.
+Metric list, units and alert rules: docs/monitoring.md.
 """
 
 from __future__ import annotations
@@ -141,10 +125,7 @@ class GroupMetrics:
             self.heal_seconds.labels(self.group, phase).observe(max(0.0, seconds))
 
     def serve(self, host: str, port: int) -> str:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread.
-
-        Returns:
-            The address, ``http://HOST:PORT/metrics``.
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; return the address.
 
         Raises:
             OSError: the port cannot be bound.
@@ -169,20 +150,17 @@ class GroupMetrics:
 def attach(engine: Any) -> Optional[GroupMetrics]:
     """Serve this replica group's metrics from ``engine`` when its settings ask for it.
 
-    Only group rank 0 with ``cfg.metrics_port`` set serves; it listens to the
-    engine's event log, binds ``cfg.heal_bind``, prints the address to stdout
-    and writes a ``metrics`` event with it.
+    Only group rank 0 with ``cfg.metrics_port`` set serves, on ``cfg.heal_bind``.
 
     Args:
-        engine: a :class:`~ftbridge.engine.FaultTolerantEngine` (reads ``cfg``,
-            ``events``, ``sync.bytes_sent`` and ``cross_replica_wait_s``).
+        engine: a :class:`~ftbridge.engine.FaultTolerantEngine` (reads ``cfg``, ``events``,
+            ``sync.bytes_sent`` and ``cross_replica_wait_s``).
 
     Returns:
-        The :class:`GroupMetrics`, or ``None`` when metrics are off or this is
-        not group rank 0.
+        The :class:`GroupMetrics`, or ``None`` when metrics are off or this is not group rank 0.
 
     Raises:
-        OSError: the metrics port cannot be bound (a fixed port already taken).
+        OSError: the metrics port cannot be bound.
     """
     cfg = engine.cfg
     if cfg.metrics_port is None or cfg.group_rank != 0:

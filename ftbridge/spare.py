@@ -1,78 +1,17 @@
 """Warm spare replica groups: fully initialised, outside the quorum until a group dies.
 
-A spare (``ftbridge-run --spare-index K``) runs the training script like any
-replica group: imports, data, model, ``deepspeed.initialize`` (optimizer and
-ZeRO partitions allocated). Then, in :func:`ftbridge.initialize`, before the
-torchft manager exists, it stands by (:func:`stand_by`): group rank 0 polls
-the lighthouse's read-only ``GET /status`` (:mod:`ftbridge.manager.lighthouse_status`) every
-:data:`POLL_S` until a replica group of ``0..num_replica_groups-1`` is
-*vacant*, takes over that group's id, and tells its other ranks through the
-group's own TCPStore. ``initialize`` then builds the engine with that id:
-the torchft manager starts, joins the next quorum and heals from a live
-group like a cold restart of that group would, only without the process
-start and DeepSpeed initialisation (about 4 s here).
+A spare (``ftbridge-run --spare-index K``) runs the training script up to
+``deepspeed.initialize``; then :func:`ftbridge.initialize` calls :func:`stand_by`
+before any torchft manager exists: group rank 0 polls the lighthouse's
+``GET /status`` until a group of ``0..num_replica_groups-1`` is vacant
+(:func:`vacancies`, :func:`live_groups`, :func:`choose_group`, :class:`VacancyWatch`),
+shares the decision on the group's TCPStore, and the spare joins under that
+group's id, healing like a cold restart of it. A torchrun restart of a group
+whose id a spare took stands by instead (:func:`demote_if_taken`); a member
+that finds its id held by another in a quorum leaves (:func:`must_leave`).
 
-Why the manager is not started before the vacancy
---------------------------------------------------
-torchft 0.2's manager server heartbeats to the lighthouse from the moment it
-exists, and heartbeats alone change quorums: the lighthouse's split-brain
-guard needs more than half of the *heartbeating* replicas to ask for a
-quorum, and a quorum that changes membership waits ``join_timeout_ms`` for
-heartbeating replicas that do not ask. With 2 active groups and a
-heartbeating spare, the survivor of a kill is 1 of 2 heartbeating replicas:
-no quorum until the spare joins, and a spare that hangs would stall the job.
-So a spare is invisible to the lighthouse until it joins; everything else
-(process, imports, DeepSpeed engine, optimizer state) is ready. The manager,
-its heartbeat and the heal transport start at the join (tens of ms).
-
-Vacancy (:func:`vacancies`, pure)
----------------------------------
-Group ``G`` is vacant when the lighthouse has heard of ``replica_group_G``
-(it has a heartbeat entry) but every such entry is older than the
-lighthouse's heartbeat timeout (``stale``): the moment the lighthouse drops
-the group from its quorums. A group never heard of is not vacant (at job
-start the active groups may simply not be up yet), and nothing is vacant
-while no group is live (a spare has nothing to heal from; it would restart
-training from step 0). Live (:func:`live_groups`) is stricter than fresh:
-a heartbeat at most half as old as the youngest stale one. When every
-group loses the lighthouse at once (it hangs, or a partition cuts them all
-off), their heartbeats age together, and the read in which the first turns
-stale shows the others fresh by a few milliseconds; none of them is live
-then, so the spare takes nothing from an outage. A group that lives
-heartbeats every ``heartbeat_interval`` (100 ms), far below half the timeout.
-
-Which group, and which replica id
----------------------------------
-The spare takes the smallest vacant id and uses it everywhere a cold
-replacement of that group would: ``cfg.replica_group_id``, hence the data
-shard (``dp_rank = G * group_size + group_rank``, :mod:`ftbridge.harness.data`), the
-event log path, and torchft's ``replica_id = replica_group_G`` (torchft
-appends a fresh UUID, as for any restart). torchft derives the group's
-global rank from that id's trailing digits, and the lighthouse orders
-quorum members by replica id, so the spare's replica rank is the one a cold
-restart of ``G`` would get. Data seen per step is therefore unchanged.
-
-Several spares: spare ``K`` takes a vacancy only after it has been vacant
-for ``K * STAGGER_S`` seconds (:func:`choose_group`); by then a spare before
-it has joined and heartbeats as that group, so the id is no longer vacant.
-Spare 0 reacts at once. While it stands by, each rank's ``spare_ready``
-event (time, pid) is in the event log of id ``num_replica_groups + K``
-(``ftbridge-run`` gives a spare that id until it joins); after the join it
-writes to the log of the group it replaced, starting with ``start`` and a
-``spare_join`` event (:meth:`Takeover.event`). A spare whose job is over (no live group for
-``cfg.restart_peer_wait``, after one was seen) exits with status 0.
-
-A cold restart of the dead group (torchrun ``--max-restarts``) may come back
-after a spare took its id. It must not join as a second ``G`` (two groups
-would read one data shard), so a *restarted* group checks first
-(:func:`demote_if_taken`): if another process holds its id (a fresh
-heartbeat for ``replica_group_G`` younger than this process's ftbridge
-import, so not its own dead predecessor's), it becomes a spare itself
-(index ``N + G``, so it acts after the launched spares) and stands by. A group
-that was only paused past the heartbeat timeout and resumes after a spare took
-its id heals into a quorum where another member holds that id; it leaves
-(:func:`must_leave`, raised from :meth:`ftbridge.manager.ReplicaManager._on_quorum`
-before torchft heals), and its restart stands by.
+Why (no heartbeat while standing by, vacancy and liveness, ids, limits):
+docs/spares.md.
 """
 
 from __future__ import annotations
@@ -90,31 +29,27 @@ from ftbridge.config import FTBridgeConfig
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
-"""Seconds between two lighthouse status reads of a standing-by spare (one HTTP GET each)."""
+"""Seconds between two status reads of a standing-by spare."""
 STAGGER_S = 1.0
 """Seconds spare ``K`` lets a vacancy stand per index before taking it (spare 0: at once)."""
 STATUS_TIMEOUT_S = 2.0
-"""Bound on one status read (s); a read that fails counts as "nothing seen" and is retried."""
+"""Bound on one status read (s); a failed read counts as "nothing seen" and is retried."""
 SLOW_READ_S = 1.0
-"""A status read slower than this counts as failed: the lighthouse was hung or its link down meanwhile."""
+"""A status read slower than this (s) counts as failed (the lighthouse was hung or cut off meanwhile)."""
 SETTLE_S = 0.5
-"""After a failed status read, how long a vacancy must be seen in reads that answer before a spare takes it: a
-lighthouse that was hung or cut off shows every group's heartbeat stale until the groups' next ones arrive."""
+"""After a failed read, how long (s) a vacancy must show in answering reads before it is taken: a
+lighthouse that was hung or cut off shows every heartbeat stale until the groups' next ones arrive."""
 DEMOTED_KEY = "ftbridge/spare/demoted"
-"""Key of the group's TCPStore holding rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
+"""Group TCPStore key of rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
 STORE_KEY = "ftbridge/spare/replaces"
-"""Key of the group's TCPStore holding rank 0's decision: the replaced group id, or -1 (exit)."""
+"""Group TCPStore key of rank 0's decision: the replaced group id, or -1 (exit)."""
 
 
 def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
-    """The replica groups with a fresh heartbeat, and every group the lighthouse has heard of (pure).
+    """``(fresh, known)``: group ids with a fresh heartbeat, and every group heard of (pure).
 
-    Args:
-        heartbeats: :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (``replica_id``, ``stale``).
-
-    Returns:
-        ``(fresh, known)``: sets of ftbridge replica group ids; replica ids not
-        named ``replica_group_G...`` are ignored.
+    ``heartbeats`` are :class:`ftbridge.manager.lighthouse_status.Heartbeat` records; replica ids not named
+    ``replica_group_G...`` are ignored.
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -132,13 +67,8 @@ def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
 def held_by_another(heartbeats: Sequence[Any], group: int, since_s: float) -> bool:
     """Whether a live process other than this one's dead predecessor holds ``replica_group_<group>`` (pure).
 
-    Args:
-        heartbeats: :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (``replica_id``, ``age_s``,
-            ``stale``).
-        group: this restarted group's id.
-        since_s: seconds since this process imported ftbridge. The predecessor died before this
-            process started, so its last heartbeat is older than that; a live holder's is at most
-            one heartbeat interval old.
+    ``heartbeats`` are :class:`ftbridge.manager.lighthouse_status.Heartbeat` records; ``since_s`` is the time since
+    this process imported ftbridge: a fresh heartbeat younger than that is not the predecessor's.
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -153,24 +83,16 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
                nobody_heals: bool = False) -> bool:
     """Whether this member must leave a quorum in which another member holds its group id (pure).
 
-    A group paused past the lighthouse's heartbeat timeout (SIGSTOP, a stalled host) is dropped like a
-    dead one and a spare takes its id; when it resumes it asks for quorums again and would train as a
-    second copy of the group, on the same data shard. It is the one behind, so it heals in that quorum:
-    the healing holder of a duplicated id leaves (its torchrun restart then finds the id held and stands
-    by, :func:`demote_if_taken`). When nobody in the quorum heals (two spares that took one id at step 0),
-    every holder but the first by replica id leaves, so exactly one stays. A holder knows only whether it
-    heals itself, and both may (a restart that came back while the lighthouse could not show the id was
-    taken, beside a spare that fell behind): the first holder by replica id therefore stays even when it
-    heals. At most one holder stays then, or both for one step, after which nobody heals and the rule
-    above keeps the first; never none.
+    A healing holder of a duplicated id leaves unless it is the first holder by replica id; when nobody heals,
+    every holder but the first leaves. At most one holder stays (both for one step at worst), never none.
+    Why: docs/spares.md, "Limits".
 
     Args:
         replica_ids: the quorum's torchft replica ids (``replica_group_G:UUID``).
         group: this member's replica group id.
-        healing: whether this member heals in this quorum (it is behind the quorum's step).
-        me: this member's replica id in the quorum (``None``: unknown, only the healing rule applies).
-        nobody_heals: every member is at the quorum's highest step (torchft's ``max_world_size`` equals
-            ``replica_world_size``).
+        healing: whether this member heals in this quorum.
+        me: this member's replica id (``None``: unknown, only the healing rule applies).
+        nobody_heals: every member is at the quorum's highest step.
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -182,14 +104,8 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
 
 
 def live_groups(heartbeats: Sequence[Any]) -> set:
-    """The replica groups with a fresh heartbeat at most half as old as the youngest stale one (pure).
-
-    Args:
-        heartbeats: :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (``replica_id``, ``age_s``,
-            ``stale``).
-
-    Returns:
-        A set of replica group ids; every fresh group when nothing is stale.
+    """Group ids with a fresh heartbeat at most half as old as the youngest stale one (all fresh ones
+    when nothing is stale) (pure).
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -200,15 +116,8 @@ def live_groups(heartbeats: Sequence[Any]) -> set:
 
 
 def vacancies(fresh: set, known: set, num_groups: int, live: Optional[set] = None) -> List[int]:
-    """Group ids a spare may take, smallest first (pure; see the module docstring).
-
-    Args:
-        fresh: groups with a fresh heartbeat; known: groups with any heartbeat entry.
-        num_groups: the job's planned number of replica groups.
-        live: groups that are clearly alive (:func:`live_groups`); default ``fresh``.
-
-    Returns:
-        Ids in ``0..num_groups-1`` heard of but not fresh; empty while no group is live.
+    """Ids in ``0..num_groups-1`` heard of (``known``) but not ``fresh``, smallest first; empty while no group
+    is ``live`` (default ``fresh``) (pure; docs/spares.md, "When a group is vacant").
     """
     if not any(0 <= g < num_groups for g in (fresh if live is None else live)):
         return []
@@ -217,17 +126,9 @@ def vacancies(fresh: set, known: set, num_groups: int, live: Optional[set] = Non
 
 def choose_group(vacant: Sequence[int], first_seen: Dict[int, float], now: float, spare_index: int,
                  stagger_s: float = STAGGER_S) -> Optional[int]:
-    """The group this spare takes now, or ``None`` (pure).
+    """The smallest ``vacant`` id vacant for at least ``spare_index * stagger_s`` seconds, or ``None`` (pure).
 
-    Args:
-        vacant: current vacancies (:func:`vacancies`).
-        first_seen: group id -> time (s, any clock) this spare first saw it vacant.
-        now: the same clock's current time.
-        spare_index: this spare's index ``K``: it waits ``K * stagger_s`` after a vacancy appears.
-        stagger_s: seconds per index.
-
-    Returns:
-        The smallest vacant id that has been vacant long enough.
+    ``first_seen`` maps a group id to when (s, the clock of ``now``) this spare first saw it vacant.
     """
     wait = spare_index * stagger_s
     for g in sorted(vacant):
@@ -240,10 +141,7 @@ def choose_group(vacant: Sequence[int], first_seen: Dict[int, float], now: float
 class VacancyWatch:
     """A spare's memory between status reads: when each vacancy and the last live group were seen.
 
-    Args:
-        num_groups: the job's planned number of replica groups.
-        spare_index: this spare's index.
-        job_gone_s: seconds without a live group (after one was seen) after which the job counts as over.
+    ``job_gone_s``: seconds without a live group (after one was seen) after which the job counts as over.
     """
 
     num_groups: int
@@ -252,15 +150,13 @@ class VacancyWatch:
     first_seen: Dict[int, float] = field(default_factory=dict)
     last_live: Optional[float] = None
     settled_after: Optional[float] = 0.0
-    """Vacancies count from this time on (``None``: the last read failed; set by the next one that answers)."""
+    """Vacancies count from this time on (``None``: the last read failed)."""
     last_seen: str = ""
-    """The last status read's heartbeats, ``replica id: age s (stale)``, for the decision's log line."""
+    """The last read's heartbeats, ``replica id: age s (stale)``, for the log line."""
 
     def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
-        """Update with one status read (``None``: the read failed) at ``now`` (s).
-
-        Returns:
-            ``("join", G)``, ``("wait", None)`` or ``("exit", None)`` (the job is over).
+        """Update with one status read (``None``: it failed) at ``now`` (s); returns ``("join", G)``,
+        ``("wait", None)`` or ``("exit", None)`` (the job is over).
         """
         if heartbeats is None:  # the lighthouse did not answer: whatever it shows next needs time to settle
             self.first_seen, self.settled_after = {}, None
@@ -290,8 +186,7 @@ class Takeover:
     standby_start: float
     """When the spare was ready and began to stand by."""
     vacancy_seen: float
-    """When group rank 0 first saw the group it took as vacant (the lighthouse had dropped it); on the
-    other ranks, when they learnt rank 0's decision."""
+    """When rank 0 first saw the taken group vacant; on other ranks, when they learnt the decision."""
     decided: float
     """When it decided to take it."""
 
@@ -320,17 +215,15 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
     """Group rank 0's stand-by loop: poll the lighthouse until a vacancy is taken or the job is over.
 
     Args:
-        cfg: this spare's settings (``lighthouse``, ``num_replica_groups``, ``spare_index``,
-            ``restart_peer_wait`` as the job-over bound).
+        cfg: the spare's settings; ``restart_peer_wait`` bounds the wait without a live group.
         fetch: ``fetch(address, timeout_s=) -> LighthouseStatus``; default
             :func:`ftbridge.manager.lighthouse_status.fetch_status`.
         clock, sleep: wall clock (s) and sleep, for tests.
-        restarted: torchrun restarted this launch (default: ``TORCHELASTIC_RESTART_COUNT`` > 0). Its
-            predecessor ran while the job was live, so the job-over bound counts from now even if no live
-            group is ever seen (a launch restarted after the job ended would otherwise stand by forever).
+        restarted: this launch was restarted by torchrun (default: ``TORCHELASTIC_RESTART_COUNT`` > 0);
+            the job-over bound then counts from now.
 
     Returns:
-        ``(group id or None when the job is over, wall time the group was first seen vacant)``.
+        ``(group id, or None when the job is over; wall time it was first seen vacant)``.
     """
     if fetch is None:
         from ftbridge.manager.lighthouse_status import fetch_status
@@ -355,15 +248,8 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
 
 def share_decision(store: Any, group_rank: int, decision: Optional[int] = None,
                    sleep: Callable[[float], None] = time.sleep) -> Optional[int]:
-    """Rank 0 publishes its decision on the group's TCPStore; the other ranks wait for it.
-
-    Args:
-        store: a ``torch.distributed.Store`` shared by the group's ranks.
-        group_rank: this rank.
-        decision: rank 0's decision (group id, or ``None`` for "the job is over").
-
-    Returns:
-        The decision, on every rank.
+    """Rank 0 publishes ``decision`` (group id, ``None``: the job is over) on the group's ``store``; the
+    other ranks wait for it. Returns the decision on every rank.
     """
     if group_rank == 0:
         store.set(STORE_KEY, str(-1 if decision is None else int(decision)))
@@ -387,22 +273,12 @@ def _mark_ready(cfg: FTBridgeConfig, when: float) -> None:
 
 def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: float, store: Any = None,
                     fetch: Optional[Callable[..., Any]] = None) -> FTBridgeConfig:
-    """``cfg`` as a spare if this restarted group's id is held by another process (a spare took it), else ``cfg``.
+    """``cfg`` as a spare (``spare_index = N + G``) if another process holds this restarted group's id.
 
-    Only for a group torchrun restarted (``restart_count > 0``) in a job of
-    several groups; group rank 0 reads the lighthouse once and shares the
-    verdict on the group's TCPStore. An unreadable lighthouse counts as "not
-    taken" (the group goes on as before spares existed).
-
-    Args:
-        cfg: the active group's config.
-        restart_count: ``TORCHELASTIC_RESTART_COUNT``.
-        imported_at: when this process imported ftbridge (:data:`ftbridge.IMPORTED_AT`).
-        store, fetch: see :func:`stand_by`.
-
-    Returns:
-        ``cfg``, or a spare's config: ``spare_index = N + G`` and, while it stands by,
-        ``replica_group_id = N + spare_index`` (its ``spare_ready`` events stay out of group ``G``'s log).
+    Only for a group torchrun restarted (``restart_count > 0``) in a job of several groups; rank 0 reads the
+    lighthouse once (unreadable: "not taken") and shares the verdict on the group's TCPStore. ``imported_at``
+    is :data:`ftbridge.IMPORTED_AT`; ``store``, ``fetch`` as in :func:`stand_by`. A demoted config stands by
+    as ``replica_group_id = N + spare_index``.
     """
     if cfg.spare_index >= 0 or restart_count <= 0 or cfg.num_replica_groups < 2:
         return cfg
@@ -433,11 +309,9 @@ def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: flo
 
 
 def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable[..., Any]] = None) -> Takeover:
-    """Stand by until a replica group is vacant, then return the config of its replacement.
+    """Stand by until a replica group is vacant; return the config of its replacement.
 
-    Call after the group's DeepSpeed engine exists and before its torchft
-    manager does (:func:`ftbridge.initialize` does). Every rank of the spare
-    group calls it.
+    Every rank of the spare calls it, after its DeepSpeed engine exists and before its torchft manager does.
 
     Args:
         cfg: the spare's config (``spare_index >= 0``).
@@ -445,7 +319,7 @@ def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable
         fetch: see :func:`watch_lighthouse`.
 
     Returns:
-        A :class:`Takeover` whose ``cfg`` has ``replica_group_id`` set to the vacant group.
+        A :class:`Takeover` whose ``cfg.replica_group_id`` is the vacant group.
 
     Raises:
         ValueError: ``cfg`` is not a spare's.

@@ -1,26 +1,16 @@
 """Moving GPU tensors to and from bytes through one bucket-sized pinned host buffer.
 
-Used at the tensor-to-bytes boundary of the heal (:mod:`ftbridge.manager.transport`)
-and of async checkpoint snapshots (:mod:`ftbridge.checkpoint.async_save`):
+Used by the heal transport (:mod:`ftbridge.manager.transport`) and async checkpoint
+snapshots (:mod:`ftbridge.checkpoint.async_save`):
 
-* **donor**: :class:`StagedBody` serves a state whose tensors live on a GPU in
-  the wire format of :mod:`ftbridge.heal.wire` without a host copy of the whole
-  body: each tensor's bytes go device -> pinned staging buffer -> socket, one
-  chunk of at most ``staging_bytes`` at a time. CPU tensors are written from
-  their own memory (no copy). The body's length is known up front, so HTTP's
-  ``Content-Length`` and the joiner's size bound work unchanged.
-* **joiner**: :func:`read_tensors` reads the safetensors part of a body
-  chunk by chunk through the staging buffer straight into tensors allocated
-  on the joiner's device (no host copy of the body).
-* **snapshots**: :func:`host_copy` copies a GPU storage into pinned host
-  memory with a non-blocking copy; the caller synchronises once
-  (:func:`synchronize`) after all copies were enqueued.
+* :class:`StagedBody` (donor) writes a state in the :mod:`ftbridge.heal.wire` format, each GPU
+  tensor chunk by chunk through the buffer, CPU tensors from their own memory; its length is
+  known up front;
+* :func:`read_tensors` (joiner) reads a body's tensors chunk by chunk straight onto the device;
+* :func:`host_copy` enqueues a pinned non-blocking copy; call :func:`synchronize` once after.
 
-The staging buffer is one per :class:`Staging` object, reused for every
-chunk, and pinned when CUDA is available (pageable otherwise, which the CPU
-tests use). A chunk is copied, then waited for (``synchronize`` on the copy
-stream), then handed to the socket: the buffer is never overwritten while
-its bytes are still being sent. The byte layout is exactly what
+One buffer per :class:`Staging`, pinned when CUDA is available; a chunk is handed on only after
+its copy completed, so the buffer is never overwritten while in use. The bytes are exactly what
 :func:`ftbridge.heal.wire.encode_state` writes, so either side may stage or not.
 """
 
@@ -39,14 +29,8 @@ DEFAULT_STAGING_BYTES = 32 << 20
 
 
 def staging_size(tensor_bytes: List[int], cap_bytes: int = DEFAULT_STAGING_BYTES) -> int:
-    """Bytes of the staging buffer for tensors of ``tensor_bytes`` on a GPU: the largest, capped at ``cap_bytes``.
-
-    Args:
-        tensor_bytes: bytes of each GPU tensor to move.
-        cap_bytes: the most a staging buffer may take (bytes, > 0).
-
-    Returns:
-        0 when there is nothing to stage, else ``min(max(tensor_bytes), cap_bytes)`` rounded up to 4 KiB.
+    """Bytes of the staging buffer for GPU tensors of ``tensor_bytes``: 0 when there is nothing to stage,
+    else ``min(max(tensor_bytes), cap_bytes)`` rounded up to 4 KiB.
 
     Raises:
         ValueError: ``cap_bytes`` is not positive.
@@ -92,10 +76,8 @@ class Staging:
         return self._buf
 
     def chunks(self, tensor: torch.Tensor) -> Iterator[memoryview]:
-        """The bytes of ``tensor`` in order; device tensors chunk by chunk through the buffer.
-
-        Each yielded view is valid until the next one is requested. CPU
-        tensors yield one view of their own memory (contiguous ones: no copy).
+        """The bytes of ``tensor`` in order: device tensors chunk by chunk through the buffer, CPU ones as
+        one view of their memory. Each view is valid until the next is requested.
         """
         t = tensor.detach()
         if t.device.type == "cpu" and not self.stage_cpu:
@@ -113,12 +95,8 @@ class Staging:
             yield _bytes_view(buf[:n])
 
     def fill(self, tensor: torch.Tensor, read_into: Callable[[memoryview], int]) -> int:
-        """Fill contiguous ``tensor``'s bytes from ``read_into(view) -> bytes read`` (a socket's ``readinto``).
-
-        CPU tensors are read into directly; device tensors chunk by chunk through the buffer.
-
-        Returns:
-            Bytes filled (fewer than the tensor's when the reader ended early).
+        """Fill contiguous ``tensor``'s bytes from ``read_into(view) -> bytes read`` (a socket's ``readinto``);
+        return the bytes filled (fewer when the reader ended early).
         """
         flat = _as_bytes(tensor)
         got = 0

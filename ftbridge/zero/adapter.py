@@ -40,11 +40,8 @@ class ZeroAdapter:
 
     # -- gradients -------------------------------------------------------
     def partition_grads(self) -> List[torch.Tensor]:
-        """This rank's reduced gradient partition at the accumulation boundary.
-
-        Returns:
-            Tensors that ``optimizer.step()`` reads, to be modified in place
-            (dtype: DeepSpeed's gradient accumulation dtype; 1-D or views).
+        """This rank's reduced gradient partition at the accumulation boundary: the tensors
+        ``optimizer.step()`` reads, modified in place (DeepSpeed's accumulation dtype; 1-D or views).
         """
         raise NotImplementedError
 
@@ -72,11 +69,8 @@ class ZeroAdapter:
         return torch.empty((), dtype=self.grad_dtype()).element_size()
 
     def partition_layout(self) -> PartitionLayout:
-        """The fragments of each parameter in the partition (:mod:`ftbridge.zero.layout`).
-
-        Without a readable layout (DeepSpeed bookkeeping missing), one
-        fragment-less layout of :meth:`partition_numel` elements: the sync
-        then sends the partition whole, after backward.
+        """The fragments of each parameter in the partition (:mod:`ftbridge.zero.layout`); without
+        readable bookkeeping, one fragment-less layout (the sync then sends the partition whole, after backward).
         """
         try:
             return self._read_layout()
@@ -112,18 +106,14 @@ class ZeroAdapter:
         return ""
 
     def wrap_bucket_point(self, on_reduced: Callable[[List[int]], None]) -> None:
-        """Call ``on_reduced(param_keys)`` each time DeepSpeed has reduced a bucket inside the group.
-
-        Wraps the smallest DeepSpeed method that sees a reduced bucket, on the
-        optimizer *instance* (the class is untouched), deepspeed 0.19.
+        """Call ``on_reduced(param_keys)`` each time DeepSpeed has reduced a bucket inside the group
+        (wraps the smallest such method on the optimizer *instance*, deepspeed 0.19).
         """
         raise NotImplementedError
 
     def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
-        """During the boundary backward: ``message``'s elements as one 1-D tensor, and whether it is a copy.
-
-        Reads the reduced gradients of the message's parameters where DeepSpeed
-        keeps them before it assembles the partition; padding is zero.
+        """During the boundary backward: ``message``'s reduced elements as one 1-D tensor (padding zero),
+        and whether it is a copy.
         """
         raise NotImplementedError
 
@@ -131,9 +121,8 @@ class ZeroAdapter:
         """Before the first backward of an optimizer step (nothing to do for most stages)."""
 
     def assemble_partition(self) -> None:
-        """After the window's last backward, before the sync first reads :meth:`partition_grads` whole.
-
-        Completes what DeepSpeed leaves incomplete (ZeRO-1/2 offload); nothing elsewhere.
+        """After the window's last backward, before the sync reads :meth:`partition_grads` whole: complete
+        what DeepSpeed leaves incomplete (ZeRO-1/2 offload).
         """
 
     def prepare_step(self) -> None:
@@ -161,10 +150,8 @@ class ZeroAdapter:
         return to_wire(self.optimizer.state_dict())
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
-        """Load a peer's :meth:`heal_state` (same group rank, same shapes).
-
-        Issues an all-gather inside the replica group: every rank of the
-        group must call it at the same point.
+        """Load a peer's :meth:`heal_state` (same group rank, same shapes); an in-group all-gather, so
+        every rank of the group calls it at the same point.
 
         Raises:
             ValueError: the peer's state does not match this rank's shapes.
@@ -172,21 +159,14 @@ class ZeroAdapter:
         raise NotImplementedError
 
     def fingerprint_tensors(self) -> List[torch.Tensor]:
-        """What this rank's optimizer steps on: its fp32 master partition and that partition's optimizer state.
-
-        The parameters of the torch optimizer DeepSpeed wraps (ZeRO-1/2/3 and
-        ``BF16_Optimizer`` alike keep the fp32 partitions there), each followed
-        by its state tensors in key order. Equal on two replicas (same group
-        rank) exactly when they will step alike. For the divergence guard.
+        """What this rank's optimizer steps on, for the divergence guard: the fp32 master partitions of the
+        wrapped torch optimizer, each followed by its state tensors in key order.
         """
         return with_optimizer_state(self.optimizer.optimizer,
                            [p for group in self.optimizer.optimizer.param_groups for p in group["params"]])
 
     def full_parameters(self) -> List[torch.Tensor]:
-        """The module's full parameters (gathered under ZeRO-3), for checksums.
-
-        Collective inside the replica group under ZeRO-3.
-        """
+        """The module's full parameters, for checksums (gathered under ZeRO-3: collective in the group)."""
         return [p.detach() for p in self.engine.module.parameters()]
 
     def _state_list(self, state: Dict[str, Any]) -> List[Any]:

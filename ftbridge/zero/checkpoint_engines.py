@@ -1,21 +1,11 @@
 """DeepSpeed's checkpoint-engine extension point: where ftbridge's checkpoint writers and loaders plug in.
 
-DeepSpeed 0.19 reads and writes every file of ``save_checkpoint`` and
-``load_checkpoint`` through ``engine.checkpoint_engine`` (``save(state,
-path)``, ``load(path, map_location)``), an attribute DeepSpeed offers for
-other storage back ends. ftbridge swaps it for the length of one save or
-load (:func:`swapped_checkpoint_engine`) with :class:`DelegatingCheckpointEngine`,
-a DeepSpeed ``TorchCheckpointEngine`` whose ``save`` and ``load`` are
-ftbridge's own (``ftbridge.checkpoint.async_save`` snapshots and writes,
-``ftbridge.checkpoint.safe_load`` loads without pickle); every other method
-DeepSpeed calls stays DeepSpeed's.
-
-:data:`DEEPSPEED_CHECKPOINT_TYPES` are the DeepSpeed types a ZeRO 1/2/3,
-bf16, fp16 or optimizer-offload checkpoint of DeepSpeed 0.19 holds, for the
-``weights_only`` allowlist.
-
-This module and the rest of :mod:`ftbridge.zero` are the only code that
-reads DeepSpeed internals (``tests/test_boundaries.py``).
+:func:`swapped_checkpoint_engine` replaces ``engine.checkpoint_engine`` (through which DeepSpeed
+0.19 reads and writes every checkpoint file) for one save or load with a
+:class:`DelegatingCheckpointEngine` whose ``save`` and ``load`` are ftbridge's
+(:mod:`ftbridge.checkpoint.async_save`, :mod:`ftbridge.checkpoint.safe_load`).
+:data:`DEEPSPEED_CHECKPOINT_TYPES` feeds the ``weights_only`` allowlist. See
+docs/checkpoints.md, "How it works".
 """
 
 from __future__ import annotations
@@ -31,9 +21,8 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from ftbridge.zero.engine_points import check_deepspeed_version
 
 DEEPSPEED_CHECKPOINT_TYPES: List[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-"""DeepSpeed 0.19 types in its checkpoint files: the loss scaler object of ZeRO-1/2 optimizer states
-(static for bf16/fp32, dynamic for fp16), the ZeRO stage enum, and ``fragment_address`` of
-BF16_Optimizer and ZeRO-1/2 parameter slice mappings."""
+"""DeepSpeed 0.19 types in its checkpoint files (loss scalers, the ZeRO stage enum,
+``fragment_address``)."""
 
 
 class DelegatingCheckpointEngine(TorchCheckpointEngine):

@@ -35,11 +35,8 @@ def check_deepspeed_version(version: str = deepspeed.__version__) -> None:
 def wrap_model_step(engine: Any, run: Callable[..., None]) -> None:
     """Make DeepSpeed call ``run(original, *args, **kwargs)`` where it would step the optimizer.
 
-    ``DeepSpeedEngine._take_model_step`` (deepspeed 0.19) runs exactly when
-    DeepSpeed applies an optimizer step, whichever way the caller set the
-    accumulation boundary, after DeepSpeed assembled the gradient partition
-    (including the unmanaged finalize). It is replaced on the engine
-    *instance*; the class is untouched.
+    Replaces ``DeepSpeedEngine._take_model_step`` (deepspeed 0.19) on the engine *instance*; it runs
+    once per optimizer step, whichever way the boundary was set, after the partition is assembled.
     """
     original = engine._take_model_step
 
@@ -50,25 +47,17 @@ def wrap_model_step(engine: Any, run: Callable[..., None]) -> None:
 
 
 def align_to_window(micro_steps: int, gradient_accumulation_steps: int) -> int:
-    """The smallest ``m >= micro_steps`` at which a managed accumulation window starts.
-
-    DeepSpeed closes a window when ``(micro_steps + 1) % gas == 0``; a counter
-    saved under another ``gas`` (a resume with a different accumulation count)
-    would otherwise close the first window early and shift every later one.
+    """The smallest ``m >= micro_steps`` at which a managed window of ``gas`` micro-steps starts
+    (DeepSpeed closes one when ``(micro_steps + 1) % gas == 0``); for a counter saved under another ``gas``.
     """
     gas = max(1, int(gradient_accumulation_steps))
     return -(-int(micro_steps) // gas) * gas
 
 
 def gradient_reduction(engine: Any) -> str:
-    """``"mean"`` or ``"sum"``: how ``engine`` reduces gradients over its group's ranks.
-
-    DeepSpeed 0.19's ``gradient_allreduce_op`` (default ``"mean"``) sets the engine's
-    ``gradient_average``, which its ZeRO-1/2 optimizers and its bf16 all-reduce read;
-    DeepSpeed refuses ``"sum"`` with ZeRO-3. ``gradient_predivide_factor`` and
-    ``prescale_gradients`` change only where the mean's division happens, not its value.
-    The cross-replica reduction must follow it: each group's partition then holds its
-    ranks' sum, and plain DeepSpeed would sum over every rank of the job.
+    """``"mean"`` or ``"sum"``: how ``engine`` reduces gradients over its group's ranks
+    (DeepSpeed's ``gradient_allreduce_op``); the cross-replica reduction follows it. Why:
+    docs/concepts.md, "Where the sync sits in a ZeRO step".
     """
     return "mean" if getattr(engine, "gradient_average", True) else "sum"
 
@@ -77,9 +66,7 @@ def check_accumulation_settings(engine: Any) -> None:
     """Refuse the DeepSpeed settings whose optimizer steps ftbridge cannot make exact.
 
     Raises:
-        ValueError: naming the setting and the fix: ZenFlow (selective,
-            asynchronous updates), pipeline parallelism (its own engine), or
-            DeepCompile (its compiled graph reduces gradients itself).
+        ValueError: naming the setting and the fix: ZenFlow, pipeline parallelism or DeepCompile.
     """
     if getattr(engine, "zenflow", False):
         raise ValueError("zero_optimization.zenflow updates parameters selectively and asynchronously, which "

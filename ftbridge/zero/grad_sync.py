@@ -1,48 +1,18 @@
 """Cross-replica averaging of the ZeRO gradient partition: exact for any set of gradients.
 
-After DeepSpeed has reduced the gradients inside the replica group, each rank
-holds the reduced gradient of its own partition. :class:`GradientSync`
-averages that partition across the replica groups (ranks with the same group
-rank) through the torchft manager, so every replica steps on the same
-gradient, before DeepSpeed's overflow check, norm and clipping.
+:class:`GradientSync` averages each rank's reduced gradient partition across the
+replica groups (ranks with the same group rank) through the torchft manager,
+before DeepSpeed's overflow check, norm and clipping. What travels is the same
+on every replica: the messages of :mod:`ftbridge.zero.messages`, issued in plan
+order per bucket during backward, after backward, or at the optimizer step,
+whichever is the earliest point at which their content is final. Every message
+goes through a communication hook (:mod:`ftbridge.comm_hooks`); a hook that
+raises is reported to the manager, so the step is discarded on every replica.
+:func:`checked_adapter` refuses what cannot be made exact; :func:`build_sync`
+builds the sync.
 
-What travels is fixed by the parameter layout, never by arrival order: the
-partition is cut into the messages of :mod:`ftbridge.zero.messages`, the same
-on every replica, and each message is issued at one of three points, the
-earliest at which its content is final on this replica:
-
-1. **per bucket** (``sync_mode=per_bucket``), inside the backward of the
-   accumulation boundary, when that backward completes the gradient: message
-   ``k`` goes as soon as every parameter in it has been reduced inside the
-   group and messages ``0..k-1`` have gone, overlapped with the rest of
-   backward. DeepSpeed has no hook for this (its PR #7764,
-   ``set_all_reduce_hook``, was closed unmerged), so the smallest method that
-   sees a reduced bucket is wrapped on the optimizer *instance*
-   (:meth:`ftbridge.zero.adapter.ZeroAdapter.wrap_bucket_point`);
-2. **after backward**: when the window's boundary backward ended, whatever is
-   left (every message, in ``post_backward`` mode or when per-bucket cannot
-   be exact this step);
-3. **at the optimizer step**: when DeepSpeed assembles the partition only
-   inside ``step()`` (``managed_gradient_accumulation: false``,
-   ``coalesce_grad_reduction``).
-
-Under ZeRO-1/2 optimizer offload the partition is the CPU fp32 one DeepSpeed
-assembles during backward; it has no per-bucket point, so its messages go at
-point 2 or 3, after :meth:`ZeroAdapter.assemble_partition` completed it
-(:mod:`ftbridge.zero.stages`).
-
-Per-bucket is exact when the gradient a bucket holds is the step's final
-gradient: ZeRO-3 accumulates in place, so always; ZeRO-1/2 only when the
-window has a single backward (with several, DeepSpeed sums the micro-steps
-after the last bucket). Otherwise that step falls back to point 2, logged
-once per reason. Because every point issues the *same* messages in the same
-order, replicas that chose different points in one step still pair exactly.
-
-Every message goes through a communication hook (:mod:`ftbridge.comm_hooks`;
-default the plain average). A hook that raises is reported to the manager,
-so the step is discarded on every replica, like a failed all-reduce. A hook
-that needs the whole partition and its layout (PowerSGD) gets a one-message
-plan and is issued after backward.
+Why: docs/concepts.md, "Where the sync sits in a ZeRO step" ("Messages fixed
+by the parameter layout", "When each message goes") and "Optimizer offload".
 """
 
 from __future__ import annotations
@@ -68,24 +38,21 @@ logger = logging.getLogger(__name__)
 class GradientSync:
     """Average the rank's gradient partition across replica groups, in layout-defined messages.
 
-    Per optimizer step the engine calls :meth:`begin_backward` and
-    :meth:`end_backward` around every backward, and :meth:`wait` right
-    before DeepSpeed's optimizer step (after DeepSpeed assembled the
-    partition), then :meth:`commit` or :meth:`reset`.
+    Per optimizer step the engine calls :meth:`begin_backward` and :meth:`end_backward` around every
+    backward, :meth:`wait` right before DeepSpeed's optimizer step, then :meth:`commit` or :meth:`reset`.
 
     Args:
         manager: the rank's replica manager.
         adapter: where the partition lives for this ZeRO stage.
-        mode: ``"per_bucket"`` (overlap with backward where exact) or ``"post_backward"``.
-        min_bytes: smallest cross-replica message, bytes (per-bucket mode);
-            ``0``: one message per parameter fragment.
+        mode: ``"per_bucket"`` or ``"post_backward"``.
+        min_bytes: smallest message in per-bucket mode, bytes; ``0``: one per parameter fragment.
         hook: ``hook(state, flat) -> work`` (:mod:`ftbridge.comm_hooks`); default the plain average.
         hook_state: its state; default a :class:`CommHookState` of ``manager``.
         order: ordering against DeepSpeed's CUDA streams (:mod:`ftbridge.zero.stream_order`);
-            default one that is active when the model is on a GPU.
+            default one active when the model is on a GPU.
 
     Raises:
-        ValueError: ``mode`` is not one of :data:`SYNC_MODES`, or ``min_bytes < 0``.
+        ValueError: ``mode`` is not in :data:`SYNC_MODES`, or ``min_bytes < 0``.
     """
 
     def __init__(self, manager: ReplicaManager, adapter: ZeroAdapter, mode: str = "per_bucket",
@@ -143,9 +110,8 @@ class GradientSync:
         self._pending.append((work, flat, tag))
 
     def _wait_pending(self, on_result: Optional[Callable[[torch.Tensor, Any], None]] = None) -> None:
-        """Block until every pending all-reduce finished; ``on_result(flat, tag)`` for tagged ones.
-
-        Failures do not raise: torchft records them and the step is discarded.
+        """Wait for every pending all-reduce; ``on_result(flat, tag)`` for tagged ones. Failures do not
+        raise: torchft records them and the step is discarded.
         """
         pending, self._pending = self._pending, []
         for work, flat, tag in pending:
@@ -191,9 +157,8 @@ class GradientSync:
 
         Args:
             boundary: DeepSpeed treats this backward as the accumulation boundary.
-            first: it is the first backward of the optimizer step's window.
-            no_sync: DeepSpeed defers the in-group reduction (``no_sync``,
-                ``coalesce_grad_reduction``): the partition is assembled later.
+            first: it is the first backward of the step's window.
+            no_sync: DeepSpeed defers the in-group reduction; the partition is assembled later.
         """
         self._armed = False
         if boundary and not no_sync:
@@ -215,7 +180,6 @@ class GradientSync:
 
     def wait(self) -> None:
         """Right before the optimizer step: issue what is left, wait, put results in the partition.
-
         Failures do not raise: torchft records them and the step is discarded.
         """
         self._issue_rest()
@@ -288,10 +252,8 @@ class GradientSync:
 
 
 class CanonicalPartition:
-    """The tensors ``optimizer.step()`` reads, addressed as one flat range of elements.
-
-    Args:
-        tensors: :meth:`ZeroAdapter.partition_grads` (views and zero pads, in order).
+    """The tensors ``optimizer.step()`` reads (:meth:`ZeroAdapter.partition_grads`: views and zero pads,
+    in order), addressed as one flat range of elements.
     """
 
     def __init__(self, tensors: List[torch.Tensor]) -> None:
@@ -344,11 +306,9 @@ def checked_adapter(engine: Any) -> ZeroAdapter:
     Call before any other work (no server, no process group started yet).
 
     Raises:
-        ValueError: ZeRO stage 0, an engine feature ftbridge cannot follow
-            (:func:`~ftbridge.zero.engine_points.check_accumulation_settings`), an
-            optimizer path it cannot make exact (:meth:`ZeroAdapter.unsupported`), or
-            gradient accumulation DeepSpeed itself gets wrong here
-            (:meth:`ZeroAdapter.accumulation_refused`); each names the setting and the fix.
+        ValueError: ZeRO stage 0, or a feature, optimizer path or accumulation setting ftbridge cannot
+            make exact (:func:`~ftbridge.zero.engine_points.check_accumulation_settings`,
+            :meth:`ZeroAdapter.unsupported`, :meth:`ZeroAdapter.accumulation_refused`), naming the fix.
     """
     adapter = adapter_for(engine)
     check_accumulation_settings(engine)
@@ -364,10 +324,8 @@ def checked_adapter(engine: Any) -> ZeroAdapter:
 def build_sync(adapter: ZeroAdapter, manager: ReplicaManager, sync_mode: str, min_bytes: int,
                hook: Optional[Callable[..., Any]] = None,
                hook_state: Optional[CommHookState] = None) -> GradientSync:
-    """The installed cross-replica sync of ``adapter``'s optimizer: the one place it is built.
-
-    Whether messages may go per bucket is decided in :meth:`GradientSync.install` from the adapter
-    (:meth:`ZeroAdapter.per_bucket_unsupported`) and the hook, and logged there.
+    """The installed cross-replica sync of ``adapter``'s optimizer; :meth:`GradientSync.install` decides
+    and logs whether messages may go per bucket.
     """
     sync = GradientSync(manager, adapter, sync_mode, min_bytes=min_bytes, hook=hook, hook_state=hook_state)
     sync.install()

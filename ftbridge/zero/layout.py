@@ -1,20 +1,11 @@
 """Which parameter each element of a rank's ZeRO gradient partition belongs to, read from DeepSpeed.
 
-The partition as ``optimizer.step()`` reads it (:meth:`ftbridge.zero.adapter.ZeroAdapter.partition_grads`
-concatenated) is cut into :class:`Fragment` s, one per parameter
-(or piece of a parameter) it holds, from DeepSpeed's own bookkeeping (deepspeed 0.19):
-
-* ZeRO-1/2 (``DeepSpeedZeroOptimizer``): per parameter group, ``params_in_partition``,
-  ``grad_start_offset`` (where the rank's piece starts in the parameter),
-  ``grad_partition_insertion_offset`` (where it sits in the partition) and ``partition_size``;
-  the same layout holds for the CPU fp32 partition under optimizer offload.
-* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): ``fp16_groups``, each parameter's
-  ``partition_numel()`` slot (``1/group_size`` of it, padded) and ``ds_shape``.
-
-The total must equal the partition's size and fragments must not overlap, or the readers raise.
-The message plan (:mod:`ftbridge.zero.messages`) and PowerSGD (:mod:`ftbridge.comm_hooks.powersgd`)
-use the result
-(:mod:`ftbridge.comm_hooks.matrices` views it as PowerSGD's matrices).
+Cuts the partition as ``optimizer.step()`` reads it (:meth:`ftbridge.zero.adapter.ZeroAdapter.partition_grads`
+concatenated) into :class:`Fragment` s from DeepSpeed 0.19's bookkeeping: :func:`stage12_layout`
+(``params_in_partition``, ``grad_start_offset``, ``grad_partition_insertion_offset``, ``partition_size``;
+also the CPU partition under offload) and :func:`stage3_layout` (``fp16_groups``, ``partition_numel()``,
+``ds_shape``). The readers raise unless the fragments are disjoint and fill the partition. Used by
+:mod:`ftbridge.zero.messages` and :mod:`ftbridge.comm_hooks.powersgd`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """The cross-replica message plan: which part of the gradient partition each all-reduce carries.
 
-A collective pairs the tensors of its participants by call order and
-position, never by meaning: if replica group 0 sends parameter A's gradient
-where replica group 1 sends parameter B's, gloo and NCCL add them and both
-groups step on the sum. So the messages must be defined by something every
-replica shares, and the order in which gradients happened to arrive (which
-depends on the data: branches, MoE experts, task heads) is not such a thing.
+:func:`plan_messages` cuts the rank's canonical partition (``ZeroAdapter.partition_grads()``
+concatenated, :mod:`ftbridge.zero.layout`) once into :class:`Message` s: contiguous ranges
+of whole fragments (padding goes with the fragment after it), at least ``min_numel``
+elements each but the last, listed from the end of the partition to its start and issued
+in exactly that order on every replica. Replicas of the same group size, stage and
+settings cut the same plan. :class:`Readiness` releases a message during the boundary
+backward once it is complete *and* every message before it was issued.
 
-The plan is cut once, from the rank's partition layout (the *canonical*
-layout: ``ZeroAdapter.partition_grads()`` concatenated, what DeepSpeed's
-``optimizer.step()`` reads, :mod:`ftbridge.zero.layout`):
-
-* every message is a contiguous range ``[start, end)`` of the canonical
-  layout and holds whole fragments (never part of one parameter's fragment);
-  alignment padding goes with the fragment after it (the last message of the
-  plan takes the padding at the start of the partition);
-* messages hold at least ``min_numel`` elements each (the last one may hold
-  fewer), like DDP's ``bucket_cap_mb``;
-* they are listed from the end of the partition towards its start, the order
-  in which backward produces the gradients of most models (last layer first),
-  and are issued in exactly that order on every replica.
-
-Every replica group of the same group size, ZeRO stage and settings computes
-the same plan, so message ``k`` carries the same parameters at the same
-offsets everywhere, whatever this step touched: a parameter that got no
-gradient on one replica is zero there, as with PyTorch DDP's
-``find_unused_parameters``. :class:`Readiness` tracks, during the backward
-of the accumulation boundary, which messages are complete; a message is
-issued once it is complete *and* every message before it was issued, so the
-call order stays the plan's order even when gradients arrive in another one
-(that costs overlap, never correctness).
+Why: docs/concepts.md, "Messages fixed by the parameter layout".
 """
 
 from __future__ import annotations
@@ -46,9 +25,8 @@ class Message:
 
     Attributes:
         start, end: element offsets in the canonical partition (``end > start``).
-        fragments: the fragments inside the range, by decreasing offset;
-            empty when the layout is unknown (the message then only goes
-            after backward). Elements outside every fragment are padding.
+        fragments: the fragments inside the range, by decreasing offset; empty when the layout is
+            unknown (the message then only goes after backward). Other elements are padding.
     """
 
     start: int
@@ -70,14 +48,12 @@ def plan_messages(layout: PartitionLayout, min_numel: int) -> List[Message]:
     """Cut the canonical partition into messages, last parameters first.
 
     Args:
-        layout: the partition's fragments (offsets in elements); fragments
-            without elements (a ZeRO-3 parameter whose share on this rank is
-            only padding) are ignored.
+        layout: the partition's fragments (offsets in elements); fragments without elements are ignored.
         min_numel: smallest message, elements; ``<= 0`` gives one message per fragment.
 
     Returns:
-        Messages tiling ``[0, layout.numel)`` with no gap and no overlap,
-        ordered by decreasing ``start``; ``[]`` for an empty partition.
+        Messages tiling ``[0, layout.numel)`` with no gap and no overlap, by decreasing ``start``;
+        ``[]`` for an empty partition.
     """
     if layout.numel <= 0:
         return []
@@ -98,11 +74,7 @@ def plan_messages(layout: PartitionLayout, min_numel: int) -> List[Message]:
 
 
 class Readiness:
-    """Which messages of the plan may be issued now, during one boundary backward.
-
-    Args:
-        plan: the messages, in issue order.
-    """
+    """Which messages of ``plan`` (in issue order) may be issued now, during one boundary backward."""
 
     def __init__(self, plan: Sequence[Message]) -> None:
         self.plan = list(plan)
@@ -121,8 +93,7 @@ class Readiness:
 
     def reduced(self, keys: Iterable[int]) -> List[int]:
         """Record that ``keys``' gradients are final; return the messages that may now be issued, in order.
-
-        Keys outside the plan (parameters of other ranks' partitions) are ignored.
+        Keys outside the plan are ignored.
         """
         for key in keys:
             if key in self._seen or key not in self._messages_of:

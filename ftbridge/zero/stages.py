@@ -1,49 +1,21 @@
-"""Per-ZeRO-stage access to DeepSpeed's optimizer internals.
+"""Per-ZeRO-stage access to DeepSpeed's optimizer internals (:class:`Stage12Adapter`,
+:class:`Stage3Adapter`, :class:`BF16OptimizerAdapter`; :func:`adapter_for` picks one).
 
-DeepSpeed has no public API for "the gradient partition this rank is about
-to step on", "drop this step's gradients", or "copy a peer's optimizer state
-in memory". Each ZeRO stage keeps them in different attributes; this module
-is the one place that knows where, for the DeepSpeed versions in
-:data:`ftbridge.zero.engine_points.SUPPORTED_DEEPSPEED`. Everything else in ftbridge goes through
-:class:`ftbridge.zero.adapter.ZeroAdapter`.
+The one place that knows DeepSpeed's attributes, for the versions in
+:data:`ftbridge.zero.engine_points.SUPPORTED_DEEPSPEED`; everything else goes through
+:class:`ftbridge.zero.adapter.ZeroAdapter`. The gradient partition at the boundary:
 
-Where the gradient partition lives at the accumulation boundary (deepspeed
-0.19.8, no optimizer offload):
+* ZeRO-1/2: ``averaged_gradients[g]`` (views plus zero pads, or one flat fp32
+  ``flat_partition`` on the compact path); under optimizer offload the CPU fp32
+  ``single_partition_of_fp32_groups[g].grad``;
+* ZeRO-3: ``grad_partitions_flat_buffer``, with or without offload;
+* ``BF16_Optimizer``: ``fp32_groups_gradients_flat[g]``, the *full* flat gradient.
 
-* ZeRO-1/2 (``DeepSpeedZeroOptimizer``): ``averaged_gradients[g]`` for each
-  parameter group ``g``: a list of views plus zero pads, or, on the compact
-  path (bf16/fp16 parameters, fp32 accumulation), an object holding one flat
-  fp32 ``flat_partition``.
-* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): one flat
-  ``grad_partitions_flat_buffer`` for all groups.
-* ``BF16_Optimizer`` (ZeRO-1 with bf16 parameters and fp32 gradient
-  accumulation): ``fp32_groups_gradients_flat[g]``, the *full* flat fp32
-  gradient of group ``g``, all-reduced in the group by the engine. Its step
-  clips by a norm over all of it, so the whole flat gradient is averaged
-  across replicas, not only the rank's partition (``group_size`` times the
-  bytes of a ZeRO-1/2 partition).
-
-With ``zero_optimization.offload_optimizer`` (:attr:`ZeroAdapter.offload`)
-DeepSpeed copies each reduced gradient to the optimizer's CPU fp32 partition
-and takes its norm (and, ZeRO-1/2, its overflow flag) during backward, parameter
-by parameter, before any cross-replica average could exist. The adapter
-makes that partition exact and then redoes what backward derived from it:
-
-* ZeRO-1/2: the partition is the CPU fp32 ``single_partition_of_fp32_groups[g].grad``.
-  :meth:`ZeroAdapter.begin_window` zeroes it and DeepSpeed's CPU accumulation
-  buffers (``accumulated_grads_in_cpu``: DeepSpeed adds to the value of the last
-  window that used a parameter, and leaves the slot of an unused parameter as it
-  was); :meth:`ZeroAdapter.assemble_partition` copies the accumulated gradient of
-  every parameter reduced in the window into it (DeepSpeed copies only the
-  parameters reduced in the boundary backward); :meth:`ZeroAdapter.prepare_step`
-  takes the per-parameter norms and the overflow flag again from the average.
-* ZeRO-3: the partition is ``grad_partitions_flat_buffer`` as without offload;
-  :meth:`ZeroAdapter.prepare_step` offloads all of it again
-  (``_offload_grad_partition_at_boundary`` per parameter), norms included.
-
-:meth:`ZeroAdapter.discard_grads` also resets what DeepSpeed's ``step()``
-resets on that path (``reset_cpu_buffers``: per-parameter norms and, for
-ZeRO-1/2, ``local_overflow``).
+Under offload, :meth:`ZeroAdapter.begin_window`, :meth:`ZeroAdapter.assemble_partition`
+and :meth:`ZeroAdapter.prepare_step` make the partition exact and redo the norms and
+overflow flag from the average; :meth:`ZeroAdapter.discard_grads` also resets what
+DeepSpeed's ``step()`` resets there. Why: docs/concepts.md, "Where the sync sits in a
+ZeRO step" and "Optimizer offload".
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Convert DeepSpeed state dicts to and from a pickle-free wire form.
+"""Convert DeepSpeed state dicts to and from a pickle-free wire form (:func:`to_wire`, :func:`from_wire`).
 
-DeepSpeed's optimizer ``state_dict()`` mixes tensors with Python objects (a
-``LossScaler``, ``ZeroStageEnum``, fragment-address records, tuples). A heal
-must not unpickle anything from the network, so the donor sends only the
-tensors and JSON scalars (:func:`to_wire`) and the joiner rebuilds the
-structure from its *own* state dict, which has the same shapes because it
-has the same group size and ZeRO stage (:func:`from_wire`).
-
-Objects are kept from the joiner's own state, with one exception: loss
-scalers (any object with a ``cur_scale`` attribute) carry training state, so
-their scalar attributes (``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
-hysteresis, ...) are sent and set on the joiner's scaler.
+The donor sends only tensors and JSON scalars; the joiner rebuilds the structure from its own
+state dict (same group size and ZeRO stage, so same shapes), keeping its own objects except
+loss scalers, whose scalar attributes are sent and set. See docs/concepts.md, "Heal".
 """
 
 from __future__ import annotations
@@ -65,17 +57,12 @@ def from_wire(local: Any, wire: Any, path: str = "") -> Any:
         path: key path for error messages.
 
     Returns:
-        A structure like ``local``: tensors are the peer's, cast to the local
-        dtype and device; scalars are the peer's; objects are local (loss
-        scalers updated in place with the peer's attributes).
-
-    Keys the peer has and ``local`` lacks (optimizer state created lazily at
-    the first step) are taken from the peer, digit-only keys as ``int``.
+        A structure like ``local``: the peer's tensors (cast to the local dtype and device) and
+        scalars, local objects (loss scalers updated with the peer's attributes); keys only the
+        peer has (lazily created optimizer state) are taken from it, digit-only keys as ``int``.
 
     Raises:
-        ValueError: a key or tensor of ``local`` missing in ``wire``, or a tensor shape
-            that differs (the two ranks do not have the same group size,
-            ZeRO stage or model).
+        ValueError: a key or tensor of ``local`` missing in ``wire``, or a differing tensor shape.
     """
     where = path or "<root>"
     if isinstance(local, torch.Tensor):

@@ -1,35 +1,19 @@
 """Ordering of the cross-replica all-reduce against DeepSpeed's CUDA streams; a no-op on the CPU.
 
-DeepSpeed reduces gradient buckets inside the replica group on side streams:
-ZeRO-1/2 with ``overlap_comm`` on ``reduction_stream`` (without it, on the
-current stream), ZeRO-3 always on ``reduce_and_partition_stream``, from
-inside a ``with stream(...)`` block. The cross-replica sync reads what those
-streams wrote, and may send a view of DeepSpeed's own buffer in place
-(ZeRO-3's ``grad_partitions_flat_buffer``, the canonical partition after
-backward). Three rules, applied by :class:`StreamOrder`:
+DeepSpeed reduces gradient buckets on side streams; the sync reads what they wrote and
+may send a view of DeepSpeed's own buffer in place. :class:`StreamOrder` applies three rules:
 
-1. **fence**: when DeepSpeed hands over a reduced bucket, record an event on
-   the stream that produced it (:meth:`StreamOrder.fence`); after backward,
-   one event per side stream (:meth:`StreamOrder.fence_all`).
-2. **issue** on one *sync stream*, after waiting for the fence on the GPU (no
-   CPU block): the copy of the bucket's gradients, a hook's casts and the
-   all-reduce are all enqueued under ``with stream(sync)`` after
-   ``sync.wait_event(fence)`` (:meth:`StreamOrder.issuing`). The sync stream
-   is the training thread's stream when backward starts
-   (:meth:`StreamOrder.begin`), so the all-reduce is never read before its
-   in-group reduce finished. torchft's managed work must also be *waited* on
-   the stream it was created on (``_ManagedWork._assert_same_stream``, torchft
-   0.2): ZeRO-3's bucket point runs inside DeepSpeed's stream block, and an
-   all-reduce issued there could not be waited from the optimizer step.
-3. **release**: after the step's all-reduces were waited for (on the sync
-   stream), record a *done* event there and make every DeepSpeed side stream
-   wait on it (:meth:`StreamOrder.release`), so DeepSpeed never writes a
-   buffer the cross-replica all-reduce still reads or writes, whatever its own
-   stream waits are.
+1. **fence**: record an event on the stream that produced a reduced bucket
+   (:meth:`StreamOrder.fence`), or on every side stream after backward (:meth:`StreamOrder.fence_all`);
+2. **issue** the copy, a hook's casts and the all-reduce on one *sync stream* (the training
+   thread's stream when backward starts, :meth:`StreamOrder.begin`) after a GPU-side wait for the
+   fence (:meth:`StreamOrder.issuing`); torchft 0.2 requires its work to be waited on the stream
+   it was created on, so the sync stream is also where it is waited;
+3. **release**: after the step's all-reduces were waited for, DeepSpeed's side streams wait on a
+   *done* event (:meth:`StreamOrder.release`), so DeepSpeed never writes a buffer still in use.
 
-On CPU tensors every method returns at once (``active`` is false). The CUDA
-calls go through ``backend`` (default ``torch.cuda``), so the decisions are
-tested on CPU with fake streams and events (``tests/test_stream_order.py``).
+The CUDA calls go through ``backend`` (default ``torch.cuda``), so the decisions are tested on
+CPU with fakes. See docs/gpu.md, "What the GPU code does".
 """
 
 from __future__ import annotations
@@ -43,10 +27,8 @@ class StreamOrder:
 
     Args:
         active: the gradient partition is on a GPU (``False``: every method is a no-op).
-        backend: ``current_stream()``, ``Event(enable_timing=...)``, ``stream(s)`` (a context manager);
-            default ``torch.cuda``.
-        timing: also record timing events around each :meth:`waiting` block, read by
-            :meth:`exposed_wait_s` (the device check's exposed cross-replica wait).
+        backend: ``current_stream()``, ``Event(enable_timing=...)``, ``stream(s)``; default ``torch.cuda``.
+        timing: also time each :meth:`waiting` block, for :meth:`exposed_wait_s`.
     """
 
     def __init__(self, active: bool, backend: Any = None, timing: bool = False) -> None:
@@ -67,10 +49,8 @@ class StreamOrder:
             self.sync_stream = self.backend.current_stream()
 
     def fence(self, producer: Any = None) -> List[Any]:
-        """Record an event on ``producer`` (``None``: the current stream), the stream that reduced a bucket.
-
-        Returns:
-            ``[event]`` to pass to :meth:`issuing`; ``[]`` on CPU.
+        """Record an event on ``producer`` (``None``: the current stream), the stream that reduced a
+        bucket; return ``[event]`` for :meth:`issuing` (``[]`` on CPU).
         """
         if not self.active:
             return []
@@ -115,10 +95,8 @@ class StreamOrder:
             self._spans.append((start, end))
 
     def release(self, side_streams: Iterable[Any]) -> Optional[Any]:
-        """After the step's all-reduces were waited for: DeepSpeed's ``side_streams`` wait for them.
-
-        Returns:
-            The *done* event recorded on the sync stream (``None`` on CPU).
+        """After the step's all-reduces were waited for: make ``side_streams`` wait for them; return the
+        *done* event on the sync stream (``None`` on CPU).
         """
         if not self.active or self.sync_stream is None:
             return None
