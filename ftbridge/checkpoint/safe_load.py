@@ -1,39 +1,11 @@
 """Loading checkpoint files without running code in them.
 
-A ``.pt`` file is a pickle: ``torch.load(weights_only=False)`` calls whatever
-functions the file names, so a crafted file runs code on the rank that loads
-it, whether or not it matches its manifest (whoever can write the folder can
-rewrite the manifest too). Every ftbridge load goes through this module
-instead: ``torch.load(weights_only=True)`` (tensors, containers, numbers and
-strings only) plus :data:`ALLOWED_GLOBALS`, the DeepSpeed types a ZeRO 1/2/3,
-bf16, fp16 or optimizer-offload checkpoint of DeepSpeed 0.19 holds. A file
-needing any other type is refused with :class:`UnsafeCheckpointError` naming
-the file and the type.
-
-DeepSpeed 0.19's own ``load_checkpoint`` reads its files through
-``engine.checkpoint_engine.load``, and its ``TorchCheckpointEngine`` calls
-``torch.load(weights_only=False)``. :func:`load_deepspeed_checkpoint` uses
-that extension point (no patch of DeepSpeed code): it
-
-1. loads every ``.pt`` file of the checkpoint with the safe loader first
-   (memory-mapped, so only the pickles are parsed), so a bad file is refused
-   before DeepSpeed changes any state;
-2. swaps ``engine.checkpoint_engine`` for one whose ``load`` is
-   :class:`SafeLoader` during DeepSpeed's ``load_checkpoint``
-   (:mod:`ftbridge.zero.checkpoint_engines`, for the DeepSpeed releases in
-   :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only), which hands
-   DeepSpeed those objects (each file is parsed once) and loads anything
-   else safely too.
-
-DeepSpeed's universal-checkpoint loader reads its files with its own
-``torch.load(weights_only=False)``, past the checkpoint engine; it is refused
-here. The upstream fix would be ``weights_only=True`` with DeepSpeed's types
-registered in ``TorchCheckpointEngine.load`` (compare DeepSpeed PR #7764 for
-the engine hooks ftbridge would otherwise use).
-
-To trust an extra type (your own state registered with
-``engine.register_state``), allow it before resuming:
-``torch.serialization.add_safe_globals([MyType])``.
+Every ftbridge load of a ``.pt`` file goes through :func:`safe_load`: ``torch.load(weights_only=True)``
+plus :data:`ALLOWED_GLOBALS`; a file needing any other type raises :class:`UnsafeCheckpointError`
+naming the file and the type, and no code in it runs. :func:`load_deepspeed_checkpoint` runs
+DeepSpeed's ``load_checkpoint`` with every file checked first and DeepSpeed's checkpoint engine
+swapped for one that loads through :class:`SafeLoader`; universal checkpoints are refused. Reasoning
+and the user's way to allow a type: ``docs/checkpoints.md``, "How it works" (No code runs on load).
 """
 
 from __future__ import annotations
@@ -59,10 +31,10 @@ from ftbridge.zero.checkpoint_engines import (
 )
 
 ALLOWED_GLOBALS: List[Any] = [*DEEPSPEED_CHECKPOINT_TYPES, TorchVersion]
-"""Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold
-(:data:`ftbridge.zero.checkpoint_engines.DEEPSPEED_CHECKPOINT_TYPES`: loss scalers, the ZeRO stage
-enum, ``fragment_address``), and ``TorchVersion`` (a ``str`` subclass: ``torch.__version__`` in the
-metadata of checkpoints written before ftbridge stored it as a plain string)."""
+"""Types beyond torch's ``weights_only`` defaults: DeepSpeed 0.19's
+(:data:`ftbridge.zero.checkpoint_engines.DEEPSPEED_CHECKPOINT_TYPES`) and ``TorchVersion``, found
+in the metadata of older checkpoints.
+"""
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -81,12 +53,9 @@ def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bo
         mmap: memory-map tensor storages instead of reading them (zip format only).
         name: the file's name in messages (default: ``path``).
 
-    Returns:
-        The loaded object.
-
     Raises:
-        UnsafeCheckpointError: the file needs a type that is not allowed
-            (named in the message) or is not a torch file; no code in it ran.
+        UnsafeCheckpointError: the file needs a type that is not allowed (named in the message) or is
+            not a torch file; no code in it ran.
         OSError: the file cannot be read.
     """
     try:
@@ -103,14 +72,9 @@ def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bo
 
 
 def check_files(paths: List[str]) -> Dict[str, Any]:
-    """Load every file of ``paths`` with :func:`safe_load`, tensors memory-mapped (zip format).
+    """``{absolute path: object}`` of every file of ``paths`` loaded with :func:`safe_load`, tensors memory-mapped.
 
-    Only the pickles are parsed here; tensor bytes are read when used.
-
-    Returns:
-        ``{absolute path: loaded object}`` (CPU tensors), for
-        :class:`SafeCheckpointEngine` to hand to DeepSpeed, so each file is
-        parsed once.
+    Only the pickles are parsed; the result goes to :class:`SafeLoader` so each file is parsed once.
 
     Raises:
         UnsafeCheckpointError: the first file that needs a type that is not allowed.
@@ -125,11 +89,8 @@ _RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:optim
 def files_of_rank(paths: List[str], rank: int, size: int) -> List[str]:
     """The files of ``paths`` that group rank ``rank`` of ``size`` checks before a load.
 
-    All of them except the files named for another rank ``j < size`` of the
-    group (DeepSpeed's ``[bf16_]zero_pp_rank_<j>_mp_rank_<m>_{optim,model}_states.pt``
-    and ``ftbridge_rank_<j>.pt``): rank ``j`` checks those itself, and DeepSpeed
-    0.19 reads only its own rank's shard unless the checkpoint is elastic.
-    A file named for a rank outside the group is kept: every rank checks it.
+    All but those named for another rank ``j < size`` (``[bf16_]zero_pp_rank_<j>_..._states.pt``,
+    ``ftbridge_rank_<j>.pt``), which rank ``j`` checks; a file named for a rank outside the group is kept.
 
     Raises:
         ValueError: ``rank`` not in ``[0, size)``.
@@ -155,9 +116,8 @@ class SafeLoader:
     """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, handing out preloaded files first.
 
     Args:
-        preloaded: ``{absolute path: object}`` from :func:`check_files`; a load of
-            one of these files to the CPU gets a copy in memory instead of parsing the
-            file again, every time (DeepSpeed reads the model states file twice).
+        preloaded: ``{absolute path: object}`` from :func:`check_files`; a CPU load of one of these gets
+            an in-memory copy every time instead of parsing the file again.
     """
 
     def __init__(self, preloaded: Optional[Dict[str, Any]] = None) -> None:
@@ -181,10 +141,8 @@ def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = N
         preloaded: files already loaded safely (:func:`check_files`), used instead of reading them again.
 
     Raises:
-        RuntimeError: a DeepSpeed release this was not checked against, or an
-            engine without a checkpoint engine.
-        ValueError: the engine is configured to load universal checkpoints
-            (DeepSpeed reads those with pickle, past the checkpoint engine).
+        RuntimeError: an unsupported DeepSpeed release, or an engine without a checkpoint engine.
+        ValueError: the engine loads universal checkpoints (DeepSpeed reads those with pickle).
     """
     if loads_universal(ds_engine):
         raise ValueError('"checkpoint": {"load_universal": true} is set: DeepSpeed loads universal checkpoints '
@@ -198,21 +156,20 @@ def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = N
 
 def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, *,
                               preloaded: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:
-    """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, scanned first and loaded safely.
+    """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, every file checked first and loaded safely.
 
     Args:
         ds_engine: the DeepSpeed engine.
         load_dir: checkpoint root (holding ``latest`` and tag folders).
         tag: the tag to load; ``None``: the one ``load_dir/latest`` names.
-        preloaded: :func:`check_files` of every ``.pt`` file of the tag's folder, when the caller
-            scanned it already (it is then not parsed again); ``None``: scanned here.
+        preloaded: :func:`check_files` of the tag's ``.pt`` files if the caller has it; ``None``: scanned here.
 
     Returns:
-        What DeepSpeed returns: ``(path or None, client_state)``.
+        What DeepSpeed returns: ``(path or None, client_state)``; ``(None, None)`` without ``latest``.
 
     Raises:
-        UnsafeCheckpointError: a file of the tag needs a type outside the
-            allowlist; raised before DeepSpeed touches any state.
+        UnsafeCheckpointError: a file needs a type outside the allowlist; before DeepSpeed touches any state.
+        ValueError: ``tag`` is not a folder name.
     """
     if tag is None:
         from ftbridge.checkpoint.manifest import read_latest
