@@ -1,19 +1,10 @@
-"""Checkpoint manifest and atomic publication.
+"""Checkpoint manifest, hostile-input checks of a checkpoint folder, and atomic publication.
 
-A checkpoint is published in four moves, so that a reader never sees half of
-one and a writer killed at any point leaves the previous checkpoint as the
-latest:
-
-1. every group rank writes its files into ``ROOT/.tmp-<tag>-q<quorum>/<tag>/``
-   and fsyncs them;
-2. group rank 0 writes ``manifest.json`` (every file's size and SHA-256) and
-   fsyncs the folder;
-3. ``rename(ROOT/.tmp-…/<tag>, ROOT/<tag>)`` (atomic on POSIX; it fails when
-   ``ROOT/<tag>`` exists, so a step is published at most once);
-4. ``ROOT/latest`` (DeepSpeed's own pointer file: the tag as text) is
-   replaced atomically through a temporary file and ``os.replace``.
-
-:func:`verify` re-reads every file against the manifest.
+Publishing: files staged in ``ROOT/.tmp-<tag>-q<quorum>/<tag>/`` and fsynced, ``manifest.json``
+written by group rank 0, one ``rename`` to ``ROOT/<tag>`` (fails if it exists: a step is published
+at most once), then ``ROOT/latest`` replaced atomically (``docs/checkpoints.md``, "Atomic publish").
+Reading: every read is bounded, opens no symbolic link and reads only regular files; :func:`verify`
+checks a folder against its manifest.
 """
 
 from __future__ import annotations
@@ -39,10 +30,7 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def read_bounded(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
-
-    Opened without following a symbolic link and without blocking (a FIFO
-    or a device is refused after ``fstat``, never read).
+    """The bytes of the regular file ``path``, at most ``limit``; a link, FIFO or device is refused, never read.
 
     Raises:
         OSError: missing or unreadable (``ELOOP``: ``path`` is a symbolic link).
@@ -84,8 +72,8 @@ def parse_json(data: bytes, what: str) -> Any:
 def check_relpath(rel: Any) -> str:
     """``rel`` if it names a file inside the checkpoint folder, else ValueError.
 
-    A path is relative, ``/``-separated, without ``..``, ``.`` or empty parts
-    and without NUL; the manifest's own files cannot be listed.
+    Relative, ``/``-separated, at most 4096 characters, no ``..``, ``.`` or empty part, no NUL or
+    backslash, and not the manifest's own files.
     """
     if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel:
         raise ValueError(f"manifest path {rel!r} is not a plain relative path")
@@ -105,8 +93,8 @@ def is_int(value: Any, lo: int, hi: int) -> bool:
 def check_manifest(obj: Any) -> Dict[str, Any]:
     """``obj`` if it has the shape of a manifest, else ValueError naming the first bad field.
 
-    Shape: ``{"files": {relpath: {"bytes": int, "sha256": 64 hex}}, "total_bytes": int,
-    "tag": str, "step": int}`` (``tag`` and ``step`` optional, other keys ignored).
+    Shape: ``{"files": {relpath: {"bytes": int, "sha256": 64 hex}}, "total_bytes": int, "tag": str,
+    "step": int}`` (``total_bytes``, ``tag``, ``step`` optional; other keys ignored).
     """
     if not isinstance(obj, dict) or not isinstance(obj.get("files"), dict):
         raise ValueError("manifest is not an object with a \"files\" object")
@@ -127,7 +115,7 @@ def check_manifest(obj: Any) -> Dict[str, Any]:
 
 
 def sha256_file(path: str, limit: Optional[int] = None) -> str:
-    """SHA-256 of a regular file's bytes (at most ``limit + 1`` read), as 64 hex digits.
+    """SHA-256 of a regular file's bytes as 64 hex digits, reading at most ``limit + 1`` bytes.
 
     Raises:
         OSError: missing, unreadable, or a symbolic link.
@@ -160,11 +148,8 @@ def fsync_path(path: str) -> None:
 def build_manifest(ckpt_dir: str, known: Optional[Dict[str, Dict[str, object]]] = None) -> Dict[str, Dict[str, object]]:
     """``{relative path: {"bytes": n, "sha256": hex}}`` for every file under ``ckpt_dir``.
 
-    Args:
-        known: entries hashed while the files were written (by each rank);
-            used when the size on disk agrees, so files are not read twice.
-
-    The manifest itself and hidden files (``.done_rank_*`` markers) are left out.
+    Leaves out the manifest and hidden files (``.done_rank_*``); reuses a ``known`` entry (hashed while
+    writing) when its size agrees with the disk.
     """
     files: Dict[str, Dict[str, object]] = {}
     known = known or {}
@@ -188,9 +173,7 @@ def write_manifest(ckpt_dir: str, extra: Optional[Dict[str, object]] = None,
     """Hash ``ckpt_dir`` (reusing ``known`` entries) and write its ``manifest.json``, fsynced.
 
     Args:
-        key: with a key, also write ``manifest.hmac`` (HMAC-SHA256 of the
-            manifest's bytes, hex) so that :func:`verify` with the same key
-            detects a manifest rewritten by someone without it.
+        key: with a key, also write ``manifest.hmac`` (hex HMAC-SHA256 of the manifest's bytes).
 
     Returns:
         The manifest: ``{"files": {...}, "total_bytes": n, **extra}``.
@@ -218,8 +201,7 @@ def read_manifest(ckpt_dir: str, key: Optional[bytes] = None) -> Dict[str, Any]:
 
     Raises:
         OSError: the manifest is missing, unreadable or a symbolic link.
-        ValueError: not a regular file, too large, not valid JSON, wrong
-            shape (see :func:`check_manifest`), or a missing or wrong HMAC.
+        ValueError: not a regular file, too large, not valid JSON, wrong shape, or a missing or wrong HMAC.
     """
     data = read_bounded(os.path.join(ckpt_dir, MANIFEST))
     if key is not None:
@@ -235,10 +217,7 @@ def read_manifest(ckpt_dir: str, key: Optional[bytes] = None) -> Dict[str, Any]:
 
 
 def scan_folder(ckpt_dir: str) -> Tuple[Set[str], List[str]]:
-    """Regular files under ``ckpt_dir`` (relative paths) and problems with anything else found.
-
-    Symbolic links are reported, never followed; so are FIFOs, devices and sockets.
-    """
+    """Regular files under ``ckpt_dir`` (relative paths), and problems with anything else (links are never followed)."""
     files: Set[str] = set()
     problems: List[str] = []
     stack = [""]
@@ -261,22 +240,18 @@ def scan_folder(ckpt_dir: str) -> Tuple[Set[str], List[str]]:
 
 def verify(ckpt_dir: str, required: Optional[List[str]] = None, key: Optional[bytes] = None,
            hashed_later: Collection[str] = ()) -> List[str]:
-    """Problems found in ``ckpt_dir`` against its manifest; empty when it can be trusted.
+    """Problems found in ``ckpt_dir`` against its manifest, one message per problem naming the file; empty: trusted.
+
+    Checks: the manifest (bounded, shape, HMAC with ``key``), exactly the listed regular files present
+    (no link, FIFO, device or unlisted file), sizes and SHA-256, ``required`` paths listed. Nothing
+    outside ``ckpt_dir`` is opened or measured.
 
     Args:
         ckpt_dir: one published checkpoint (``ROOT/<tag>``), a real folder.
-        required: relative paths that must be listed in the manifest.
-        key: the checkpoint key, if one is configured (see :func:`read_manifest`).
-        hashed_later: relative paths whose content the caller checks itself
-            when it reads them (a resume: :mod:`ftbridge.checkpoint.verified_read`);
-            everything else about them (listed, present, regular, size) is checked here.
-
-    Returns:
-        One message per problem, each naming the file: unreadable or
-        ill-shaped manifest, a listed path leaving the folder, a file on disk
-        not in the manifest, a listed file missing, a symbolic link or other
-        non-regular file, a size or SHA-256 mismatch, a required file not
-        listed. Nothing outside ``ckpt_dir`` is opened or measured.
+        required: relative paths that must be listed.
+        key: the checkpoint key, if one is configured.
+        hashed_later: paths whose content the caller hashes when it reads them
+            (:mod:`ftbridge.checkpoint.verified_read`); all else about them is checked here.
     """
     if os.path.islink(ckpt_dir) or not os.path.isdir(ckpt_dir):
         return [f"{ckpt_dir}: not a folder (or a symbolic link to one)"]
@@ -323,16 +298,10 @@ def write_text_atomic(path: str, text: str, durable: bool = True) -> None:
 
 
 def publish(staged_dir: str, root: str, tag: str) -> bool:
-    """Move a fully written, manifested checkpoint to ``root/tag`` atomically.
-
-    Args:
-        staged_dir: the folder holding the files and ``manifest.json``.
-        root: the checkpoint folder (same file system as ``staged_dir``).
-        tag: final name.
+    """Move a fully written, manifested checkpoint ``staged_dir`` to ``root/tag`` atomically (same file system).
 
     Returns:
-        False (and nothing moved) when ``root/tag`` already exists: a step is
-        published at most once.
+        False, moving nothing, when ``root/tag`` already exists: a step is published at most once.
     """
     final = os.path.join(root, tag)
     if os.path.exists(final):
