@@ -1,12 +1,8 @@
-"""Healing a replica group from a live peer, in memory: the pure rules and bounds.
+"""Healing a replica group from a live peer, in memory: the pure rules and bounds (reasoning: ``docs/heal.md``).
 
-* :func:`lazy_state_bytes`: the joiner's allowance for optimizer state it does not have yet;
-* :func:`joined_empty`: whether this launch joined a running job holding none of its state;
-* :func:`restart_without_peer`: whether such a group trains, waits for a peer, or stops.
-
-Submodules: :mod:`ftbridge.heal.wire` (body format and decoder), :mod:`ftbridge.heal.stream`
-(sending and receiving), :mod:`ftbridge.heal.limits` (deadlines, bounded server, URL policy, job token).
-:mod:`ftbridge.manager.transport` plugs them into torchft. Reasoning: ``docs/heal.md``.
+Submodules: :mod:`ftbridge.heal.wire` (body format and decoder), :mod:`ftbridge.heal.stream` (sending
+and receiving), :mod:`ftbridge.heal.limits` (deadlines, bounded server, URL policy, job token);
+:mod:`ftbridge.manager.transport` plugs them into torchft.
 """
 
 from __future__ import annotations
@@ -22,14 +18,10 @@ LAZY_STATE_FACTOR = 3
 
 
 def lazy_state_bytes(optimizer: Any) -> int:
-    """Bytes of optimizer state a donor may hold that this rank does not have yet.
+    """Bytes of optimizer state a donor may hold that this rank does not have yet (``docs/heal.md``).
 
-    :data:`LAZY_STATE_FACTOR` times the bytes of every parameter without state, plus 1 KiB each
-    (``docs/heal.md``, "Lazy optimizer state").
-
-    Args:
-        optimizer: a DeepSpeed optimizer (with ``.optimizer``), a ``torch.optim.Optimizer``, or ``None`` (0).
-            ZeRO-3's ``fp32_partitioned_groups_flat`` are counted too.
+    :data:`LAZY_STATE_FACTOR` times the bytes of every parameter without state, plus 1 KiB each.
+    ``optimizer``: a DeepSpeed optimizer (with ``.optimizer``), a ``torch.optim.Optimizer``, or ``None`` (0).
     """
     if optimizer is None:
         return 0
@@ -52,13 +44,8 @@ class NoPeerToHealFrom(RuntimeError):
 def joined_empty(*, restart_count: int, spare_index: int, num_replica_groups: int) -> bool:
     """Whether this launch joined a running job holding none of its state (pure).
 
-    True for a torchrun restart (``restart_count`` > 0) or a warm spare (``spare_index`` >= 0), and
-    always False for a job of one replica group.
-
-    Args:
-        restart_count: ``TORCHELASTIC_RESTART_COUNT``.
-        spare_index: ``FTBridgeConfig.spare_index`` (-1: not a spare).
-        num_replica_groups: ``FTBridgeConfig.num_replica_groups``.
+    True for a torchrun restart (``restart_count``, ``TORCHELASTIC_RESTART_COUNT`` > 0) or a warm spare
+    (``spare_index`` >= 0), never for a job of one replica group.
     """
     return num_replica_groups > 1 and (restart_count > 0 or spare_index >= 0)
 

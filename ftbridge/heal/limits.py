@@ -1,14 +1,10 @@
 """HTTP limits of the heal path: deadlines, a bounded server, the heal URL policy, the job token.
 
-Both ends treat the other as hostile (threats: ``docs/lighthouse.md``, "The heal path"; why deadlines
-rather than per-read timeouts: ``docs/heal.md``, "Deadlines"):
-
-* :data:`REAPER` shuts down (``SHUT_RDWR``) each registered socket at its deadline, so the blocked
-  read or write in its owner fails at once;
-* :class:`BoundedHTTPServer` caps connections and bounds each one's request and response time;
-* :func:`check_heal_url` admits only ``http://HOST:PORT/heal/`` on the donor's host;
-* :func:`request_mac` / :func:`mac_matches`: the job-token HMAC over the donor's address and the step
-  (the token never travels).
+Both ends treat the other as hostile (threats: ``docs/lighthouse.md``, "The heal path"; deadlines:
+``docs/heal.md``). :data:`REAPER` shuts each registered socket down at its deadline;
+:class:`BoundedHTTPServer` caps connections and bounds each one's time; :func:`check_heal_url` admits
+only ``http://HOST:PORT/heal/``; :func:`request_mac` / :func:`mac_matches` are the job-token HMAC
+over the donor's address and the step (the token never travels).
 """
 
 from __future__ import annotations
@@ -178,9 +174,8 @@ def check_heal_url(metadata: str, expected_host: Optional[str]) -> Tuple[str, in
     """``(host, port)`` of a donor's heal URL prefix, if a joiner may fetch from it.
 
     Args:
-        metadata: the donor's ``http://HOST:PORT/heal/``
-            (:meth:`ftbridge.manager.transport.SafeHTTPTransport.metadata`), as torchft passes it on.
-        expected_host: the donor's manager host as the quorum names it, or ``None`` to accept any host.
+        metadata: the donor's ``http://HOST:PORT/heal/`` as torchft passes it on.
+        expected_host: the donor's manager host as the quorum names it; ``None`` accepts any host.
 
     Raises:
         ValueError: another scheme, credentials, a query or fragment, another path, no port, whitespace

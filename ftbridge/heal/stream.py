@@ -1,12 +1,9 @@
-"""The donor's heal body, sent straight from its live tensors while they may not change; the joiner's buffer.
+"""The donor's heal body, sent from its live tensors while they may not change; the joiner's receive memory.
 
-* :class:`StreamBody`: one body (the bytes of :func:`ftbridge.heal.wire.encode_state`), sent from the
-  tensors in chunks of :data:`SEND_CHUNK_BYTES` until :meth:`StreamBody.freeze`, then from a copy;
-* :class:`ReceiveBuffer`, :func:`fresh_buffer`: pre-mapped memory the joiner receives into.
-
-Precondition: the tensors of a heal state are not written between torchft's ``send_checkpoint`` and
-``disallow_checkpoint`` (which calls :meth:`StreamBody.freeze`). Why this gives a consistent
-snapshot, and where a device-staging step fits: ``docs/heal.md``, "Streaming the body".
+:class:`StreamBody` sends the bytes of :func:`ftbridge.heal.wire.encode_state` from the tensors until
+:meth:`StreamBody.freeze`, then from a copy. Precondition: a heal state's tensors are not written
+between torchft's ``send_checkpoint`` and ``disallow_checkpoint`` (which calls ``freeze``). Why this
+is a consistent snapshot: ``docs/heal.md``, "Streaming the body".
 """
 
 from __future__ import annotations
@@ -61,12 +58,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 class StreamBody:
     """One heal body: a prefix, then each tensor's bytes, sent from the tensors until :meth:`freeze`.
 
-    Args:
-        plan: the body's layout (:func:`ftbridge.heal.wire.plan_body`), whose tensors are read while
-            responses are served; or a whole encoded body (``bytes``).
-
-    Attributes:
-        size: bytes of the whole body (the ``Content-Length``).
+    ``plan``: the layout (:func:`ftbridge.heal.wire.plan_body`), whose live tensors are read while
+    responses are served, or a whole encoded body (``bytes``). ``size``: bytes of the body.
     """
 
     def __init__(self, plan: Union[BodyPlan, bytes]) -> None:
@@ -197,16 +190,9 @@ def _populated(nbytes: int) -> mmap.mmap:
 
 
 class ReceiveBuffer:
-    """Memory for a heal body's tensor bytes, mapped ahead of the heal in a background thread.
+    """Memory for a heal body's tensor bytes (``nbytes`` >= 0, else ValueError), mapped ahead in a thread.
 
-    Page faults on fresh memory would otherwise be paid inside the transfer (``docs/heal.md``,
-    "Receive memory").
-
-    Args:
-        nbytes: capacity (bytes, >= 0).
-
-    Raises:
-        ValueError: ``nbytes`` < 0.
+    So page faults are not paid inside the transfer (``docs/heal.md``, "Receive memory").
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -230,9 +216,7 @@ class ReceiveBuffer:
         return self._ready.wait(max(0.0, seconds))
 
     def take(self, nbytes: int, deadline: float) -> Optional[memoryview]:
-        """A writable view of the first ``nbytes`` bytes once mapped.
-
-        ``None`` if too small, not ready by ``deadline`` (``time.monotonic()``) or the mapping failed.
+        """A writable view of the first ``nbytes`` bytes; ``None`` if too small, unmapped by ``deadline`` (monotonic) or failed.
         """
         if nbytes > self.nbytes or not self._ready.wait(max(0.0, deadline - time.monotonic())) or self._mm is None:
             return None

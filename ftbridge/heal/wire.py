@@ -1,15 +1,13 @@
 """The heal wire format: a nested dict of tensors and JSON scalars, without pickle.
 
-One body is ``8-byte little-endian header length | JSON header | safetensors blob``. The JSON header
-maps ``"a/b/c"`` key paths to ``{"t": tensor_name}``, ``{"v": scalar}`` (``int``, ``float``, ``bool``,
-``str``, ``None``) or ``{"d": true}`` (an empty dict).
+Body: ``8-byte little-endian header length | JSON header | safetensors blob``; the header maps
+``"a/b/c"`` key paths to ``{"t": tensor_name}``, ``{"v": JSON scalar}`` or ``{"d": true}`` (empty dict).
 
 Hostile input: :func:`decode_state` and :func:`decode_parts` end every input in ``ValueError`` or a
 valid result (nested ``dict`` with non-empty ``str`` keys, tensor or JSON-scalar leaves, no two tensors
-sharing bytes, no more tensor bytes than the body holds), in time and memory linear in the body's size.
-The blob is checked as strictly as ``safetensors`` checks a file (header at most 100 MB starting with
-``{``, ``data_offsets`` tiling the data in order with no gap, overlap or trailing byte, sizes matching
-dtype and shape), also on the zero-copy path. Fuzzed in ``tests/test_wire_fuzz.py``.
+sharing bytes, no more tensor bytes than the body holds), in time and memory linear in the body's
+size. The blob is checked as strictly as ``safetensors`` checks a file (header at most 100 MB,
+``data_offsets`` tiling the data exactly, sizes matching dtype and shape), also on the zero-copy path.
 """
 
 from __future__ import annotations
@@ -86,14 +84,8 @@ def _flatten(state: Dict[str, Any]) -> Tuple[Dict[str, Any], List[torch.Tensor]]
 def plan_body(state: Dict[str, Any]) -> Optional[BodyPlan]:
     """Lay out the body :func:`encode_state` would return, copying no tensor data.
 
-    Args:
-        state: as for :func:`encode_state`.
-
-    Returns:
-        The plan, or ``None`` if a tensor's dtype is outside :data:`_ST_DTYPES`.
-
-    Raises:
-        TypeError: a leaf or key of another type (name and path in the message).
+    Returns ``None`` if a tensor's dtype is outside :data:`_ST_DTYPES`. Raises ``TypeError`` as
+    :func:`encode_state` does.
     """
     header, tensors = _flatten(state)
     if any(t.dtype not in _DTYPE_NAMES for t in tensors):
@@ -122,7 +114,7 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def encode_state(state: Dict[str, Any]) -> bytes:
-    """Serialise a nested dict of tensors and JSON scalars without pickle (format: module docstring).
+    """Serialise a nested dict of tensors and JSON scalars without pickle.
 
     Args:
         state: nested ``dict`` with non-empty ``str`` keys without ``"/"``; leaves ``torch.Tensor`` (any
@@ -164,13 +156,10 @@ def _encode_with_safetensors(state: Dict[str, Any]) -> bytes:
 
 
 def size_bound(state: Dict[str, Any], extra_bytes: int = 0) -> int:
-    """Largest body (bytes) accepted from a peer for a state shaped like ``state``, this rank's own.
+    """Largest body (bytes) accepted from a peer for a state shaped like our own ``state``; copies no tensor.
 
-    Tensor bytes + ``extra_bytes`` + twice our JSON headers + :data:`HEADER_SLACK_BYTES`; copies no tensor.
-
-    Args:
-        state: this rank's own state.
-        extra_bytes: state the peer may hold and this rank not yet (bytes), e.g. lazy optimizer moments.
+    Tensor bytes + ``extra_bytes`` (state the peer may hold and we not yet) + twice our JSON headers +
+    :data:`HEADER_SLACK_BYTES`.
     """
     tensor_bytes, header = 0, 0
     stack: List[Tuple[str, Any]] = [("", state)]
@@ -188,21 +177,13 @@ def size_bound(state: Dict[str, Any], extra_bytes: int = 0) -> int:
 
 
 def decode_state(body: bytes) -> Dict[str, Any]:
-    """Inverse of :func:`encode_state`; tensors come back on CPU.
-
-    Raises:
-        ValueError: any truncated or malformed body (module docstring's contract).
-    """
+    """Inverse of :func:`encode_state`, tensors on CPU; ValueError for any malformed body (module contract)."""
     n = header_length(body[:8], len(body))
     return decode_parts(body[8 : 8 + n], body[8 + n :])
 
 
 def header_length(prefix: Union[bytes, memoryview], body_len: int) -> int:
-    """The JSON header's length from the body's 8-byte prefix, checked against ``body_len`` (bytes).
-
-    Raises:
-        ValueError: fewer than 8 bytes, or a header longer than the body.
-    """
+    """The JSON header's length from the 8-byte prefix; ValueError if truncated or longer than ``body_len``."""
     if len(prefix) < 8 or body_len < 8:
         raise ValueError(f"heal state body of {body_len} bytes is truncated")
     (n,) = struct.unpack("<Q", prefix)
@@ -247,13 +228,9 @@ def _st_entries(header: Any, size: int) -> List[Tuple[str, str, List[int], int, 
 def blob_entries(raw_header: bytes, data_size: int) -> List[Tuple[str, torch.dtype, List[int], int, int]]:
     """Checked ``(name, dtype, shape, begin, end)`` per tensor of a blob header, for a receiver reading the data itself.
 
-    Args:
-        raw_header: the blob's JSON header (after its 8-byte length), at most :data:`ST_MAX_HEADER_BYTES`.
-        data_size: bytes of tensor data that follow the header.
-
-    Raises:
-        ValueError: a malformed header, offsets that do not tile ``data_size`` exactly, or a dtype outside
-            the zero-copy set.
+    ``raw_header`` is the blob's JSON header (at most :data:`ST_MAX_HEADER_BYTES`), ``data_size`` the
+    bytes that follow it. Raises ValueError for a malformed header, offsets that do not tile ``data_size``
+    exactly, or a dtype outside the zero-copy set.
     """
     if not raw_header.startswith(b"{"):
         raise ValueError("safetensors header does not start with '{'")
@@ -327,11 +304,8 @@ def _checked_entries(header: Any, tensors: Dict[str, torch.Tensor]) -> List[Tupl
 def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
     """:func:`decode_state` of a body already split into its JSON header and blob.
 
-    A writable ``blob`` (``bytearray``, writable ``memoryview``) is decoded into views of it, with no copy;
-    ``bytes`` is loaded by ``safetensors.torch.load``.
-
-    Raises:
-        ValueError: a malformed header or blob (module docstring's contract).
+    A writable ``blob`` (``bytearray``, writable ``memoryview``) is decoded into views of it, no copy;
+    ``bytes`` through ``safetensors.torch.load``. ValueError as for :func:`decode_state`.
     """
     header = _json(head, "header")
     writable = isinstance(blob, bytearray) or (isinstance(blob, memoryview) and not blob.readonly)
