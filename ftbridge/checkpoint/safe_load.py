@@ -1,11 +1,9 @@
-"""Loading checkpoint files without running code in them.
+"""Loading checkpoint files without running code in them (``docs/checkpoints.md``, "How it works").
 
-Every ftbridge load of a ``.pt`` file goes through :func:`safe_load`: ``torch.load(weights_only=True)``
-plus :data:`ALLOWED_GLOBALS`; a file needing any other type raises :class:`UnsafeCheckpointError`
-naming the file and the type, and no code in it runs. :func:`load_deepspeed_checkpoint` runs
-DeepSpeed's ``load_checkpoint`` with every file checked first and DeepSpeed's checkpoint engine
-swapped for one that loads through :class:`SafeLoader`; universal checkpoints are refused. Reasoning
-and the user's way to allow a type: ``docs/checkpoints.md``, "How it works" (No code runs on load).
+:func:`safe_load` is ``torch.load(weights_only=True)`` plus :data:`ALLOWED_GLOBALS`; anything else
+raises :class:`UnsafeCheckpointError` naming the file and the type, and no code in it runs.
+:func:`load_deepspeed_checkpoint` checks every file first, then runs DeepSpeed's ``load_checkpoint``
+with a checkpoint engine that loads through :class:`SafeLoader`; universal checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -31,10 +29,7 @@ from ftbridge.zero.checkpoint_engines import (
 )
 
 ALLOWED_GLOBALS: List[Any] = [*DEEPSPEED_CHECKPOINT_TYPES, TorchVersion]
-"""Types beyond torch's ``weights_only`` defaults: DeepSpeed 0.19's
-(:data:`ftbridge.zero.checkpoint_engines.DEEPSPEED_CHECKPOINT_TYPES`) and ``TorchVersion``, found
-in the metadata of older checkpoints.
-"""
+"""Types beyond torch's defaults: DeepSpeed 0.19's (``DEEPSPEED_CHECKPOINT_TYPES``) and ``TorchVersion``."""
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -49,13 +44,11 @@ def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bo
 
     Args:
         path: a file written by ``torch.save``, or a binary file object holding one.
-        map_location: as for ``torch.load`` (default: tensors on the CPU).
         mmap: memory-map tensor storages instead of reading them (zip format only).
         name: the file's name in messages (default: ``path``).
 
     Raises:
-        UnsafeCheckpointError: the file needs a type that is not allowed (named in the message) or is
-            not a torch file; no code in it ran.
+        UnsafeCheckpointError: a type that is not allowed (named), or no torch file; no code in it ran.
         OSError: the file cannot be read.
     """
     try:
@@ -72,12 +65,9 @@ def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bo
 
 
 def check_files(paths: List[str]) -> Dict[str, Any]:
-    """``{absolute path: object}`` of every file of ``paths`` loaded with :func:`safe_load`, tensors memory-mapped.
+    """``{absolute path: object}`` of ``paths`` loaded with :func:`safe_load`, memory-mapped, for :class:`SafeLoader`.
 
-    Only the pickles are parsed; the result goes to :class:`SafeLoader` so each file is parsed once.
-
-    Raises:
-        UnsafeCheckpointError: the first file that needs a type that is not allowed.
+    Raises :class:`UnsafeCheckpointError` for the first file that needs a type not allowed.
     """
     return {os.path.abspath(p): safe_load(p, "cpu", mmap=zipfile.is_zipfile(p)) for p in paths}
 
@@ -87,13 +77,8 @@ _RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:optim
 
 
 def files_of_rank(paths: List[str], rank: int, size: int) -> List[str]:
-    """The files of ``paths`` that group rank ``rank`` of ``size`` checks before a load.
-
-    All but those named for another rank ``j < size`` (``[bf16_]zero_pp_rank_<j>_..._states.pt``,
-    ``ftbridge_rank_<j>.pt``), which rank ``j`` checks; a file named for a rank outside the group is kept.
-
-    Raises:
-        ValueError: ``rank`` not in ``[0, size)``.
+    """The files of ``paths`` that group rank ``rank`` of ``size`` checks: all but those named for another
+    rank ``j < size`` (its ZeRO shards and ``ftbridge_rank_<j>.pt``). ValueError if ``rank`` is not in ``[0, size)``.
     """
     if not 0 <= rank < size:
         raise ValueError(f"group rank {rank} is not in [0, {size}): pass dist.get_rank() and dist.get_world_size()")
@@ -113,11 +98,9 @@ def _to_cpu(map_location: Any) -> bool:
 
 
 class SafeLoader:
-    """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, handing out preloaded files first.
+    """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, serving ``preloaded`` files first.
 
-    Args:
-        preloaded: ``{absolute path: object}`` from :func:`check_files`; a CPU load of one of these gets
-            an in-memory copy every time instead of parsing the file again.
+    A CPU load of a file in ``preloaded`` (:func:`check_files`) gets a fresh in-memory copy, not a re-parse.
     """
 
     def __init__(self, preloaded: Optional[Dict[str, Any]] = None) -> None:
@@ -136,9 +119,6 @@ class SafeLoader:
 @contextlib.contextmanager
 def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = None) -> Iterator[None]:
     """Inside the block, DeepSpeed's ``load_checkpoint`` reads files only through :func:`safe_load`.
-
-    Args:
-        preloaded: files already loaded safely (:func:`check_files`), used instead of reading them again.
 
     Raises:
         RuntimeError: an unsupported DeepSpeed release, or an engine without a checkpoint engine.
@@ -159,16 +139,14 @@ def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] 
     """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, every file checked first and loaded safely.
 
     Args:
-        ds_engine: the DeepSpeed engine.
-        load_dir: checkpoint root (holding ``latest`` and tag folders).
         tag: the tag to load; ``None``: the one ``load_dir/latest`` names.
-        preloaded: :func:`check_files` of the tag's ``.pt`` files if the caller has it; ``None``: scanned here.
+        preloaded: :func:`check_files` of the tag's ``.pt`` files, if the caller has it.
 
     Returns:
-        What DeepSpeed returns: ``(path or None, client_state)``; ``(None, None)`` without ``latest``.
+        DeepSpeed's ``(path or None, client_state)``; ``(None, None)`` without ``latest``.
 
     Raises:
-        UnsafeCheckpointError: a file needs a type outside the allowlist; before DeepSpeed touches any state.
+        UnsafeCheckpointError: a file needs a type outside the allowlist; before any state changes.
         ValueError: ``tag`` is not a folder name.
     """
     if tag is None:

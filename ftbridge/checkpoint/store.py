@@ -1,11 +1,8 @@
 """A folder of replica-group checkpoints: list, pick the newest valid, keep the last K.
 
-``ROOT`` (``--checkpoint-dir``, also a DeepSpeed ``load_dir``) holds ``latest``, one
-``global_step<N>/`` per published checkpoint, and leftovers (``.tmp-global_step<N>-q<Q>/`` staging,
-``.bad-global_step<N>-<pid>/``, ``latest.tmp<pid>``); files of a checkpoint: ``docs/checkpoints.md``,
-"What is in a checkpoint". A checkpoint is trusted only when every file matches its manifest:
-:meth:`CheckpointStore.find_valid` walks from the newest step down and raises
-:class:`NoValidCheckpointError` when checkpoints exist but none can be trusted, never loading one silently.
+``ROOT`` (``--checkpoint-dir``, also a DeepSpeed ``load_dir``) holds ``latest``, a ``global_step<N>/``
+per checkpoint and leftovers (:data:`LEFTOVER_RE`); layout: ``docs/checkpoints.md``. A checkpoint is
+trusted only when every file matches its manifest; none is ever loaded silently.
 """
 
 from __future__ import annotations
@@ -57,10 +54,7 @@ def tag_for(step: int) -> str:
 
 
 def required_files(group_size: int, zero_stage: int = 2) -> List[str]:
-    """Files every checkpoint of a group of ``group_size`` ranks must list, besides :func:`optimizer_shards`.
-
-    ftbridge's metadata and per-rank files, and DeepSpeed's model states (one file for ZeRO-1/2, one per
-    group rank for ZeRO-3).
+    """Files a checkpoint of ``group_size`` ranks must list besides :func:`optimizer_shards` (model states per ZeRO stage).
     """
     model = (["mp_rank_00_model_states.pt"] if zero_stage != 3 else
              [f"zero_pp_rank_{k}_mp_rank_00_model_states.pt" for k in range(group_size)])
@@ -74,12 +68,9 @@ def optimizer_shards(rank: int) -> Tuple[str, str]:
 
 
 def check_metadata(meta: Any, path: str, max_group_size: int) -> Dict[str, Any]:
-    """``meta`` if it is a usable ``ftbridge.json``, else ValueError naming the field and the bound.
+    """``meta`` if it is a usable ``ftbridge.json``, else ValueError naming ``path``, the field and the bound.
 
-    Args:
-        meta: the parsed JSON.
-        path: the file (for the message).
-        max_group_size: the largest group size the manifest can hold (two files per rank at least).
+    ``max_group_size``: the largest group size the manifest can hold (two files per rank at least).
     """
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: metadata is a {type(meta).__name__}, not a JSON object")
@@ -126,14 +117,11 @@ class CheckpointInfo:
         return check_metadata(mf.parse_json(data, path), path, max(1, len(files) // 2))
 
     def problems(self, hash_torch_files: bool = True) -> List[str]:
-        """What is wrong with it (empty: trusted).
+        """What is wrong with it (empty: trusted): every file against the manifest first, then the bounded
+        metadata, tag, step, and DeepSpeed's file set for the saved group size and stage.
 
-        Every file is checked against the manifest (:func:`ftbridge.checkpoint.manifest.verify`) before the
-        metadata is parsed; then tag, step and DeepSpeed's file set for the saved group size and stage.
-
-        Args:
-            hash_torch_files: also hash the ``.pt`` files; ``False`` (a resume, whose ranks hash what they
-                parse) still checks their listing, type and size.
+        ``hash_torch_files=False`` (a resume, whose ranks hash what they parse) skips hashing the ``.pt``
+        files but still checks their listing, type and size.
         """
         later = [] if hash_torch_files else [os.path.basename(p) for p in mf.checkpoint_files(self.path)]
         problems = mf.verify(self.path, key=self.key, hashed_later=later)
@@ -160,11 +148,9 @@ class CheckpointInfo:
 
 
 class CheckpointStore:
-    """The checkpoints under ``root``.
+    """The checkpoints under ``root`` (created on the first save).
 
-    Args:
-        root: checkpoint folder (created on the first save).
-        key: checkpoint key (:func:`load_key`); every checkpoint must then carry a matching ``manifest.hmac``.
+    With ``key`` (:func:`load_key`) every checkpoint must carry a matching ``manifest.hmac``.
     """
 
     def __init__(self, root: str, key: Optional[bytes] = None) -> None:
@@ -187,12 +173,11 @@ class CheckpointStore:
 
     def find_valid(self, log: Any = logger, *, hash_torch_files: bool = True,
                    skip: Collection[int] = ()) -> Optional[CheckpointInfo]:
-        """The newest checkpoint whose files all match its manifest; each one skipped is logged with its problems.
+        """The newest checkpoint whose files all match its manifest, logging each one skipped with its problems.
 
         Args:
-            log: where warnings about skipped checkpoints go.
             hash_torch_files: see :meth:`CheckpointInfo.problems`.
-            skip: steps the caller already found damaged (not checked again).
+            skip: steps the caller already found damaged.
 
         Returns:
             The checkpoint, or ``None`` when the folder holds none at all.
@@ -223,16 +208,10 @@ class CheckpointStore:
     def prune(self, keep: int, log: Any = logger, verified: Optional[str] = None) -> List[str]:
         """Delete old checkpoints and leftovers, never the newest verified one or the one ``latest`` names.
 
-        Leftovers removed: staging folders and ``.bad-*`` copies of steps up to the newest checkpoint, and
-        ``latest.tmp<pid>`` files older than :data:`STALE_TMP_S`; only real folders and regular files of
-        exactly these names (:data:`LEFTOVER_RE`), never through a link.
-
-        Args:
-            keep: checkpoints to keep by step (0: keep all), besides the protected two.
-            verified: tag known to be good without re-hashing (the one just published).
-
-        Returns:
-            The paths removed.
+        Keeps the newest ``keep`` (0: all) besides those two; ``verified`` is a tag known good without
+        re-hashing. Leftovers: staging and ``.bad-*`` folders of steps up to the newest checkpoint,
+        ``latest.tmp<pid>`` older than :data:`STALE_TMP_S`; only real folders and regular files of exactly
+        those names, never through a link. Returns the paths removed.
         """
         found = self.list()
         removed = []
@@ -275,15 +254,11 @@ class CheckpointStore:
 
 
 def load_key(path: Optional[str], root: str) -> Optional[bytes]:
-    """The checkpoint key in file ``path`` (``None`` when ``path`` is ``None``); reads at most 4096 bytes.
-
-    Args:
-        path: key file, e.g. ``$FTBRIDGE_CKPT_KEY_FILE``; it must lie outside ``root``.
-        root: the checkpoint folder.
+    """The checkpoint key in file ``path`` (``None`` for ``None``), read bounded to 4096 bytes.
 
     Raises:
-        ValueError: the file is inside ``root``, missing, a folder or not a regular file, or holds fewer
-            than 16 bytes.
+        ValueError: the file lies inside the checkpoint folder ``root``, is missing, a folder or not a
+            regular file, or holds fewer than 16 bytes.
         OSError: the file cannot be read.
     """
     if path is None:
@@ -308,14 +283,11 @@ def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_s
     """Refuse a checkpoint this replica group cannot load, before any state is touched.
 
     Args:
-        meta: the checkpoint's ``ftbridge.json``.
-        path: its folder (for the message).
-        group_size: ranks in this replica group.
-        zero_stage: this engine's ZeRO stage.
-        slots: this job's slots (0: off); ``None`` accepts any. No field in ``meta`` means 0.
+        meta: the checkpoint's ``ftbridge.json``; ``path``: its folder, for messages.
+        slots: this job's slots (0: off); ``None`` accepts any. A ``meta`` without the field means 0.
 
     Raises:
-        GroupSizeMismatchError: another group size (the message gives the conversion), or ZeRO-3
+        GroupSizeMismatchError: another ``group_size`` (the message gives the conversion), or ZeRO-3
             against ZeRO-1/2.
         SlotsMismatchError: saved with other slots.
     """

@@ -1,13 +1,9 @@
 """Read a checkpoint's ``.pt`` files once: the bytes checked against the manifest are the bytes parsed.
 
-Each rank reads each file it loads into memory once (bounded by the manifest's size, never following
-a link), hashes those bytes and parses the same bytes (``docs/checkpoints.md``, "How it works").
-Two kinds of error, which the caller treats differently:
-
-* :class:`CorruptFileError`: missing, not a regular file, not listed, another size or SHA-256; the
-  checkpoint is damaged and a resume falls back to an older one;
-* :class:`ftbridge.checkpoint.safe_load.UnsafeCheckpointError`: the bytes match the manifest but need
-  a type outside the allowlist; a resume stops.
+Reads are bounded by the manifest's size and follow no link. :class:`CorruptFileError` (damaged: a
+resume tries an older checkpoint) is distinct from
+:class:`~ftbridge.checkpoint.safe_load.UnsafeCheckpointError` (matches the manifest but needs a type
+outside the allowlist: a resume stops).
 """
 
 from __future__ import annotations
@@ -26,15 +22,10 @@ class CorruptFileError(ValueError):
 
 
 def read_checked(path: str, entry: Any) -> bytes:
-    """The bytes of ``path``, checked against its manifest ``entry``; reads at most ``entry["bytes"] + 1`` bytes.
+    """The bytes of ``path`` checked against its manifest ``entry`` (``{"bytes", "sha256"}`` or ``None``).
 
-    Args:
-        path: a file directly in a checkpoint folder.
-        entry: its manifest entry, ``{"bytes": int, "sha256": 64 hex}``, or ``None`` when not listed.
-
-    Raises:
-        CorruptFileError: not listed, missing, unreadable, a link or not a regular file, another size,
-            or another SHA-256.
+    Reads at most ``entry["bytes"] + 1`` bytes. Raises :class:`CorruptFileError` if not listed, missing,
+    unreadable, a link or not a regular file, or of another size or SHA-256.
     """
     if entry is None:
         raise CorruptFileError(f"{path}: not in the manifest (added, or its entry removed)")
@@ -50,19 +41,10 @@ def read_checked(path: str, entry: Any) -> bytes:
 
 
 def load_checked(paths: List[str], files: Dict[str, Any]) -> Dict[str, Any]:
-    """Read, check and parse each of ``paths`` once.
+    """``{absolute path: object}`` of ``paths`` (in one checkpoint folder), each read, checked against the
+    manifest ``files`` and parsed once, CPU tensors in memory of their own.
 
-    Args:
-        paths: ``.pt`` files directly in one checkpoint folder.
-        files: that folder's shape-checked manifest ``files`` (:func:`ftbridge.checkpoint.manifest.read_manifest`).
-
-    Returns:
-        ``{absolute path: loaded object}``, CPU tensors in memory of their own, for
-        :class:`ftbridge.checkpoint.safe_load.SafeLoader`.
-
-    Raises:
-        CorruptFileError: a file does not match its entry.
-        UnsafeCheckpointError: a file matches, but needs a type outside the allowlist.
+    Raises :class:`CorruptFileError` or :class:`~ftbridge.checkpoint.safe_load.UnsafeCheckpointError`.
     """
     out: Dict[str, Any] = {}
     for path in paths:

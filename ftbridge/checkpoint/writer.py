@@ -1,8 +1,6 @@
-"""Who writes a checkpoint: replica rank 0 of the quorum that committed the step, a pure function.
+"""Who writes a checkpoint: replica rank 0 of the quorum that committed the step (``docs/checkpoints.md``).
 
-Exactly one group writes each committed step (``docs/checkpoints.md``, "How it works": one writer per
-step). At run time the replica rank comes from torchft (``Manager.participating_rank()``);
-:func:`replica_ranks` restates torchft's rule so that the uniqueness can be tested without a lighthouse.
+At run time the rank comes from torchft; :func:`replica_ranks` restates torchft's rule for tests.
 """
 
 from __future__ import annotations
@@ -11,14 +9,8 @@ from typing import Dict, Mapping, Optional
 
 
 def replica_ranks(members: Mapping[str, int]) -> Dict[str, Optional[int]]:
-    """Replica rank of every quorum member, as torchft assigns it.
-
-    Args:
-        members: ``{replica_id: step}`` of every group in the quorum.
-
-    Returns:
-        ``{replica_id: rank}``: groups at the highest step, sorted by replica id, get 0..n-1; groups behind
-        (healing this step) get ``None``.
+    """``{replica_id: rank}`` as torchft assigns it from ``{replica_id: step}``: groups at the highest step,
+    sorted by id, get 0..n-1; groups behind (healing) get ``None``.
     """
     if not members:
         return {}
@@ -35,12 +27,7 @@ def is_writer(replica_rank: Optional[int], committed: bool) -> bool:
 
 
 def save_due(step: int, every: int, *, requested: bool = False, stopping: bool = False) -> bool:
-    """Whether the state after committed ``step`` (> 0) should be checkpointed.
-
-    Args:
-        step: committed steps so far (the checkpoint's step).
-        every: save every N steps (0: never on a schedule).
-        requested: an on-demand save was asked for (trigger file or API).
-        stopping: a graceful stop (SIGTERM) ends the run after this step.
+    """Whether the state after committed ``step`` (> 0) should be saved: on the ``every`` schedule (0:
+    none), ``requested`` on demand, or ``stopping`` after a SIGTERM.
     """
     return step > 0 and (requested or stopping or (every > 0 and step % every == 0))
