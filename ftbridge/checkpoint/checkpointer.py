@@ -165,8 +165,7 @@ class Checkpointer:
 
     # -- save --------------------------------------------------------------
     def save(self, step: int) -> None:
-        """Write the state after committed ``step``; every rank of this group calls it together (the caller decides who writes).
-        """
+        """Write the state after committed ``step``; all ranks of the group call it (the caller picks the writer)."""
         e, m = self.engine, self.engine.manager
         meta = self.metadata(step)
         rank_state = e.replica_state()

@@ -54,8 +54,7 @@ def tag_for(step: int) -> str:
 
 
 def required_files(group_size: int, zero_stage: int = 2) -> List[str]:
-    """Files a checkpoint of ``group_size`` ranks must list besides :func:`optimizer_shards` (model states per ZeRO stage).
-    """
+    """Files a checkpoint of ``group_size`` ranks must list besides :func:`optimizer_shards`, per ZeRO stage."""
     model = (["mp_rank_00_model_states.pt"] if zero_stage != 3 else
              [f"zero_pp_rank_{k}_mp_rank_00_model_states.pt" for k in range(group_size)])
     return [METADATA, *(f"ftbridge_rank_{k}.pt" for k in range(group_size)), *model]

@@ -131,8 +131,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._release()
 
     def extend(self, request: Any) -> None:
-        """The request was read: give the connection :attr:`response_deadline_s` from now, as deadline and socket timeout.
-        """
+        """The request was read: the connection gets :attr:`response_deadline_s` as deadline and socket timeout."""
         request.settimeout(self.response_deadline_s)
         REAPER.set(request, self.response_deadline_s)
 

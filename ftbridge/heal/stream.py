@@ -216,8 +216,7 @@ class ReceiveBuffer:
         return self._ready.wait(max(0.0, seconds))
 
     def take(self, nbytes: int, deadline: float) -> Optional[memoryview]:
-        """A writable view of the first ``nbytes`` bytes; ``None`` if too small, unmapped by ``deadline`` (monotonic) or failed.
-        """
+        """A writable view of the first ``nbytes`` bytes; ``None`` if too small, failed or unmapped at ``deadline``."""
         if nbytes > self.nbytes or not self._ready.wait(max(0.0, deadline - time.monotonic())) or self._mm is None:
             return None
         return memoryview(self._mm)[:nbytes]
