@@ -1,10 +1,9 @@
 """Snapshot at the step boundary, write in the background.
 
-:class:`SnapshotCheckpointEngine` is the ``save`` ftbridge plugs into DeepSpeed's checkpoint engine
-(through :mod:`ftbridge.zero.checkpoint_engines`): sync, it ``torch.save``s and fsyncs at once; async,
-it queues a CPU :func:`snapshot` that :class:`BackgroundWriter` writes after ``save_checkpoint``
-returns. Files, names and layout are DeepSpeed's own in both modes. Why the copy is needed:
-``docs/checkpoints.md``, "How it works" (Async).
+:class:`SnapshotCheckpointEngine` is the ``save`` ftbridge plugs into DeepSpeed's checkpoint engine:
+sync, it writes and fsyncs at once; async, it queues a CPU :func:`snapshot` that
+:class:`BackgroundWriter` writes later. Files are DeepSpeed's own either way (``docs/checkpoints.md``,
+"How it works": Async).
 """
 
 from __future__ import annotations
@@ -25,17 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -> Any:
-    """A CPU copy of a nested state dict that later training cannot change.
+    """A CPU copy of a nested state dict (any device) that later training cannot change.
 
-    Tensors sharing a storage share one copied storage (same offsets and strides), so ``torch.save`` of the
-    snapshot writes the same bytes as of ``obj``; other leaves are deep-copied where possible. GPU storages
-    go to pinned host memory (:func:`ftbridge.staging.host_copy`), with one wait per device at the end.
-
-    Args:
-        obj: dicts, lists, tuples, tensors (any device) and other objects.
-
-    Returns:
-        The same structure with CPU tensors.
+    Storage sharing is kept (same offsets and strides), so ``torch.save`` of it writes the same bytes as
+    of ``obj``; other leaves are deep-copied where possible; GPU storages go through pinned memory.
     """
     top = memo is None
     memo = {} if memo is None else memo
@@ -101,11 +93,9 @@ def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Di
 
 
 class SnapshotCheckpointEngine:
-    """The ``save`` of a DeepSpeed checkpoint engine: write now (sync) or snapshot and queue (async).
+    """The ``save`` of a DeepSpeed checkpoint engine: write now, or (``asynchronous``) snapshot and queue.
 
-    Args:
-        asynchronous: queue CPU snapshots instead of writing.
-        zipfile_serialization: ``torch.save`` format (the engine's own, so files match a plain DeepSpeed save).
+    ``zipfile_serialization``: the engine's own ``torch.save`` format, so files match a DeepSpeed save.
     """
 
     def __init__(self, *, asynchronous: bool, zipfile_serialization: bool = True) -> None:
