@@ -1,13 +1,9 @@
 """Run torchft's lighthouse in-process, with ftbridge's defaults and checks.
 
-The server is torchft's own Rust ``LighthouseServer`` (through :mod:`ftbridge.manager.torchft_api`);
-this module validates the arguments, picks defaults for fast failover, fixes the reported address,
-and warns when it binds beyond loopback. Its state is in memory only: after a restart quorum ids
-start again. One port serves gRPC ``LighthouseService{Quorum, Heartbeat}`` and HTTP ``GET /``,
-``GET /status`` and ``POST /replica/{id}/kill``, all unauthenticated.
-
-How the timeouts form a quorum, and why :data:`DEFAULT_JOIN_TIMEOUT_MS` is 1000 ms rather than
-torchft's 60000: ``docs/lighthouse.md``, "Quorum timing".
+The server is torchft's own Rust ``LighthouseServer`` (via :mod:`ftbridge.manager.torchft_api`); this
+module validates the arguments, sets defaults for fast failover, fixes the reported address and warns
+when it binds beyond loopback. One port serves gRPC and HTTP, unauthenticated; state is in memory only.
+Quorum timing and the 1000 ms join timeout: ``docs/lighthouse.md``, "Quorum timing".
 
 Example::
 
@@ -47,17 +43,9 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (IPv6 as ``[ADDR]:PORT``) into host and port.
+    """``(host, port)`` from ``HOST:PORT`` or ``[IPV6]:PORT`` (brackets removed); port 0 means a free port.
 
-    Args:
-        bind: e.g. ``127.0.0.1:29510``, ``0.0.0.0:0``, ``[::1]:0``,
-            ``localhost:29510``. Port 0 picks a free port.
-
-    Returns:
-        ``(host, port)`` with IPv6 brackets removed.
-
-    Raises:
-        ValueError: not ``HOST:PORT``, empty host, or a port outside 0-65535.
+    Raises ValueError for anything else, an empty host, or a port outside 0-65535.
     """
     if not isinstance(bind, str) or ":" not in bind:
         raise ValueError(
@@ -110,11 +98,7 @@ class LighthouseSettings:
     quorum_tick_ms: int
 
     def validate(self) -> tuple[str, int]:
-        """Check every value; return the parsed ``(host, port)`` of ``bind``.
-
-        Raises:
-            ValueError: naming the bad value and the fix.
-        """
+        """Check every value (ValueError naming it and the fix); return ``bind``'s ``(host, port)``."""
         host, port = parse_bind(self.bind)
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"min_replicas={self.min_replicas!r} must be a whole number >= 1")
@@ -155,13 +139,8 @@ class LighthouseService:
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop serving and wait until the port refuses connections, so it can be bound again. Idempotent.
-
-        Drops torchft's server object too, since its ``shutdown()`` alone may leave the socket open
-        (``docs/lighthouse.md``, "Implementation notes").
-
-        Args:
-            timeout_s: seconds to wait for the port to close; on expiry logs a WARNING and returns.
+        """Stop serving and wait up to ``timeout_s`` until the port refuses connections (then log a WARNING and
+        return). Idempotent. Why it also drops torchft's object: ``docs/lighthouse.md``, "Implementation notes".
         """
         if self._server is None:
             return
