@@ -192,7 +192,7 @@ def _populated(nbytes: int) -> mmap.mmap:
 class ReceiveBuffer:
     """Memory for a heal body's tensor bytes (``nbytes`` >= 0, else ValueError), mapped ahead in a thread.
 
-    So page faults are not paid inside the transfer (``docs/heal.md``, "Receive memory").
+    Mapped early so that page faults are not paid inside the transfer (``docs/heal.md``, "Receive memory").
     """
 
     def __init__(self, nbytes: int) -> None:
