@@ -1,36 +1,8 @@
 """Do the lighthouse's timeouts fit the managers' settings? A pure check.
 
-The lighthouse and the replica groups' torchft managers are configured
-separately (``ftbridge-lighthouse serve`` flags versus :class:`FTBridgeConfig`
-on every rank), yet their timeouts depend on each other. The rules, in the
-order :func:`check_timeouts` applies them (``ERROR`` refuses to start,
-``WARNING`` is logged):
-
-=====================  =======  ==============================================================
-rule                   level    why
-=====================  =======  ==============================================================
-heartbeat-interval     ERROR    ``heartbeat_timeout_ms`` must exceed 2 x the managers'
-                                ``heartbeat_interval``, or one late heartbeat declares a live
-                                group dead; below 5 x it is a WARNING (a GC pause or a loaded
-                                core can delay several beats)
-quorum-wait            ERROR    ``min(join_timeout_ms, heartbeat_timeout_ms) + quorum_tick_ms``
-                                must be below one try of a quorum call, ``quorum_timeout /
-                                (quorum_retries + 1)``: that is how long a quorum can wait for a
-                                straggler or a dead group that still counts as heartbeating;
-                                longer, and every try ends before the lighthouse answers (each
-                                try sends the request again, which restarts the straggler wait)
-heal-time              ERROR    ``expected_heal_time`` must be below ``cross_replica_timeout``:
-                                a donor sends its state inside its quorum, while its peers wait
-                                for it in the step's cross-replica all-reduce, bounded by that
-                                timeout (and the transfer itself is bounded by it too)
-heal-join              WARNING  ``join_timeout_ms`` below ``expected_heal_time``: a group that
-                                just healed asks for its next quorum late, and the others go on
-                                without it for a step (harmless, it catches up by healing again)
-restart-retries        WARNING  ``quorum_retries`` 0: a lighthouse restart kills every rank
-restart-outage         WARNING  ``quorum_timeout`` must cover ``expected_outage`` +
-                                ``join_timeout_ms`` + reconnect (2 s): torchft's manager bounds
-                                one quorum call, retries included, by ``quorum_timeout``
-=====================  =======  ==============================================================
+:func:`check_timeouts` applies the rules ``heartbeat-interval``, ``quorum-wait``, ``heal-time``
+(ERROR: refuse to start) and ``heal-join``, ``restart-retries``, ``restart-outage`` (WARNING), in that
+order; conditions and reasons: ``docs/lighthouse.md``, "Timeout checks". :func:`enforce` acts on them.
 
 Example::
 
@@ -48,8 +20,7 @@ from typing import Any, List, Optional
 logger = logging.getLogger("lighthouse")
 
 RECONNECT_ALLOWANCE = timedelta(seconds=2)
-"""Time a manager needs to notice that a restarted lighthouse is back (its
-connect loop backs off by 1.5x from 100 ms) and send its quorum again."""
+"""Time a manager needs to notice a restarted lighthouse is back and send its quorum again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +62,7 @@ class Finding:
     level: str
     """``"ERROR"`` (refuse) or ``"WARNING"``."""
     rule: str
-    """Short rule name, as in the module docstring's table."""
+    """Short rule name, as in ``docs/lighthouse.md``'s table."""
     message: str
     """The values involved, the rule, and the fix."""
 
@@ -101,14 +72,11 @@ def _s(td: timedelta) -> str:
 
 
 def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding]:
-    """Check the rules of the module docstring; return the violated ones (pure, no I/O).
+    """The violated rules, errors and warnings in rule order; empty when all fit (pure, no I/O).
 
     Args:
         lh: the lighthouse's settings (ms).
         mgr: the managers' settings.
-
-    Returns:
-        The findings, errors and warnings, in rule order; empty when all fit.
     """
     out: List[Finding] = []
     hb_timeout = timedelta(milliseconds=lh.heartbeat_timeout_ms)

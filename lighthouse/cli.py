@@ -3,32 +3,16 @@
 Usage::
 
     ftbridge-lighthouse serve                                  # 127.0.0.1:29510, health :29511, page :29512
-    ftbridge-lighthouse serve --bind 127.0.0.1:0 --min-replicas 2
     ftbridge-lighthouse serve --bind 0.0.0.0:29510             # other machines; see the warning
     ftbridge-lighthouse serve --exit-when-idle-s 300           # exit 0 after the job's groups are gone
-    ftbridge-lighthouse status http://127.0.0.1:29510          # quorum and members as a table
-    ftbridge-lighthouse status --json 127.0.0.1:29510
-    ftbridge-lighthouse health 127.0.0.1:29511                 # exit 0 when SERVING (Slurm, scripts)
+    ftbridge-lighthouse status [--json] http://127.0.0.1:29510 # quorum and members
+    ftbridge-lighthouse health 127.0.0.1:29511                 # exit 0 when SERVING
 
-``serve`` prints three lines to stdout once it listens, then runs until
-SIGTERM or SIGINT, and exits 0::
-
-    ftbridge-lighthouse: serving on http://127.0.0.1:29510
-    ftbridge-lighthouse: health on 127.0.0.1:29511
-    ftbridge-lighthouse: status page on http://127.0.0.1:29512/
-
-Before starting, ``serve`` checks its timeouts against the managers' settings
-(``--manager-*`` flags, ftbridge's defaults unless given;
-:mod:`lighthouse.checks`) and refuses with exit code 2 when they cannot work.
-
-Point every launcher at that address (``ftbridge-run --lighthouse URL`` or
-``TORCHFT_LIGHTHOUSE``). Logs go to stderr, one line each:
-``2026-11-29 21:40:01 INFO [lighthouse] serving address=... min_replicas=1 ...``
-(torchft's own Rust logs keep their format). Exit codes: 0 after a signal
-or once idle (``--exit-when-idle-s``),
-2 for a bad argument or timeouts that do not fit, 1 if an address cannot be
-bound. ``status`` exits 1 when the lighthouse cannot be reached; ``health``
-exits 0 for SERVING, 1 otherwise.
+``serve`` checks its timeouts first (:mod:`lighthouse.checks`), prints its three addresses to stdout
+once it listens, and runs until SIGTERM/SIGINT or idle. Exit codes: ``serve`` 0 after a signal or
+once idle, 2 for a bad argument or timeouts that do not fit, 1 if an address cannot be bound;
+``status`` 1 when the lighthouse cannot be read; ``health`` 0 for SERVING, 1 otherwise. Reference:
+``docs/lighthouse.md`` and ``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -125,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _side_bind(given: Optional[str], bind: str, offset: int) -> Optional[str]:
     """The bind of a side endpoint: as given, ``None`` for 'none', else the --bind host and its port + ``offset``.
 
-    Deriving the port from --bind lets two lighthouses run on one machine with nothing but their own
-    --bind (29510 gives 29511 and 29512); --bind port 0 gives 0 (a free port, printed at start).
+    --bind port 0 gives 0 (a free port). ValueError if port + ``offset`` exceeds 65535.
     """
     if given is not None:
         return None if given.lower() == "none" else given
@@ -226,9 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
 class IdleTimer:
     """Whether a job's replica groups are all gone: ``serve --exit-when-idle-s``.
 
-    Idle means a quorum was issued (the job ran) and no replica id has a
-    fresh heartbeat; the timer expires once that has held for ``limit_s``
-    seconds without a break. ``limit_s`` 0 never expires.
+    Expires once, after a quorum was issued, no replica id has had a fresh heartbeat for ``limit_s``
+    seconds without a break; ``limit_s`` 0 never expires.
     """
 
     def __init__(self, limit_s: float) -> None:

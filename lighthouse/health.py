@@ -1,26 +1,10 @@
-"""Health and status endpoints for a torchft lighthouse.
+"""Health and status endpoints for a torchft lighthouse (``docs/lighthouse.md``, "Health checks").
 
-:class:`LighthouseMonitor` probes a lighthouse every ``probe_interval_s``
-with ``GET /status`` (the lighthouse's only read-only route; a gRPC
-``Heartbeat`` would register a fake replica group, see
-:mod:`ftbridge.manager.lighthouse_status`) and publishes the result twice:
-
-* a standard gRPC health service (``grpc.health.v1.Health``, from
-  ``grpcio-health-checking``) on its own port. Both the overall service
-  ``""`` and ``torchft.LighthouseService`` report ``SERVING`` while the last
-  probe succeeded and ``NOT_SERVING`` after a failed one. Kubernetes'
-  ``grpc:`` probe, ``grpc_health_probe`` and ``ftbridge-lighthouse health``
-  read it;
-* optionally a small HTTP server (:class:`StatusPage`) with a self-contained
-  status page (``GET /``: inline CSS, no script, no CDN; it reloads itself
-  every ``refresh_s``), ``GET /status.json``, ``GET /metrics`` (Prometheus,
-  :mod:`lighthouse.metrics`) and ``GET /healthz`` (200 ``SERVING`` or 503
-  ``NOT_SERVING``), for operators, Prometheus and plain HTTP probes.
-
-The monitor never changes the lighthouse's state. It works for a lighthouse
-in the same process (``ftbridge-lighthouse serve``) or any other address, so
-the health port keeps answering (``NOT_SERVING``) while the lighthouse is
-down or restarting.
+:class:`LighthouseMonitor` probes a lighthouse with ``GET /status`` every ``probe_interval_s`` and
+publishes the result as a gRPC health service (``grpc.health.v1.Health``; ``""`` and
+:data:`LIGHTHOUSE_SERVICE` answer ``SERVING`` or ``NOT_SERVING``) and optionally a :class:`StatusPage`
+(``/``, ``/status.json``, ``/metrics``, ``/healthz``). It never changes the lighthouse's state and
+keeps answering ``NOT_SERVING`` while the lighthouse is down. :func:`check_health` is the client.
 
 Example::
 
@@ -59,10 +43,12 @@ DEFAULT_PROBE_TIMEOUT_S = 2.0
 class LighthouseMonitor:
     """Probe a lighthouse and serve gRPC health (and optionally a status page).
 
+    The first probe runs before this returns, so it never answers ``SERVING`` for a lighthouse not reached.
+
     Args:
         lighthouse: address of the lighthouse, ``http://HOST:PORT``.
-        health_bind: ``HOST:PORT`` of the gRPC health service; port 0 picks a
-            free one (see :attr:`health_port`).
+        health_bind: ``HOST:PORT`` of the gRPC health service; port 0 picks a free one (:attr:`health_port`).
+            A taken port is refused, never shared.
         status_bind: ``HOST:PORT`` of the HTTP status page, or ``None`` for none.
         probe_interval_s: seconds between probes (> 0).
         probe_timeout_s: timeout of one probe (s, > 0).
@@ -70,9 +56,6 @@ class LighthouseMonitor:
     Raises:
         ValueError: a bad bind or interval.
         OSError: a port cannot be bound.
-
-    The first probe runs before this returns, so the health service never
-    answers ``SERVING`` for a lighthouse that was not reached.
     """
 
     def __init__(self, lighthouse: str, *, health_bind: str, status_bind: Optional[str] = None,
@@ -166,7 +149,7 @@ class LighthouseMonitor:
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> str:
-    """Ask a gRPC health service for ``service``'s status.
+    """Ask a gRPC health service for ``service``'s status; ignores proxy settings.
 
     Args:
         address: ``HOST:PORT`` of the health service.
@@ -177,8 +160,7 @@ def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> str
         ``"SERVING"``, ``"NOT_SERVING"``, ``"SERVICE_UNKNOWN"`` or ``"UNKNOWN"``.
 
     Raises:
-        grpc.RpcError: the health service cannot be reached (``UNAVAILABLE``),
-            the deadline passed, or ``service`` is unknown (``NOT_FOUND``).
+        grpc.RpcError: unreachable (``UNAVAILABLE``), past the deadline, or ``service`` unknown (``NOT_FOUND``).
     """
     # grpc honours http_proxy/grpc_proxy by default; a health probe of the private network must not.
     with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
@@ -197,18 +179,14 @@ th{background:#eee}.bad{color:#b00;font-weight:bold}.ok{color:#070;font-weight:b
 
 def render_page(status: Optional[LighthouseStatus], *, lighthouse: str, serving: bool,
                 error: Optional[str], refresh_s: int = 2) -> str:
-    """The self-contained status page (no script, no external resource).
+    """The self-contained status page: a complete HTML document with no script and no external resource.
 
     Args:
-        status: the last successful snapshot (shown, marked stale, while the
-            lighthouse is down), or ``None``.
+        status: the last successful snapshot (shown as last known while the lighthouse is down), or ``None``.
         lighthouse: its address, shown in the title.
         serving: whether the last probe succeeded.
         error: the last probe's error, when it failed.
         refresh_s: the page reloads itself this often (s).
-
-    Returns:
-        A complete HTML document (str).
     """
     esc = html.escape
     parts = [f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{refresh_s}">',

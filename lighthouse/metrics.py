@@ -1,23 +1,8 @@
 """Prometheus metrics of a lighthouse, served at ``/metrics`` on the status port.
 
-``ftbridge-lighthouse serve`` adds ``GET /metrics`` to its status page
-(``--status-bind``, port 29512 by default). The figures come from the
-monitor's last probe of the lighthouse's ``GET /status`` (:mod:`lighthouse.health`);
-nothing is asked of the lighthouse at scrape time. Metrics (all gauges;
-``docs/monitoring.md`` lists them with alert rules):
-
-=============================================  ==============================================
-``ftbridge_lighthouse_up``                      1 while the last probe succeeded (health), else 0
-``ftbridge_lighthouse_quorum_id``               the lighthouse's current quorum id
-``ftbridge_lighthouse_participants``            replica groups in the last quorum issued
-``ftbridge_lighthouse_heartbeating_groups``     replica ids heartbeating within the heartbeat timeout
-``ftbridge_lighthouse_seconds_since_last_quorum``  age of the last quorum (absent before the first)
-``ftbridge_lighthouse_heartbeat_age_seconds``   per ``replica_group``: seconds since its last heartbeat
-``ftbridge_lighthouse_probe_age_seconds``       seconds since the snapshot above was taken
-=============================================  ==============================================
-
-Quorum and heartbeat figures stay at the last successful probe while the
-lighthouse is down (``up`` is 0 then); ages keep growing with the clock.
+Gauges built at each scrape from the monitor's last probe (:mod:`lighthouse.health`); nothing is
+asked of the lighthouse at scrape time. While it is down ``ftbridge_lighthouse_up`` is 0 and the
+rest stay at the last successful probe. The metrics: ``docs/monitoring.md``, "Lighthouse metrics".
 """
 
 from __future__ import annotations

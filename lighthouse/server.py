@@ -1,43 +1,14 @@
 """Run torchft's lighthouse in-process, with ftbridge's defaults and checks.
 
-The lighthouse is torchft's own Rust server
-(``torchft.coordination.LighthouseServer``, imported through
-:mod:`ftbridge.manager.torchft_api`); this module only validates the
-arguments, chooses defaults suited to fast failover, fixes the address it
-reports, and warns when it is exposed beyond loopback. It keeps its state in
-memory only: after a restart quorum ids start again at 0.
-
-What the lighthouse serves, on one port (gRPC and HTTP share it):
-
-* gRPC ``LighthouseService{Quorum, Heartbeat}``, called by each replica
-  group's torchft ``Manager`` (group rank 0);
-* HTTP ``GET /`` (dashboard), ``GET /status`` (HTML fragment) and
-  ``POST /replica/{id}/kill`` (makes that group's rank 0 exit), all without
-  authentication.
-
-How the timeouts interact (torchft 0.2.0, measured)::
-
-    quorum formed when  joined >= min_replicas
-                   and  joined >  heartbeating / 2          (split-brain guard)
-                   and (every heartbeating group joined
-                        or join_timeout_ms passed since the first join)
-    a group counts as heartbeating until heartbeat_timeout_ms after its last beat
-
-``join_timeout_ms`` therefore only bounds how long the groups that asked for a
-quorum wait for groups that heartbeat but have not asked yet. torchft's
-default (60000 ms) makes a job wait up to a minute for such a straggler;
-ftbridge uses :data:`DEFAULT_JOIN_TIMEOUT_MS` (1000 ms): a straggler slower
-than that is left out of this quorum and joins at the next step by healing
-from a peer, which costs far less than a minute of idle groups. A group that
-died stops heartbeating and is forgotten after ``heartbeat_timeout_ms``.
+The server is torchft's own Rust ``LighthouseServer`` (via :mod:`ftbridge.manager.torchft_api`); this
+module validates the arguments, sets defaults for fast failover, fixes the reported address and warns
+when it binds beyond loopback. One port serves gRPC and HTTP, unauthenticated; state is in memory only.
+Quorum timing and the 1000 ms join timeout: ``docs/lighthouse.md``, "Quorum timing".
 
 Example::
 
-    from lighthouse.server import start_lighthouse
-
     with start_lighthouse(min_replicas=2) as lh:
         os.environ["TORCHFT_LIGHTHOUSE"] = lh.address   # http://127.0.0.1:PORT
-        ...
 """
 
 from __future__ import annotations
@@ -60,9 +31,7 @@ DEFAULT_MIN_REPLICAS = 1
 """Fewest replica groups in a quorum."""
 
 DEFAULT_JOIN_TIMEOUT_MS = 1000
-"""How long a quorum waits for heartbeating groups that have not joined yet (ms).
-
-torchft's default is 60000 ms; see the module docstring for why 1000 ms."""
+"""How long a quorum waits for heartbeating groups that have not joined yet (ms); torchft's is 60000."""
 
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
 """A group silent for this long is considered dead (ms); torchft's default."""
@@ -74,17 +43,9 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (IPv6 as ``[ADDR]:PORT``) into host and port.
+    """``(host, port)`` from ``HOST:PORT`` or ``[IPV6]:PORT`` (brackets removed); port 0 means a free port.
 
-    Args:
-        bind: e.g. ``127.0.0.1:29510``, ``0.0.0.0:0``, ``[::1]:0``,
-            ``localhost:29510``. Port 0 picks a free port.
-
-    Returns:
-        ``(host, port)`` with IPv6 brackets removed.
-
-    Raises:
-        ValueError: not ``HOST:PORT``, empty host, or a port outside 0-65535.
+    Raises ValueError for anything else, an empty host, or a port outside 0-65535.
     """
     if not isinstance(bind, str) or ":" not in bind:
         raise ValueError(
@@ -137,11 +98,7 @@ class LighthouseSettings:
     quorum_tick_ms: int
 
     def validate(self) -> tuple[str, int]:
-        """Check every value; return the parsed ``(host, port)`` of ``bind``.
-
-        Raises:
-            ValueError: naming the bad value and the fix.
-        """
+        """Check every value (ValueError naming it and the fix); return ``bind``'s ``(host, port)``."""
         host, port = parse_bind(self.bind)
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"min_replicas={self.min_replicas!r} must be a whole number >= 1")
@@ -161,10 +118,8 @@ class LighthouseService:
     """A running torchft lighthouse; stop it with :meth:`shutdown` or ``with``.
 
     Attributes:
-        address: ``http://HOST:PORT`` clients should use (``TORCHFT_LIGHTHOUSE``).
-            HOST is the host that was bound (torchft itself reports the machine's
-            hostname, which may not resolve to a loopback bind); for a wildcard
-            bind (``0.0.0.0``, ``::``) it is the hostname torchft reports.
+        address: ``http://HOST:PORT`` for clients (``TORCHFT_LIGHTHOUSE``): the bound host, or for a
+            wildcard bind (``0.0.0.0``, ``::``) the hostname torchft reports.
         port: the bound TCP port (the free port chosen when 0 was asked).
         settings: the validated settings it runs with.
     """
@@ -184,19 +139,8 @@ class LighthouseService:
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop serving and wait until the port refuses connections. Idempotent.
-
-        torchft's ``shutdown()`` only aborts the server's task and returns at
-        once. If that task has not run yet (a shutdown right after start), the
-        abort is lost and the listening socket stays open for as long as the
-        ``LighthouseServer`` object lives (seen in 1 of 20 tries here). So this
-        also drops the object, which closes the socket and stops torchft's
-        runtime, then waits until the port refuses connections, so it can be
-        bound again when this returns.
-
-        Args:
-            timeout_s: how long to wait for the port to close (s); on expiry a
-                WARNING is logged and the call returns anyway.
+        """Stop serving and wait up to ``timeout_s`` until the port refuses connections (then log a WARNING and
+        return). Idempotent. Why it also drops torchft's object: ``docs/lighthouse.md``, "Implementation notes".
         """
         if self._server is None:
             return
@@ -238,29 +182,22 @@ def start_lighthouse(
     heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
     quorum_tick_ms: int = DEFAULT_QUORUM_TICK_MS,
 ) -> LighthouseService:
-    """Validate the arguments, then start torchft's lighthouse in this process.
-
-    The server runs on torchft's own threads; this call returns once it
-    listens. Use it as a context manager, or call ``shutdown()``.
+    """Validate the arguments, then start torchft's lighthouse in this process; returns once it listens.
 
     Args:
-        bind: ``HOST:PORT`` to listen on; port 0 picks a free port. Binding
-            anything but loopback logs a WARNING: the lighthouse and the
-            managers it coordinates have no authentication.
+        bind: ``HOST:PORT`` to listen on; port 0 picks a free port. Anything but loopback logs a WARNING
+            (no authentication).
         min_replicas: fewest replica groups that form a quorum (>= 1).
-        join_timeout_ms: how long a quorum waits for heartbeating groups that
-            have not asked to join yet (ms, > 0).
+        join_timeout_ms: how long a quorum waits for heartbeating groups not yet joined (ms, > 0).
         heartbeat_timeout_ms: silence after which a group is dead (ms, > 0).
-        quorum_tick_ms: how often a pending quorum is re-checked (ms, > 0,
-            below ``heartbeat_timeout_ms``).
+        quorum_tick_ms: how often a pending quorum is re-checked (ms, > 0, below ``heartbeat_timeout_ms``).
 
     Returns:
-        A :class:`LighthouseService` with ``.address`` and ``.shutdown()``.
+        A running :class:`LighthouseService`.
 
     Raises:
-        ValueError: a bad argument (raised before anything is started).
-        OSError: the address is taken or cannot be bound (torchft's error kept
-            as the cause).
+        ValueError: a bad argument (before anything is started).
+        OSError: the address is taken or cannot be bound (torchft's error as the cause).
     """
     settings = LighthouseSettings(
         bind=bind,

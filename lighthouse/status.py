@@ -1,12 +1,8 @@
 """``ftbridge-lighthouse status``'s output: a lighthouse's state as a table or JSON.
 
-The state itself is read by :func:`ftbridge.manager.lighthouse_status.fetch_status`
-(what each field means is there).
+The state is read by :func:`ftbridge.manager.lighthouse_status.fetch_status`, which defines the fields.
 
 Example::
-
-    from ftbridge.manager.lighthouse_status import fetch_status
-    from lighthouse.status import format_table
 
     print(format_table(fetch_status("http://127.0.0.1:29510")))
 """
@@ -24,11 +20,7 @@ def _fmt_age(age: Optional[float]) -> str:
 
 
 def format_table(status: LighthouseStatus) -> str:
-    """The status as a plain-text table (one line per quorum member).
-
-    Columns: replica group, replica id, step, group size, manager address,
-    heartbeat age, and ``recovering`` when the member heals.
-    """
+    """The status as a plain-text table, one line per quorum member (columns: ``docs/lighthouse.md``, "Status")."""
     head = [f"quorum_id {status.quorum_id}"]
     if status.previous_quorum_id is not None:
         head.append(f"last quorum {status.previous_quorum_id} issued {_fmt_age(status.quorum_age_s)} ago "

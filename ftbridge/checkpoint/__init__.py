@@ -1,11 +1,9 @@
-"""Fixed-size replica-group checkpoints (see ``docs/checkpoints.md``).
+"""Fixed-size replica-group checkpoints (``docs/checkpoints.md``).
 
-One module per idea: :mod:`.writer` (who writes: a pure function of the
-quorum), :mod:`.manifest` (sizes, SHA-256, atomic publish), :mod:`.store`
-(list, newest valid, keep K, compatibility), :mod:`.async_save` (CPU snapshot
-and background write), :mod:`.group_io` (DeepSpeed save/load of one group),
-:mod:`.checkpointer` (schedule, SIGTERM, resume for a
-:class:`~ftbridge.engine.FaultTolerantEngine`), :mod:`.cli` (``ftbridge-ckpt``).
+:mod:`.writer` (who writes), :mod:`.manifest` (hashes, bounded reads, atomic publish), :mod:`.store`
+(list, newest valid, keep K, compatibility), :mod:`.async_save`, :mod:`.group_io` (DeepSpeed save and
+load of one group), :mod:`.safe_load`, :mod:`.verified_read`, :mod:`.checkpointer` (schedule,
+SIGTERM, resume), :mod:`.cli` (``ftbridge-ckpt``).
 """
 
 from ftbridge.checkpoint.store import (

@@ -1,23 +1,9 @@
 """Snapshot at the step boundary, write in the background.
 
-DeepSpeed's ``save_checkpoint`` assembles each file's state dict and hands it
-to its *checkpoint engine* (``engine.checkpoint_engine.save(state, path)``),
-the extension point DeepSpeed offers for other storage back ends.
-:class:`SnapshotCheckpointEngine` is what ftbridge plugs in there (through
-:mod:`ftbridge.zero.checkpoint_engines`, the door to DeepSpeed's internals):
-
-* ``sync``: ``torch.save`` into the file at once, then ``fsync`` (what
-  DeepSpeed's ``TorchCheckpointEngine`` does, plus durability);
-* ``async``: copy the state dict to CPU memory (:func:`snapshot`, preserving
-  storage sharing so the files are byte-for-byte what a sync save writes) and
-  queue ``(snapshot, path)``; :class:`BackgroundWriter` writes the queue in a
-  thread after ``save_checkpoint`` returns.
-
-So the files, names and layout are DeepSpeed's own in both modes; the
-training stall of an async save is DeepSpeed's state-dict assembly plus a
-memory copy. Live ZeRO state dicts hold views of the optimizer's flat
-buffers, which the next step overwrites: that is why the copy is needed.
-The next save waits for the previous write (:meth:`BackgroundWriter.submit`).
+:class:`SnapshotCheckpointEngine` is the ``save`` ftbridge plugs into DeepSpeed's checkpoint engine:
+sync, it writes and fsyncs at once; async, it queues a CPU :func:`snapshot` that
+:class:`BackgroundWriter` writes later. Files are DeepSpeed's own either way (``docs/checkpoints.md``,
+"How it works": Async).
 """
 
 from __future__ import annotations
@@ -38,22 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 def snapshot(obj: Any, memo: Optional[Dict[Tuple[int, int, str], Any]] = None) -> Any:
-    """A CPU copy of a nested state dict that later training cannot change.
+    """A CPU copy of a nested state dict (any device) that later training cannot change.
 
-    Tensors that share a storage in ``obj`` share one copied storage in the
-    result (same offsets and strides), so ``torch.save`` of the snapshot
-    writes the same bytes as ``torch.save`` of ``obj``. Non-tensor leaves are
-    deep-copied where possible.
-
-    GPU storages are copied into pinned host memory with non-blocking copies
-    (:func:`ftbridge.staging.host_copy`), all enqueued before one wait per
-    device at the end, so the stall is the device-to-host transfer itself.
-
-    Args:
-        obj: dicts, lists, tuples, tensors (any device) and other objects.
-
-    Returns:
-        The same structure with CPU tensors.
+    Storage sharing is kept (same offsets and strides), so ``torch.save`` of it writes the same bytes as
+    of ``obj``; other leaves are deep-copied where possible; GPU storages go through pinned memory.
     """
     top = memo is None
     memo = {} if memo is None else memo
@@ -90,7 +64,7 @@ def _snapshot(obj: Any, memo: Dict[Tuple[int, int, str], Any]) -> Any:
 
 
 class _HashingFile:
-    """Write-only file wrapper that hashes the bytes as they pass (no second read for the manifest)."""
+    """Write-only file wrapper that hashes the bytes as they pass."""
 
     def __init__(self, f: Any) -> None:
         self.f = f
@@ -108,11 +82,7 @@ class _HashingFile:
 
 
 def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Dict[str, Any]:
-    """``torch.save`` ``state`` into ``path``, then flush and fsync it.
-
-    Returns:
-        ``{"bytes": n, "sha256": hex}`` of what was written (manifest entry).
-    """
+    """Write ``state`` with ``torch.save`` into ``path``, flush and fsync; returns ``{"bytes": n, "sha256": hex}``."""
     with open(path, "wb") as f:
         hf = _HashingFile(f)
         # torch.save takes any object with write(); its stub asks for IO[bytes].
@@ -123,14 +93,9 @@ def write_state(state: Any, path: str, zipfile_serialization: bool = True) -> Di
 
 
 class SnapshotCheckpointEngine:
-    """The ``save`` of a DeepSpeed checkpoint engine that writes now (sync) or snapshots and queues (async).
+    """The ``save`` of a DeepSpeed checkpoint engine: write now, or (``asynchronous``) snapshot and queue.
 
-    Plugged into DeepSpeed with :class:`ftbridge.zero.checkpoint_engines.DelegatingCheckpointEngine`.
-
-    Args:
-        asynchronous: queue CPU snapshots instead of writing.
-        zipfile_serialization: torch.save format (take the engine's own, so
-            files match a plain DeepSpeed save).
+    ``zipfile_serialization``: the engine's own ``torch.save`` format, so files match a DeepSpeed save.
     """
 
     def __init__(self, *, asynchronous: bool, zipfile_serialization: bool = True) -> None:
@@ -164,8 +129,7 @@ class SnapshotCheckpointEngine:
 class BackgroundWriter:
     """Runs one checkpoint write at a time in a daemon thread.
 
-    A failed write is logged and recorded in :attr:`last_error`; it never
-    stops training (the checkpoint is then simply not published).
+    A failed write is logged and kept in :attr:`last_error`; it never stops training (nothing is published).
     """
 
     def __init__(self) -> None:
@@ -194,11 +158,7 @@ class BackgroundWriter:
         return waited
 
     def submit(self, fn: Callable[[], None]) -> float:
-        """Run ``fn`` in the background after the previous write finished.
-
-        Returns:
-            Seconds spent waiting for the previous write (part of the stall).
-        """
+        """Run ``fn`` in the background once the previous write finished; returns the seconds waited for it."""
         waited = self.wait()
 
         def run() -> None:

@@ -1,23 +1,11 @@
 """Checkpoints of a fault-tolerant job: when, who, and resume.
 
-:class:`Checkpointer` attaches to a :class:`ftbridge.engine.FaultTolerantEngine`
-(through ``engine.add_step_hook``) and, after every boundary step, on every
-rank:
-
-1. agrees inside the replica group (one small all-reduce) on whether a
-   SIGTERM arrived or a save was requested (trigger file or
-   :meth:`Checkpointer.request_save`), so all group ranks act at the same step;
-2. saves when :func:`~ftbridge.checkpoint.writer.save_due` and
-   :func:`~ftbridge.checkpoint.writer.is_writer` say so: the step is
-   committed, on the schedule (or requested, or the last before a graceful
-   stop) and this group is replica rank 0 of the step's quorum;
-3. after a SIGTERM, sets :attr:`Checkpointer.stopping`: the training loop
-   ends and the process exits 0.
-
-:meth:`Checkpointer.resume` loads the newest valid checkpoint on start-up,
-before the first quorum: a group restarted with no live peer continues from
-it instead of step 0; when a live peer is at a higher step, torchft's quorum
-still heals the group from that peer.
+:class:`Checkpointer` hooks a :class:`ftbridge.engine.FaultTolerantEngine`'s step. After every boundary
+step, on every rank, the group agrees (one small all-reduce) whether a SIGTERM or a save request
+arrived, saves if :func:`~ftbridge.checkpoint.writer.save_due` and
+:func:`~ftbridge.checkpoint.writer.is_writer` say so, and after a SIGTERM sets
+:attr:`Checkpointer.stopping`. :meth:`Checkpointer.resume` loads the newest valid checkpoint before
+the first quorum. Reasoning: ``docs/checkpoints.md``, "How it works".
 
 Example::
 
@@ -78,19 +66,16 @@ class CheckpointConfig:
     handle_sigterm: bool = True
     """SIGTERM: finish the step, save if writer, set :attr:`Checkpointer.stopping`."""
     sigterm_grace_s: Optional[float] = None
-    """After a SIGTERM, longest wait for the step in flight to finish (s); past it the rank exits
-    at once (status 143). torchrun SIGTERMs a group's other ranks when one dies; their step then
-    cannot finish (the group's quorum waits for the dead rank up to ``quorum_timeout``), and the
-    rank 0 kept heartbeating meanwhile, which held a 2-group job's other group until its own quorum
-    timed out (chaos soak). Default: ``FTBridgeConfig.sigterm_grace``."""
+    """After a SIGTERM, longest wait (s) for the step in flight; past it the rank exits at once (status 143).
+
+    Default ``FTBridgeConfig.sigterm_grace``; why: ``docs/checkpoints.md``, "How it works" (SIGTERM grace).
+    """
     publish_timeout_s: float = 300.0
     """How long group rank 0 waits for the other ranks' files."""
     key_file: Optional[str] = None
-    """Checkpoint key file, outside ``dir``: manifests are signed (``manifest.hmac``) and only signed
-    ones are trusted. ``None``: no HMAC (the manifest then detects corruption, not tampering)."""
+    """Key file outside ``dir``: manifests are signed and only signed ones trusted. ``None``: no HMAC."""
     allow_other_slots: bool = False
-    """Resume a checkpoint saved with other ``slots`` (:attr:`ftbridge.config.FTBridgeConfig.slots`).
-    Refused by default: the global batch and the rows of every later step would change."""
+    """Resume a checkpoint saved with other ``slots`` (refused by default: the global batch changes)."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 0:
@@ -104,12 +89,14 @@ class CheckpointConfig:
 class Checkpointer:
     """Saves and resumes replica-group checkpoints for one rank.
 
+    Install it before the first step: it registers a step hook and, from the main thread, a SIGTERM handler.
+
     Args:
         engine: the rank's :class:`~ftbridge.engine.FaultTolerantEngine`.
         cfg: checkpoint settings.
 
-    Install it before the first step (it registers a step hook and, from the
-    main thread, a SIGTERM handler).
+    Raises:
+        ValueError, OSError: from :func:`~ftbridge.checkpoint.store.load_key` for a bad key file.
     """
 
     def __init__(self, engine: Any, cfg: CheckpointConfig) -> None:
@@ -178,10 +165,7 @@ class Checkpointer:
 
     # -- save --------------------------------------------------------------
     def save(self, step: int) -> None:
-        """Write the state after committed ``step``; every rank of this group calls it together.
-
-        Callers decide who writes (the step hook does: replica rank 0 only).
-        """
+        """Write the state after committed ``step``; all ranks of the group call it (the caller picks the writer)."""
         e, m = self.engine, self.engine.manager
         meta = self.metadata(step)
         rank_state = e.replica_state()
@@ -240,31 +224,20 @@ class Checkpointer:
 
     # -- resume ------------------------------------------------------------
     def resume(self) -> Optional[int]:
-        """Load the newest valid checkpoint into this group; all group ranks call it before training.
+        """Load the newest valid checkpoint into this group; every group rank calls it before training.
 
-        Group rank 0 picks the checkpoint (the manifest, file set, sizes and
-        metadata checked, the files other than the ``.pt`` ones hashed) and
-        broadcasts its choice as a tensor (:func:`broadcast_choice`); every
-        rank then reads the ``.pt`` files it loads (the shared ones and its
-        own; together the ranks cover every file) once, checks those bytes
-        against the manifest and parses them with the safe loader, and the
-        group agrees before DeepSpeed changes any state
-        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`). A
-        checkpoint in which some rank found a damaged file is skipped, as one
-        group rank 0 finds damaged while choosing: the group tries the next
-        older one.
+        Group rank 0 chooses and broadcasts the step; each rank hashes and parses the files it loads, and a
+        checkpoint any rank finds damaged is skipped for the next older one
+        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
 
         Returns:
             The step loaded, or ``None`` when the folder holds no checkpoint.
 
         Raises:
             NoValidCheckpointError: checkpoints exist but none verifies.
-            UnsafeCheckpointError: the chosen checkpoint has a file that needs
-                a type outside the allowlist (named); nothing was loaded.
-            GroupSizeMismatchError: saved by groups of another size; raised
-                on every rank before any state is touched.
-            SlotsMismatchError: saved with other ``slots`` and
-                :attr:`CheckpointConfig.allow_other_slots` is off; likewise.
+            UnsafeCheckpointError: a file needs a type outside the allowlist (named); nothing was loaded.
+            GroupSizeMismatchError: saved by groups of another size; on every rank, before any state changes.
+            SlotsMismatchError: saved with other ``slots`` and :attr:`CheckpointConfig.allow_other_slots` off; likewise.
         """
         damaged: List[int] = []
         while True:
@@ -321,15 +294,11 @@ CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
 
 
 def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
-    """Group rank 0's ``(code, step)`` on every rank of the group (:func:`ftbridge.device.exchange_in_group`,
-    no pickle).
+    """Group rank 0's ``(code, step)`` on every rank of the group, as a tensor (no pickle); a rank alone gets its own.
 
     Args:
         code: one of the ``CHOICE_*`` values (only group rank 0's counts).
         step: the checkpoint step for ``CHOICE_OK``.
-
-    Returns:
-        Rank 0's ``(code, step)``; a rank alone returns its own.
     """
     first = exchange_in_group([float(code), float(step)])[0]
     return int(first[0]), int(first[1])

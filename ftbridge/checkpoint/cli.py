@@ -6,16 +6,11 @@
     ftbridge-ckpt inspect DIR [TAG]   # metadata and files of TAG (default: latest)
     ftbridge-ckpt verify DIR [TAG]    # re-hash every file, then scan each .pt with the safe loader
 
-Exit codes: 0 fine; 1 ``verify`` found a bad checkpoint; 2 bad usage,
-no such folder, nothing to show, or metadata/manifest that ``list`` or
-``inspect`` cannot read (a clear message, never a traceback). Every read is
-bounded and refuses links, FIFOs and devices; ``verify`` hashes and never
-runs pickle code: once every hash matches, it loads each ``.pt`` file with the
-safe loader (:mod:`ftbridge.checkpoint.safe_load`, memory-mapped), so a
-file that would run code is reported BAD. ``list`` and ``inspect`` read
-files only (no torch, no DeepSpeed import). With
-``--key-file`` (default ``$FTBRIDGE_CKPT_KEY_FILE``) every manifest's HMAC is
-checked too.
+Exit codes: 0 fine; 1 ``verify`` found a bad checkpoint; 2 bad usage, no such folder, nothing to show,
+or metadata/manifest that ``list`` or ``inspect`` cannot read (one-line message, no traceback).
+Every read is bounded and refuses links, FIFOs and devices; no pickle code runs (``verify`` loads
+with :mod:`ftbridge.checkpoint.safe_load` once the hashes match; ``list`` and ``inspect`` import no
+torch). ``--key-file`` (default ``$FTBRIDGE_CKPT_KEY_FILE``) checks every manifest's HMAC too.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Save and load one replica group's checkpoint with DeepSpeed's own layout.
 
-Every rank of the writing group calls :func:`save_group_checkpoint` together
-(DeepSpeed's ``save_checkpoint`` holds in-group barriers); its world is the
-replica group, so the files are those of a data-parallel world of the group
-size, named by group rank. Sequence per rank:
-
-1. ``save_checkpoint(ROOT/.tmp-<tag>-q<Q>, tag)`` through a
-   :class:`~ftbridge.checkpoint.async_save.SnapshotCheckpointEngine`
-   (``save_latest=False``), plus ``ftbridge_rank_<k>.pt``; group rank 0 also
-   writes ``ftbridge.json``. This is the training stall.
-2. *finish* (inline, or in the background for async): write queued files,
-   fsync, then drop a ``.done_rank_<k>`` marker holding the SHA-256 of the
-   rank's files (hashed while writing). Group rank 0 waits for all markers,
-   writes the manifest, publishes with an atomic rename, moves
-   ``latest``, prunes to the last K. No collective runs in the background.
-
-:func:`load_group_checkpoint` is DeepSpeed's ``load_checkpoint`` of the
-chosen tag plus the per-rank file; callers check compatibility first
-(:func:`ftbridge.checkpoint.store.check_compatible`).
+:func:`save_group_checkpoint`: every rank of the writing group saves through DeepSpeed's
+``save_checkpoint`` into the staging folder (the training stall), then, inline or in the background,
+writes and fsyncs its files and leaves a ``.done_rank_<k>`` marker; group rank 0 writes the manifest,
+publishes, moves ``latest`` and prunes. No collective runs in the background.
+:func:`load_group_checkpoint`: every file checked by some rank, then DeepSpeed's ``load_checkpoint``.
+Sequence and reasoning: ``docs/checkpoints.md``, "How it works".
 """
 
 from __future__ import annotations
@@ -60,7 +48,7 @@ class SaveResult:
 
     tag: str
     stall_s: float
-    """Training-thread time of the save (state assembly, sync writes or snapshot copies, waits)."""
+    """Training-thread seconds of the save (state assembly, sync writes or snapshot copies, waits)."""
     published: Dict[str, Any] = field(default_factory=dict)
     """Filled by group rank 0 once published: ``path``, ``total_bytes``, ``write_s``; ``skipped`` if not."""
 
@@ -81,10 +69,8 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
         store: checkpoint folder.
         step: committed steps (tag ``global_step<step>``).
         quorum_id: quorum of the step (names the staging folder).
-        metadata: ``ftbridge.json`` content (JSON), written by group rank 0 and
-            also stored as DeepSpeed ``client_state["ftbridge"]``.
-        rank_state: this rank's extra state (tensors and scalars), saved as
-            ``ftbridge_rank_<k>.pt``.
+        metadata: ``ftbridge.json`` content, also stored as DeepSpeed ``client_state["ftbridge"]``.
+        rank_state: this rank's extra state (tensors and scalars), saved as ``ftbridge_rank_<k>.pt``.
         keep: keep the newest K checkpoints (0: all).
         writer: background writer for an async save; ``None`` writes now.
         on_published: called on group rank 0 with ``SaveResult.published``.
@@ -94,8 +80,8 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
         This rank's :class:`SaveResult` (``published`` fills in later when async).
 
     Raises:
-        Whatever DeepSpeed's ``save_checkpoint`` raises (in-group failure);
-        errors of the finishing phase are logged, and nothing is published.
+        Whatever DeepSpeed's ``save_checkpoint`` raises; errors of the finishing phase are logged and
+        nothing is published.
     """
     t0 = time.perf_counter()
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -158,10 +144,7 @@ def save_group_checkpoint(ds_engine: Any, store: CheckpointStore, step: int, *, 
 
 
 def _quarantine_if_bad(store: CheckpointStore, tag: str, log: Any) -> None:
-    """Move a published but damaged ``tag`` aside (``.bad-<tag>-<pid>``) so this save can replace it.
-
-    Happens after a resume fell back past a damaged checkpoint and training reached its step again.
-    """
+    """Move a published but damaged ``tag`` aside (``.bad-<tag>-<pid>``) so this save can replace it."""
     final = os.path.join(store.root, tag)
     if not os.path.isdir(final):
         return
@@ -201,31 +184,20 @@ def _wait_for_markers(staged: str, size: int, timeout_s: float) -> Dict[str, Any
 
 
 def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any]:
-    """Load ``ckpt`` into ``ds_engine``; all ranks of the group call it together.
+    """Load ``ckpt`` into ``ds_engine`` safely; all ranks of the group call it together.
 
-    Loads module, ZeRO optimizer partition (with fp32 master weights and loss
-    scaler), lr scheduler and DeepSpeed's counters, through DeepSpeed's
-    ``load_checkpoint``, with every file read by
-    :func:`ftbridge.checkpoint.safe_load.safe_load` (no pickle code runs).
-    Before that, each rank reads the files it loads
-    (:func:`ftbridge.checkpoint.safe_load.files_of_rank`: the shared files and
-    its own; together the ranks cover every ``.pt`` file of the folder) into
-    memory once, checks those bytes against the manifest and parses the same
-    bytes (:func:`ftbridge.checkpoint.verified_read.load_checked`); one
-    all-reduce then tells every rank whether all ranks' files passed, so a
-    damaged or refused file stops the whole group before any state changes.
+    Each rank reads, hashes and parses the files it loads
+    (:func:`~ftbridge.checkpoint.safe_load.files_of_rank`, :func:`~ftbridge.checkpoint.verified_read.load_checked`);
+    one all-reduce then stops the whole group on any failure before state changes; then DeepSpeed's
+    ``load_checkpoint`` (module, ZeRO partition, lr scheduler, counters) with no pickle code run.
 
     Returns:
         This rank's ``ftbridge_rank_<k>.pt`` content.
 
     Raises:
-        CorruptFileError: a file does not match the manifest, or the manifest
-            is unreadable (on the rank that found it: naming the file; on the
-            others: naming that rank); raised on every rank before any state
-            changes. The checkpoint is damaged: a resume may try an older one.
-        UnsafeCheckpointError: a file matches the manifest but needs a type
-            outside the allowlist (named on the rank that read it); raised on
-            every rank before any state changes, and takes precedence.
+        CorruptFileError: a file or the manifest does not match (the rank that found it names the file,
+            the others that rank); on every rank before any state changes.
+        UnsafeCheckpointError: a file needs a type outside the allowlist; likewise, and takes precedence.
         RuntimeError: DeepSpeed found nothing to load.
     """
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -256,10 +228,7 @@ def load_group_checkpoint(ds_engine: Any, ckpt: CheckpointInfo) -> Dict[str, Any
 
 
 def _first_failed_ranks(error: Optional[BaseException], size: int) -> Tuple[Optional[int], Optional[int]]:
-    """The lowest group ranks that found a damaged file and a refused file (``None``: no rank).
-
-    One in-group exchange (:func:`ftbridge.device.exchange_in_group`) of each rank's two flags.
-    """
+    """The lowest group ranks that found a damaged and a refused file (``None``: none), by one in-group exchange."""
     unsafe = isinstance(error, UnsafeCheckpointError)
     rows = exchange_in_group([float(error is not None and not unsafe), float(unsafe)], size)
     corrupt = [r for r, row in enumerate(rows) if row[0]]

@@ -1,19 +1,8 @@
-"""Checkpoint manifest and atomic publication.
+"""Checkpoint manifest, hostile-input checks of a checkpoint folder, and atomic publication.
 
-A checkpoint is published in four moves, so that a reader never sees half of
-one and a writer killed at any point leaves the previous checkpoint as the
-latest:
-
-1. every group rank writes its files into ``ROOT/.tmp-<tag>-q<quorum>/<tag>/``
-   and fsyncs them;
-2. group rank 0 writes ``manifest.json`` (every file's size and SHA-256) and
-   fsyncs the folder;
-3. ``rename(ROOT/.tmp-…/<tag>, ROOT/<tag>)`` (atomic on POSIX; it fails when
-   ``ROOT/<tag>`` exists, so a step is published at most once);
-4. ``ROOT/latest`` (DeepSpeed's own pointer file: the tag as text) is
-   replaced atomically through a temporary file and ``os.replace``.
-
-:func:`verify` re-reads every file against the manifest.
+Publish: stage and fsync, write ``manifest.json``, one ``rename`` to ``ROOT/<tag>`` (at most once per
+step), replace ``ROOT/latest`` atomically (``docs/checkpoints.md``, "How it works"). Every read here is
+bounded, opens no symbolic link and reads regular files only.
 """
 
 from __future__ import annotations
@@ -39,14 +28,10 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def read_bounded(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
+    """The bytes of the regular file ``path``, at most ``limit``; a link, FIFO or device is never read.
 
-    Opened without following a symbolic link and without blocking (a FIFO
-    or a device is refused after ``fstat``, never read).
-
-    Raises:
-        OSError: missing or unreadable (``ELOOP``: ``path`` is a symbolic link).
-        ValueError: not a regular file, or larger than ``limit`` bytes.
+    Raises ``OSError`` if missing or unreadable (``ELOOP``: a symbolic link), ``ValueError`` if not a
+    regular file or larger than ``limit``.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
@@ -70,11 +55,7 @@ def _finite_float(text: str) -> float:
 
 
 def parse_json(data: bytes, what: str) -> Any:
-    """Strict JSON: UTF-8, no ``NaN``/``Infinity``, no float that overflows (``1e309``).
-
-    Raises:
-        ValueError: naming ``what`` and the problem (also for nesting too deep to parse).
-    """
+    """Strict JSON (UTF-8, no ``NaN``/``Infinity``/``1e309``, bounded nesting); ValueError naming ``what``."""
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -82,10 +63,8 @@ def parse_json(data: bytes, what: str) -> Any:
 
 
 def check_relpath(rel: Any) -> str:
-    """``rel`` if it names a file inside the checkpoint folder, else ValueError.
-
-    A path is relative, ``/``-separated, without ``..``, ``.`` or empty parts
-    and without NUL; the manifest's own files cannot be listed.
+    """``rel`` if it names a file inside the checkpoint folder: relative, ``/``-separated, at most 4096
+    characters, no ``..``/``.``/empty part, NUL or backslash, not the manifest itself; else ValueError.
     """
     if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel:
         raise ValueError(f"manifest path {rel!r} is not a plain relative path")
@@ -103,10 +82,8 @@ def is_int(value: Any, lo: int, hi: int) -> bool:
 
 
 def check_manifest(obj: Any) -> Dict[str, Any]:
-    """``obj`` if it has the shape of a manifest, else ValueError naming the first bad field.
-
-    Shape: ``{"files": {relpath: {"bytes": int, "sha256": 64 hex}}, "total_bytes": int,
-    "tag": str, "step": int}`` (``tag`` and ``step`` optional, other keys ignored).
+    """``obj`` if shaped ``{"files": {relpath: {"bytes": int, "sha256": 64 hex}}, "total_bytes": int,
+    "tag": str, "step": int}`` (last three optional, extra keys ignored); else ValueError on the first bad field.
     """
     if not isinstance(obj, dict) or not isinstance(obj.get("files"), dict):
         raise ValueError("manifest is not an object with a \"files\" object")
@@ -127,11 +104,9 @@ def check_manifest(obj: Any) -> Dict[str, Any]:
 
 
 def sha256_file(path: str, limit: Optional[int] = None) -> str:
-    """SHA-256 of a regular file's bytes (at most ``limit + 1`` read), as 64 hex digits.
+    """Hex SHA-256 of a regular file, reading at most ``limit + 1`` bytes.
 
-    Raises:
-        OSError: missing, unreadable, or a symbolic link.
-        ValueError: not a regular file.
+    Raises ``OSError`` if missing, unreadable or a symbolic link, ``ValueError`` if not a regular file.
     """
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -158,13 +133,8 @@ def fsync_path(path: str) -> None:
 
 
 def build_manifest(ckpt_dir: str, known: Optional[Dict[str, Dict[str, object]]] = None) -> Dict[str, Dict[str, object]]:
-    """``{relative path: {"bytes": n, "sha256": hex}}`` for every file under ``ckpt_dir``.
-
-    Args:
-        known: entries hashed while the files were written (by each rank);
-            used when the size on disk agrees, so files are not read twice.
-
-    The manifest itself and hidden files (``.done_rank_*`` markers) are left out.
+    """``{relative path: {"bytes", "sha256"}}`` of every file under ``ckpt_dir`` except the manifest and
+    hidden files, reusing a ``known`` entry (hashed while writing) whose size agrees.
     """
     files: Dict[str, Dict[str, object]] = {}
     known = known or {}
@@ -185,15 +155,9 @@ def build_manifest(ckpt_dir: str, known: Optional[Dict[str, Dict[str, object]]] 
 def write_manifest(ckpt_dir: str, extra: Optional[Dict[str, object]] = None,
                    known: Optional[Dict[str, Dict[str, object]]] = None,
                    key: Optional[bytes] = None) -> Dict[str, object]:
-    """Hash ``ckpt_dir`` (reusing ``known`` entries) and write its ``manifest.json``, fsynced.
+    """Hash ``ckpt_dir`` and write ``manifest.json`` (with ``key``: also ``manifest.hmac``), fsynced.
 
-    Args:
-        key: with a key, also write ``manifest.hmac`` (HMAC-SHA256 of the
-            manifest's bytes, hex) so that :func:`verify` with the same key
-            detects a manifest rewritten by someone without it.
-
-    Returns:
-        The manifest: ``{"files": {...}, "total_bytes": n, **extra}``.
+    Returns the manifest: ``{"files": {...}, "total_bytes": n, **extra}``.
     """
     files = build_manifest(ckpt_dir, known)
     manifest = {"files": files, "total_bytes": sum(int(cast(int, f["bytes"])) for f in files.values()), **(extra or {})}
@@ -211,15 +175,11 @@ def sign(key: bytes, data: bytes) -> str:
 
 
 def read_manifest(ckpt_dir: str, key: Optional[bytes] = None) -> Dict[str, Any]:
-    """The parsed and shape-checked ``manifest.json`` of ``ckpt_dir`` (bounded read).
-
-    Args:
-        key: check ``manifest.hmac`` against the manifest's bytes first (constant time).
+    """The shape-checked ``manifest.json`` of ``ckpt_dir`` (bounded read); with ``key``, HMAC checked first.
 
     Raises:
-        OSError: the manifest is missing, unreadable or a symbolic link.
-        ValueError: not a regular file, too large, not valid JSON, wrong
-            shape (see :func:`check_manifest`), or a missing or wrong HMAC.
+        OSError: missing, unreadable or a symbolic link.
+        ValueError: not a regular file, too large, not JSON, wrong shape, or a missing or wrong HMAC.
     """
     data = read_bounded(os.path.join(ckpt_dir, MANIFEST))
     if key is not None:
@@ -235,10 +195,7 @@ def read_manifest(ckpt_dir: str, key: Optional[bytes] = None) -> Dict[str, Any]:
 
 
 def scan_folder(ckpt_dir: str) -> Tuple[Set[str], List[str]]:
-    """Regular files under ``ckpt_dir`` (relative paths) and problems with anything else found.
-
-    Symbolic links are reported, never followed; so are FIFOs, devices and sockets.
-    """
+    """Regular files under ``ckpt_dir`` (relative paths), and problems with anything else (links are never followed)."""
     files: Set[str] = set()
     problems: List[str] = []
     stack = [""]
@@ -261,22 +218,12 @@ def scan_folder(ckpt_dir: str) -> Tuple[Set[str], List[str]]:
 
 def verify(ckpt_dir: str, required: Optional[List[str]] = None, key: Optional[bytes] = None,
            hashed_later: Collection[str] = ()) -> List[str]:
-    """Problems found in ``ckpt_dir`` against its manifest; empty when it can be trusted.
+    """Problems of ``ckpt_dir`` against its manifest, one message per problem naming the file; empty: trusted.
 
-    Args:
-        ckpt_dir: one published checkpoint (``ROOT/<tag>``), a real folder.
-        required: relative paths that must be listed in the manifest.
-        key: the checkpoint key, if one is configured (see :func:`read_manifest`).
-        hashed_later: relative paths whose content the caller checks itself
-            when it reads them (a resume: :mod:`ftbridge.checkpoint.verified_read`);
-            everything else about them (listed, present, regular, size) is checked here.
-
-    Returns:
-        One message per problem, each naming the file: unreadable or
-        ill-shaped manifest, a listed path leaving the folder, a file on disk
-        not in the manifest, a listed file missing, a symbolic link or other
-        non-regular file, a size or SHA-256 mismatch, a required file not
-        listed. Nothing outside ``ckpt_dir`` is opened or measured.
+    Checks the manifest (bounded, shape, HMAC with ``key``), that exactly the listed regular files exist
+    (no link, FIFO, device or unlisted file), sizes, SHA-256 (except ``hashed_later`` paths, which the
+    caller hashes as it reads them) and that ``required`` paths are listed. Nothing outside ``ckpt_dir``
+    is opened or measured.
     """
     if os.path.islink(ckpt_dir) or not os.path.isdir(ckpt_dir):
         return [f"{ckpt_dir}: not a folder (or a symbolic link to one)"]
@@ -323,17 +270,7 @@ def write_text_atomic(path: str, text: str, durable: bool = True) -> None:
 
 
 def publish(staged_dir: str, root: str, tag: str) -> bool:
-    """Move a fully written, manifested checkpoint to ``root/tag`` atomically.
-
-    Args:
-        staged_dir: the folder holding the files and ``manifest.json``.
-        root: the checkpoint folder (same file system as ``staged_dir``).
-        tag: final name.
-
-    Returns:
-        False (and nothing moved) when ``root/tag`` already exists: a step is
-        published at most once.
-    """
+    """Rename the manifested ``staged_dir`` to ``root/tag`` atomically; False, moving nothing, if it exists."""
     final = os.path.join(root, tag)
     if os.path.exists(final):
         return False

@@ -1,39 +1,9 @@
-"""Loading checkpoint files without running code in them.
+"""Loading checkpoint files without running code in them (``docs/checkpoints.md``, "How it works").
 
-A ``.pt`` file is a pickle: ``torch.load(weights_only=False)`` calls whatever
-functions the file names, so a crafted file runs code on the rank that loads
-it, whether or not it matches its manifest (whoever can write the folder can
-rewrite the manifest too). Every ftbridge load goes through this module
-instead: ``torch.load(weights_only=True)`` (tensors, containers, numbers and
-strings only) plus :data:`ALLOWED_GLOBALS`, the DeepSpeed types a ZeRO 1/2/3,
-bf16, fp16 or optimizer-offload checkpoint of DeepSpeed 0.19 holds. A file
-needing any other type is refused with :class:`UnsafeCheckpointError` naming
-the file and the type.
-
-DeepSpeed 0.19's own ``load_checkpoint`` reads its files through
-``engine.checkpoint_engine.load``, and its ``TorchCheckpointEngine`` calls
-``torch.load(weights_only=False)``. :func:`load_deepspeed_checkpoint` uses
-that extension point (no patch of DeepSpeed code): it
-
-1. loads every ``.pt`` file of the checkpoint with the safe loader first
-   (memory-mapped, so only the pickles are parsed), so a bad file is refused
-   before DeepSpeed changes any state;
-2. swaps ``engine.checkpoint_engine`` for one whose ``load`` is
-   :class:`SafeLoader` during DeepSpeed's ``load_checkpoint``
-   (:mod:`ftbridge.zero.checkpoint_engines`, for the DeepSpeed releases in
-   :data:`ftbridge.zero.stages.SUPPORTED_DEEPSPEED` only), which hands
-   DeepSpeed those objects (each file is parsed once) and loads anything
-   else safely too.
-
-DeepSpeed's universal-checkpoint loader reads its files with its own
-``torch.load(weights_only=False)``, past the checkpoint engine; it is refused
-here. The upstream fix would be ``weights_only=True`` with DeepSpeed's types
-registered in ``TorchCheckpointEngine.load`` (compare DeepSpeed PR #7764 for
-the engine hooks ftbridge would otherwise use).
-
-To trust an extra type (your own state registered with
-``engine.register_state``), allow it before resuming:
-``torch.serialization.add_safe_globals([MyType])``.
+:func:`safe_load` is ``torch.load(weights_only=True)`` plus :data:`ALLOWED_GLOBALS`; anything else
+raises :class:`UnsafeCheckpointError` naming the file and the type, and no code in it runs.
+:func:`load_deepspeed_checkpoint` checks every file first, then runs DeepSpeed's ``load_checkpoint``
+with a checkpoint engine that loads through :class:`SafeLoader`; universal checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -59,10 +29,7 @@ from ftbridge.zero.checkpoint_engines import (
 )
 
 ALLOWED_GLOBALS: List[Any] = [*DEEPSPEED_CHECKPOINT_TYPES, TorchVersion]
-"""Types beyond torch's ``weights_only`` defaults that DeepSpeed 0.19 checkpoints hold
-(:data:`ftbridge.zero.checkpoint_engines.DEEPSPEED_CHECKPOINT_TYPES`: loss scalers, the ZeRO stage
-enum, ``fragment_address``), and ``TorchVersion`` (a ``str`` subclass: ``torch.__version__`` in the
-metadata of checkpoints written before ftbridge stored it as a plain string)."""
+"""Types beyond torch's defaults: DeepSpeed 0.19's (``DEEPSPEED_CHECKPOINT_TYPES``) and ``TorchVersion``."""
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -77,16 +44,11 @@ def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bo
 
     Args:
         path: a file written by ``torch.save``, or a binary file object holding one.
-        map_location: as for ``torch.load`` (default: tensors on the CPU).
         mmap: memory-map tensor storages instead of reading them (zip format only).
         name: the file's name in messages (default: ``path``).
 
-    Returns:
-        The loaded object.
-
     Raises:
-        UnsafeCheckpointError: the file needs a type that is not allowed
-            (named in the message) or is not a torch file; no code in it ran.
+        UnsafeCheckpointError: a type that is not allowed (named), or no torch file; no code in it ran.
         OSError: the file cannot be read.
     """
     try:
@@ -103,17 +65,9 @@ def safe_load(path: Union[str, BinaryIO], map_location: Any = "cpu", *, mmap: bo
 
 
 def check_files(paths: List[str]) -> Dict[str, Any]:
-    """Load every file of ``paths`` with :func:`safe_load`, tensors memory-mapped (zip format).
+    """``{absolute path: object}`` of ``paths`` loaded with :func:`safe_load`, memory-mapped, for :class:`SafeLoader`.
 
-    Only the pickles are parsed here; tensor bytes are read when used.
-
-    Returns:
-        ``{absolute path: loaded object}`` (CPU tensors), for
-        :class:`SafeCheckpointEngine` to hand to DeepSpeed, so each file is
-        parsed once.
-
-    Raises:
-        UnsafeCheckpointError: the first file that needs a type that is not allowed.
+    Raises :class:`UnsafeCheckpointError` for the first file that needs a type not allowed.
     """
     return {os.path.abspath(p): safe_load(p, "cpu", mmap=zipfile.is_zipfile(p)) for p in paths}
 
@@ -123,16 +77,8 @@ _RANK_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?(?:optim
 
 
 def files_of_rank(paths: List[str], rank: int, size: int) -> List[str]:
-    """The files of ``paths`` that group rank ``rank`` of ``size`` checks before a load.
-
-    All of them except the files named for another rank ``j < size`` of the
-    group (DeepSpeed's ``[bf16_]zero_pp_rank_<j>_mp_rank_<m>_{optim,model}_states.pt``
-    and ``ftbridge_rank_<j>.pt``): rank ``j`` checks those itself, and DeepSpeed
-    0.19 reads only its own rank's shard unless the checkpoint is elastic.
-    A file named for a rank outside the group is kept: every rank checks it.
-
-    Raises:
-        ValueError: ``rank`` not in ``[0, size)``.
+    """The files of ``paths`` that group rank ``rank`` of ``size`` checks: all but those named for another
+    rank ``j < size`` (its ZeRO shards and ``ftbridge_rank_<j>.pt``). ValueError if ``rank`` is not in ``[0, size)``.
     """
     if not 0 <= rank < size:
         raise ValueError(f"group rank {rank} is not in [0, {size}): pass dist.get_rank() and dist.get_world_size()")
@@ -152,12 +98,9 @@ def _to_cpu(map_location: Any) -> bool:
 
 
 class SafeLoader:
-    """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, handing out preloaded files first.
+    """The ``load`` of a DeepSpeed checkpoint engine: :func:`safe_load`, serving ``preloaded`` files first.
 
-    Args:
-        preloaded: ``{absolute path: object}`` from :func:`check_files`; a load of
-            one of these files to the CPU gets a copy in memory instead of parsing the
-            file again, every time (DeepSpeed reads the model states file twice).
+    A CPU load of a file in ``preloaded`` (:func:`check_files`) gets a fresh in-memory copy, not a re-parse.
     """
 
     def __init__(self, preloaded: Optional[Dict[str, Any]] = None) -> None:
@@ -177,14 +120,9 @@ class SafeLoader:
 def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = None) -> Iterator[None]:
     """Inside the block, DeepSpeed's ``load_checkpoint`` reads files only through :func:`safe_load`.
 
-    Args:
-        preloaded: files already loaded safely (:func:`check_files`), used instead of reading them again.
-
     Raises:
-        RuntimeError: a DeepSpeed release this was not checked against, or an
-            engine without a checkpoint engine.
-        ValueError: the engine is configured to load universal checkpoints
-            (DeepSpeed reads those with pickle, past the checkpoint engine).
+        RuntimeError: an unsupported DeepSpeed release, or an engine without a checkpoint engine.
+        ValueError: the engine loads universal checkpoints (DeepSpeed reads those with pickle).
     """
     if loads_universal(ds_engine):
         raise ValueError('"checkpoint": {"load_universal": true} is set: DeepSpeed loads universal checkpoints '
@@ -198,21 +136,18 @@ def safe_deepspeed_loads(ds_engine: Any, preloaded: Optional[Dict[str, Any]] = N
 
 def load_deepspeed_checkpoint(ds_engine: Any, load_dir: str, tag: Optional[str] = None, *,
                               preloaded: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:
-    """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, scanned first and loaded safely.
+    """DeepSpeed's ``load_checkpoint(load_dir, tag, **kwargs)``, every file checked first and loaded safely.
 
     Args:
-        ds_engine: the DeepSpeed engine.
-        load_dir: checkpoint root (holding ``latest`` and tag folders).
         tag: the tag to load; ``None``: the one ``load_dir/latest`` names.
-        preloaded: :func:`check_files` of every ``.pt`` file of the tag's folder, when the caller
-            scanned it already (it is then not parsed again); ``None``: scanned here.
+        preloaded: :func:`check_files` of the tag's ``.pt`` files, if the caller has it.
 
     Returns:
-        What DeepSpeed returns: ``(path or None, client_state)``.
+        DeepSpeed's ``(path or None, client_state)``; ``(None, None)`` without ``latest``.
 
     Raises:
-        UnsafeCheckpointError: a file of the tag needs a type outside the
-            allowlist; raised before DeepSpeed touches any state.
+        UnsafeCheckpointError: a file needs a type outside the allowlist; before any state changes.
+        ValueError: ``tag`` is not a folder name.
     """
     if tag is None:
         from ftbridge.checkpoint.manifest import read_latest

@@ -1,21 +1,8 @@
 """A folder of replica-group checkpoints: list, pick the newest valid, keep the last K.
 
-Layout (``ROOT`` is what ``--checkpoint-dir`` names; it is also a valid
-DeepSpeed ``load_dir``: ``ROOT/latest`` holds the tag)::
-
-    ROOT/latest                         tag of the newest published checkpoint
-    ROOT/global_step<N>/                one checkpoint, DeepSpeed's files for a
-        mp_rank_00_model_states.pt      data-parallel world of the group size
-        zero_pp_rank_<k>_mp_rank_00_optim_states.pt   one per group rank k
-        ftbridge.json                   ftbridge metadata (Checkpointer.metadata; check_metadata)
-        ftbridge_rank_<k>.pt            per-rank engine counters and user state
-        manifest.json                   sizes and SHA-256 of all the above
-    ROOT/.tmp-global_step<N>-q<Q>/      a write in progress (or abandoned)
-
-A checkpoint is trusted only when every file matches its manifest;
-:meth:`CheckpointStore.find_valid` walks from the newest step down, warns
-naming each bad file, and raises :class:`NoValidCheckpointError` when
-checkpoints exist but none can be trusted (never loads one silently).
+``ROOT`` (``--checkpoint-dir``, also a DeepSpeed ``load_dir``) holds ``latest``, a ``global_step<N>/``
+per checkpoint and leftovers (:data:`LEFTOVER_RE`); layout: ``docs/checkpoints.md``. A checkpoint is
+trusted only when every file matches its manifest; none is ever loaded silently.
 """
 
 from __future__ import annotations
@@ -67,13 +54,7 @@ def tag_for(step: int) -> str:
 
 
 def required_files(group_size: int, zero_stage: int = 2) -> List[str]:
-    """Files every checkpoint of a group of ``group_size`` ranks must list, besides its optimizer shards.
-
-    ftbridge's metadata and per-rank files, and DeepSpeed's model states:
-    one ``mp_rank_00_model_states.pt`` for ZeRO-1/2, one
-    ``zero_pp_rank_<k>_mp_rank_00_model_states.pt`` per group rank for ZeRO-3.
-    The optimizer shards (:func:`optimizer_shards`) have two possible names.
-    """
+    """Files a checkpoint of ``group_size`` ranks must list besides :func:`optimizer_shards`, per ZeRO stage."""
     model = (["mp_rank_00_model_states.pt"] if zero_stage != 3 else
              [f"zero_pp_rank_{k}_mp_rank_00_model_states.pt" for k in range(group_size)])
     return [METADATA, *(f"ftbridge_rank_{k}.pt" for k in range(group_size)), *model]
@@ -86,13 +67,9 @@ def optimizer_shards(rank: int) -> Tuple[str, str]:
 
 
 def check_metadata(meta: Any, path: str, max_group_size: int) -> Dict[str, Any]:
-    """``meta`` if it is a usable ``ftbridge.json``, else ValueError naming the field and the bound.
+    """``meta`` if it is a usable ``ftbridge.json``, else ValueError naming ``path``, the field and the bound.
 
-    Args:
-        meta: the parsed JSON.
-        path: the file (for the message).
-        max_group_size: the largest group size the checkpoint could hold
-            (each rank needs at least two files in the manifest).
+    ``max_group_size``: the largest group size the manifest can hold (two files per rank at least).
     """
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: metadata is a {type(meta).__name__}, not a JSON object")
@@ -122,12 +99,11 @@ class CheckpointInfo:
     """Checkpoint key (``manifest.hmac`` is then required and checked); ``None``: no HMAC check."""
 
     def metadata(self) -> Dict[str, Any]:
-        """Its ``ftbridge.json``: hashed against the manifest first, then parsed and shape-checked.
+        """Its ``ftbridge.json``: hashed against the manifest first, then parsed (bounded) and shape-checked.
 
         Raises:
             OSError: the manifest or the metadata is missing or unreadable.
-            ValueError: not listed, SHA-256 differs, not JSON, or a field out
-                of bounds (see :func:`check_metadata`).
+            ValueError: not listed, SHA-256 differs, not JSON, or a field out of bounds (:func:`check_metadata`).
         """
         path = os.path.join(self.path, METADATA)
         files = mf.read_manifest(self.path, self.key)["files"]
@@ -140,19 +116,11 @@ class CheckpointInfo:
         return check_metadata(mf.parse_json(data, path), path, max(1, len(files) // 2))
 
     def problems(self, hash_torch_files: bool = True) -> List[str]:
-        """What is wrong with it (empty: trusted).
+        """What is wrong with it (empty: trusted): every file against the manifest first, then the bounded
+        metadata, tag, step, and DeepSpeed's file set for the saved group size and stage.
 
-        Every file is checked against the manifest first
-        (:func:`ftbridge.checkpoint.manifest.verify`); only then is the
-        metadata parsed (bounded), and the tag, step and DeepSpeed's file set
-        for the saved group size and stage checked.
-
-        Args:
-            hash_torch_files: also hash the ``.pt`` files directly in the
-                folder. A resume passes ``False``: each rank hashes the files
-                it loads from the very bytes it parses
-                (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`),
-                and their listing, type and size are still checked here.
+        ``hash_torch_files=False`` (a resume, whose ranks hash what they parse) skips hashing the ``.pt``
+        files but still checks their listing, type and size.
         """
         later = [] if hash_torch_files else [os.path.basename(p) for p in mf.checkpoint_files(self.path)]
         problems = mf.verify(self.path, key=self.key, hashed_later=later)
@@ -179,12 +147,9 @@ class CheckpointInfo:
 
 
 class CheckpointStore:
-    """The checkpoints under ``root``.
+    """The checkpoints under ``root`` (created on the first save).
 
-    Args:
-        root: checkpoint folder (created on the first save).
-        key: checkpoint key (see :func:`load_key`); every checkpoint must then
-            carry a ``manifest.hmac`` made with it.
+    With ``key`` (:func:`load_key`) every checkpoint must carry a matching ``manifest.hmac``.
     """
 
     def __init__(self, root: str, key: Optional[bytes] = None) -> None:
@@ -207,19 +172,17 @@ class CheckpointStore:
 
     def find_valid(self, log: Any = logger, *, hash_torch_files: bool = True,
                    skip: Collection[int] = ()) -> Optional[CheckpointInfo]:
-        """The newest checkpoint whose files all match its manifest.
+        """The newest checkpoint whose files all match its manifest, logging each one skipped with its problems.
 
         Args:
-            log: where warnings about skipped checkpoints go.
-            hash_torch_files: see :meth:`CheckpointInfo.problems` (``False``: the caller hashes them at load).
-            skip: steps already found damaged by the caller (not checked again).
+            hash_torch_files: see :meth:`CheckpointInfo.problems`.
+            skip: steps the caller already found damaged.
 
         Returns:
             The checkpoint, or ``None`` when the folder holds none at all.
 
         Raises:
-            NoValidCheckpointError: checkpoints exist but every one has a
-                missing, truncated or altered file (all problems listed).
+            NoValidCheckpointError: checkpoints exist but none verifies (all problems listed).
         """
         found = self.list()
         bad: List[str] = [f"{c.path}: a file did not match the manifest when loaded" for c in found if c.step in skip]
@@ -244,19 +207,10 @@ class CheckpointStore:
     def prune(self, keep: int, log: Any = logger, verified: Optional[str] = None) -> List[str]:
         """Delete old checkpoints and leftovers, never the newest verified one or the one ``latest`` names.
 
-        Args:
-            keep: checkpoints to keep by step (0: keep all); the newest
-                verified checkpoint and ``latest``'s are kept in addition.
-            verified: tag known to be good without re-hashing (the one just published).
-
-        Also removed: abandoned staging folders (``.tmp-<tag>-q<Q>``) and
-        quarantined damaged copies (``.bad-<tag>-<pid>``) of steps up to the
-        newest checkpoint, and ``latest.tmp<pid>`` files older than
-        :data:`STALE_TMP_S` (a writer killed between write and rename).
-        Only real folders and regular files of exactly these names are removed.
-
-        Returns:
-            The paths removed.
+        Keeps the newest ``keep`` (0: all) besides those two; ``verified`` is a tag known good without
+        re-hashing. Leftovers: staging and ``.bad-*`` folders of steps up to the newest checkpoint,
+        ``latest.tmp<pid>`` older than :data:`STALE_TMP_S`; only real folders and regular files of exactly
+        those names, never through a link. Returns the paths removed.
         """
         found = self.list()
         removed = []
@@ -299,16 +253,11 @@ class CheckpointStore:
 
 
 def load_key(path: Optional[str], root: str) -> Optional[bytes]:
-    """The checkpoint key in file ``path`` (``None`` when ``path`` is ``None``).
-
-    Args:
-        path: key file, e.g. ``$FTBRIDGE_CKPT_KEY_FILE``; it must lie outside
-            ``root`` (a key inside the checkpoint folder protects nothing).
-        root: the checkpoint folder.
+    """The checkpoint key in file ``path`` (``None`` for ``None``), read bounded to 4096 bytes.
 
     Raises:
-        ValueError: the file is inside ``root``, missing, a folder or not a regular
-            file, or holds fewer than 16 or more than 4096 bytes.
+        ValueError: the file lies inside the checkpoint folder ``root``, is missing, a folder or not a
+            regular file, or holds fewer than 16 bytes.
         OSError: the file cannot be read.
     """
     if path is None:
@@ -333,16 +282,12 @@ def check_compatible(meta: Dict[str, Any], path: str, *, group_size: int, zero_s
     """Refuse a checkpoint this replica group cannot load, before any state is touched.
 
     Args:
-        meta: the checkpoint's ``ftbridge.json``.
-        path: its folder (for the message).
-        group_size: ranks in this replica group.
-        zero_stage: this engine's ZeRO stage.
-        slots: this job's slots (0: off); ``None`` accepts any. A checkpoint without the field was
-            saved with slots off.
+        meta: the checkpoint's ``ftbridge.json``; ``path``: its folder, for messages.
+        slots: this job's slots (0: off); ``None`` accepts any. A ``meta`` without the field means 0.
 
     Raises:
-        GroupSizeMismatchError: another group size (names both sizes and the
-            universal-checkpoint conversion), or ZeRO-3 against ZeRO-1/2.
+        GroupSizeMismatchError: another ``group_size`` (the message gives the conversion), or ZeRO-3
+            against ZeRO-1/2.
         SlotsMismatchError: saved with other slots.
     """
     saved = int(meta["group_size"])

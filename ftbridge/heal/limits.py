@@ -1,27 +1,10 @@
 """HTTP limits of the heal path: deadlines, a bounded server, the heal URL policy, the job token.
 
-Both ends of a heal treat the other as hostile:
-
-* **Deadlines, not per-read timeouts.** A peer sending one byte every half
-  second never trips a per-read socket timeout. :data:`REAPER`, one daemon
-  thread per process, shuts down (``SHUT_RDWR``) any registered socket whose
-  deadline has passed; the blocked read or write in the owning thread then
-  fails at once.
-* **A bounded server.** :class:`BoundedHTTPServer` refuses connections
-  beyond ``max_connections`` at once (closed unread: no thread), gives each
-  accepted one ``request_timeout_s`` to deliver its whole request and then a
-  deadline for the wait and the response, so an idle, slow or non-reading
-  client holds a thread and the served state for a bounded time only.
-* **The heal URL** (:func:`check_heal_url`): only ``http://HOST:PORT/heal/``,
-  to the donor's host when the quorum names it; no other scheme
-  (``file://`` was read as heal state), no credentials, query or fragment.
-  The fetch uses ``http.client`` directly: no redirects and no environment
-  proxies (``http_proxy`` sent heals to the proxy with ``urllib``).
-* **The job token** (``FTBRIDGE_JOB_TOKEN``): a joiner proves it knows the
-  token with :func:`request_mac`, an HMAC-SHA256 over the donor's advertised
-  address and the step, so the token itself never travels and a request
-  captured by a fake donor is worth nothing at a real one. The donor
-  compares with ``hmac.compare_digest`` (:func:`mac_matches`).
+Both ends treat the other as hostile (threats: ``docs/lighthouse.md``, "The heal path"; deadlines:
+``docs/heal.md``). :data:`REAPER` shuts each registered socket down at its deadline;
+:class:`BoundedHTTPServer` caps connections and bounds each one's time; :func:`check_heal_url` admits
+only ``http://HOST:PORT/heal/``; :func:`request_mac` / :func:`mac_matches` are the job-token HMAC
+over the donor's address and the step (the token never travels).
 """
 
 from __future__ import annotations
@@ -61,7 +44,7 @@ class _Reaper:
             self._cond.notify()
 
     def remove(self, sock: socket.socket) -> None:
-        """Forget ``sock`` (its owner is done with it)."""
+        """Forget ``sock``."""
         with self._cond:
             self._due.pop(id(sock), None)
 
@@ -93,14 +76,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         address: ``(host, port)`` to bind.
         handler: the request handler class.
         family: ``socket.AF_INET`` or ``socket.AF_INET6``.
-        max_connections: connections served at once; more are closed unread.
-        request_timeout_s: time from accept to a complete request (s), also
-            the socket timeout of every read until then.
-        response_deadline_s: time after the request for the handler's wait
-            and the whole response (s); the handler may also call
-            :meth:`extend`.
+        max_connections: connections served at once (>= 1); more are closed unread, with no thread.
+        request_timeout_s: seconds from accept to a complete request; also each read's socket timeout.
+        response_deadline_s: seconds after the request for the handler's wait and whole response
+            (:meth:`extend`).
 
     Raises:
+        ValueError: ``max_connections`` < 1.
         OSError: the address cannot be bound.
     """
 
@@ -149,11 +131,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._release()
 
     def extend(self, request: Any) -> None:
-        """The request was read: give the connection :attr:`response_deadline_s` from now.
-
-        Also the socket's timeout: ``sendall`` applies it to the whole write,
-        so the request timeout would cap a large response on a slow link.
-        """
+        """The request was read: the connection gets :attr:`response_deadline_s` as deadline and socket timeout."""
         request.settimeout(self.response_deadline_s)
         REAPER.set(request, self.response_deadline_s)
 
@@ -192,18 +170,15 @@ def host_of(address: str) -> Optional[str]:
 
 
 def check_heal_url(metadata: str, expected_host: Optional[str]) -> Tuple[str, int]:
-    """``(host, port)`` of a donor's heal URL prefix, if it is one a joiner may fetch from.
+    """``(host, port)`` of a donor's heal URL prefix, if a joiner may fetch from it.
 
     Args:
-        metadata: the donor's :meth:`ftbridge.manager.transport.SafeHTTPTransport.metadata`,
-            ``http://HOST:PORT/heal/``, as torchft passes it to the joiner.
-        expected_host: the host the quorum names for the donor (its manager's
-            host), or ``None`` to accept any host.
+        metadata: the donor's ``http://HOST:PORT/heal/`` as torchft passes it on.
+        expected_host: the donor's manager host as the quorum names it; ``None`` accepts any host.
 
     Raises:
-        ValueError: another scheme (``file``, ``https``, ...), credentials, a
-            query or fragment, another path, no port, whitespace or control
-            characters, or a host other than ``expected_host``.
+        ValueError: another scheme, credentials, a query or fragment, another path, no port, whitespace
+            or control characters, or a host other than ``expected_host``.
     """
     if not isinstance(metadata, str) or not metadata.isprintable() or any(c.isspace() for c in metadata):
         raise ValueError(f"heal URL {str(metadata)[:200]!r} is not a printable URL")

@@ -1,32 +1,9 @@
-"""The donor's heal body, sent straight from its live state while that state may not change.
+"""The donor's heal body, sent from its live tensors while they may not change; the joiner's receive memory.
 
-Before, the donor encoded its whole state into one ``bytes`` (three copies
-through ``safetensors``, into freshly allocated memory) and only then
-served it: at 10 MB the encode took 30 ms of a 44 ms heal, on the joiner's
-critical path. Now :meth:`ftbridge.manager.transport.SafeHTTPTransport.send_checkpoint`
-only lays the body out from keys, shapes and dtypes
-(:func:`ftbridge.heal.wire.plan_body`, well under a millisecond) and a
-:class:`StreamBody` sends each tensor's bytes from the tensor itself, in
-chunks of :data:`SEND_CHUNK_BYTES`. The bytes on the wire are those of
-:func:`ftbridge.heal.wire.encode_state`, so the joiner's hostile-input decode is
-unchanged.
-
-Why that is a consistent snapshot: torchft calls ``send_checkpoint`` at the
-start of a step and ``disallow_checkpoint`` right before the donor's
-optimizer step, the first point where the state may change (the old encode
-read the same live tensors in the same window). :meth:`StreamBody.freeze`,
-run by ``disallow_checkpoint``, waits for the chunks being written, copies
-the bytes that responses still in flight have not sent yet into a staging
-buffer, and from then on they send from that copy: the donor's step never
-waits for a slow joiner, and a joiner never gets a torn state. A state
-function must therefore return tensors nobody writes before the step
-(ftbridge's own do: ZeRO's optimizer state changes only in the step, the
-PowerSGD hook state is a clone).
-
-Where a device-staging step slots in:
-:func:`ftbridge.heal.wire.tensor_bytes` turns each tensor into the CPU bytes that
-are sent (a view for a contiguous CPU tensor, a copy otherwise); a GPU path
-replaces that copy with one into a pinned buffer, and nothing else changes.
+:class:`StreamBody` sends the bytes of :func:`ftbridge.heal.wire.encode_state` from the tensors until
+:meth:`StreamBody.freeze`, then from a copy. Precondition: a heal state's tensors are not written
+between torchft's ``send_checkpoint`` and ``disallow_checkpoint`` (which calls ``freeze``). Why this
+is a consistent snapshot: ``docs/heal.md``, "Streaming the body".
 """
 
 from __future__ import annotations
@@ -42,9 +19,9 @@ import torch
 from ftbridge.heal.wire import BodyPlan, tensor_bytes
 
 SEND_CHUNK_BYTES = 32 << 20
-"""Most bytes written from the live state in one write (bytes): bounds how long :meth:`StreamBody.freeze` waits."""
+"""Most bytes written from the live state in one write: bounds how long :meth:`StreamBody.freeze` waits."""
 FREEZE_GRACE_S = 1.0
-"""How long :meth:`StreamBody.freeze` waits for a write from the live state before cutting that response off (s)."""
+"""Seconds :meth:`StreamBody.freeze` waits for a write from the live state before cutting that response off."""
 PAGE_BYTES = 4096
 
 
@@ -70,7 +47,7 @@ def _send_all(send: Callable[[List[Any]], int], views: List[memoryview]) -> int:
 
 
 class BodyAborted(Exception):
-    """The body can no longer be sent (the donor's state changed before this response got its bytes)."""
+    """The body can no longer be sent: the donor's state may have changed before this response got its bytes."""
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -81,13 +58,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 class StreamBody:
     """One heal body: a prefix, then each tensor's bytes, sent from the tensors until :meth:`freeze`.
 
-    Args:
-        plan: the body's layout (:func:`ftbridge.heal.wire.plan_body`), whose
-            tensors are read while responses are served; or a whole
-            encoded body (``bytes``).
-
-    Attributes:
-        size: bytes of the whole body (the ``Content-Length``).
+    ``plan``: the layout (:func:`ftbridge.heal.wire.plan_body`), whose live tensors are read while
+    responses are served, or a whole encoded body (``bytes``). ``size``: bytes of the body.
     """
 
     def __init__(self, plan: Union[BodyPlan, bytes]) -> None:
@@ -107,7 +79,7 @@ class StreamBody:
         self._staged: Optional[memoryview] = None
         self._staged_from = self._data_size
         self.staged_bytes = 0
-        """Bytes copied by :meth:`freeze` for responses still in flight (0: every response finished first)."""
+        """Bytes :meth:`freeze` copied for responses still in flight (0: none were)."""
 
     def _next_views(self, off: int, room: int) -> tuple:
         """``(views of the data from off, live)``, at most ``room`` bytes in all; caller holds the lock."""
@@ -132,19 +104,14 @@ class StreamBody:
         """Send ``head`` and the whole body with ``send``; returns the body bytes sent (``size``).
 
         Args:
-            send: sends some of a list of bytes-like objects, returns how many
-                bytes (``socket.sendmsg``; a blocking socket sends them all in
-                one system call).
-            cut: makes a blocked ``send`` fail at once (shuts the socket
-                down); :meth:`freeze` calls it if this response holds it up.
-            head: bytes sent first, with the body's prefix (the HTTP
-                response headers): one system call for a small body.
-            halfway: called once half of the body is sent (the first sends
-                stop there; ``faults.point("heal_send")``).
+            send: sends some of a list of bytes-like objects and returns how many bytes (``socket.sendmsg``).
+            cut: makes a blocked ``send`` fail at once (shuts the socket down); :meth:`freeze` calls it.
+            head: bytes sent first, with the body's prefix (the HTTP response headers).
+            halfway: called once half of the body is sent (fault injection, ``faults.point("heal_send")``).
 
         Raises:
-            BodyAborted: the state was frozen before this response could keep
-                its remaining bytes. ``OSError`` from ``send``.
+            BodyAborted: the state was frozen before this response could keep its remaining bytes.
+            OSError: from ``send``.
         """
         first, key = [memoryview(head + self._prefix)], id(cut)
         off, end, sent, half = 0, self._data_size, -len(head), self.size // 2
@@ -176,16 +143,13 @@ class StreamBody:
         return sent
 
     def freeze(self, wait_s: float = FREEZE_GRACE_S) -> bool:
-        """From now on, read no live tensor: the donor's state may change.
+        """From now on read no live tensor: the donor's state may change.
 
-        Waits for the writes from the live state in progress (responses
-        whose writes are still blocked after ``wait_s`` seconds are cut off),
-        then copies the data that responses in flight have not sent yet
-        into a staging buffer they go on from.
+        Waits for writes from the live state in progress, cuts off those still blocked after ``wait_s``
+        seconds, then copies what responses in flight have not sent yet into a buffer they go on from.
 
         Returns:
-            ``False`` if a write from the live state was still running after
-            it was cut off and ``wait_s`` more seconds (the caller should log it).
+            ``False`` if a write from the live state still ran ``wait_s`` seconds after the cut-off (log it).
         """
         with self._cond:
             if self._frozen:
@@ -204,7 +168,7 @@ class StreamBody:
             return True
 
     def _copy_from(self, start: int) -> memoryview:
-        """A copy of the data from byte ``start`` to the end (one allocation, no fill)."""
+        """A copy of the data from byte ``start`` to the end."""
         buf = torch.empty(self._data_size - start, dtype=torch.uint8)
         assert self._segments is not None
         out, pos = buf.numpy(), 0
@@ -221,28 +185,14 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the kernel maps every pag
 
 
 def _populated(nbytes: int) -> mmap.mmap:
-    """Anonymous private memory of ``nbytes`` bytes (at least 1), its pages mapped up front where Linux allows.
-
-    ``MAP_POPULATE`` maps them in one system call (the GIL is released),
-    about twice as fast here as faulting them in one by one.
-    """
+    """Anonymous private memory of ``nbytes`` bytes (at least 1), pages mapped up front where Linux allows."""
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
 
 class ReceiveBuffer:
-    """Memory for a heal body's tensor bytes, mapped ahead of the heal in a background thread.
+    """Memory for a heal body's tensor bytes (``nbytes`` >= 0, else ValueError), mapped ahead in a thread.
 
-    Writing to fresh pages costs their page faults: here about 1.7 ms per
-    MB (600 MB/s, a quarter of a loopback socket), paid inside the transfer
-    when the joiner receives into new memory. A restarted rank maps this
-    while it starts up (:meth:`ftbridge.manager.transport.SafeHTTPTransport.prepare_recv`)
-    and the fetch receives into it.
-
-    Args:
-        nbytes: capacity (bytes, >= 0).
-
-    Raises:
-        ValueError: ``nbytes`` < 0.
+    Mapped early so that page faults are not paid inside the transfer (``docs/heal.md``, "Receive memory").
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -266,10 +216,7 @@ class ReceiveBuffer:
         return self._ready.wait(max(0.0, seconds))
 
     def take(self, nbytes: int, deadline: float) -> Optional[memoryview]:
-        """A writable view of the first ``nbytes`` bytes once mapped.
-
-        ``None`` if too small, not ready by ``deadline`` (``time.monotonic()``) or the mapping failed.
-        """
+        """A writable view of the first ``nbytes`` bytes; ``None`` if too small, failed or unmapped at ``deadline``."""
         if nbytes > self.nbytes or not self._ready.wait(max(0.0, deadline - time.monotonic())) or self._mm is None:
             return None
         return memoryview(self._mm)[:nbytes]

@@ -1,25 +1,13 @@
 """The heal wire format: a nested dict of tensors and JSON scalars, without pickle.
 
-Layout of one body::
+Body: ``8-byte little-endian header length | JSON header | safetensors blob``; the header maps
+``"a/b/c"`` key paths to ``{"t": tensor_name}``, ``{"v": JSON scalar}`` or ``{"d": true}`` (empty dict).
 
-    8-byte little-endian header length | JSON header | safetensors blob
-
-The JSON header maps ``"a/b/c"`` key paths to ``{"t": tensor_name}`` (a
-tensor of the blob), ``{"v": scalar}`` (``int``, ``float``, ``bool``,
-``str``, ``None``) or ``{"d": true}`` (an empty dict). Neither JSON nor
-safetensors executes code on load.
-
-A body comes from the network, so :func:`decode_state` and
-:func:`decode_parts` treat it as hostile. Their contract: every input ends in
-``ValueError`` or in a valid result (nested ``dict`` with non-empty ``str``
-keys, leaves tensors or JSON scalars, no two tensors sharing bytes, no more
-tensor bytes than the body holds), in time and memory linear in the body's
-size. The tensor blob is checked as strictly as ``safetensors`` checks a file
-(header at most 100 MB and starting with ``{``, every tensor's
-``data_offsets`` tiling the data in order with no gap, overlap or trailing
-byte, sizes matching dtype and shape), also on the zero-copy path that
-``safetensors`` does not run. ``tests/test_wire_fuzz.py`` fuzzes this with
-``hypothesis``.
+Hostile input: :func:`decode_state` and :func:`decode_parts` end every input in ``ValueError`` or a
+valid result (nested ``dict`` with non-empty ``str`` keys, tensor or JSON-scalar leaves, no two tensors
+sharing bytes, no more tensor bytes than the body holds), in time and memory linear in the body's
+size. The blob is checked as strictly as ``safetensors`` checks a file (header at most 100 MB,
+``data_offsets`` tiling the data exactly, sizes matching dtype and shape), also on the zero-copy path.
 """
 
 from __future__ import annotations
@@ -38,11 +26,11 @@ from safetensors.torch import save as st_save
 _SCALARS = (bool, int, float, str, type(None))
 _SEP = "/"
 MAX_DEPTH = 64
-"""Most key-path components a decoded state may have (DeepSpeed's states nest about 6 deep)."""
+"""Most key-path components a decoded state may have."""
 ST_MAX_HEADER_BYTES = 100_000_000
 """``safetensors``' own limit on its JSON header (``MAX_HEADER_SIZE``), bytes."""
 HEADER_SLACK_BYTES = 1 << 20
-"""Allowance, on top of twice a state's own header size, for a peer's headers (bytes): :func:`size_bound`."""
+"""Bytes allowed for a peer's headers on top of twice our own: :func:`size_bound`."""
 
 # safetensors dtype names (its format spec) for the zero-copy view; any other dtype goes through st_load.
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -55,16 +43,12 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 @dataclass(frozen=True)
 class BodyPlan:
-    """A body laid out but not yet copied: :func:`plan_body`'s result.
-
-    The body is ``prefix`` followed by the bytes of ``tensors`` in order,
-    ``size`` bytes in all.
-    """
+    """A body laid out but not yet copied: ``prefix`` then the bytes of ``tensors`` in order."""
 
     prefix: bytes
-    """8-byte length, JSON header, and the safetensors blob's own length and header (bytes)."""
+    """8-byte length, JSON header, and the safetensors blob's own length and header."""
     tensors: Tuple[torch.Tensor, ...]
-    """The state's tensors in blob order, as given (live: not copied, any device, maybe non-contiguous)."""
+    """The state's tensors in blob order, live (not copied, any device, maybe non-contiguous)."""
     size: int
     """Bytes of the whole body."""
 
@@ -98,22 +82,10 @@ def _flatten(state: Dict[str, Any]) -> Tuple[Dict[str, Any], List[torch.Tensor]]
 
 
 def plan_body(state: Dict[str, Any]) -> Optional[BodyPlan]:
-    """Lay out the body of ``state`` from its keys, shapes and dtypes, copying no tensor data.
+    """Lay out the body :func:`encode_state` would return, copying no tensor data.
 
-    The body is the one :func:`encode_state` returns: a sender may write
-    ``prefix`` at once and each tensor's bytes as it copies them
-    (:mod:`ftbridge.heal.stream`).
-
-    Args:
-        state: as for :func:`encode_state`.
-
-    Returns:
-        The plan, or ``None`` if a tensor has a dtype outside
-        :data:`_ST_DTYPES` (:func:`encode_state` then lets ``safetensors``
-        write the blob).
-
-    Raises:
-        TypeError: a leaf or key of another type (name and path in the message).
+    Returns ``None`` if a tensor's dtype is outside :data:`_ST_DTYPES`. Raises ``TypeError`` as
+    :func:`encode_state` does.
     """
     header, tensors = _flatten(state)
     if any(t.dtype not in _DTYPE_NAMES for t in tensors):
@@ -145,13 +117,8 @@ def encode_state(state: Dict[str, Any]) -> bytes:
     """Serialise a nested dict of tensors and JSON scalars without pickle.
 
     Args:
-        state: nested ``dict`` with ``str`` keys (no ``"/"`` in keys); leaves
-            are ``torch.Tensor`` (any dtype safetensors supports, any device:
-            copied to CPU memory) or ``int``/``float``/``bool``/``str``/``None``.
-
-    Returns:
-        The wire format described in the module docstring (one copy of the
-        tensors' bytes).
+        state: nested ``dict`` with non-empty ``str`` keys without ``"/"``; leaves ``torch.Tensor`` (any
+            safetensors dtype, any device) or ``int``/``float``/``bool``/``str``/``None``.
 
     Raises:
         TypeError: a leaf or key of another type (name and path in the message).
@@ -189,17 +156,10 @@ def _encode_with_safetensors(state: Dict[str, Any]) -> bytes:
 
 
 def size_bound(state: Dict[str, Any], extra_bytes: int = 0) -> int:
-    """Largest body (bytes) accepted from a peer for a state shaped like ``state`` (this rank's own).
+    """Largest body (bytes) accepted from a peer for a state shaped like our own ``state``; copies no tensor.
 
-    The tensors' bytes, plus ``extra_bytes``, plus twice the JSON headers
-    that :func:`encode_state` would write for ``state``, plus
-    :data:`HEADER_SLACK_BYTES`: a peer's scalars (step counts, strings) may
-    be longer than ours. Walks ``state`` without copying any tensor.
-
-    Args:
-        state: this rank's own state (nested dict of tensors and scalars).
-        extra_bytes: state the peer may hold and this rank not yet (bytes),
-            e.g. optimizer moments created at the first step.
+    Tensor bytes + ``extra_bytes`` (state the peer may hold and we not yet) + twice our JSON headers +
+    :data:`HEADER_SLACK_BYTES`.
     """
     tensor_bytes, header = 0, 0
     stack: List[Tuple[str, Any]] = [("", state)]
@@ -217,22 +177,13 @@ def size_bound(state: Dict[str, Any], extra_bytes: int = 0) -> int:
 
 
 def decode_state(body: bytes) -> Dict[str, Any]:
-    """Inverse of :func:`encode_state`; tensors come back on CPU.
-
-    Raises:
-        ValueError: the body is truncated or not in this format (any
-            malformed input; see the module docstring's contract).
-    """
+    """Inverse of :func:`encode_state`, tensors on CPU; ValueError for any malformed body (module contract)."""
     n = header_length(body[:8], len(body))
     return decode_parts(body[8 : 8 + n], body[8 + n :])
 
 
 def header_length(prefix: Union[bytes, memoryview], body_len: int) -> int:
-    """The JSON header's length from the body's 8-byte prefix, checked against ``body_len`` (bytes).
-
-    Raises:
-        ValueError: fewer than 8 bytes, or a header longer than the body.
-    """
+    """The JSON header's length from the 8-byte prefix; ValueError if truncated or longer than ``body_len``."""
     if len(prefix) < 8 or body_len < 8:
         raise ValueError(f"heal state body of {body_len} bytes is truncated")
     (n,) = struct.unpack("<Q", prefix)
@@ -246,13 +197,7 @@ def _is_count(x: Any) -> bool:
 
 
 def _st_entries(header: Any, size: int) -> List[Tuple[str, str, List[int], int, int]]:
-    """``(name, dtype, shape, begin, end)`` per tensor of a safetensors header, checked like safetensors does.
-
-    Every entry has a dtype name, a shape of non-negative ints and two
-    offsets; sorted by offset, the tensors tile ``0..size`` exactly. Sizes of
-    the dtypes of :data:`_ST_DTYPES` are checked here; others by
-    ``safetensors.torch.load``.
-    """
+    """``(name, dtype, shape, begin, end)`` per tensor, sorted; tiling ``0..size`` exactly, as safetensors checks."""
     if not isinstance(header, dict):
         raise ValueError(f"safetensors header is a {type(header).__name__}, not a mapping")
     meta = header.pop("__metadata__", None)
@@ -281,16 +226,11 @@ def _st_entries(header: Any, size: int) -> List[Tuple[str, str, List[int], int, 
 
 
 def blob_entries(raw_header: bytes, data_size: int) -> List[Tuple[str, torch.dtype, List[int], int, int]]:
-    """``(name, dtype, shape, begin, end)`` per tensor of a safetensors blob header, checked as
-    :func:`decode_parts` checks it: for a receiver that reads the data itself (``ftbridge.staging``).
+    """Checked ``(name, dtype, shape, begin, end)`` per tensor of a blob header, for a receiver reading the data itself.
 
-    Args:
-        raw_header: the blob's JSON header (after its 8-byte length), at most :data:`ST_MAX_HEADER_BYTES`.
-        data_size: bytes of tensor data that follow the header.
-
-    Raises:
-        ValueError: a malformed header, offsets that do not tile ``data_size`` exactly, or a dtype outside
-            the wire format's zero-copy set (its name in the message).
+    ``raw_header`` is the blob's JSON header (at most :data:`ST_MAX_HEADER_BYTES`), ``data_size`` the
+    bytes that follow it. Raises ValueError for a malformed header, offsets that do not tile ``data_size``
+    exactly, or a dtype outside the zero-copy set.
     """
     if not raw_header.startswith(b"{"):
         raise ValueError("safetensors header does not start with '{'")
@@ -303,18 +243,9 @@ def blob_entries(raw_header: bytes, data_size: int) -> List[Tuple[str, torch.dty
 
 
 def _view_blob(blob: bytearray) -> Dict[str, torch.Tensor]:
-    """Tensors of a safetensors blob as views of ``blob`` (no copy; they keep it alive and may write to it).
+    """Tensors of a safetensors blob as views of ``blob``, no copy (``docs/heal.md``, "Zero-copy decode").
 
-    ``safetensors.torch.load`` copies every tensor out of its ``bytes``; at
-    256 MB that copy took as long as the transfer itself. The layout read here
-    is the safetensors format (8-byte little-endian header length, JSON header
-    of ``dtype``/``shape``/``data_offsets`` per tensor, then the data),
-    checked as ``safetensors`` checks it (:func:`_st_entries`), so no two
-    views share a byte. A dtype outside :data:`_ST_DTYPES` or a big-endian
-    host falls back to ``safetensors.torch.load``.
-
-    Raises:
-        ValueError: a header or offset that does not fit the blob.
+    Other dtypes or a big-endian host fall back to ``safetensors.torch.load``. ValueError on a bad header.
     """
     view = memoryview(blob)
     n = header_length(view[:8], len(view))  # safetensors frames its header as this module frames the body
@@ -371,15 +302,10 @@ def _checked_entries(header: Any, tensors: Dict[str, torch.Tensor]) -> List[Tupl
 
 
 def decode_parts(head: bytes, blob: Any) -> Dict[str, Any]:
-    """:func:`decode_state` of a body already split into its JSON header and safetensors blob.
+    """:func:`decode_state` of a body already split into its JSON header and blob.
 
-    The receiver reads the two apart, into a ``bytearray`` or a writable
-    ``memoryview`` for the blob (nearly all of the bytes), whose tensors are
-    then views of it: no copy between the socket and the tensors. A
-    ``bytes`` blob is loaded by ``safetensors.torch.load`` (one copy).
-
-    Raises:
-        ValueError: a malformed header or blob (see the module docstring's contract).
+    A writable ``blob`` (``bytearray``, writable ``memoryview``) is decoded into views of it, no copy;
+    ``bytes`` through ``safetensors.torch.load``. ValueError as for :func:`decode_state`.
     """
     header = _json(head, "header")
     writable = isinstance(blob, bytearray) or (isinstance(blob, memoryview) and not blob.readonly)
