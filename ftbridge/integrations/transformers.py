@@ -4,11 +4,7 @@ The change to a Trainer script (each replica group launched with ``ftbridge-run 
 
     from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
 
-or, for a subclass of the Trainer (TRL's ``SFTTrainer``, your own)::
-
-    class FaultTolerantSFTTrainer(FaultTolerantTrainerMixin, SFTTrainer):
-        pass
-
+and for a subclass of the Trainer (TRL's, your own): ``class MyTrainer(FaultTolerantTrainerMixin, SFTTrainer)``.
 :class:`FaultTolerantTrainerMixin` overrides ``create_accelerator_and_postprocess``, ``get_train_dataloader``,
 ``create_scheduler`` and ``train``, and adds :class:`FaultToleranceCallback`. A discarded step is a skipped
 one: ``state.global_step`` advances, so a run with ``D`` discards makes ``max_steps - D`` updates. What
@@ -75,13 +71,12 @@ def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> 
 
 
 class FaultToleranceCallback(TrainerCallback):
-    """One checkpoint writer across replica groups, the discarded steps in the logs, and the Trainer's place
-    in the run carried by a heal.
+    """One checkpoint writer across replica groups, the discards in the logs, the Trainer's place carried by a heal.
 
-    Turns the Trainer's saves off on every replica group but 0 and adds ``ft_discarded_steps`` (this
-    group's discards so far) to the logs. At the end of a step that healed, the group takes the donor's
-    :meth:`heal_state` and moves its :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where
-    plain data parallelism reads next (docs/huggingface.md, "A restarted group under the Trainer").
+    Turns the Trainer's saves off on every replica group but 0 and adds ``ft_discarded_steps`` (this group's
+    discards so far) to the logs. At the end of a step that healed, takes the donor's :meth:`heal_state` and
+    moves the :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where plain data parallelism
+    reads next (docs/huggingface.md, "A restarted group under the Trainer").
 
     Args:
         accelerator: the Trainer's :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`.
