@@ -4,12 +4,10 @@ The hooks, names and options of PyTorch DDP's communication hooks and of Acceler
 ``DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=..., comm_state_option=...)``: ``no`` (the
 default), ``fp16`` and ``bf16`` (:mod:`.default`), ``power_sgd`` and ``batched_power_sgd`` (:mod:`.powersgd`);
 ``comm_wrapper`` casts around a PowerSGD hook; ``comm_state_option`` holds PowerSGD's options
-(:data:`POWER_SGD_DEFAULTS`). A hook is any callable ``hook(state, tensor) -> work`` that averages ``tensor``
-(the rank's flat gradient partition, or a region of it) in place across the replica groups through ``state``
-(a :class:`~ftbridge.comm_hooks.base.CommHookState`); ``work`` has ``wait()``. Choosing a hook, its cost and
-the fault-tolerance rules: docs/comm_hooks.md.
-
-This module imports no torch (the launcher reads the names and validation).
+(:data:`POWER_SGD_DEFAULTS`). A hook is any callable ``hook(state, tensor) -> work`` averaging ``tensor`` (the
+rank's flat gradient partition, or a region of it) in place through ``state``
+(:class:`~ftbridge.comm_hooks.base.CommHookState`). Choosing a hook, its cost and the fault-tolerance rules:
+docs/comm_hooks.md. This module imports no torch (the launcher reads the names and validation).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """What a communication hook sees: :class:`CommHookState`, the fault-tolerant all-reduce and the step.
 
-:class:`CommHookState` plays the part of DDP's ``process_group`` argument. Its :meth:`~CommHookState.allreduce`
-is torchft's managed all-reduce (errors recorded, never raised; a healing replica sends zeros) and the one seam
-where the cross-replica sum is scaled and its bytes counted. Stateful hooks (PowerSGD) subclass it: the
-gradient sync calls ``commit`` or ``discard`` after ``should_commit``, a heal ships ``state_dict``. The rules:
-docs/comm_hooks.md, "Fault tolerance: what changes from DDP".
+:class:`CommHookState` plays the part of DDP's ``process_group`` argument; its :meth:`~CommHookState.allreduce`
+(torchft's managed all-reduce) is the one seam where the cross-replica sum is scaled and its bytes counted.
+Stateful hooks (PowerSGD) subclass it. The rules: docs/comm_hooks.md, "Fault tolerance: what changes from DDP".
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Plain, fp16 and bf16 averaging of a flat gradient partition across replica groups.
 
-PyTorch's ``ddp_comm_hooks/default_hooks.py`` (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
-``fp16_compress_wrapper``, ``bf16_compress_wrapper``), reducing through
-:meth:`ftbridge.comm_hooks.base.CommHookState.allreduce` instead of a process group. Unlike PyTorch, the fp16
+PyTorch's ``ddp_comm_hooks/default_hooks.py``, reducing through :meth:`.base.CommHookState.allreduce` instead of
+a process group. Unlike PyTorch, the fp16
 and bf16 hooks divide by ``state.divisor`` in the partition's own dtype *before* the cast, so a gradient that
 fits fp32 but not fp16 (up to 65504 x participants) arrives finite. Precision and bytes: docs/comm_hooks.md.
 """
