@@ -1,10 +1,8 @@
 """torchrun command lines and process groups: the one place that builds the first and stops the second.
 
-``ftbridge-run``, the local job runner, the benchmarks and the tests start torchrun in a session of its own,
-build its command line with :func:`torchrun_command` and stop it with :func:`stop_process_groups` (SIGTERM each
-group, wait, SIGKILL what is left); :func:`signal_group`, :func:`signal_pids`, :func:`pid_alive` and the port
-finders are the pieces under them (ranks are ended by PID: torchrun starts them in its own process group). Why
-torchrun gets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and ``OMP_NUM_THREADS=1``: docs/troubleshooting.md.
+``ftbridge-run``, the local job runner, the benchmarks and the tests build torchrun's command line with
+:func:`torchrun_command` (why its environment: docs/troubleshooting.md), start it in a session of its own and
+stop it with :func:`stop_process_groups`; the other functions are the pieces under them.
 """
 
 from __future__ import annotations
@@ -46,7 +44,8 @@ def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = 
     never hands to another process's ``bind(0)`` or outgoing connection.
 
     Raises:
-        ValueError: ``count`` < 1. RuntimeError: no free run found in 500 tries.
+        ValueError: ``count`` < 1.
+        RuntimeError: no free run found in 500 tries.
     """
     if count < 1:
         raise ValueError(f"count={count}: ask for at least 1 port")
@@ -70,11 +69,7 @@ def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = 
 
 
 def _stat_fields(pid: int) -> List[bytes]:
-    """The fields of ``/proc/PID/stat`` after the command name (field 3, the state, first).
-
-    Raises:
-        OSError: no such process (or no ``/proc``). IndexError: an unreadable line.
-    """
+    """The fields of ``/proc/PID/stat`` after the command name (the state first); ``OSError`` if none."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rsplit(b")", 1)[1].split()
 
@@ -161,7 +156,10 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def signal_pids(pids: Sequence[int], sig: int) -> None:
-    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped."""
+    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped.
+
+    Ranks are ended by PID: torchrun starts them in its own process group.
+    """
     for pid in pids:
         try:
             os.kill(pid, sig)
