@@ -1,13 +1,11 @@
 """DeepSpeed's JIT-built op: this environment's cache, one ninja, and the lock a killed process left behind.
 
-:func:`prepare_jit_build` is the one entry, called by every ftbridge entry point (``ftbridge.initialize``, the
-CLI tools, the main job's script) before DeepSpeed may build or load its op; ``import ftbridge`` changes nothing.
-It gives the process and its children their own ``TORCH_EXTENSIONS_DIR`` and this environment's ``ninja`` (two
-ninja versions read each other's build log as a changed command, and each rebuilds the op), and clears stale
-build locks: the holder of torch's ``FileBaton`` (``TORCH_EXTENSIONS_DIR/<op>/lock``) keeps the file open until
-it deletes it, so a lock no process has open was left by a killed process, and every later DeepSpeed start
-would wait for it forever. Linux only (``/proc``); sees this user's processes. Symptoms and fixes:
-docs/troubleshooting.md ("The first start takes about 30 s", "Every DeepSpeed start hangs in init_distributed").
+:func:`prepare_jit_build`, called by every ftbridge entry point before DeepSpeed may build or load its op
+(``import ftbridge`` changes nothing), gives the process and its children their own ``TORCH_EXTENSIONS_DIR`` and
+this environment's ``ninja`` (two ninja versions read each other's build log as changed and rebuild the op), and
+clears stale build locks: the holder of ``TORCH_EXTENSIONS_DIR/<op>/lock`` (torch's ``FileBaton``) keeps it open
+until it deletes it, so a lock no process has open was left by a killed one, and every later start would wait
+for it forever. Linux only (``/proc``; this user's processes). Symptoms and fixes: docs/troubleshooting.md.
 """
 
 from __future__ import annotations
