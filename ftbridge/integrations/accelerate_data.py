@@ -97,7 +97,7 @@ class MovableLoader(DataLoaderShard):
         return self
 
     def reassign(self, *, replica_group_id: int, group_size: int, group_rank: int) -> None:
-        """Read as rank ``group_rank`` of replica group ``replica_group_id`` from the next iteration on.
+        """Read as rank ``group_rank`` of group ``replica_group_id`` from the next iteration on (same length).
 
         Raises:
             ValueError: the rank is outside the group or the loader's ``num_processes`` data-parallel ranks.

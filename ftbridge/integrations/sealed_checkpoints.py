@@ -36,7 +36,7 @@ def seal(checkpoint_dir: str) -> None:
 
 
 def problems(checkpoint_dir: str) -> List[str]:
-    """Why ``checkpoint_dir`` is not a whole sealed checkpoint; empty when it is (``manifest.verify``)."""
+    """Why ``checkpoint_dir`` is not whole: no manifest, a file missing, added, truncated or altered; empty if whole."""
     return manifest.verify(checkpoint_dir)
 
 
