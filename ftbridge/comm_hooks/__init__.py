@@ -1,35 +1,13 @@
 """Communication hooks for the cross-replica all-reduce of ZeRO gradient partitions.
 
-The same hooks and names as PyTorch DDP's communication hooks
-(``torch.distributed.algorithms.ddp_comm_hooks``) and as Accelerate's
-``DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=..., comm_state_option=...)``:
-
-==========================  ==================================================  =========================
-``comm_hook``               what crosses the replica link per step              module
-==========================  ==================================================  =========================
-``no``                      the fp32 partition, averaged (the default)          :mod:`.default`
-``fp16``                    the partition divided by the groups, in fp16        :mod:`.default`
-``bf16``                    the same in bf16                                    :mod:`.default`
-``power_sgd``               rank-r factors P, Q of each parameter fragment      :mod:`.powersgd`
-``batched_power_sgd``       rank-r factors of the whole partition as a square   :mod:`.powersgd`
-==========================  ==================================================  =========================
-
-``comm_wrapper`` (``no``, ``fp16``, ``bf16``) casts the partition before a
-PowerSGD hook and back after it. ``comm_state_option`` holds PowerSGD's options
-under PyTorch's names (:data:`POWER_SGD_DEFAULTS`).
-
-A hook is any callable ``hook(state, tensor) -> work``: ``tensor`` is the
-rank's flat gradient partition (or, per-bucket, a flat region of it), to be
-averaged in place over the participating replica groups; ``state`` is a
-:class:`ftbridge.comm_hooks.base.CommHookState` (the fault-tolerant
-all-reduce of the manager, the participant count, the step, the partition
-layout) or a subclass; ``work`` has ``wait()``. Every built-in hook goes
-through ``state.allreduce`` (torchft's managed all-reduce), so a peer's
-failure is recorded and the step discarded, a healing replica contributes
-zeros, and averages divide by ``state.divisor``: the participating replica
-groups, or 1 under DeepSpeed's ``gradient_allreduce_op: sum``.
-
-This module imports no torch (the launcher reads the names and validation).
+The hooks, names and options of PyTorch DDP's communication hooks and of Accelerate's
+``DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=..., comm_state_option=...)``: ``no`` (the
+default), ``fp16`` and ``bf16`` (:mod:`.default`), ``power_sgd`` and ``batched_power_sgd`` (:mod:`.powersgd`);
+``comm_wrapper`` casts around a PowerSGD hook; ``comm_state_option`` holds PowerSGD's options
+(:data:`POWER_SGD_DEFAULTS`). A hook is any callable ``hook(state, tensor) -> work`` averaging ``tensor`` (the
+rank's flat gradient partition, or a region of it) in place through ``state``
+(:class:`~ftbridge.comm_hooks.base.CommHookState`). Choosing a hook, its cost and the fault-tolerance rules:
+docs/comm_hooks.md. This module imports no torch (the launcher reads the names and validation).
 """
 
 from __future__ import annotations
@@ -120,8 +98,8 @@ def validate(comm_hook: Any, comm_wrapper: Any = "no", comm_state_option: Option
     """Check a hook choice at the configuration boundary.
 
     Raises:
-        ValueError: an unknown hook or wrapper, a wrapper on a hook that is not
-            PowerSGD, or a bad ``comm_state_option``, naming the fix.
+        ValueError: an unknown hook or wrapper, a wrapper on a hook that is not PowerSGD, or a bad
+            ``comm_state_option``, naming the fix.
     """
     hook = hook_type(comm_hook)
     wrapper = hook_type(comm_wrapper, "comm_wrapper")
@@ -141,19 +119,16 @@ def build(comm_hook: Any = "no", comm_wrapper: Any = "no", comm_state_option: Op
     """The ``(hook, state)`` pair for a built-in hook or a user callable.
 
     Args:
-        comm_hook: a :class:`DDPCommunicationHookType` (or its value), or a
-            callable ``hook(state, tensor) -> work`` of the user's (with an
-            attribute ``needs_partition = True`` it gets the whole partition
+        comm_hook: a :class:`DDPCommunicationHookType` (or its value), or a user's callable
+            ``hook(state, tensor) -> work`` (with ``hook.needs_partition = True`` it gets the whole partition
             after backward and ``state.layout``, like PowerSGD).
         comm_wrapper: ``no``, ``fp16`` or ``bf16`` cast around a PowerSGD hook.
         comm_state_option: PowerSGD options (:data:`POWER_SGD_DEFAULTS`).
         manager: the rank's :class:`ftbridge.manager.ReplicaManager`.
-        reduction: ``"mean"`` or ``"sum"``, the engine's ``gradient_allreduce_op``
-            (:class:`~ftbridge.comm_hooks.base.CommHookState`).
+        reduction: ``"mean"`` or ``"sum"``, the engine's ``gradient_allreduce_op``.
 
     Returns:
-        ``(hook, state)``; ``state`` is a ``PowerSGDState`` for PowerSGD
-        hooks, else a plain ``CommHookState``.
+        ``(hook, state)``; ``state`` is a ``PowerSGDState`` for PowerSGD hooks, else a ``CommHookState``.
 
     Raises:
         ValueError: see :func:`validate`.

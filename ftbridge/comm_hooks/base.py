@@ -1,19 +1,8 @@
-"""What a communication hook sees: the fault-tolerant all-reduce and the step.
+"""What a communication hook sees: :class:`CommHookState`, the fault-tolerant all-reduce and the step.
 
-:class:`CommHookState` plays the part of DDP's ``process_group`` argument
-(PyTorch's hooks take ``(process_group_or_state, bucket)``): its
-:meth:`~CommHookState.allreduce` is torchft's managed all-reduce through the
-:class:`ftbridge.manager.ReplicaManager`, so errors are recorded (never
-raised) and the step is then discarded on every replica; a healing replica's
-tensor is zeroed before it is sent. It is the one seam where the
-cross-replica sum is scaled (:attr:`~CommHookState.divisor`): every built-in
-hook and the default path reduce through it. It also counts the bytes each
-rank hands to the cross-replica link, which the tests and the benchmark read.
-
-Hooks with state that must survive membership changes (PowerSGD) subclass it
-and implement :meth:`commit`, :meth:`discard`, :meth:`state_dict` and
-:meth:`load_state_dict`; the gradient sync calls the first two after
-``should_commit``, the engine ships the last two in a heal.
+:class:`CommHookState` plays the part of DDP's ``process_group`` argument; its :meth:`~CommHookState.allreduce`
+(torchft's managed all-reduce) is the one seam where the cross-replica sum is scaled and its bytes counted.
+Stateful hooks (PowerSGD) subclass it. The rules: docs/comm_hooks.md, "Fault tolerance: what changes from DDP".
 """
 
 from __future__ import annotations
@@ -32,20 +21,16 @@ class CommHookState:
     """The manager-backed process group of one rank, as a hook sees it.
 
     Args:
-        manager: the rank's replica manager (``allreduce(tensor, reduce_op=...)``,
-            ``participants``, ``current_step``).
-        reduction: ``"mean"`` (DeepSpeed's default ``gradient_allreduce_op``: each group
-            holds its ranks' mean, and the groups are averaged) or ``"sum"`` (each group
-            holds its ranks' sum, and the groups are summed), so that the result is what
-            plain DeepSpeed computes over every data-parallel rank of the job.
+        manager: the rank's replica manager (``allreduce(tensor, reduce_op=...)``, ``participants``, ``current_step``).
+        reduction: DeepSpeed's ``gradient_allreduce_op``, ``"mean"`` (groups averaged) or ``"sum"`` (summed):
+            the result is plain DeepSpeed's over every data-parallel rank of the job.
 
     Raises:
         ValueError: ``reduction`` is not one of :data:`REDUCTIONS`.
     """
 
     needs_partition = False
-    """True for hooks that need the whole partition and its layout (PowerSGD):
-    the gradient sync then sends the partition after backward, not per bucket."""
+    """True for hooks that need the whole partition and its layout (PowerSGD): sent after backward, not per bucket."""
 
     def __init__(self, manager: Any, reduction: str = "mean") -> None:
         if reduction not in REDUCTIONS:
@@ -54,11 +39,9 @@ class CommHookState:
         self.manager = manager
         self.reduction = reduction
         self.slots = 0
-        """The job's slots (:attr:`ftbridge.config.FTBridgeConfig.slots`), set by the engine; when
-        not 0, a mean divides the cross-replica sum by them instead of by the participants."""
+        """The job's slots (:attr:`ftbridge.config.FTBridgeConfig.slots`), set by the engine; 0 for none."""
         self.layout: Any = None
-        """The :class:`ftbridge.zero.layout.PartitionLayout` of the
-        rank's partition, set by the gradient sync before the first step."""
+        """The rank's :class:`ftbridge.zero.layout.PartitionLayout`, set by the gradient sync before the first step."""
         self.bytes_sent = 0
         """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
         self.allreduces = 0
@@ -72,21 +55,14 @@ class CommHookState:
 
     @property
     def step(self) -> int:
-        """Committed steps before this one, the same on every replica.
-
-        Read after the quorum: a healing replica's torchft step is then
-        already the quorum's ``max_step``, so it agrees with its peers before
-        the first collective (its own hook state is replaced only later, in
-        ``should_commit``).
-        """
+        """Committed steps before this one, the same on every replica, a healing one too (waits for the quorum)."""
         self.participants  # noqa: B018  (waits for the quorum)
         return int(self.manager.current_step)
 
     @property
     def divisor(self) -> int:
-        """What an average divides the cross-replica sum by: the participating replica groups
-        (``reduction="mean"``), or the job's :attr:`slots` when it has them, or 1 (``"sum"``).
-        Waits for the quorum."""
+        """What an average divides the cross-replica sum by: :attr:`slots` if set, else the participants; 1 for
+        ``"sum"``. Waits for the quorum."""
         if self.reduction != "mean":
             return 1
         return self.slots or self.participants
@@ -94,22 +70,16 @@ class CommHookState:
     def allreduce(self, tensor: torch.Tensor, average: bool = True, divide_first: Optional[bool] = None) -> Any:
         """Start reducing ``tensor`` in place across replica groups: their sum, divided by :attr:`divisor`.
 
-        Every cross-replica gradient message goes through here. The division
-        is torchft's ``AVG`` (``tensor /= n`` after the sum), so with the
-        default divisor the result is bit-identical to torchft's average.
+        Divides as torchft's ``AVG`` does (after the sum): bit-identical to its average by default.
 
         Args:
             tensor: contiguous floating point tensor, any shape.
             average: ``False`` sums without dividing.
-            divide_first: divide before the sum instead of after; default
-                ``True`` for fp16/bf16 tensors, so that values near the
-                format's maximum do not overflow in the sum.
+            divide_first: divide before the sum; default ``True`` for fp16/bf16 (no overflow in the sum).
 
         Returns:
-            Work whose ``wait()`` returns once ``tensor`` holds the result
-            (``False``, and ``tensor`` undefined, when the all-reduce failed).
-            Never raises for a peer's failure: the manager records it and the
-            step is discarded.
+            Work whose ``wait()`` returns once ``tensor`` holds the result, or ``False`` (``tensor``
+            undefined) when the all-reduce failed. A peer's failure is recorded by the manager, never raised.
         """
         self.count(tensor)
         divisor = self.divisor if average else 1
@@ -124,10 +94,8 @@ class CommHookState:
     def lend(self, tensor: torch.Tensor) -> None:
         """Declare ``tensor`` a buffer of the hook's own, made for this step's next all-reduce of it.
 
-        Nothing else may read or write it until that all-reduce's ``wait()``
-        returns, and it is dropped when that wait fails. Spares the peer watch
-        a copy (:meth:`ftbridge.manager.ReplicaManager.lend`); a manager
-        without ``lend`` ignores it.
+        Nothing else may read or write it until that ``wait()`` returns; drop it when the wait fails. Spares the
+        peer watch a copy (:meth:`ftbridge.manager.ReplicaManager.lend`); a manager without ``lend`` ignores it.
         """
         lend = getattr(self.manager, "lend", None)
         if lend is not None:
@@ -158,13 +126,7 @@ class CommHookState:
 
 
 class DividedWork:
-    """Completes a sum by dividing it: ``tensor /= divisor`` once, after a successful wait.
-
-    Args:
-        work: the all-reduce (sum) of ``tensor``.
-        tensor: receives the sum, then the quotient.
-        divisor: positive int.
-    """
+    """Completes ``work``, the all-reduce (sum) of ``tensor``, by ``tensor /= divisor`` once after a successful wait."""
 
     def __init__(self, work: Any, tensor: torch.Tensor, divisor: int) -> None:
         self.work, self.tensor, self.divisor = work, tensor, divisor
@@ -181,13 +143,7 @@ class DividedWork:
 
 
 class CastBackWork:
-    """Completes a hook run on a low-precision copy: copies the result back.
-
-    Args:
-        work: the work of the hook run on ``low``.
-        low: the copy the hook averaged in place.
-        target: the caller's tensor, which receives ``low`` cast to its dtype.
-    """
+    """Completes ``work``, a hook run in place on ``low`` (a low-precision copy), by copying ``low`` into ``target``."""
 
     def __init__(self, work: Any, low: torch.Tensor, target: torch.Tensor) -> None:
         self.work, self.low, self.target = work, low, target
@@ -215,16 +171,10 @@ class ChainWork:
 
 
 def wait_result(work: Any, tensor: torch.Tensor) -> bool:
-    """Wait for a hook's ``work`` and make sure ``tensor`` holds its result.
-
-    Accepts torch ``Work`` (the result is in place) and ``torch.futures.Future``
-    (DDP hooks' style: its value, a tensor or a one-tensor list, is copied in
-    if it is not ``tensor`` itself).
+    """Wait for a hook's ``work`` (a torch ``Work``, or a ``Future`` whose tensor value is copied in) into ``tensor``.
 
     Returns:
-        ``False`` when the work's ``wait()`` returned ``False`` (torchft: the
-        all-reduce failed or was abandoned; the step is discarded and
-        ``tensor`` holds no result), else ``True``.
+        ``False`` when ``wait()`` returned ``False`` (the all-reduce failed; ``tensor`` holds no result), else ``True``.
     """
     value = work.wait()
     if value is False:

@@ -1,23 +1,9 @@
 """Plain, fp16 and bf16 averaging of a flat gradient partition across replica groups.
 
-Follows PyTorch's ``ddp_comm_hooks/default_hooks.py`` (``allreduce_hook``,
-``fp16_compress_hook``, ``bf16_compress_hook``, ``fp16_compress_wrapper``,
-``bf16_compress_wrapper``), with the managed, fault-tolerant all-reduce of
-:class:`ftbridge.comm_hooks.base.CommHookState` in place of a process group.
-
-Each reduces through :meth:`ftbridge.comm_hooks.base.CommHookState.allreduce`,
-whose ``divisor`` is the participating replica groups (or 1 under DeepSpeed's
-``gradient_allreduce_op: sum``).
-
-* ``allreduce_hook``: the sum, then divided, in the partition's dtype:
-  torchft's average, and ftbridge's path without a hook.
-* ``fp16_compress_hook`` / ``bf16_compress_hook``: divide in the partition's
-  own dtype *first*, then cast and sum. PyTorch casts first; dividing first
-  means a gradient that fits fp32 but not fp16 (up to 65504 x participants)
-  still arrives finite. Half the bytes of fp32. fp16
-  keeps 11 significant bits (relative error 2^-11 per cast, values under
-  6e-5 lose precision, under 6e-8 flush to zero); bf16 keeps fp32's range
-  and 8 significant bits (relative error up to 2^-8 per element).
+PyTorch's ``ddp_comm_hooks/default_hooks.py``, reducing through :meth:`.base.CommHookState.allreduce` instead of
+a process group. Unlike PyTorch, the fp16
+and bf16 hooks divide by ``state.divisor`` in the partition's own dtype *before* the cast, so a gradient that
+fits fp32 but not fp16 (up to 65504 x participants) arrives finite. Precision and bytes: docs/comm_hooks.md.
 """
 
 from __future__ import annotations
@@ -32,11 +18,7 @@ Hook = Callable[[Any, torch.Tensor], Any]
 
 
 def allreduce_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
-    """Average ``tensor`` in place over the participating replica groups (no compression).
-
-    Args:
-        state: the rank's hook state (its manager's all-reduce).
-        tensor: flat gradient partition, any float dtype; summed, then divided, in that dtype.
+    """Average ``tensor`` (flat gradient partition, any float dtype) in place: summed, then divided, in its dtype.
 
     Returns:
         Work; after ``wait()`` ``tensor`` holds the average.
@@ -51,11 +33,7 @@ def _compress_hook(dtype: torch.dtype, state: CommHookState, tensor: torch.Tenso
 
 
 def fp16_compress_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
-    """Average ``tensor`` with an fp16 payload (divide by the divisor, cast, sum, cast back).
-
-    Args:
-        state: the rank's hook state.
-        tensor: flat gradient partition (fp32 or bf16).
+    """Average ``tensor`` (flat fp32 or bf16 gradient partition) with an fp16 payload: divide, cast, sum, cast back.
 
     Returns:
         Work; after ``wait()`` ``tensor`` holds the average, rounded through fp16.
@@ -64,11 +42,7 @@ def fp16_compress_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
 
 
 def bf16_compress_hook(state: CommHookState, tensor: torch.Tensor) -> Any:
-    """Average ``tensor`` with a bf16 payload (divide, cast, sum, cast back).
-
-    Args:
-        state: the rank's hook state.
-        tensor: flat gradient partition (fp32).
+    """Average ``tensor`` (flat fp32 gradient partition) with a bf16 payload: divide, cast, sum, cast back.
 
     Returns:
         Work; after ``wait()`` ``tensor`` holds the average, rounded through bf16.
@@ -89,13 +63,7 @@ def _compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
 
 
 def fp16_compress_wrapper(hook: Hook) -> Hook:
-    """Run ``hook`` on an fp16 copy of the partition and cast the result back.
-
-    ``fp16_compress_wrapper(powerSGD_hook)`` sends PowerSGD's P and Q (and
-    its uncompressed elements) in fp16: half their bytes again. Inside, the
-    averages of fp16 tensors divide before they sum
-    (:meth:`CommHookState.allreduce`).
-    """
+    """Run ``hook`` on an fp16 copy of the partition and cast the result back (PowerSGD's messages in fp16)."""
     return _compress_wrapper(torch.float16, hook)
 
 

@@ -1,36 +1,12 @@
 """A ZeRO gradient partition as PowerSGD's matrices: which elements form which matrix.
 
-PowerSGD compresses a gradient *matrix* (Vogels, Karimireddy, Jaggi,
-"PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-Optimization", NeurIPS 2019); PyTorch's ``powerSGD_hook`` views each
-parameter's gradient as ``(shape[0], numel / shape[0])``. A ZeRO partition is
-a flat slice of the concatenated parameters cut at arbitrary offsets, so a
-rank holds *fragments*: ZeRO-1/2 hold whole parameters plus at most a tail
-of the parameter straddling the partition start and a head of the one
-straddling its end; ZeRO-3 holds ``1/group_size`` of every parameter.
-
-Mapping (this module):
-
-* a fragment of a parameter with ``ndim >= 2`` and ``cols = numel / shape[0]``
-  covers elements ``[a, b)`` of the parameter. Its **whole rows**
-  ``ceil(a / cols) .. floor(b / cols)`` form a ``rows x cols`` matrix, a
-  contiguous view of the partition (no copy), compressed when PyTorch's test
-  ``(rows + cols) * r * min_compression_rate < rows * cols`` holds;
-* the partial row before and after them (fewer than ``cols`` elements each)
-  and every fragment of a 1-D parameter (biases, norms) are sent uncompressed;
-* alignment padding is not sent at all (it is zero on every replica).
-
-Cost: at most ``2 * cols`` uncompressed elements per cut parameter. ZeRO-1/2
-cut at most two parameters per partition; ZeRO-3 cuts every parameter into
-``group_size`` fragments, so its uncompressed share grows with the group size
-(each fragment also has fewer rows: PowerSGD's saving ``rows*cols / ((rows+cols)*r)``
-drops when ``rows`` is small, and the compression test then falls back to
-uncompressed). ``batched_power_sgd`` needs no layout: it compresses the whole
-partition as one square matrix (PyTorch's ``batched_powerSGD_hook``), cheaper
-to run but a worse approximation.
-
-The layout (:class:`ftbridge.zero.layout.PartitionLayout`) is read once from DeepSpeed's own
-bookkeeping by the ZeRO adapter; this module only computes with it.
+PowerSGD (Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization", NeurIPS 2019) compresses gradient *matrices*; PyTorch's ``powerSGD_hook`` views a parameter's
+gradient as ``(shape[0], numel / shape[0])``. :func:`split` maps each fragment of a
+:class:`ftbridge.zero.layout.PartitionLayout`: its whole rows form a contiguous ``rows x cols`` matrix (a view,
+no copy), compressed when :func:`should_compress` holds; partial rows, 1-D parameters and matrices that fail the
+test are sent uncompressed; padding is not sent (zero on every replica). The mapping and its cost per ZeRO
+stage: docs/comm_hooks.md, "PowerSGD on ZeRO partitions".
 """
 
 from __future__ import annotations

@@ -1,58 +1,19 @@
 """PowerSGD on a ZeRO gradient partition, fault tolerant across replica groups.
 
-Algorithm: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient
-Compression for Distributed Optimization", NeurIPS 2019 -- one step of
-subspace (power) iteration per optimizer step, warm-started from the
-previous step's Q, with error feedback. Implementation follows PyTorch's
-``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``
-(``PowerSGDState``, ``powerSGD_hook``, ``batched_powerSGD_hook``) and keeps
-its option names and defaults. Per step, for each gradient matrix ``M``
-(``n x m``) of the partition, rank ``r``:
+Algorithm: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization", NeurIPS 2019: one step of power iteration per optimizer step, warm-started from the previous
+step's Q, with error feedback. Follows PyTorch's ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``
+(``PowerSGDState``, ``powerSGD_hook``, ``batched_powerSGD_hook``) and keeps its option names and defaults. Per
+step, for each gradient matrix ``M`` (``n x m``) of the partition, rank ``r``:
 
-1. ``M += e`` (error feedback); ``Q`` = last step's Q (warm start) or random;
-   orthogonalise ``Q``; ``P = M Q``;
-2. average ``P`` across replicas (one message, together with the elements
-   that are not compressed); orthogonalise ``P``;
-3. ``Q = M^T P``; average ``Q`` across replicas (second message);
+1. ``M += e`` (error feedback); ``Q`` = last step's Q or random; orthogonalise ``Q``; ``P = M Q``;
+2. average ``P`` (one message, with the uncompressed elements); orthogonalise ``P``;
+3. ``Q = M^T P``; average ``Q`` (second message);
 4. ``M = P Q^T`` (the same on every replica); ``e = M_in - M``.
 
-Bytes per step: ``(n + m) r`` instead of ``n m`` per compressed matrix.
-
-Differences from PyTorch, all for fault tolerance:
-
-* **Where matrices come from**: a ZeRO partition cuts parameters at arbitrary
-  offsets; :mod:`ftbridge.comm_hooks.matrices` maps each fragment's whole
-  rows to a matrix and sends its ragged edges, 1-D parameters and small
-  matrices uncompressed, padding not at all. The hooks need that whole-partition
-  view, so with PowerSGD the gradient sync sends the partition after
-  backward, not per bucket (:attr:`PowerSGDState.needs_partition`).
-* **One message for the uncompressed elements and P** (PyTorch sends them
-  separately): P is orthogonalised next, so averaging it instead of summing
-  it changes nothing (with ``orthogonalization_epsilon`` 0).
-* **Iteration = committed steps.** ``iter`` counts steps committed on every
-  replica (torchft's step), not backward passes; a discarded step does not
-  count. A healing replica knows the quorum's step before its first
-  collective, so it picks the same phase (plain average before
-  ``start_powerSGD_iter``, PowerSGD after) and sends messages of the same
-  sizes as its peers.
-* **Random Q from (random_seed, step)**: a fresh generator seeded from both,
-  instead of a NumPy ``RandomState`` advanced once per use. Identical on
-  every replica without shipping generator state; ``random_seed`` and
-  ``iter`` are the whole RNG state.
-* **Apply on commit**: the new Q, error buffer and ``iter`` are kept aside
-  and applied only when the step commits (:meth:`PowerSGDState.commit`); a
-  discarded step leaves the state as it was.
-* **Heal**: Q (warm start), ``iter`` and ``random_seed`` are shared and go to
-  a joining replica group (:meth:`state_dict`); the error buffer is local and
-  a joiner starts it at zero. In its healing step the joiner's messages are
-  zeroed by torchft, so what it computes from its stale Q never reaches
-  anyone, and the Q it commits is the averaged one, like its peers'.
-* **Error feedback covers compressed matrices only**: uncompressed elements
-  are averaged exactly; PyTorch also keeps ``local - average`` for them,
-  which sums to zero across replicas and only moves noise around (and
-  would be lost with a dead replica).
-* **A zero column** of P or Q (e.g. a parameter without gradient) is left
-  zero instead of producing NaN when ``orthogonalization_epsilon`` is 0.
+``iter`` counts committed steps; the new Q, error buffer and ``iter`` apply only on commit; a heal ships Q,
+``iter`` and ``random_seed``, not the error buffer. The differences from PyTorch and their reasons:
+docs/comm_hooks.md, "PowerSGD on ZeRO partitions" and "PowerSGD state across membership changes".
 """
 
 from __future__ import annotations
@@ -77,8 +38,7 @@ class PowerSGDState(CommHookState):
 
     Args:
         manager: the rank's replica manager.
-        reduction: ``"mean"`` or ``"sum"`` (:class:`~ftbridge.comm_hooks.base.CommHookState`); P and Q
-            are reduced the same way, so the decompressed result is the sum or the mean alike.
+        reduction: ``"mean"`` or ``"sum"`` (:class:`~ftbridge.comm_hooks.base.CommHookState`), for P and Q alike.
         batched: ``batched_power_sgd`` (one square matrix per partition).
         matrix_approximation_rank: rank ``r`` of the approximation.
         start_powerSGD_iter: committed steps of plain averaging before compressing.
@@ -229,10 +189,7 @@ def _random_q(state: PowerSGDState, step: int, numel: int, dtype: torch.dtype) -
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
-    """Orthonormalise the columns of each ``(n, r)`` matrix of a ``(b, n, r)`` batch, in place.
-
-    Gram-Schmidt for ``r <= 2`` or half precision, QR otherwise (PyTorch's choice).
-    """
+    """Orthonormalise, in place, each ``(n, r)`` matrix of a ``(b, n, r)`` batch (Gram-Schmidt or QR, as PyTorch)."""
     rank = matrices.shape[2]
     if rank > 2 and matrices.dtype not in LOW_PRECISION:
         matrices.copy_(torch.linalg.qr(matrices).Q)
@@ -248,9 +205,8 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
 
 
 def powerSGD_hook(state: PowerSGDState, tensor: torch.Tensor) -> Any:
-    """PowerSGD of each parameter fragment of the flat partition ``tensor`` (in place).
-
-    Plain averaging for the first ``start_powerSGD_iter`` committed steps.
+    """PowerSGD of each parameter fragment of the flat partition ``tensor`` (in place); plain averaging for the
+    first ``start_powerSGD_iter`` committed steps.
 
     Args:
         state: the rank's :class:`PowerSGDState` (its ``layout`` set).
@@ -266,10 +222,7 @@ def powerSGD_hook(state: PowerSGDState, tensor: torch.Tensor) -> Any:
 
 
 def batched_powerSGD_hook(state: PowerSGDState, tensor: torch.Tensor) -> Any:
-    """PowerSGD of the whole flat partition viewed as one zero-padded square matrix.
-
-    Args and returns as :func:`powerSGD_hook`; needs no layout.
-    """
+    """PowerSGD of the whole flat partition as one zero-padded square matrix; as :func:`powerSGD_hook`, no layout."""
     return _power_sgd(state, tensor)
 
 

@@ -8,31 +8,8 @@ The change to an Accelerate training script (each replica group launched with ``
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     train_dl = accelerator.shard_across_replica_groups(train_dl)   # the training loader only
 
-What it changes, and nothing else:
-
-1. The ``DeepSpeedEngine`` Accelerate builds in ``prepare`` gets ftbridge attached in place
-   (:func:`ftbridge.attach`): it stays a ``DeepSpeedEngine`` (``unwrap_model``, ``get_state_dict`` and
-   ``save_model`` see the model as under plain Accelerate), ``accelerator.backward`` and
-   ``engine.step()`` commit or discard the step on every replica group, and the controller is
-   ``model.ftbridge`` (``register_state``, the event log, ``last_committed``).
-2. A discarded step is a skipped step to Accelerate: the DeepSpeed optimizer's ``overflow`` flag is set
-   (:func:`mark_discarded_steps`), so ``accelerator.optimizer_step_was_skipped`` is true and the prepared
-   scheduler holds the learning rate, as after an fp16 overflow. DeepSpeed clears the flag at its next step.
-   The discarded batch is consumed, not retried: Accelerate's loop has already drawn it.
-3. A prepared torch scheduler steps as under plain data parallelism on ``N * group_size`` ranks
-   (:class:`ReplicaGroupsScheduler`), and a heal carries its state; a DeepSpeed-native scheduler (one
-   DeepSpeed steps itself) is the engine's and was exact already.
-4. :meth:`FaultTolerantAccelerator.shard_across_replica_groups` re-shards the training loader
-   (:mod:`ftbridge.integrations.accelerate_data`).
-5. ``save_state`` is written by replica group 0 only and sealed; ``load_state`` loads whole checkpoints
-   only (:mod:`ftbridge.integrations.sealed_checkpoints`).
-
-Refused at construction or ``prepare``, each with a ``ValueError`` naming the setting and the fix: no
-DeepSpeed plugin, several DeepSpeed plugins, ``split_batches``, ``even_batches=False``,
-``dispatch_batches``, tensor, context or sequence parallelism (``ParallelismConfig``, DeepSpeed AutoTP,
-an ``mpu``), fp8 (MS-AMP patches ``deepspeed.initialize``), ``FTBRIDGE_SLOTS``, a scheduler prepared
-before the model, ``DummyScheduler(total_num_steps=...)`` (Accelerate divides it by the group's size);
-and an Accelerate release ftbridge was not checked against (``RuntimeError``).
+The engine stays a ``DeepSpeedEngine`` with ftbridge attached (``model.ftbridge``). What changes, what
+is exact and what is refused: docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -51,17 +28,11 @@ from ftbridge.config import FTBridgeConfig
 from ftbridge.integrations import accelerate_data, sealed_checkpoints
 
 SUPPORTED_ACCELERATE = ("1.15.",)
-"""Accelerate release prefixes whose internals this module was checked against: the engine among
-``prepare``'s outputs, ``AcceleratedScheduler``'s steps per optimizer step, the optimizer wrapper's reading
-of DeepSpeed's ``overflow`` flag, ``DataLoaderShard`` and ``BatchSamplerShard``."""
+"""Accelerate releases this module was checked against (the internals: docs/huggingface.md, "Upstream internals")."""
 
 
 def check_accelerate_version(version: str = accelerate.__version__) -> None:
-    """Refuse an Accelerate release whose internals ftbridge has not been checked against.
-
-    Raises:
-        RuntimeError: naming the installed and the supported versions.
-    """
+    """Raise ``RuntimeError`` (naming both versions) for a release not in :data:`SUPPORTED_ACCELERATE`."""
     if not version.startswith(SUPPORTED_ACCELERATE):
         raise RuntimeError(
             f"ftbridge's Accelerate integration relies on internals checked against accelerate "
@@ -71,15 +42,8 @@ def check_accelerate_version(version: str = accelerate.__version__) -> None:
 
 
 class ReplicaGroupsScheduler(AcceleratedScheduler):
-    """Accelerate's scheduler wrapper, stepping as plain data parallelism on ``N * group_size`` ranks would.
-
-    Accelerate steps a wrapped scheduler ``num_processes`` times per optimizer step (the global batch
-    grows with the processes); in a replica group ``num_processes`` is the group's size. This wrapper
-    runs Accelerate's own step ``replica_groups`` times per optimizer step, so the schedule advances
-    ``N * group_size`` steps, each under Accelerate's own rules (held on a skipped step, a
-    ``OneCycleLR`` stopped at its ``total_steps``). Outside an optimizer step (``sync_gradients``
-    false) and with ``step_with_optimizer=False`` it is Accelerate's step once, as under plain
-    data parallelism.
+    """Accelerate's scheduler wrapper, stepping as plain data parallelism on ``N * group_size`` ranks would:
+    Accelerate's step ``replica_groups`` times per optimizer step, once otherwise.
 
     Args:
         scheduler, optimizers, step_with_optimizer, split_batches: as for ``AcceleratedScheduler``.
@@ -104,9 +68,7 @@ class ReplicaGroupsScheduler(AcceleratedScheduler):
 def mark_discarded_steps(engine: Any) -> None:
     """Make a discarded step read as skipped: set the DeepSpeed optimizer's ``overflow`` flag on a discard.
 
-    Accelerate's ``DeepSpeedOptimizerWrapper.step_was_skipped`` (and so the scheduler wrappers and
-    ``accelerator.optimizer_step_was_skipped``) and the Transformers Trainer read that flag. A commit leaves
-    it as DeepSpeed's step set it; DeepSpeed's next step clears it.
+    A commit leaves the flag as DeepSpeed's step set it; DeepSpeed's next step clears it.
 
     Args:
         engine: a ``DeepSpeedEngine`` with ftbridge attached (``engine.ftbridge``).
@@ -121,11 +83,7 @@ def mark_discarded_steps(engine: Any) -> None:
 
 
 def settings_refusal(accelerator: Any) -> Optional[str]:
-    """Why ftbridge cannot make ``accelerator``'s settings exact across replica groups, or ``None``.
-
-    Args:
-        accelerator: an ``accelerate.Accelerator`` (any object with its attributes).
-    """
+    """Why ftbridge cannot make ``accelerator``'s settings (an ``Accelerator``'s attributes) exact, or ``None``."""
     from accelerate.utils import DistributedType
 
     state = accelerator.state
@@ -174,16 +132,12 @@ def scheduler_refusal(args: Any) -> Optional[str]:
 class FaultTolerantAccelerator(Accelerator):
     """``accelerate.Accelerator`` for one replica group of a fault-tolerant DeepSpeed ZeRO job.
 
-    Takes ``Accelerator``'s arguments, plus ftbridge's own (keyword-only). See the module docstring for
-    what changes; everything else is Accelerate's.
-
     Args:
-        ft_config: ftbridge settings; default resolved from ``FTBRIDGE_*`` and the launcher's environment.
+        ft_config: ftbridge settings (keyword-only, as the rest); default ``FTBridgeConfig.resolve()``.
         checksum_every, comm_hook, manager_factory: see :class:`ftbridge.engine.FaultTolerantEngine`.
 
     Raises:
-        ValueError: at construction, settings that cannot be exact (:func:`settings_refusal`) or
-            ``FTBRIDGE_SLOTS`` (not supported here yet).
+        ValueError: settings that cannot be exact (:func:`settings_refusal`), or ``FTBRIDGE_SLOTS``.
         RuntimeError: an Accelerate release ftbridge was not checked against.
     """
 
@@ -231,22 +185,11 @@ class FaultTolerantAccelerator(Accelerator):
         return self._per_job(prepared) if type(prepared) is AcceleratedScheduler else prepared
 
     def shard_across_replica_groups(self, loader: Any) -> Any:
-        """The prepared training loader, re-sharded as plain data parallelism on ``N * group_size`` ranks.
-
-        Group G's rank R reads exactly the rows of plain data-parallel rank ``G * group_size + R``, and
-        every rank's loader has the same length
-        (:func:`ftbridge.integrations.accelerate_data.shard_across_replica_groups`).
-        Leave evaluation loaders as they are (each group evaluates the whole set).
-
-        Args:
-            loader: what ``prepare`` returned for the training ``DataLoader``, after the model was prepared.
-
-        Returns:
-            The new loader (use it instead of ``loader``; Accelerate's state tracks it in its place).
+        """The prepared training ``loader`` re-sharded across replica groups, to use in its place
+        (:func:`ftbridge.integrations.accelerate_data.shard_across_replica_groups`; not for evaluation loaders).
 
         Raises:
-            ValueError: the model is not prepared yet (the group's id is known once a warm spare took one),
-                or a loader that cannot be re-sharded exactly.
+            ValueError: the model is not prepared yet, or a loader that cannot be re-sharded exactly.
         """
         if self.ft_engine is None:
             raise ValueError("prepare the model first (accelerator.prepare(model, optimizer, ...)), then shard the "
@@ -260,16 +203,10 @@ class FaultTolerantAccelerator(Accelerator):
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Optional[str]:
-        """``Accelerator.save_state``, written by one replica group and sealed.
-
-        Replica group 0 writes (every rank of it, as Accelerate does); then its main process seals the
-        folder (:func:`ftbridge.integrations.sealed_checkpoints.seal`) and only then deletes the oldest
-        automatically named checkpoints beyond ``ProjectConfiguration(total_limit=...)`` (Accelerate
-        deletes them before writing the new one). The other groups write nothing, count the save as
-        Accelerate does (``save_iteration``) and return ``None``: every group's folder names stay equal.
+        """``Accelerator.save_state``, written by replica group 0 and sealed before ``total_limit`` deletes any.
 
         Returns:
-            The folder written, on replica group 0; ``None`` elsewhere.
+            The folder written, on replica group 0; ``None`` on the others, which only count the save.
 
         Raises:
             OSError: the checkpoint cannot be written or sealed (it stays unsealed; a resume skips it).
@@ -297,10 +234,7 @@ class FaultTolerantAccelerator(Accelerator):
 
     def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                    **load_model_func_kwargs: Any) -> Any:
-        """``Accelerator.load_state`` of a whole checkpoint only.
-
-        Without ``input_dir`` (automatic checkpoint naming), the newest sealed ``checkpoint_<n>`` is loaded,
-        not the newest folder; a named folder that has a manifest must match it.
+        """``Accelerator.load_state`` of a whole checkpoint: by default the newest sealed ``checkpoint_<n>``.
 
         Raises:
             ValueError: no whole checkpoint to load, or a named folder that does not match its manifest.

@@ -1,22 +1,10 @@
 """A training loader prepared by Accelerate, re-sharded across replica groups as plain data parallelism would.
 
-Each replica group is its own torch.distributed world, so ``accelerator.prepare`` shards a loader by the
-group's ``num_processes`` and ``process_index``: without more, rank R of every group reads what rank R of
-group 0 reads, and the groups average identical gradients. :func:`shard_across_replica_groups` gives group
-G's rank R the rows that plain data parallelism on ``N * group_size`` ranks gives rank ``G * group_size + R``
-(``N`` replica groups), in the same batches and the same order, every epoch: the loader Accelerate
-prepared is rebuilt around its own batch sampler with Accelerate's own ``BatchSamplerShard`` over
-``N * group_size`` processes, with ``even_batches`` on. Its length is then the same on every rank of every
-group, so every group ends an epoch (and Accelerate's accumulation window at the end of the loader) at
-the same step.
-
-Exact, and so accepted, for a map-style dataset with a sampler whose order is the same in every group:
-a ``SequentialSampler``, Accelerate's ``SeedableRandomSampler`` (``use_seedable_sampler=True``: the order
-is a function of the seed and the epoch), or a custom sampler with that property. Refused, each with a
-``ValueError`` that names the setting and the fix: ``split_batches``, ``even_batches=False``,
-``dispatch_batches``, an ``IterableDataset``, a ``StatefulDataLoader``, a plain ``RandomSampler`` (its
-order comes from each group's own random state), a ``DistributedSampler`` (it would shard twice), a
-loader already cut by ``skip_first_batches``, or one re-sharded already.
+:func:`shard_across_replica_groups` gives group G's rank R the batches that plain data parallelism on
+``N * group_size`` ranks gives rank ``G * group_size + R``, in the same order every epoch and with the same
+length on every rank; :func:`sharding_refusal` says why a loader cannot be re-sharded exactly;
+:class:`MovableLoader` is such a loader that a heal can move (the Trainer's). How, and what is exact:
+docs/huggingface.md, "Re-sharding the training loader"; what is refused: "Refused".
 """
 
 from __future__ import annotations
@@ -45,22 +33,20 @@ def shard_across_replica_groups(loader: Any, *, num_replica_groups: int, replica
     """The loader of data-parallel rank ``replica_group_id * group_size + group_rank`` of ``N * group_size``.
 
     Args:
-        loader: a training ``DataLoader`` returned by ``accelerator.prepare`` in this replica group
-            (an Accelerate ``DataLoaderShard``), not iterated into yet by a loop that must stay exact.
-        num_replica_groups: ``N``, the job's replica groups (``cfg.num_replica_groups``).
+        loader: a training ``DataLoaderShard`` from ``accelerator.prepare`` in this replica group, not
+            iterated into yet by a loop that must stay exact.
+        num_replica_groups: ``N``, the job's replica groups.
         replica_group_id: this group's id ``G`` (after a warm spare took one over).
         group_size: ranks per replica group.
         group_rank: this rank in its group ``R``.
-        movable: return a :class:`MovableLoader`, whose reads a heal can move (the Trainer's loop).
+        movable: return a :class:`MovableLoader`.
 
     Returns:
-        A new ``DataLoaderShard`` on the same dataset, device, collate function, workers and random
-        state synchronisation; its ``len()``, batches and per-epoch order are those of plain data
-        parallelism's rank ``G * group_size + R`` (Accelerate's ``prepare_data_loader`` with
-        ``num_processes=N * group_size``), and its ``iteration`` (epoch) continues the given loader's.
+        A new ``DataLoaderShard`` (or :class:`MovableLoader`) as ``loader`` but for the batches of plain
+        data parallelism's rank ``G * group_size + R``; its ``iteration`` (epoch) continues ``loader``'s.
 
     Raises:
-        ValueError: a loader or setting that cannot be re-sharded exactly (see the module docstring),
+        ValueError: a loader or setting that cannot be re-sharded exactly (:func:`sharding_refusal`),
             or a topology out of range.
     """
     if not (num_replica_groups >= 1 and 0 <= replica_group_id < num_replica_groups and group_size >= 1
@@ -80,7 +66,7 @@ def shard_across_replica_groups(loader: Any, *, num_replica_groups: int, replica
 
 
 def _loader_like(loader: Any, batch_sampler: Any, iteration: int, cls: Any = DataLoaderShard) -> Any:
-    """A ``cls`` (a ``DataLoaderShard``) reading ``batch_sampler`` with everything else as ``loader`` has it."""
+    """A ``cls`` (a ``DataLoaderShard``) reading ``batch_sampler``, everything else as ``loader``."""
     kwargs = {k: getattr(loader, k, default) for k, default in _PYTORCH_DATALOADER_KWARGS.items()
               if k not in _REPLACED}
     return cls(loader.dataset, device=loader.device, rng_types=loader.rng_types,
@@ -89,16 +75,12 @@ def _loader_like(loader: Any, batch_sampler: Any, iteration: int, cls: Any = Dat
 
 
 class MovableLoader(DataLoaderShard):
-    """A re-sharded training loader whose reads a heal can move to another place in the run's data.
+    """A re-sharded training loader whose reads a heal can move to another place in the training stream.
 
-    A training loop counts its own position: epoch ``e`` (``set_epoch`` or the count of iterations) and the
-    batches it drew in it. This loader reads *the training stream* (every epoch's batches, epoch after
-    epoch, in the order plain data parallelism reads them) from that position plus an offset, which is 0
-    until :meth:`move_to` sets it. Each ``iter()`` still yields ``len(self)`` batches, less a skip set by
-    :meth:`skip_first`, so the loop's own epochs, windows and stop rule run unchanged; only which rows it
-    gets changes. With no move, every batch, order and epoch is the ``DataLoaderShard``'s.
-
-    Positions count micro-batches from the first of epoch 0: epoch ``e``'s batch ``k`` is ``e * len + k``.
+    Reads the stream from the loop's own position plus an offset (0 until :meth:`move_to`); each ``iter()``
+    yields ``len(self)`` batches less a :meth:`skip_first` skip. Positions count micro-batches from the
+    first of epoch 0 (epoch ``e``'s batch ``k`` is ``e * len + k``). With no move, it reads as a
+    ``DataLoaderShard``. See docs/huggingface.md, "Re-sharding the training loader".
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -115,8 +97,7 @@ class MovableLoader(DataLoaderShard):
         return self
 
     def reassign(self, *, replica_group_id: int, group_size: int, group_rank: int) -> None:
-        """Read as rank ``group_rank`` of replica group ``replica_group_id`` from the next iteration on (a warm
-        spare, once it took a group's id; the length does not change).
+        """Read as rank ``group_rank`` of group ``replica_group_id`` from the next iteration on (same length).
 
         Raises:
             ValueError: the rank is outside the group or the loader's ``num_processes`` data-parallel ranks.
@@ -129,9 +110,7 @@ class MovableLoader(DataLoaderShard):
         shard.process_index = index
 
     def move_to(self, position: int) -> None:
-        """From the next batch on, read the training stream from ``position`` (see the class).
-
-        A batch the underlying loader prefetched is dropped. All ranks of a replica group move together.
+        """From the next batch on, read the training stream from ``position``; all ranks of a group move together.
 
         Raises:
             ValueError: ``position`` is negative.
@@ -163,9 +142,7 @@ class MovableLoader(DataLoaderShard):
         self.iteration = epoch + 1
 
     def _read(self, epoch: int, skip: int) -> Any:
-        """Epoch ``epoch``'s batches from batch ``skip`` on: a ``DataLoaderShard`` over Accelerate's
-        ``SkipBatchSampler`` (it skips indices, never loads the skipped rows), its epoch set as
-        ``DataLoaderShard`` sets one."""
+        """Epoch ``epoch``'s batches from batch ``skip`` on (``SkipBatchSampler``: skipped rows are not loaded)."""
         loop_epoch = self.iteration
         DataLoaderShard.set_epoch(self, epoch)  # the sampler chain this loader shares with the one below
         self.iteration = loop_epoch
@@ -197,12 +174,8 @@ def _close(reading: Optional[_Reading]) -> None:
 
 
 def sharding_refusal(loader: Any, group_size: int) -> Optional[str]:
-    """Why :func:`shard_across_replica_groups` cannot re-shard ``loader`` exactly, or ``None``.
-
-    Args:
-        loader: what ``accelerator.prepare`` returned for a ``DataLoader``.
-        group_size: ranks per replica group (the ``num_processes`` Accelerate sharded by).
-    """
+    """Why :func:`shard_across_replica_groups` cannot re-shard ``loader`` (prepared over ``group_size``
+    processes) exactly, or ``None``."""
     if getattr(loader, SHARDED_MARK, False):
         return "this loader is re-sharded across replica groups already: call shard_across_replica_groups once"
     if isinstance(loader, DataLoaderDispatcher):

@@ -1,14 +1,8 @@
 """Hugging Face checkpoints, sealed: a resume takes the newest one that was written whole.
 
-The Trainer writes ``output_dir/checkpoint-<global_step>/`` in place, file after file, and its resume
-(``train(resume_from_checkpoint=True)``) takes the highest-numbered folder, whole or not; Accelerate's
-``save_state`` does the same in ``checkpoint_<iteration>`` folders, and its ``load_state()`` takes the
-newest. A writer killed mid-save leaves a folder that the next resume loads, or fails on. Under ftbridge's
-integrations, one replica group writes (group 0), and once a checkpoint is written, before any older one
-is rotated away, :func:`seal` fsyncs its files and writes ``manifest.json`` (every file's size and SHA-256,
-:mod:`ftbridge.checkpoint.manifest`). A resume takes :func:`latest_sealed`: the newest folder whose every
-file matches its manifest, skipping (and logging) any other. A folder is sealed before any older one is
-deleted, so a writer killed at any point leaves the last sealed checkpoint in place.
+:func:`seal` fsyncs a written checkpoint and writes its ``manifest.json`` (:mod:`ftbridge.checkpoint.manifest`)
+before any older one is rotated away; :func:`latest_sealed` and :func:`resume_path` take the newest folder
+that matches its manifest. Why: docs/huggingface.md (checkpoints under Accelerate and the Trainer).
 """
 
 from __future__ import annotations
@@ -32,8 +26,7 @@ def seal(checkpoint_dir: str) -> None:
     """fsync every file under ``checkpoint_dir``, then write its manifest (atomically, fsynced).
 
     Raises:
-        OSError: a file cannot be read or synced, or the manifest cannot be written; the folder then
-            stays unsealed, and a resume skips it.
+        OSError: a file cannot be synced or the manifest written; the folder stays unsealed (a resume skips it).
     """
     for dirpath, _, names in os.walk(checkpoint_dir):
         for name in names:
@@ -43,8 +36,7 @@ def seal(checkpoint_dir: str) -> None:
 
 
 def problems(checkpoint_dir: str) -> List[str]:
-    """Why ``checkpoint_dir`` is not a whole sealed checkpoint (empty when it is): no manifest, a file
-    missing, added, truncated or altered (:func:`ftbridge.checkpoint.manifest.verify`)."""
+    """Why ``checkpoint_dir`` is not whole: no manifest, a file missing, added, truncated or altered; empty if whole."""
     return manifest.verify(checkpoint_dir)
 
 
@@ -59,8 +51,8 @@ def checkpoints(output_dir: str, names: Pattern[str] = TRAINER) -> List[Tuple[in
 
 
 def latest_sealed(output_dir: str, names: Pattern[str] = TRAINER) -> Optional[str]:
-    """The newest checkpoint in ``output_dir`` (folders named as ``names`` matches) that :func:`problems`
-    finds whole, or ``None``. Each newer folder passed over is logged at WARNING with its first problem."""
+    """The newest whole checkpoint in ``output_dir`` named as ``names`` matches, or ``None``; logs (WARNING)
+    each newer folder passed over."""
     if not os.path.isdir(output_dir):
         return None
     for _, path in checkpoints(output_dir, names):
@@ -73,9 +65,7 @@ def latest_sealed(output_dir: str, names: Pattern[str] = TRAINER) -> Optional[st
 
 
 def check_named(folder: str) -> None:
-    """Refuse a checkpoint named by the caller that has a manifest its files do not match.
-
-    A folder without a manifest (written without ftbridge) is left to the caller.
+    """Refuse a named checkpoint whose files do not match its manifest (one without a manifest passes).
 
     Raises:
         ValueError: naming the folder and its first problems, and the fix.

@@ -4,48 +4,11 @@ The change to a Trainer script (each replica group launched with ``ftbridge-run 
 
     from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
 
-or, for a subclass of the Trainer (TRL's ``SFTTrainer``, your own)::
-
-    class FaultTolerantSFTTrainer(FaultTolerantTrainerMixin, SFTTrainer):
-        pass
-
-The DeepSpeed config stays where the Trainer reads it (``TrainingArguments(deepspeed=...)``). What the
-mixin changes, through the Trainer's public methods only, and nothing else:
-
-1. ``create_accelerator_and_postprocess`` builds a
-   :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator` where the Trainer builds an
-   ``Accelerator``: the ``DeepSpeedEngine`` the Trainer prepares gets ftbridge attached in place (it stays
-   a ``DeepSpeedEngine``: saving, ``unwrap_model`` and evaluation see it as under the plain Trainer), and a
-   discarded step reads as a skipped one (``accelerator.optimizer_step_was_skipped``), so the Trainer holds
-   the learning rate, as after an fp16 overflow.
-2. ``get_train_dataloader`` re-shards the training loader: group G's rank R reads the rows of plain
-   data-parallel rank ``G * group_size + R`` of ``N * group_size``, and every loader has plain data
-   parallelism's length, so ``max_steps``, the epochs and the schedule's length are plain's
-   (:func:`ftbridge.integrations.accelerate_data.shard_across_replica_groups`).
-3. ``create_scheduler``: the Trainer's own scheduler steps once per optimizer step, as under plain data
-   parallelism (the Trainer does not hand it to Accelerate), and every heal carries its state. A
-   scheduler in the DeepSpeed config is the engine's and is carried by the engine's heal.
-4. :class:`FaultToleranceCallback`: one checkpoint writer (replica group 0; the others skip the Trainer's
-   saves, which would write the same ``output_dir``), the discarded steps in the logs, and a restarted
-   group's place in the run: its heal carries the donor's ``global_step`` and its loader moves to the rows
-   plain data parallelism reads next (``train`` routes the Trainer's resume skip to the same loader).
-5. ``train``: each checkpoint the Trainer writes is sealed (a manifest of its files) before old ones are
-   rotated away, and ``resume_from_checkpoint=True`` takes the newest whole one
-   (:mod:`ftbridge.integrations.sealed_checkpoints`).
-
-``state.global_step`` advances on a discarded step, as on a skipped one: every group counts the same
-steps as plain data parallelism, and a run with ``D`` discards makes ``max_steps - D`` updates.
-
-Refused when the Trainer is built, each with a ``ValueError`` naming the setting and the fix
-(:func:`arguments_refusal`, then what :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`
-refuses): no DeepSpeed config, ``accelerator_config`` with ``split_batches``, ``even_batches=False``,
-``dispatch_batches`` or ``use_seedable_sampler=False``, a ``train_sampling_strategy`` other than ``"random"``
-or ``"sequential"`` (the length-grouped samplers order rows per rank), ``FTBRIDGE_SLOTS``, tensor, context or
-sequence parallelism, fp8; and a Transformers release ftbridge was not checked against (``RuntimeError``).
-
-Exact only for the loss of a window with the same number of label tokens in every group (fixed-length,
-unpadded batches) while ``average_tokens_across_devices`` is on (the Trainer's default): the Trainer
-counts tokens within the group. With padded batches set ``average_tokens_across_devices=False``.
+and for a subclass of the Trainer (TRL's, your own): ``class MyTrainer(FaultTolerantTrainerMixin, SFTTrainer)``.
+:class:`FaultTolerantTrainerMixin` overrides ``create_accelerator_and_postprocess``, ``get_train_dataloader``,
+``create_scheduler`` and ``train``, and adds :class:`FaultToleranceCallback`. A discarded step is a skipped
+one: ``state.global_step`` advances, so a run with ``D`` discards makes ``max_steps - D`` updates. What
+changes, what is exact and what is refused: docs/huggingface.md, "The Transformers Trainer".
 """
 
 from __future__ import annotations
@@ -64,20 +27,14 @@ from ftbridge.integrations import accelerate_data, sealed_checkpoints
 from ftbridge.integrations.accelerate import FaultTolerantAccelerator
 
 SUPPORTED_TRANSFORMERS = ("5.23.",)
-"""Transformers release prefixes this module was checked against: ``trainer.Accelerator`` as the name
-``create_accelerator_and_postprocess`` builds from, the training loop's reading of
-``optimizer_step_was_skipped``, its scheduler created after ``prepare`` and never handed to Accelerate."""
+"""Transformers releases this module was checked against (the internals: docs/huggingface.md, "Upstream internals")."""
 
 SAMPLING_STRATEGIES = ("random", "sequential")
 """``TrainingArguments.train_sampling_strategy`` values whose order is the same in every replica group."""
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:
-    """Refuse a Transformers release whose Trainer ftbridge has not been checked against.
-
-    Raises:
-        RuntimeError: naming the installed and the supported versions.
-    """
+    """Raise ``RuntimeError`` (naming both versions) for a release not in :data:`SUPPORTED_TRANSFORMERS`."""
     if not version.startswith(SUPPORTED_TRANSFORMERS):
         raise RuntimeError(
             f"ftbridge's Trainer integration relies on a Trainer checked against transformers "
@@ -87,12 +44,7 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
 
 
 def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> Optional[str]:
-    """Why ftbridge cannot make a Trainer with ``args`` exact across replica groups, or ``None``.
-
-    Args:
-        args: the ``TrainingArguments`` (any object with their attributes).
-        ft_config: ftbridge's settings, when known.
-    """
+    """Why ftbridge cannot make a Trainer with ``args`` (``TrainingArguments``) exact, or ``None``."""
     if getattr(args, "deepspeed", None) is None:
         return ("FaultTolerantTrainer runs DeepSpeed ZeRO: pass TrainingArguments(deepspeed='ds_config.json') "
                 "(or a dict such as {'zero_optimization': {'stage': 2}, 'train_micro_batch_size_per_gpu': 'auto'})")
@@ -119,21 +71,12 @@ def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> 
 
 
 class FaultToleranceCallback(TrainerCallback):
-    """One checkpoint writer across replica groups, the discarded steps in the logs, and the Trainer's place
-    in the run carried by a heal.
+    """One checkpoint writer across replica groups, the discards in the logs, the Trainer's place carried by a heal.
 
-    On every replica group but 0 it turns the Trainer's saves off (``control.should_save``). The logs the
-    reporters and printers receive get ``ft_discarded_steps``, the steps discarded since training began in
-    this group (``state.log_history`` keeps the Trainer's own entries).
-
-    A heal (a restarted replica group joining the live ones) carries :meth:`heal_state`: the donor's
-    ``global_step``, ``total_flos`` and ``num_input_tokens_seen`` at the end of its last step. At the end
-    of the step that healed (:meth:`on_step_end`), the healed group takes the donor's ``global_step`` plus
-    that step, moves its training loader (a :class:`~ftbridge.integrations.accelerate_data.MovableLoader`)
-    to the rows plain data parallelism reads next (the Trainer's own resume rule: ``global_step //
-    num_update_steps_per_epoch`` epochs, then ``global_step % num_update_steps_per_epoch`` windows of
-    ``gradient_accumulation_steps`` batches), and decides logging, saving and stopping again from the new
-    ``global_step``. From then on it reads, steps and stops with the other groups.
+    Turns the Trainer's saves off on every replica group but 0 and adds ``ft_discarded_steps`` (this group's
+    discards so far) to the logs. At the end of a step that healed, takes the donor's :meth:`heal_state` and
+    moves the :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where plain data parallelism
+    reads next (docs/huggingface.md, "A restarted group under the Trainer").
 
     Args:
         accelerator: the Trainer's :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`.
@@ -224,8 +167,7 @@ class FaultToleranceCallback(TrainerCallback):
 
 
 def _stream_position(global_step: int, batches_per_epoch: int, gradient_accumulation_steps: int) -> int:
-    """Where plain data parallelism's Trainer reads next after ``global_step`` optimizer steps (micro-batches
-    from the first of epoch 0): the rule of the Trainer's own resume (``_init_training_state``)."""
+    """Micro-batch position plain data parallelism reads next after ``global_step`` steps (Trainer's resume rule)."""
     per_epoch = max(-(-batches_per_epoch // gradient_accumulation_steps), 1)
     epochs, steps = divmod(global_step, per_epoch)
     return epochs * batches_per_epoch + steps * gradient_accumulation_steps
@@ -234,11 +176,10 @@ def _stream_position(global_step: int, batches_per_epoch: int, gradient_accumula
 class FaultTolerantTrainerMixin:
     """Makes a Transformers ``Trainer`` (or a subclass) fault-tolerant across replica groups.
 
-    Put it first among the bases: ``class MyTrainer(FaultTolerantTrainerMixin, SomeTrainer)``. Takes the
-    Trainer's arguments, plus ftbridge's own (keyword-only). See the module docstring for what changes.
+    Put it first among the bases: ``class MyTrainer(FaultTolerantTrainerMixin, SomeTrainer)``.
 
     Args:
-        ft_config: ftbridge settings; default resolved from ``FTBRIDGE_*`` and the launcher's environment.
+        ft_config: ftbridge settings (keyword-only, as the rest); default ``FTBridgeConfig.resolve()``.
         checksum_every, comm_hook, manager_factory: see :class:`ftbridge.engine.FaultTolerantEngine`.
 
     Raises:
@@ -265,23 +206,18 @@ class FaultTolerantTrainerMixin:
         self._add_fault_tolerance_callback()
 
     def _add_fault_tolerance_callback(self) -> None:
-        """:class:`FaultToleranceCallback` right after the Trainer's ``DefaultFlowCallback``: it sees the
-        saves that one decided, and adds to the logs before the reporters and printers read them."""
+        """Insert :class:`FaultToleranceCallback` right after ``DefaultFlowCallback`` (after its save decision)."""
         callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]
         flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
         self._ft_callback = FaultToleranceCallback(self.accelerator, self)
         callbacks.insert(flow[0] + 1 if flow else len(callbacks), self._ft_callback)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``, its checkpoints sealed and its resume skip moved by a heal.
+        """The Trainer's ``train``; ``resume_from_checkpoint=True`` takes the newest sealed checkpoint.
 
-        For the duration of this call, two names in ``transformers.trainer`` lead to ftbridge:
-        ``rotate_checkpoints`` is held back until the checkpoint the Trainer has just written is sealed
-        (:meth:`seal_saved_checkpoint`, from :meth:`FaultToleranceCallback.on_save`), and
-        ``skip_first_batches`` gives the loader of :meth:`get_train_dataloader` its skip
-        (:meth:`~ftbridge.integrations.accelerate_data.MovableLoader.skip_first`) instead of another loader,
-        so a heal in a resumed epoch still moves what the Trainer reads. ``resume_from_checkpoint=True``
-        takes the newest sealed checkpoint (:func:`ftbridge.integrations.sealed_checkpoints.resume_path`).
+        During the call, ``transformers.trainer.rotate_checkpoints`` waits for :meth:`seal_saved_checkpoint`
+        and ``skip_first_batches`` skips within the training
+        :class:`~ftbridge.integrations.accelerate_data.MovableLoader` (docs/huggingface.md, "Upstream internals").
 
         Raises:
             ValueError: ``resume_from_checkpoint`` names no whole checkpoint (see ``resume_path``).
@@ -306,13 +242,9 @@ class FaultTolerantTrainerMixin:
             trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_original, rotate_original
 
     def seal_saved_checkpoint(self) -> None:
-        """Seal the checkpoint the Trainer has just written, then rotate old ones away; every rank of the
-        writing group calls it together (after the Trainer's save, :meth:`FaultToleranceCallback.on_save`).
+        """After every rank of the writing group has saved, seal the new checkpoint, then run the held-back rotation.
 
-        The group waits for all its ranks first: each writes its own files (its random states) after the
-        DeepSpeed save. The process the Trainer saves its state from (``args.should_save``) then writes the
-        manifest (:func:`ftbridge.integrations.sealed_checkpoints.seal`) and only then runs the Trainer's
-        rotation (``save_total_limit``), which it held back.
+        Called by every rank of the group together (:meth:`FaultToleranceCallback.on_save`).
 
         Raises:
             OSError: the checkpoint cannot be sealed (it stays unsealed, older ones stay; a resume skips it).
@@ -325,11 +257,8 @@ class FaultTolerantTrainerMixin:
             rotate()
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``.
-
-        The Trainer reads the class from the name ``Accelerator`` in ``transformers.trainer``, with no
-        argument to pass another; that name is bound to ftbridge's class for the duration of this call
-        only (checked against :data:`SUPPORTED_TRANSFORMERS`).
+        """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``
+        (``transformers.trainer.Accelerator`` rebound during this call only).
 
         Raises:
             ValueError: settings that cannot be exact (see the class).
@@ -354,9 +283,7 @@ class FaultTolerantTrainerMixin:
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, re-sharded as plain data parallelism on ``N * group_size`` ranks.
 
-        A warm spare does not know yet which replica group it will train as (the Trainer builds its loader
-        before the engine, where a spare stands by): its loader reads as group 0 until
-        :meth:`create_scheduler`, after the takeover, points it at the group taken over.
+        A warm spare's loader reads as group 0 until :meth:`create_scheduler` points it at the group taken over.
 
         Raises:
             ValueError: a loader that cannot be re-sharded exactly
@@ -371,11 +298,8 @@ class FaultTolerantTrainerMixin:
         return self._ft_loader
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The Trainer's scheduler; once the engine exists, every heal carries ``self.lr_scheduler``'s state
-        and the Trainer's place in the run (:class:`FaultToleranceCallback`).
-
-        A scheduler from the DeepSpeed config is the engine's, which the engine's heal carries already.
-        """
+        """The Trainer's scheduler; once the engine exists, every heal carries its state (unless the engine
+        owns it) and the Trainer's place in the run (:class:`FaultToleranceCallback`)."""
         scheduler = super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
         engine = self.accelerator.ft_engine
         if engine is None or getattr(self, "_ft_heal_registered", False):

@@ -1,37 +1,11 @@
 """DeepSpeed's JIT-built op: this environment's cache, one ninja, and the lock a killed process left behind.
 
-:func:`prepare_jit_build` is the one entry: every ftbridge entry point (``ftbridge.initialize``, the CLI
-tools, the main job's script) calls it before DeepSpeed may build or load its op; ``import ftbridge``
-itself changes nothing. It gives the process (and the processes it starts) its own
-``TORCH_EXTENSIONS_DIR`` and this environment's ``ninja``, and clears stale build locks.
-
-DeepSpeed JIT-builds a small op (``deepspeed_shm_comm``, ~30 s) into ``TORCH_EXTENSIONS_DIR``. The shared
-default (``~/.cache/torch_extensions``) is rebuilt whenever another virtual environment built it last (its
-build files hold absolute site-packages paths), so each environment gets its own cache
-(``scripts/setup.sh`` fills it). torch runs the build with the ``ninja`` first on ``PATH``; a virtual
-environment has its own (pip's, a DeepSpeed dependency) besides any system one, and two ninja versions
-read each other's build log as a changed command, so each process whose ``PATH`` found the other one
-rebuilt the op (~35 s behind the lock each time): every process uses this environment's.
-
-torch builds and loads JIT extensions (DeepSpeed's ``deepspeed_shm_comm`` on
-CPU) behind a :class:`torch.utils.file_baton.FileBaton`: the first process
-creates ``TORCH_EXTENSIONS_DIR/<op>/lock`` (``O_CREAT | O_EXCL``), runs
-ninja (a no-op check once the op is built, still a fraction of a second)
-and deletes the file; every other process polls until the file is gone,
-without a time limit. A rank SIGKILLed inside that window (a node failure,
-the OOM killer, a chaos test) leaves the file forever, and every later
-DeepSpeed start in that environment hangs in ``deepspeed.init_distributed``,
-the restarted group included. Seen on this project's machines: a lock left
-at 15:50 held every DeepSpeed start of the environment until removed by hand.
-
-The holder keeps the lock file open until it deletes it, so a lock file that
-no process has open (in two scans, the same file) is stale.
-:func:`clear_stale_build_locks` removes such files, with a warning naming
-each; :func:`prepare_jit_build` runs it before any DeepSpeed op loads,
-and then every 2 s for 10 minutes in a daemon thread
-(:func:`watch_build_locks`), for a start that was already waiting when the
-holder died. Linux only (``/proc``); it sees the processes of this user, as
-the lock's holder normally is.
+:func:`prepare_jit_build`, called by every ftbridge entry point before DeepSpeed may build or load its op
+(``import ftbridge`` changes nothing), gives the process and its children their own ``TORCH_EXTENSIONS_DIR`` and
+this environment's ``ninja`` (two ninja versions read each other's build log as changed and rebuild the op), and
+clears stale build locks: the holder of ``TORCH_EXTENSIONS_DIR/<op>/lock`` (torch's ``FileBaton``) keeps it open
+until it deletes it, so a lock no process has open was left by a killed one, and every later start would wait
+for it forever. Linux only (``/proc``; this user's processes). Symptoms and fixes: docs/troubleshooting.md.
 """
 
 from __future__ import annotations
@@ -89,10 +63,8 @@ def clear_stale_build_locks(extensions_dir: str, proc: str = "/proc", confirm_s:
                             sleep: Callable[[float], None] = time.sleep) -> List[str]:
     """Remove ``<extensions_dir>/<op>/lock`` files that no process has open.
 
-    A lock counts as stale only if it is unheld in two scans ``confirm_s``
-    apart and is the same file (inode, mtime) in both: a holder releasing it
-    closes the file a moment before deleting it, and removing it in between
-    would make the holder's own delete fail.
+    Stale means unheld in two scans ``confirm_s`` apart and the same file (inode, mtime) in both: a holder
+    closes the file a moment before deleting it, and its delete must not fail.
 
     Args:
         extensions_dir: torch's ``TORCH_EXTENSIONS_DIR``.
@@ -101,8 +73,7 @@ def clear_stale_build_locks(extensions_dir: str, proc: str = "/proc", confirm_s:
         sleep: how to wait between the scans (tests pass their own).
 
     Returns:
-        The lock files removed (absolute paths); empty when there was none,
-        or ``/proc`` is not readable (nothing is removed then).
+        The lock files removed (absolute paths); empty when none, or when ``/proc`` is not readable.
     """
     try:
         locks = [os.path.realpath(os.path.join(extensions_dir, d, "lock")) for d in os.listdir(extensions_dir)]
@@ -138,10 +109,7 @@ def watch_build_locks(extensions_dir: str, interval_s: float = 2.0, duration_s: 
                       proc: str = "/proc") -> threading.Thread:
     """Run :func:`clear_stale_build_locks` every ``interval_s`` for ``duration_s`` in a daemon thread.
 
-    This covers a start that is already waiting when the holder dies: the
-    check at import cannot. ``duration_s`` spans DeepSpeed's start-up (a first
-    build took 30 s here, 74 s under load); one ``listdir`` per interval
-    when no lock exists.
+    Covers a start already waiting when the holder dies; ``duration_s`` should span DeepSpeed's start-up.
 
     Returns:
         The started thread (``ftbridge-build-lock``).
@@ -167,9 +135,8 @@ _watched: Set[str] = set()
 def prepare_jit_build() -> str:
     """Set up this process, and the processes it starts, for DeepSpeed's JIT-built op (idempotent).
 
-    Sets ``TORCH_EXTENSIONS_DIR`` to ``<sys.prefix>/torch_extensions`` unless already set, puts this
-    environment's ``ninja`` first on ``PATH`` when it has one, and, once per process, clears stale build
-    locks and watches for them (:func:`watch_build_locks`).
+    Sets ``TORCH_EXTENSIONS_DIR`` to ``<sys.prefix>/torch_extensions`` unless set, puts this environment's
+    ``ninja`` first on ``PATH`` when it has one, and, once per process, clears and watches stale build locks.
 
     Returns:
         The extensions directory.

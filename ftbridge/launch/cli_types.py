@@ -58,11 +58,9 @@ def probability(text: str) -> float:
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` that refuses an empty value written ``--flag=--`` and flag prefixes.
 
-    argparse drops a ``--`` given as a flag's value and stores an empty list instead, which the
-    tools' checks then trip over with a traceback. It also takes any unambiguous prefix of a flag
-    (``--spare`` for ``--spare-index``), so a script written against one version means another flag in
-    the next; here only the full names (and the aliases each tool declares) are accepted. Every ftbridge
-    command-line tool builds its parser (and, through ``add_subparsers``, its subcommands') from this class.
+    Plain argparse stores an empty list for ``--flag --`` and accepts any unambiguous prefix (``--spare`` for
+    ``--spare-index``), which a later version may turn into another flag. Every ftbridge tool's parser, and
+    its subcommands', is built from this class.
     """
 
     def __init__(self, *args, **kwargs) -> None:

@@ -1,17 +1,8 @@
 """torchrun command lines and process groups: the one place that builds the first and stops the second.
 
-``ftbridge-run`` (:mod:`ftbridge.launch.run`), the local job runner, the benchmarks and the tests all
-start torchrun in a session of its own and end it by its process group. They build its command
-line with :func:`torchrun_command` and stop it with :func:`stop_process_groups`:
-
-* :func:`torchrun_command`: ``python -m torch.distributed.run`` with the rendezvous flags, and the
-  environment every ftbridge torchrun needs (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: restarted
-  ranks otherwise read stale gloo addresses, pytorch/pytorch#135712; ``OMP_NUM_THREADS=1`` unless
-  set: two processes on two cores stall otherwise; ``RUST_LOG=warn`` unless set: torchft's manager
-  logs every quorum at INFO).
-* :func:`stop_process_groups`: SIGTERM each group, wait, SIGKILL what is left.
-* :func:`signal_group`, :func:`signal_pids`, :func:`pid_alive`, :func:`find_free_port`: the pieces under them
-  (ranks are ended by PID: torchrun starts them in its own process group).
+``ftbridge-run``, the local job runner, the benchmarks and the tests build torchrun's command line with
+:func:`torchrun_command` (why its environment: docs/troubleshooting.md), start it in a session of its own and
+stop it with :func:`stop_process_groups`; the other functions are the pieces under them.
 """
 
 from __future__ import annotations
@@ -49,13 +40,12 @@ def ephemeral_port_range() -> Tuple[int, int]:
 def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = None) -> int:
     """``P`` such that ports ``P .. P + count - 1`` are all free on ``host`` right now.
 
-    Looks below the kernel's ephemeral range (:func:`ephemeral_port_range`), from 10000 up: the kernel
-    never gives those ports to another process's ``bind(0)`` or outgoing connection, so only a
-    process that asks for one of them by number can take it before the caller binds it (with
-    :func:`find_free_port`, port ``P + 1`` of an ephemeral ``P`` was once an outgoing connection's).
+    Looks from 10000 up to the kernel's ephemeral range (:func:`ephemeral_port_range`), whose ports the kernel
+    never hands to another process's ``bind(0)`` or outgoing connection.
 
     Raises:
-        ValueError: ``count`` < 1. RuntimeError: no free run found in 500 tries.
+        ValueError: ``count`` < 1.
+        RuntimeError: no free run found in 500 tries.
     """
     if count < 1:
         raise ValueError(f"count={count}: ask for at least 1 port")
@@ -79,11 +69,7 @@ def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = 
 
 
 def _stat_fields(pid: int) -> List[bytes]:
-    """The fields of ``/proc/PID/stat`` after the command name (field 3, the state, first).
-
-    Raises:
-        OSError: no such process (or no ``/proc``). IndexError: an unreadable line.
-    """
+    """The fields of ``/proc/PID/stat`` after the command name (the state first); ``OSError`` if none."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rsplit(b")", 1)[1].split()
 
@@ -130,16 +116,12 @@ def torchrun_command(
         script: the training script torchrun runs on every rank.
         script_args: its arguments.
         nproc_per_node: ranks on this node.
-        rdzv_endpoint: ``HOST:PORT`` of the rendezvous; ``None``: a free port on
-            127.0.0.1 (a one-node job), picked now.
+        rdzv_endpoint: ``HOST:PORT`` of the rendezvous; ``None``: a free port on 127.0.0.1 (one node), picked now.
         rdzv_id: the rendezvous id; ``None``: ``local<port>``.
-        rdzv_backend: torchrun's ``--rdzv-backend`` (``c10d``: restarts of DeepSpeed groups
-            failed with the default one, see the launcher's docstring).
-        nnodes, node_rank, max_restarts: torchrun's flags of those names, left out when ``None``
-            (torchrun's defaults: one node, rank 0, no restarts).
-        environ: the environment to pass on; ``os.environ`` when ``None``. A variable set in it
-            wins over the defaults named in the module docstring, except
-            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, which is always ``1``.
+        rdzv_backend: torchrun's ``--rdzv-backend``.
+        nnodes, node_rank, max_restarts: torchrun's flags of those names, left out when ``None``.
+        environ: the environment to pass on (default ``os.environ``); its values win over the defaults
+            ``OMP_NUM_THREADS=1`` and ``RUST_LOG=warn``; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is always ``1``.
 
     Returns:
         ``(argv, env)``: ``argv`` starts with :data:`TORCHRUN`; ``env`` is a new dict.
@@ -174,7 +156,10 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def signal_pids(pids: Sequence[int], sig: int) -> None:
-    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped."""
+    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped.
+
+    Ranks are ended by PID: torchrun starts them in its own process group.
+    """
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -186,19 +171,17 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float,
                         kill_wait_s: Optional[float] = 10.0) -> List[Optional[int]]:
     """Stop processes that lead their own process group (``start_new_session=True``): SIGTERM, then SIGKILL.
 
-    Every live one gets SIGTERM at once (torchrun forwards it to its ranks); those still running
-    ``grace_s`` seconds later get SIGKILL, sent to their whole group, and are waited for
-    ``kill_wait_s`` seconds more (``None``: until they exit). A process that already exited is
-    only reaped.
+    SIGTERM to every live one at once (torchrun forwards it to its ranks); SIGKILL to the whole group of those
+    still running ``grace_s`` later. A process that already exited is only reaped.
 
     Args:
         procs: the group leaders.
         grace_s: time between SIGTERM and SIGKILL (s), shared by all of ``procs``.
-        kill_wait_s: time to wait for each after SIGKILL (s).
+        kill_wait_s: time to wait for each after SIGKILL (s); ``None``: until it exits.
 
     Returns:
-        Each process's exit code (negative: the signal that ended it), ``None`` for one still
-        running after ``kill_wait_s`` (nothing can end a process stuck in the kernel).
+        Each process's exit code (negative: the signal that ended it), ``None`` for one still running after
+        ``kill_wait_s`` (stuck in the kernel).
     """
     for p in procs:
         if p.poll() is None:

@@ -1,10 +1,8 @@
 """``ftbridge-run``: launch one replica group as its own torchrun job.
 
-An ftbridge job is N replica groups; each is started by one ``ftbridge-run``
-(on one or more nodes), which runs torchrun for that group only, so every
-group has its own torch.distributed world and rendezvous, and DeepSpeed's
-collectives never span groups. The groups meet only through torchft's
-lighthouse (``ftbridge-lighthouse serve``).
+An ftbridge job is N replica groups, each started by one ``ftbridge-run`` (on one or more nodes) that runs
+torchrun for that group only: every group has its own torch.distributed world and rendezvous, and the groups
+meet only through torchft's lighthouse (``ftbridge-lighthouse serve``).
 
 Usage, two groups of two ranks on one machine::
 
@@ -12,8 +10,8 @@ Usage, two groups of two ranks on one machine::
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
 
-A warm spare (ready, outside the quorum; it takes over the first group the
-lighthouse drops, see :mod:`ftbridge.spare`)::
+A warm spare (ready, outside the quorum; it takes over the first group the lighthouse drops,
+:mod:`ftbridge.spare`)::
 
     ftbridge-run --spare-index 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
 
@@ -28,46 +26,24 @@ What it runs::
         --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:<free port> --rdzv-id ftbridge-group-I
         --max-restarts R SCRIPT ARGS...
 
-with, in the environment of every rank (the launcher's own environment is
-passed through; these win over inherited values):
+with, in the environment of every rank (over the launcher's own environment):
 
-* ``REPLICA_GROUP_ID``/``FTBRIDGE_REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``/
-  ``FTBRIDGE_NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE``/``FTBRIDGE_LIGHTHOUSE``
-  (both names, so a stale inherited ``FTBRIDGE_*`` cannot override the flags);
-  ``FTBRIDGE_SPARE_INDEX`` (``K`` for ``--spare-index K``, else -1); a spare's
-  ``REPLICA_GROUP_ID`` is ``N + K`` until it takes over a group;
-* ``FTBRIDGE_MIN_REPLICAS``, ``FTBRIDGE_CROSS_REPLICA_TIMEOUT_S``,
-  ``FTBRIDGE_QUORUM_TIMEOUT_S``, ``FTBRIDGE_HEARTBEAT_INTERVAL_MS``,
-  ``FTBRIDGE_EVENT_LOG``, only for the flags given (see ftbridge/config.py);
-* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with it, a restarted group gets a
-  fresh rendezvous store. Without it (and with torchrun's default rendezvous)
-  restarted ranks read stale gloo addresses from the store shared across
-  restart attempts (pytorch/pytorch#135712), and a DeepSpeed restart fails to
-  connect its gloo mesh (``docs/troubleshooting.md``);
-* ``RUST_LOG=warn`` unless set (torchft's Rust side logs every quorum at INFO);
-* ``OMP_NUM_THREADS=1`` unless set: two ranks on two cores otherwise stall
-  for 1-2.5 s per step;
-* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``: seconds torchrun gives ranks between
-  SIGTERM and SIGKILL (``--shutdown-timeout-s``);
-* ``FTBRIDGE_JOB_TOKEN``: the job's heal secret, read from
-  ``--job-token-file`` (a file, not a flag value: other users can read a
-  process's arguments); never printed;
-* ``FTBRIDGE_LAUNCH_ID``: a random tag the launcher uses to find and end
-  every process it started, however deep.
+* ``REPLICA_GROUP_ID``/``FTBRIDGE_REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``/``FTBRIDGE_NUM_REPLICA_GROUPS``,
+  ``TORCHFT_LIGHTHOUSE``/``FTBRIDGE_LIGHTHOUSE`` (both names, so a stale inherited ``FTBRIDGE_*`` cannot override
+  the flags); ``FTBRIDGE_SPARE_INDEX`` (``K`` for ``--spare-index K``, else -1); a spare's ``REPLICA_GROUP_ID``
+  is ``N + K`` until it takes over a group;
+* the ``FTBRIDGE_*`` setting of each optional flag given (``FTBRIDGE_MIN_REPLICAS``, ..., :mod:`ftbridge.config`);
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and ``RUST_LOG=warn`` and ``OMP_NUM_THREADS=1`` unless set
+  (:func:`ftbridge.launch.processes.torchrun_command`; why: docs/troubleshooting.md);
+* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (``--shutdown-timeout-s``): seconds torchrun gives ranks after SIGTERM;
+* ``FTBRIDGE_JOB_TOKEN``: the job's heal secret, read from ``--job-token-file`` (a file, not a flag value:
+  other users can read a process's arguments); never printed;
+* ``FTBRIDGE_LAUNCH_ID``: a random tag that finds every process of this launch.
 
-``--max-restarts R`` (default 3): torchrun restarts the whole group when any
-rank fails; the restarted group rejoins the quorum and heals from a peer group.
-
-Signals and orphans: torchrun runs in its own session. SIGTERM, SIGINT or
-SIGHUP to the launcher is forwarded to torchrun, which stops its ranks; after
-``--shutdown-timeout-s`` + 5 s the launcher SIGKILLs torchrun, a second
-signal does so at once. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM`` (Linux), so
-it stops its ranks even if the launcher is SIGKILLed. When torchrun has exited
-the launcher ends any process still carrying its ``FTBRIDGE_LAUNCH_ID``
-(SIGTERM, then SIGKILL after 3 s).
-
-Exit codes: torchrun's (128+N if torchrun died of signal N); 2 for a bad
-argument, found before anything is started.
+``--max-restarts R`` (default 3): torchrun restarts the whole group when any rank fails; the restarted group
+rejoins the quorum and heals from a peer group. Signals are forwarded to torchrun, and no process is left
+behind (:mod:`ftbridge.launch.supervise`). Exit codes: torchrun's (128+N if torchrun died of signal N); 2 for
+a bad argument, found before anything is started.
 """
 
 from __future__ import annotations
@@ -175,8 +151,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
     Raises:
         ValueError: no ``-- SCRIPT``.
-        SystemExit: from argparse, for ``--help`` (0) or a missing, unknown or
-            ill-typed flag (2).
+        SystemExit: from argparse, for ``--help`` (0) or a missing, unknown or ill-typed flag (2).
     """
     argv = list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -200,11 +175,7 @@ def _nnodes_range(nnodes: str) -> tuple[int, int]:
 
 
 def check_lighthouse_url(url: str, source: str = "--lighthouse") -> str:
-    """Return ``url`` if it is ``http(s)://HOST:PORT``.
-
-    Args:
-        url: the address to check.
-        source: where it came from (flag or environment variable), for the message.
+    """Return ``url`` if it is ``http(s)://HOST:PORT``; ``source`` (flag or variable) names it in the message.
 
     Raises:
         ValueError: naming the source, the URL and the fix.
@@ -354,14 +325,12 @@ def build_torchrun_command(
     Args:
         args: from :func:`parse_args`.
         environ: the environment to pass on; ``os.environ`` when ``None``.
-        pick_port: returns a free port for the default rendezvous endpoint
-            (called only when one is needed).
+        pick_port: returns a free port for the default rendezvous endpoint (called only when needed).
         launch_id: the ``FTBRIDGE_LAUNCH_ID`` tag; random when ``None``.
 
     Returns:
-        ``(argv, env)``: ``argv`` starts with ``sys.executable -m
-        torch.distributed.run``; ``env`` is ``environ`` plus the variables
-        listed in the module docstring.
+        ``(argv, env)``: ``argv`` starts with ``sys.executable -m torch.distributed.run``; ``env`` is
+        ``environ`` plus the variables listed in the module docstring.
 
     Raises:
         ValueError: naming the bad value and the fix (nothing was started).

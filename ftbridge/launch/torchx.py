@@ -1,43 +1,16 @@
 """TorchX component: a whole ftbridge job (lighthouse + replica groups) as one ``AppDef``.
 
-One description of the job becomes one TorchX application, which any TorchX
-scheduler runs (``local_cwd``, ``slurm``, ``kubernetes``)::
+:func:`job` describes the job once for any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``)::
 
     torchx run -s local_cwd ftbridge/launch/torchx.py:job --groups 2 --nproc_per_node 2 \\
         --script scripts/train_lm.py -- --steps 200
     torchx run -s slurm ftbridge.job --groups 4 --nnodes 2 --gpus 8 --script train.py -- --steps 10000
-    torchx run -s kubernetes -cfg queue=default ftbridge.job --image REGISTRY/ftbridge:1 \\
-        --groups 4 --gpus 8 --script /app/train.py
 
-(``ftbridge.job`` once ftbridge is installed: ``pyproject.toml`` registers this
-module under TorchX's ``torchx.components`` entry point, beside TorchX's own
-builtins; the file path form works without installing.)
-
-Roles of the application, in this order:
-
-* ``lighthouse`` (unless ``--lighthouse`` names one that already runs): one
-  replica running ``ftbridge-lighthouse serve`` on ``lighthouse_port`` (all
-  interfaces), its gRPC health on ``lighthouse_port + 1`` and its status page
-  and Prometheus ``/metrics`` on ``lighthouse_port + 2``. It exits 0 once no
-  replica group has heartbeated for ``lighthouse_idle_exit_s`` after the
-  first quorum, so the application ends when training does.
-* ``group0`` .. ``group{N-1}``: one role per replica group, ``nnodes``
-  replicas (one per node), each running ``ftbridge-run`` for that group only:
-  its own torchrun and rendezvous (the default free local port for one node;
-  for several nodes ``rdzv_port`` on the group's first node), ``--max-restarts``
-  restarts of the group in place by torchrun, and ``max_retries`` restarts of
-  a role replica by the scheduler (``RetryPolicy.REPLICA``: only that
-  replica, never the whole application). A group that fails never ends the
-  others: they go on training and the restarted group heals from them.
-
-Role 0 is the lighthouse so that TorchX's ``rank0_env`` macro names the
-lighthouse's host in every other role (``TORCHX_RANK0_HOST`` locally,
-``VC_LIGHTHOUSE_0_HOSTS`` under Volcano, ``SLURM_JOB_NODELIST_HET_GROUP_0`` on
-Slurm). Each group role finds its own first node the same way: Volcano's
-``VC_GROUPg_0_HOSTS`` or Slurm's heterogeneous group of that node. Commands run
-under ``bash -c`` so those variables expand on the node.
-
-What was run and what was only generated: see ``docs/multi-node.md``.
+(``ftbridge.job`` once ftbridge is installed: ``pyproject.toml`` registers this module under TorchX's
+``torchx.components`` entry point.) Roles: ``lighthouse`` (role 0, so TorchX's ``rank0_env`` macro names its host
+in every other role), then ``group0`` .. ``group{N-1}``, each ``nnodes`` replicas running ``ftbridge-run`` for that
+group under ``bash -c``; a failed role replica is retried alone (``RetryPolicy.REPLICA``). What each role runs,
+how the roles find each other and what each scheduler does with a failure: docs/multi-node.md.
 """
 
 
@@ -168,9 +141,8 @@ def _group_command(g: int, groups: int, nnodes: int, nproc: int, lighthouse: str
                    script_args: tuple) -> str:
     """The ``bash -c`` text of one node of replica group ``g``: set the node's address, exec ftbridge-run.
 
-    TorchX applies its macros to the text with ``string.Template``, so every
-    literal ``$`` is written ``$$``; ``lighthouse`` comes already in that form
-    (it may hold the ``rank0_env`` macro).
+    Every literal ``$`` is written ``$$`` (TorchX substitutes macros with ``string.Template``); ``lighthouse``
+    comes already in that form (it may hold the ``rank0_env`` macro).
     """
     bind = f'"${{FTBRIDGE_HEAL_BIND:-{_AUTO_IP}}}"' if heal_bind == "auto" else shlex.quote(heal_bind)
     lines = [f"ip={bind}; export FTBRIDGE_HEAL_BIND=${{ip:-127.0.0.1}}"]
@@ -223,12 +195,7 @@ def _validate(*, groups: int, nnodes: int, nproc_per_node: int, gpus: int, min_r
 
 
 def _check_settings(env: Dict[str, str], *, groups: int, nproc: int, min_replicas: int) -> None:
-    """Resolve ftbridge's settings as each group's rank 0 will, so a value the ranks would refuse after
-    scheduling (``env={"FTBRIDGE_PEER_WATCH": "maybe"}``) is refused now.
-
-    Raises:
-        ValueError: naming the setting, its value and the fix.
-    """
+    """Resolve ftbridge's settings as each group's rank 0 will: ``ValueError`` now for what the ranks would refuse."""
     from ftbridge.config import FTBridgeConfig
     from ftbridge.log import log_level
 
