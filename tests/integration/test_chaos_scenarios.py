@@ -161,6 +161,7 @@ def test_rank_frozen_inside_its_quorum_call_past_one_try_rejoins_without_a_resta
     print(f"answers lost to the freeze: {lost}")
 
 
+@pytest.mark.slow  # ~35 s; every soak slice and ftbridge-chaos run checks the final loss the same way
 @pytest.mark.timeout(420)
 def test_final_loss_matches_a_failure_free_run(local_job):
     job = _job(local_job, 2, 1)
