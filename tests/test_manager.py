@@ -133,6 +133,27 @@ def test_a_member_that_saw_the_lighthouse_stall_votes_even_on_a_quorum_it_voted_
     assert [mgr._quorum_id for mgr, _ in guards] == [-1, -1]  # B rebuilds with A: their process groups pair
 
 
+@pytest.mark.timeout(60)
+def test_a_vote_never_reads_a_members_vote_left_from_an_earlier_quorum_with_the_same_keys(monkeypatch):
+    """The quorum above again (same id, members and step, as after a lighthouse restart), B voting first: B
+    must wait for A's vote of this round, not decide on A's vote of the earlier one (keep) while A rebuilds."""
+    import ftbridge.manager.quorum_rules as rules
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    guards = _members(store.port, last_ids=[2, 2], qid=2)
+    _run_all(guards)
+    guards[0][0]._quorum_id, guards[0][1].seen = 1, QuorumSeen(1, (A,))
+    monkeypatch.setattr(rules, "VOTE_SKIP_WINDOW_S", 0.0)
+    threads = [threading.Thread(target=_run_all, args=([g],)) for g in reversed(guards)]  # B, then A
+    threads[0].start()
+    threads[0].join(timeout=2)  # a bound on the failure only: with the fix B waits up to the 10 s vote timeout
+    assert threads[0].is_alive(), "B decided before A voted: it read A's vote from the earlier quorum"
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=30)
+    assert [mgr._quorum_id for mgr, _ in guards] == [-1, -1]  # B rebuilds with A: their process groups pair
+
+
 def test_vote_needed_only_a_steady_member_of_a_quorum_it_voted_in_after_a_commit_skips():
     from ftbridge.manager.quorum_rules import VOTE_SKIP_WINDOW_S as W
     from ftbridge.manager.quorum_rules import vote_needed

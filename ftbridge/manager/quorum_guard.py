@@ -191,11 +191,11 @@ class _QuorumGuard:
         votes: Optional[List[bool]] = None
         self.sizes = []
         try:
-            store, votes, self.sizes = call_bounded(
+            store, votes, self.sizes, voted = call_bounded(
                 lambda: _vote_on_store(result, base, mine, store, last, self._timeout, self._group_size, self.watch),
                 self._store_timeout or 2 * self._timeout, f"the primary's store {result.store_address}")
             self._stores = {result.store_address: store}  # one cached client: the current primary's
-            self._last_vote = (store, base, int(result.replica_rank))
+            self._last_vote = (store, voted, int(result.replica_rank))
         except Exception as exc:  # noqa: BLE001 - a member or the store died or hung: the step fails anyway
             logger.warning("quorum %d: reconfigure vote failed (%s: %s); %s as torchft would",
                            int(result.quorum_id), type(exc).__name__, (str(exc).splitlines() or [""])[0],
@@ -224,14 +224,19 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
     unknown), wait for every member's (under ``watch``), read them; delete the previous vote ``last`` only on this
     store.
 
+    Each member counts its votes under ``base`` (``store.add``) and votes under ``base/<count>``: a quorum that
+    repeats an earlier one's id, members and step (after a lighthouse restart) never reads a vote left from
+    the earlier one. Members whose counts differ wait for each other's keys until ``timeout``: a failed vote.
+
     Returns:
-        ``(store client, votes, sizes)``, by replica rank.
+        ``(store client, votes, sizes, this vote's key prefix)``, by replica rank.
 
     Raises:
         Whatever the store raises: ``DistStoreError`` when a vote does not come within ``timeout``.
     """
     if store is None:
         store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
+    base = f"{base}/{int(store.add(f'{base}/count/{int(result.replica_rank)}', 1))}"
     store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
     keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]
     wait_for_keys(store, keys, timeout, watch)
@@ -242,7 +247,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
     # store may be hung (its group's rank 0 SIGSTOPped), and deleting there blocked (chaos soak).
     if last is not None and last[0] is store and last[1] != base:
         store.delete_key(f"{last[1]}/{last[2]}")
-    return store, votes, sizes
+    return store, votes, sizes, base
 
 
 def _install_quorum_guard(manager: Manager, timeout: timedelta, on_restart: Callable[[int, int], None],
