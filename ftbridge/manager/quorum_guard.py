@@ -219,7 +219,8 @@ class _QuorumGuard:
 
 
 def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optional[Tuple[Any, str, int]],
-                   timeout: timedelta, group_size: int = 0, watch: Any = None) -> Tuple[Any, List[bool], List[int]]:
+                   timeout: timedelta, group_size: int = 0,
+                   watch: Any = None) -> Tuple[Any, List[bool], List[int], str]:
     """One rank's vote on the primary's store under the key prefix ``base``: write ``mine`` and ``group_size`` (0:
     unknown), wait for every member's (under ``watch``), read them; delete the previous vote ``last`` only on this
     store.
