@@ -397,7 +397,7 @@ INTERLEAVED_DEAD_ENDS = [
     Faults(restart=frozenset({0}), hang=frozenset({1})),
     Faults(cut_peer=frozenset({frozenset({0, 1})})),
 ]
-"""The seed-55 soak's pattern (docs/chaos.md): quorum 1 committed by both groups; group 0 is killed and
+"""The seed-55 soak's pattern (docs/measurements.md): quorum 1 committed by both groups; group 0 is killed and
 restarted, and quorum 2 (group 1 and the restart) fails; the restart is killed and restarted again and forms
 quorum 3 alone (group 1 hung); quorum 4 (both) fails. Group 1's dead ends are 2 and 4, the second restart's
 3 and 4. Only their union covers every id after quorum 1, whose other committer is gone."""
