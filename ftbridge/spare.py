@@ -1,17 +1,10 @@
 """Warm spare replica groups: fully initialised, outside the quorum until a group dies.
 
-A spare (``ftbridge-run --spare-index K``) runs the training script up to
-``deepspeed.initialize``; then :func:`ftbridge.initialize` calls :func:`stand_by`
-before any torchft manager exists: group rank 0 polls the lighthouse's
-``GET /status`` until a group of ``0..num_replica_groups-1`` is vacant
-(:func:`vacancies`, :func:`live_groups`, :func:`choose_group`, :class:`VacancyWatch`),
-shares the decision on the group's TCPStore, and the spare joins under that
-group's id, healing like a cold restart of it. A torchrun restart of a group
-whose id a spare took stands by instead (:func:`demote_if_taken`); a member
-that finds its id held by another in a quorum leaves (:func:`must_leave`).
+Entry points: :func:`stand_by` (from :func:`ftbridge.initialize`, ``ftbridge-run --spare-index K``),
+:func:`demote_if_taken` (a restarted group whose id a spare took), :func:`must_leave` (a duplicated id
+in a quorum). Vacancy rules: :func:`vacancies`, :func:`live_groups`, :func:`choose_group`, :class:`VacancyWatch`.
 
-Why (no heartbeat while standing by, vacancy and liveness, ids, limits):
-docs/spares.md.
+Why: docs/spares.md.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ STATUS_TIMEOUT_S = 2.0
 SLOW_READ_S = 1.0
 """A status read slower than this (s) counts as failed (the lighthouse was hung or cut off meanwhile)."""
 SETTLE_S = 0.5
-"""After a failed read, how long (s) a vacancy must show in answering reads before it is taken: a
-lighthouse that was hung or cut off shows every heartbeat stale until the groups' next ones arrive."""
+"""After a failed read, how long (s) a vacancy must show in answering reads before it is taken."""
 DEMOTED_KEY = "ftbridge/spare/demoted"
 """Group TCPStore key of rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
 STORE_KEY = "ftbridge/spare/replaces"
@@ -46,10 +38,9 @@ STORE_KEY = "ftbridge/spare/replaces"
 
 
 def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
-    """``(fresh, known)``: group ids with a fresh heartbeat, and every group heard of (pure).
+    """``(fresh, known)`` group ids of :class:`ftbridge.manager.lighthouse_status.Heartbeat` records (pure).
 
-    ``heartbeats`` are :class:`ftbridge.manager.lighthouse_status.Heartbeat` records; replica ids not named
-    ``replica_group_G...`` are ignored.
+    ``fresh``: with a fresh heartbeat; ``known``: every group heard of. Other replica ids are ignored.
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -67,8 +58,7 @@ def heartbeat_groups(heartbeats: Sequence[Any]) -> Tuple[set, set]:
 def held_by_another(heartbeats: Sequence[Any], group: int, since_s: float) -> bool:
     """Whether a live process other than this one's dead predecessor holds ``replica_group_<group>`` (pure).
 
-    ``heartbeats`` are :class:`ftbridge.manager.lighthouse_status.Heartbeat` records; ``since_s`` is the time since
-    this process imported ftbridge: a fresh heartbeat younger than that is not the predecessor's.
+    ``since_s``: seconds since this process imported ftbridge; a fresh heartbeat younger than that is another's.
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -83,9 +73,8 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
                nobody_heals: bool = False) -> bool:
     """Whether this member must leave a quorum in which another member holds its group id (pure).
 
-    A healing holder of a duplicated id leaves unless it is the first holder by replica id; when nobody heals,
-    every holder but the first leaves. At most one holder stays (both for one step at worst), never none.
-    Why: docs/spares.md, "Limits".
+    A healing holder leaves unless it is the first holder by replica id; when nobody heals, every holder but
+    the first leaves. Why: docs/spares.md, "Limits".
 
     Args:
         replica_ids: the quorum's torchft replica ids (``replica_group_G:UUID``).
@@ -104,9 +93,7 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
 
 
 def live_groups(heartbeats: Sequence[Any]) -> set:
-    """Group ids with a fresh heartbeat at most half as old as the youngest stale one (all fresh ones
-    when nothing is stale) (pure).
-    """
+    """Group ids with a fresh heartbeat at most half as old as the youngest stale one, or any fresh one (pure)."""
     from ftbridge.manager.lighthouse_status import replica_group_of
 
     stale_ages = [hb.age_s for hb in heartbeats if hb.stale]
@@ -116,8 +103,9 @@ def live_groups(heartbeats: Sequence[Any]) -> set:
 
 
 def vacancies(fresh: set, known: set, num_groups: int, live: Optional[set] = None) -> List[int]:
-    """Ids in ``0..num_groups-1`` heard of (``known``) but not ``fresh``, smallest first; empty while no group
-    is ``live`` (default ``fresh``) (pure; docs/spares.md, "When a group is vacant").
+    """Ids of ``0..num_groups-1`` in ``known`` but not ``fresh``, smallest first (pure).
+
+    Empty while no group is ``live`` (default: ``fresh``).
     """
     if not any(0 <= g < num_groups for g in (fresh if live is None else live)):
         return []
@@ -141,7 +129,7 @@ def choose_group(vacant: Sequence[int], first_seen: Dict[int, float], now: float
 class VacancyWatch:
     """A spare's memory between status reads: when each vacancy and the last live group were seen.
 
-    ``job_gone_s``: seconds without a live group (after one was seen) after which the job counts as over.
+    ``job_gone_s``: seconds without a live group, after one was seen, until the job counts as over.
     """
 
     num_groups: int
@@ -155,9 +143,7 @@ class VacancyWatch:
     """The last read's heartbeats, ``replica id: age s (stale)``, for the log line."""
 
     def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
-        """Update with one status read (``None``: it failed) at ``now`` (s); returns ``("join", G)``,
-        ``("wait", None)`` or ``("exit", None)`` (the job is over).
-        """
+        """Take one status read (``None``: failed) at ``now`` (s); ``("join", G)``, ``("wait"|"exit", None)``."""
         if heartbeats is None:  # the lighthouse did not answer: whatever it shows next needs time to settle
             self.first_seen, self.settled_after = {}, None
             return "wait", None
@@ -248,9 +234,7 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
 
 def share_decision(store: Any, group_rank: int, decision: Optional[int] = None,
                    sleep: Callable[[float], None] = time.sleep) -> Optional[int]:
-    """Rank 0 publishes ``decision`` (group id, ``None``: the job is over) on the group's ``store``; the
-    other ranks wait for it. Returns the decision on every rank.
-    """
+    """Rank 0 publishes ``decision`` (group id; ``None``: job over) on ``store``; every rank returns it."""
     if group_rank == 0:
         store.set(STORE_KEY, str(-1 if decision is None else int(decision)))
         return decision
@@ -273,12 +257,11 @@ def _mark_ready(cfg: FTBridgeConfig, when: float) -> None:
 
 def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: float, store: Any = None,
                     fetch: Optional[Callable[..., Any]] = None) -> FTBridgeConfig:
-    """``cfg`` as a spare (``spare_index = N + G``) if another process holds this restarted group's id.
+    """``cfg`` as spare ``N + G`` if another process holds this restarted group's id, else ``cfg``.
 
-    Only for a group torchrun restarted (``restart_count > 0``) in a job of several groups; rank 0 reads the
-    lighthouse once (unreadable: "not taken") and shares the verdict on the group's TCPStore. ``imported_at``
-    is :data:`ftbridge.IMPORTED_AT`; ``store``, ``fetch`` as in :func:`stand_by`. A demoted config stands by
-    as ``replica_group_id = N + spare_index``.
+    Only for a torchrun restart (``restart_count > 0``) in a job of several groups. Rank 0 reads the lighthouse
+    once (unreadable: not taken) and shares the verdict on the group's TCPStore. ``imported_at`` is
+    :data:`ftbridge.IMPORTED_AT`; ``store``, ``fetch`` as in :func:`stand_by`.
     """
     if cfg.spare_index >= 0 or restart_count <= 0 or cfg.num_replica_groups < 2:
         return cfg
