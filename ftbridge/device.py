@@ -1,10 +1,8 @@
 """Where one rank computes, and which backends its process groups use: decided once, before any work.
 
-Pure decisions (the machine's facts are passed in, so they are tested without a GPU) plus
-:func:`probe`, which reads those facts: :func:`resolve_device` (``cpu`` or ``cuda:LOCAL_RANK``),
-:func:`in_group_backend` (NCCL on CUDA, gloo on CPU) and :func:`cross_replica_backend` (NCCL, or
-gloo with CUDA tensors where ranks of different groups share a GPU). Every rank of a job must
-decide alike. Why: docs/gpu.md, "The backend choice".
+:func:`probe` reads the machine; the decisions are pure: :func:`resolve_device`, :func:`in_group_backend`,
+:func:`cross_replica_backend`; :func:`check_placement` runs them all. Every rank of a job must decide alike.
+Why: docs/gpu.md, "The backend choice".
 """
 
 from __future__ import annotations
@@ -58,8 +56,8 @@ def resolve_device(requested: str, machine: Machine, local_rank: int) -> str:
         local_rank: this rank's index on its node within its replica group (``LOCAL_RANK``).
 
     Raises:
-        ValueError: ``requested`` is none of :data:`DEVICES`; ``cuda`` without a visible GPU; more
-            ranks of this group on this node than visible GPUs (NCCL needs one GPU per rank).
+        ValueError: ``requested`` is none of :data:`DEVICES`; ``cuda`` without a visible GPU; more ranks of
+            this group on this node than visible GPUs.
     """
     if requested not in DEVICES:
         raise ValueError(f"device={requested!r} is not one of {DEVICES}")
@@ -81,9 +79,7 @@ def in_group_backend(device_type: str) -> str:
 
 
 def gpus_shared(*, single_host: bool, num_replica_groups: int, local_group_size: int, physical_gpus: int) -> bool:
-    """Whether ranks of different replica groups must share GPUs (pure): the whole job runs on this
-    machine (``single_host``) and it has fewer ``physical_gpus`` than ``num_replica_groups x local_group_size``.
-    """
+    """Whether groups share GPUs: ``single_host`` and ``physical_gpus < num_replica_groups * local_group_size``."""
     return single_host and num_replica_groups * max(1, local_group_size) > physical_gpus
 
 
@@ -115,9 +111,7 @@ def cross_replica_backend(requested: str, *, on_cuda: bool, shared: bool) -> str
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP literal, bracketed or not, or a name) only reaches this machine:
-    ``127.0.0.0/8``, ``::1``, ``localhost``, ``localhost.localdomain``; any other name is ``False``.
-    """
+    """Whether ``host`` (IP literal, bracketed or not, or name) is loopback; names other than localhost: ``False``."""
     bare = host.strip("[]")
     if bare.lower() in ("localhost", "localhost.localdomain"):
         return True
@@ -176,9 +170,7 @@ def check_placement(model_devices: Iterable[str], accelerator: str, cfg: FTBridg
 
 
 def collective_device(backend: str) -> Any:
-    """Device of ftbridge's own small tensors on a process group of ``backend``: this rank's GPU
-    for NCCL, the CPU for gloo.
-    """
+    """Device of ftbridge's own small tensors on a ``backend`` group: this rank's GPU for NCCL, else the CPU."""
     import torch
 
     if backend == "nccl":
