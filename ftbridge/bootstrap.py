@@ -1,9 +1,8 @@
-"""From a model and a DeepSpeed config to a running fault-tolerant engine: :func:`initialize`, :func:`attach`.
+"""From a model and a DeepSpeed config to a running fault-tolerant engine.
 
-:func:`initialize` (``ftbridge.initialize``) checks what can be checked before any work, runs
-``deepspeed.initialize``, lets a warm spare stand by (:mod:`ftbridge.spare`) and wraps the engine
-in :class:`ftbridge.engine.FaultTolerantEngine`. :func:`attach` (``ftbridge.attach``) does the same
-to an engine a framework built, which stays a ``DeepSpeedEngine``.
+:func:`initialize` (``ftbridge.initialize``) wraps ``deepspeed.initialize`` in a
+:class:`ftbridge.engine.FaultTolerantEngine`; :func:`attach` (``ftbridge.attach``) makes an engine a
+framework built fault-tolerant in place. Both let a warm spare stand by first (:mod:`ftbridge.spare`).
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ def initialize(*, model: torch.nn.Module, config: Any, ft_config: Optional[FTBri
 
     Raises:
         SystemExit: (status 0) a spare whose job ended while it stood by.
-        ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported optimizer path, a placement
-            that cannot work (:func:`ftbridge.device.check_placement`), or a world whose size is not
-            the replica group size; before the engine is built where possible.
+        ValueError: bad ftbridge settings, ZeRO stage 0, an unsupported optimizer path, a placement that
+            cannot work (:func:`ftbridge.device.check_placement`), or a world that is not one replica group.
         RuntimeError: an untested DeepSpeed version.
     """
     prepare_jit_build()
@@ -81,9 +79,8 @@ def attach(engine: Any, *, ft_config: Optional[FTBridgeConfig] = None, checksum_
     """Make a ``deepspeed.DeepSpeedEngine`` that someone else built fault-tolerant, in place.
 
     For frameworks that call ``deepspeed.initialize`` themselves (:mod:`ftbridge.integrations.accelerate`).
-    Runs the checks of :func:`initialize` that still apply, lets a spare stand by, then installs the
-    controller's ``forward``, ``backward`` and ``step`` on the engine *instance* (``type(engine)`` is
-    unchanged); the controller is ``engine.ftbridge``.
+    Installs the controller's ``forward``, ``backward`` and ``step`` on the instance; ``type(engine)`` is
+    unchanged and the controller is ``engine.ftbridge``.
 
     Args:
         engine: a ``DeepSpeedEngine`` whose world is one replica group, before its first training step.
@@ -96,8 +93,7 @@ def attach(engine: Any, *, ft_config: Optional[FTBridgeConfig] = None, checksum_
 
     Raises:
         TypeError: ``engine`` is not a ``DeepSpeedEngine``.
-        ValueError: attached already, or as :func:`initialize`, or a model-parallel unit (``mpu``),
-            which would split the group's world.
+        ValueError: attached already, a model-parallel unit (``mpu``), or as :func:`initialize`.
         RuntimeError: an untested DeepSpeed version.
         SystemExit: (status 0) a spare whose job ended while it stood by.
     """
@@ -144,10 +140,9 @@ def check_ds_config(config: Dict[str, Any]) -> None:
 
 
 def check_placement(model: torch.nn.Module, cfg: FTBridgeConfig) -> Tuple[str, str]:
-    """``(device, in-group backend)`` of ``model`` under DeepSpeed's accelerator, e.g. ``("cuda:1", "nccl")``.
+    """``(device, in-group backend)`` of ``model``, e.g. ``("cuda:1", "nccl")``.
 
-    Raises:
-        ValueError: see :func:`ftbridge.device.check_placement`.
+    Raises ``ValueError`` as :func:`ftbridge.device.check_placement`.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -169,11 +164,7 @@ def check_world(cfg: FTBridgeConfig) -> None:
 def control(engine: Any, cfg: FTBridgeConfig, *, in_place: bool = False, checksum_every: Optional[int] = None,
             comm_hook: Optional[Callable[..., Any]] = None,
             manager_factory: Optional[Callable[..., ReplicaManager]] = None) -> FaultTolerantEngine:
-    """The controller of a built engine; a spare stands by first and the controller takes the group it took.
-
-    Raises:
-        SystemExit: (status 0) a spare whose job ended while it stood by.
-    """
+    """The controller of a built engine; a spare stands by first (``SystemExit(0)`` if its job ends meanwhile)."""
     takeover = None
     if cfg.num_replica_groups > 1:  # warm spares (ftbridge.spare): ready, they wait here, outside the quorum
         from ftbridge import IMPORTED_AT, spare
