@@ -1,17 +1,8 @@
-"""Moving GPU tensors to and from bytes through one bucket-sized pinned host buffer.
+"""Moving GPU tensors to and from bytes through one bucket-sized pinned host buffer (:class:`Staging`).
 
-Used by the heal transport (:mod:`ftbridge.manager.transport`) and async checkpoint
-snapshots (:mod:`ftbridge.checkpoint.async_save`):
-
-* :class:`StagedBody` (donor) writes a state in the :mod:`ftbridge.heal.wire` format, each GPU
-  tensor chunk by chunk through the buffer, CPU tensors from their own memory; its length is
-  known up front;
-* :func:`read_tensors` (joiner) reads a body's tensors chunk by chunk straight onto the device;
-* :func:`host_copy` enqueues a pinned non-blocking copy; call :func:`synchronize` once after.
-
-One buffer per :class:`Staging`, pinned when CUDA is available; a chunk is handed on only after
-its copy completed, so the buffer is never overwritten while in use. The bytes are exactly what
-:func:`ftbridge.heal.wire.encode_state` writes, so either side may stage or not.
+For the heal transport: :func:`staged_body` (donor) and :func:`read_tensors` (joiner), in the bytes of
+:func:`ftbridge.heal.wire.encode_state`, so either side may stage or not. For async checkpoints:
+:func:`host_copy`, then :func:`synchronize`. Why: docs/gpu.md, "What the GPU code does".
 """
 
 from __future__ import annotations
@@ -29,11 +20,9 @@ DEFAULT_STAGING_BYTES = 32 << 20
 
 
 def staging_size(tensor_bytes: List[int], cap_bytes: int = DEFAULT_STAGING_BYTES) -> int:
-    """Bytes of the staging buffer for GPU tensors of ``tensor_bytes``: 0 when there is nothing to stage,
-    else ``min(max(tensor_bytes), cap_bytes)`` rounded up to 4 KiB.
+    """Buffer bytes for GPU tensors of ``tensor_bytes``: ``min(max(tensor_bytes), cap_bytes)`` up to 4 KiB, or 0.
 
-    Raises:
-        ValueError: ``cap_bytes`` is not positive.
+    Raises ``ValueError`` when ``cap_bytes`` is not positive.
     """
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes={cap_bytes} must be positive")
@@ -76,9 +65,7 @@ class Staging:
         return self._buf
 
     def chunks(self, tensor: torch.Tensor) -> Iterator[memoryview]:
-        """The bytes of ``tensor`` in order: device tensors chunk by chunk through the buffer, CPU ones as
-        one view of their memory. Each view is valid until the next is requested.
-        """
+        """The bytes of ``tensor`` in order, through the buffer (a CPU tensor: one view); each valid until the next."""
         t = tensor.detach()
         if t.device.type == "cpu" and not self.stage_cpu:
             flat = _as_bytes(t.contiguous())
@@ -95,9 +82,7 @@ class Staging:
             yield _bytes_view(buf[:n])
 
     def fill(self, tensor: torch.Tensor, read_into: Callable[[memoryview], int]) -> int:
-        """Fill contiguous ``tensor``'s bytes from ``read_into(view) -> bytes read`` (a socket's ``readinto``);
-        return the bytes filled (fewer when the reader ended early).
-        """
+        """Fill contiguous ``tensor`` from ``read_into(view) -> n`` (``readinto``); the bytes filled (fewer: EOF)."""
         flat = _as_bytes(tensor)
         got = 0
         if tensor.device.type == "cpu" and not self.stage_cpu:
@@ -137,10 +122,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def host_copy(storage: Any, pin: Optional[bool] = None) -> Any:
-    """A host copy of a device ``torch.UntypedStorage``, pinned, enqueued non-blocking.
-
-    The copy is complete only after :func:`synchronize` of the storage's device.
-    """
+    """A pinned host copy of a device ``torch.UntypedStorage``, complete after :func:`synchronize`."""
     pin = torch.cuda.is_available() if pin is None else pin
     src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     dst = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
@@ -182,11 +164,10 @@ class StagedBody:
 
 
 def staged_body(state: Dict[str, Any], staging: Staging, force: bool = False) -> Optional[StagedBody]:
-    """:class:`StagedBody` of ``state`` when it holds a tensor on a GPU (or ``force``), else ``None``: encode it
-    whole (also for a dtype :func:`ftbridge.heal.wire.plan_body` does not lay out; ``safetensors`` writes those).
+    """:class:`StagedBody` of ``state`` when it holds a GPU tensor (or ``force``); ``None``: encode it whole.
 
-    Raises:
-        TypeError: as :func:`ftbridge.heal.wire.encode_state` (a leaf that is no tensor or JSON scalar).
+    ``None`` also for a dtype :func:`ftbridge.heal.wire.plan_body` does not lay out. Raises ``TypeError`` as
+    :func:`ftbridge.heal.wire.encode_state`.
     """
     plan = plan_body(state)
     if plan is None or not (force or any(t.device.type != "cpu" for t in plan.tensors)):
@@ -198,11 +179,11 @@ def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torc
                  staging: Staging) -> Dict[str, torch.Tensor]:
     """Read the safetensors part of a heal body (``size`` bytes) into new tensors on ``device``.
 
-    The header is checked as :mod:`ftbridge.heal.wire` checks it (offsets tile the data exactly, sizes
-    match dtype and shape) before any tensor is allocated, so at most ``size`` bytes are allocated.
+    The header is checked as :mod:`ftbridge.heal.wire` checks it before any allocation: at most ``size`` bytes.
 
     Raises:
-        ValueError: a malformed header, a dtype outside the wire format, or a body that ended early.
+        ValueError: a malformed or truncated header, or a dtype outside the wire format.
+        ConnectionError: the body ended inside a tensor.
     """
     prefix = bytearray(8)
     if size < 8 or _read_full(read_into, memoryview(prefix)) != 8:
