@@ -1,8 +1,6 @@
-"""What a communication hook sees: :class:`CommHookState`, the fault-tolerant all-reduce and the step.
-
-:class:`CommHookState` plays the part of DDP's ``process_group`` argument; its :meth:`~CommHookState.allreduce`
-(torchft's managed all-reduce) is the one seam where the cross-replica sum is scaled and its bytes counted.
-Stateful hooks (PowerSGD) subclass it. The rules: docs/comm_hooks.md, "Fault tolerance: what changes from DDP".
+"""What a communication hook sees: :class:`CommHookState` (DDP's ``process_group`` argument), whose
+:meth:`~CommHookState.allreduce` scales and counts every cross-replica sum; stateful hooks subclass it.
+Rules: docs/comm_hooks.md, "Fault tolerance: what changes from DDP".
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ class CommHookState:
 
     @property
     def divisor(self) -> int:
-        """What an average divides the cross-replica sum by: :attr:`slots` if set, else the participants; 1 for
-        ``"sum"``. Waits for the quorum."""
+        """Divisor of an average (waits for the quorum): :attr:`slots` if set, else participants; 1 for ``"sum"``."""
         if self.reduction != "mean":
             return 1
         return self.slots or self.participants
@@ -92,10 +89,10 @@ class CommHookState:
         return work if divisor == 1 else DividedWork(work, tensor, divisor)
 
     def lend(self, tensor: torch.Tensor) -> None:
-        """Declare ``tensor`` a buffer of the hook's own, made for this step's next all-reduce of it.
+        """Declare ``tensor`` the hook's own buffer for its next all-reduce (the peer watch then copies nothing).
 
-        Nothing else may read or write it until that ``wait()`` returns; drop it when the wait fails. Spares the
-        peer watch a copy (:meth:`ftbridge.manager.ReplicaManager.lend`); a manager without ``lend`` ignores it.
+        Nothing else may touch it until that ``wait()`` returns; drop it when the wait fails. A manager without
+        ``lend`` (:meth:`ftbridge.manager.ReplicaManager.lend`) ignores it.
         """
         lend = getattr(self.manager, "lend", None)
         if lend is not None:
@@ -171,11 +168,7 @@ class ChainWork:
 
 
 def wait_result(work: Any, tensor: torch.Tensor) -> bool:
-    """Wait for a hook's ``work`` (a torch ``Work``, or a ``Future`` whose tensor value is copied in) into ``tensor``.
-
-    Returns:
-        ``False`` when ``wait()`` returned ``False`` (the all-reduce failed; ``tensor`` holds no result), else ``True``.
-    """
+    """Wait for ``work`` (``Work``, or ``Future`` whose tensor is copied in) into ``tensor``; ``False``: it failed."""
     value = work.wait()
     if value is False:
         return False
