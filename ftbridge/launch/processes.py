@@ -1,8 +1,6 @@
-"""torchrun command lines and process groups: the one place that builds the first and stops the second.
-
-``ftbridge-run``, the local job runner, the benchmarks and the tests build torchrun's command line with
-:func:`torchrun_command` (why its environment: docs/troubleshooting.md), start it in a session of its own and
-stop it with :func:`stop_process_groups`; the other functions are the pieces under them.
+"""torchrun command lines and process groups: :func:`torchrun_command` builds one, :func:`stop_process_groups`
+stops a started one (in a session of its own); the rest are ports and ``/proc`` reads under them.
+Why the environment: docs/troubleshooting.md.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ def ephemeral_port_range() -> Tuple[int, int]:
 def find_free_port_run(count: int, host: str = "0.0.0.0", seed: Optional[int] = None) -> int:
     """``P`` such that ports ``P .. P + count - 1`` are all free on ``host`` right now.
 
-    Looks from 10000 up to the kernel's ephemeral range (:func:`ephemeral_port_range`), whose ports the kernel
-    never hands to another process's ``bind(0)`` or outgoing connection.
+    Looks from 10000 up to :func:`ephemeral_port_range`: ports no ``bind(0)`` or outgoing connection takes.
 
     Raises:
         ValueError: ``count`` < 1.
@@ -156,10 +153,7 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def signal_pids(pids: Sequence[int], sig: int) -> None:
-    """Send ``sig`` to each of ``pids``; one that is gone (or not ours) is skipped.
-
-    Ranks are ended by PID: torchrun starts them in its own process group.
-    """
+    """Send ``sig`` to each of ``pids`` (torchrun's ranks share its group); one gone (or not ours) is skipped."""
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -171,8 +165,7 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float,
                         kill_wait_s: Optional[float] = 10.0) -> List[Optional[int]]:
     """Stop processes that lead their own process group (``start_new_session=True``): SIGTERM, then SIGKILL.
 
-    SIGTERM to every live one at once (torchrun forwards it to its ranks); SIGKILL to the whole group of those
-    still running ``grace_s`` later. A process that already exited is only reaped.
+    SIGKILL goes to the whole group of each one still running ``grace_s`` after; an exited one is only reaped.
 
     Args:
         procs: the group leaders.
@@ -180,8 +173,7 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace_s: float,
         kill_wait_s: time to wait for each after SIGKILL (s); ``None``: until it exits.
 
     Returns:
-        Each process's exit code (negative: the signal that ended it), ``None`` for one still running after
-        ``kill_wait_s`` (stuck in the kernel).
+        Each exit code (negative: the signal), ``None`` for one still running after ``kill_wait_s``.
     """
     for p in procs:
         if p.poll() is None:
