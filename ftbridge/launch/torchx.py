@@ -1,16 +1,8 @@
 """TorchX component: a whole ftbridge job (lighthouse + replica groups) as one ``AppDef``.
 
-:func:`job` describes the job once for any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``)::
-
-    torchx run -s local_cwd ftbridge/launch/torchx.py:job --groups 2 --nproc_per_node 2 \\
-        --script scripts/train_lm.py -- --steps 200
-    torchx run -s slurm ftbridge.job --groups 4 --nnodes 2 --gpus 8 --script train.py -- --steps 10000
-
-(``ftbridge.job`` once ftbridge is installed: ``pyproject.toml`` registers this module under TorchX's
-``torchx.components`` entry point.) Roles: ``lighthouse`` (role 0, so TorchX's ``rank0_env`` macro names its host
-in every other role), then ``group0`` .. ``group{N-1}``, each ``nnodes`` replicas running ``ftbridge-run`` for that
-group under ``bash -c``; a failed role replica is retried alone (``RetryPolicy.REPLICA``). What each role runs,
-how the roles find each other and what each scheduler does with a failure: docs/multi-node.md.
+:func:`job` (``torchx run -s SCHEDULER ftbridge.job --groups 2 --script train.py``) builds role ``lighthouse``,
+then ``group0`` .. ``group{N-1}``, each ``nnodes`` replicas of ``ftbridge-run`` under ``bash -c``, retried alone.
+Roles, addresses and each scheduler's failure handling: docs/multi-node.md.
 """
 
 
@@ -69,8 +61,8 @@ def job(
         lighthouse_port: port of the job's own lighthouse (health on +1, status page and /metrics on +2).
         lighthouse_min_replicas: the lighthouse's --min-replicas.
         lighthouse_heartbeat_timeout_ms: silence after which the lighthouse counts a group as dead, ms.
-        lighthouse_idle_exit_s: the job's own lighthouse exits 0 this many seconds after the last group stopped
-            heartbeating (0: never; the application then only ends when cancelled).
+        lighthouse_idle_exit_s: the job's own lighthouse exits 0 this many seconds after the last group's
+            heartbeat (0: never; the application then ends only when cancelled).
         min_replicas: fewest replica groups that may commit a step (FTBRIDGE_MIN_REPLICAS).
         max_restarts: torchrun restarts of a group in place (ftbridge-run --max-restarts).
         max_retries: scheduler restarts of a failed role replica (its pod or task), that replica only.
@@ -141,8 +133,7 @@ def _group_command(g: int, groups: int, nnodes: int, nproc: int, lighthouse: str
                    script_args: tuple) -> str:
     """The ``bash -c`` text of one node of replica group ``g``: set the node's address, exec ftbridge-run.
 
-    Every literal ``$`` is written ``$$`` (TorchX substitutes macros with ``string.Template``); ``lighthouse``
-    comes already in that form (it may hold the ``rank0_env`` macro).
+    Literal ``$`` is written ``$$`` (TorchX's ``string.Template`` macros); ``lighthouse`` comes in that form.
     """
     bind = f'"${{FTBRIDGE_HEAL_BIND:-{_AUTO_IP}}}"' if heal_bind == "auto" else shlex.quote(heal_bind)
     lines = [f"ip={bind}; export FTBRIDGE_HEAL_BIND=${{ip:-127.0.0.1}}"]
