@@ -1,8 +1,6 @@
-"""The interface every ZeRO stage's adapter implements (:mod:`ftbridge.zero.stages` has the stages).
+"""The interface every ZeRO stage's adapter implements: :class:`ZeroAdapter`.
 
-Everything in ftbridge that needs DeepSpeed's optimizer internals (the gradient partition, its
-layout, the per-bucket point, offload's CPU copies, the heal state) calls these methods; only the
-subclasses in :mod:`ftbridge.zero.stages` know DeepSpeed's attributes.
+ftbridge reaches DeepSpeed's optimizer internals only through it; the stages in :mod:`ftbridge.zero.stages`.
 """
 
 from __future__ import annotations
@@ -40,9 +38,7 @@ class ZeroAdapter:
 
     # -- gradients -------------------------------------------------------
     def partition_grads(self) -> List[torch.Tensor]:
-        """This rank's reduced gradient partition at the accumulation boundary: the tensors
-        ``optimizer.step()`` reads, modified in place (DeepSpeed's accumulation dtype; 1-D or views).
-        """
+        """This rank's reduced gradient partition, the tensors ``optimizer.step()`` reads (1-D or views; in place)."""
         raise NotImplementedError
 
     def discard_grads(self) -> None:
@@ -69,9 +65,7 @@ class ZeroAdapter:
         return torch.empty((), dtype=self.grad_dtype()).element_size()
 
     def partition_layout(self) -> PartitionLayout:
-        """The fragments of each parameter in the partition (:mod:`ftbridge.zero.layout`); without
-        readable bookkeeping, one fragment-less layout (the sync then sends the partition whole, after backward).
-        """
+        """The fragments of each parameter in the partition; unreadable: one fragment-less layout (sent whole)."""
         try:
             return self._read_layout()
         except ValueError as e:
@@ -106,24 +100,18 @@ class ZeroAdapter:
         return ""
 
     def wrap_bucket_point(self, on_reduced: Callable[[List[int]], None]) -> None:
-        """Call ``on_reduced(param_keys)`` each time DeepSpeed has reduced a bucket inside the group
-        (wraps the smallest such method on the optimizer *instance*, deepspeed 0.19).
-        """
+        """Call ``on_reduced(param_keys)`` each time DeepSpeed has reduced a bucket inside the group."""
         raise NotImplementedError
 
     def gather_reduced(self, message: Any) -> Tuple[torch.Tensor, bool]:
-        """During the boundary backward: ``message``'s reduced elements as one 1-D tensor (padding zero),
-        and whether it is a copy.
-        """
+        """During the boundary backward: ``(message's reduced elements as 1-D, zero-padded; is it a copy)``."""
         raise NotImplementedError
 
     def begin_window(self) -> None:
         """Before the first backward of an optimizer step (nothing to do for most stages)."""
 
     def assemble_partition(self) -> None:
-        """After the window's last backward, before the sync reads :meth:`partition_grads` whole: complete
-        what DeepSpeed leaves incomplete (ZeRO-1/2 offload).
-        """
+        """Before the sync reads :meth:`partition_grads` whole: complete what DeepSpeed left (ZeRO-1/2 offload)."""
 
     def prepare_step(self) -> None:
         """After the cross-replica average, before DeepSpeed's step: redo what backward derived from the
@@ -150,8 +138,7 @@ class ZeroAdapter:
         return to_wire(self.optimizer.state_dict())
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
-        """Load a peer's :meth:`heal_state` (same group rank, same shapes); an in-group all-gather, so
-        every rank of the group calls it at the same point.
+        """Load a peer's :meth:`heal_state` (same group rank); collective: every rank of the group calls it.
 
         Raises:
             ValueError: the peer's state does not match this rank's shapes.
@@ -159,9 +146,7 @@ class ZeroAdapter:
         raise NotImplementedError
 
     def fingerprint_tensors(self) -> List[torch.Tensor]:
-        """What this rank's optimizer steps on, for the divergence guard: the fp32 master partitions of the
-        wrapped torch optimizer, each followed by its state tensors in key order.
-        """
+        """For the divergence guard: the wrapped optimizer's fp32 master partitions, each with its state tensors."""
         return with_optimizer_state(self.optimizer.optimizer,
                            [p for group in self.optimizer.optimizer.param_groups for p in group["params"]])
 
