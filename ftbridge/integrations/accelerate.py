@@ -1,15 +1,8 @@
 """Hugging Face Accelerate with DeepSpeed ZeRO, fault-tolerant across replica groups: :class:`FaultTolerantAccelerator`.
 
-The change to an Accelerate training script (each replica group launched with ``ftbridge-run``)::
-
-    from ftbridge.integrations.accelerate import FaultTolerantAccelerator as Accelerator
-
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, ...))
-    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    train_dl = accelerator.shard_across_replica_groups(train_dl)   # the training loader only
-
-The engine stays a ``DeepSpeedEngine`` with ftbridge attached (``model.ftbridge``). What changes, what
-is exact and what is refused: docs/huggingface.md.
+Import it as ``Accelerator``, then call :meth:`~FaultTolerantAccelerator.shard_across_replica_groups` on the
+prepared training loader. The engine stays a ``DeepSpeedEngine`` with ftbridge attached (``model.ftbridge``).
+What changes, what is exact and what is refused: docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ def check_accelerate_version(version: str = accelerate.__version__) -> None:
 
 
 class ReplicaGroupsScheduler(AcceleratedScheduler):
-    """Accelerate's scheduler wrapper, stepping as plain data parallelism on ``N * group_size`` ranks would:
-    Accelerate's step ``replica_groups`` times per optimizer step, once otherwise.
+    """Accelerate's scheduler wrapper, stepping ``replica_groups`` times per optimizer step (plain DP on all ranks).
 
     Args:
         scheduler, optimizers, step_with_optimizer, split_batches: as for ``AcceleratedScheduler``.
@@ -66,12 +58,9 @@ class ReplicaGroupsScheduler(AcceleratedScheduler):
 
 
 def mark_discarded_steps(engine: Any) -> None:
-    """Make a discarded step read as skipped: set the DeepSpeed optimizer's ``overflow`` flag on a discard.
+    """Make a discarded step read as skipped: set the optimizer's ``overflow`` flag on a discard.
 
-    A commit leaves the flag as DeepSpeed's step set it; DeepSpeed's next step clears it.
-
-    Args:
-        engine: a ``DeepSpeedEngine`` with ftbridge attached (``engine.ftbridge``).
+    ``engine``: a ``DeepSpeedEngine`` with ftbridge attached. A commit leaves the flag as DeepSpeed set it.
     """
     optimizer = engine.optimizer
 
