@@ -1,8 +1,6 @@
-"""A folder of replica-group checkpoints: list, pick the newest valid, keep the last K.
+"""A folder of replica-group checkpoints (:class:`CheckpointStore`): list, pick the newest valid, keep the last K.
 
-``ROOT`` (``--checkpoint-dir``, also a DeepSpeed ``load_dir``) holds ``latest``, a ``global_step<N>/``
-per checkpoint and leftovers (:data:`LEFTOVER_RE`); layout: ``docs/checkpoints.md``. A checkpoint is
-trusted only when every file matches its manifest; none is ever loaded silently.
+A checkpoint is trusted only when every file matches its manifest. Layout: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -116,11 +114,10 @@ class CheckpointInfo:
         return check_metadata(mf.parse_json(data, path), path, max(1, len(files) // 2))
 
     def problems(self, hash_torch_files: bool = True) -> List[str]:
-        """What is wrong with it (empty: trusted): every file against the manifest first, then the bounded
-        metadata, tag, step, and DeepSpeed's file set for the saved group size and stage.
+        """What is wrong with it (empty: trusted): files against the manifest, metadata, tag, step, file set.
 
-        ``hash_torch_files=False`` (a resume, whose ranks hash what they parse) skips hashing the ``.pt``
-        files but still checks their listing, type and size.
+        ``hash_torch_files=False`` (a resume: its ranks hash what they parse) checks the ``.pt`` files' listing,
+        type and size but does not hash them.
         """
         later = [] if hash_torch_files else [os.path.basename(p) for p in mf.checkpoint_files(self.path)]
         problems = mf.verify(self.path, key=self.key, hashed_later=later)
@@ -207,10 +204,9 @@ class CheckpointStore:
     def prune(self, keep: int, log: Any = logger, verified: Optional[str] = None) -> List[str]:
         """Delete old checkpoints and leftovers, never the newest verified one or the one ``latest`` names.
 
-        Keeps the newest ``keep`` (0: all) besides those two; ``verified`` is a tag known good without
-        re-hashing. Leftovers: staging and ``.bad-*`` folders of steps up to the newest checkpoint,
-        ``latest.tmp<pid>`` older than :data:`STALE_TMP_S`; only real folders and regular files of exactly
-        those names, never through a link. Returns the paths removed.
+        Keeps the newest ``keep`` (0: all) besides those two; ``verified``: a tag known good without re-hashing.
+        Leftovers (:data:`LEFTOVER_RE`) go only up to the newest checkpoint's step, and never through a link.
+        Returns the paths removed.
         """
         found = self.list()
         removed = []
