@@ -1,8 +1,7 @@
 """The DeepSpeed engine wrapper: quorum, gradient sync, commit or discard.
 
-:func:`ftbridge.initialize` (:mod:`ftbridge.bootstrap`) mirrors ``deepspeed.initialize``
-and returns a :class:`FaultTolerantEngine`, which composes (never subclasses) the
-DeepSpeed engine::
+:func:`ftbridge.initialize` mirrors ``deepspeed.initialize`` and returns a :class:`FaultTolerantEngine`,
+which wraps the DeepSpeed engine::
 
     engine, optimizer, _, scheduler = ftbridge.initialize(model=model, optimizer=opt, config=ds_config)
     for batch in data:
@@ -10,9 +9,8 @@ DeepSpeed engine::
         engine.backward(loss)         # boundary: cross-replica all-reduce of the partition
         engine.step()                 # boundary: should_commit -> DeepSpeed step, or discard
 
-A discarded step leaves optimizer, scheduler, loss scaler and DeepSpeed's step
-counters untouched. Why and how: docs/concepts.md, "Where the sync sits in a
-ZeRO step" (accumulation windows included) and "Commit or discard".
+A discarded step leaves optimizer, scheduler, loss scaler and DeepSpeed's step counters untouched.
+Why: docs/concepts.md, "Where the sync sits in a ZeRO step" and "Commit or discard".
 """
 
 from __future__ import annotations
@@ -45,20 +43,18 @@ _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 class FaultTolerantEngine:
     """A DeepSpeed engine whose optimizer steps follow torchft's commit protocol.
 
-    Attribute access falls through to the wrapped ``deepspeed.DeepSpeedEngine``
-    (``engine.module``, ``engine.global_steps``, ``save_checkpoint`` ...).
+    Other attributes fall through to the wrapped ``deepspeed.DeepSpeedEngine``.
 
     Args:
         engine: an initialised DeepSpeed engine whose world is one replica group.
         cfg: resolved ftbridge configuration.
-        checksum_every: log a parameter checksum every N steps (0: never; default
-            ``cfg.checksum_every``).
-        comm_hook: a communication hook ``hook(state, flat) -> work`` (:mod:`ftbridge.comm_hooks`);
-            default ``cfg.comm_hook``.
-        manager_factory: ``manager_factory(cfg, state_dict=..., load_state_dict=..., use_cuda=...,
-            max_heal_bytes=...)``; default :class:`ftbridge.manager.ReplicaManager` (a seam for tests).
-        in_place: :func:`ftbridge.attach` installs this object's ``forward``, ``backward`` and ``step``
-            on ``engine`` itself; this object calls DeepSpeed's own, bound before that.
+        checksum_every, comm_hook: override ``cfg``'s (a hook is ``hook(state, flat) -> work``).
+        manager_factory: builds the manager (test seam); default :class:`ftbridge.manager.ReplicaManager`.
+        in_place: :func:`ftbridge.attach` installs this object's ``forward``, ``backward`` and ``step`` on
+            ``engine``; DeepSpeed's own are bound before that.
+
+    Raises:
+        ValueError: ``checksum_every < 0``, or a ``slots`` setting this engine cannot run.
     """
 
     def __init__(self, engine: Any, cfg: FTBridgeConfig, *, checksum_every: Optional[int] = None,
@@ -139,8 +135,8 @@ class FaultTolerantEngine:
 
         Args:
             key: unique name.
-            state_dict: returns a nested dict of tensors and JSON scalars. A heal sends tensors from
-                their memory until the optimizer step: return a clone of any tensor forward or backward changes.
+            state_dict: returns a nested dict of tensors and JSON scalars; clone any tensor that forward or
+                backward changes (a heal reads tensors in place until the optimizer step).
             load_state_dict: applies a peer's value.
 
         Raises:
@@ -156,14 +152,10 @@ class FaultTolerantEngine:
 
     # -- training loop ----------------------------------------------------
     def units(self) -> Iterator[Unit]:
-        """The units of work of the current step, for a loop that trains one step per iteration.
+        """The units (:class:`ftbridge.slots.Unit`) of the current step; run forward and backward on each one's rows.
 
-        Each :class:`ftbridge.slots.Unit` names the rows to read (``dp_rank`` of ``dp_world_size`` at ``step``,
-        micro-batch ``micro``). Run forward and backward for each; the boundary is set on the last unit. With
-        ``slots``, every slot's units the live groups must cover; without, this group's own micro-batches.
-
-        Raises:
-            RuntimeError: called inside a step.
+        The boundary is set on the last unit. With ``slots``: this group's share of every slot; else its own
+        micro-batches. Raises ``RuntimeError`` inside a step.
         """
         return slot_steps.units(self)
 
@@ -204,10 +196,8 @@ class FaultTolerantEngine:
         """DeepSpeed backward; at the boundary, the cross-replica all-reduce starts.
 
         Raises:
-            RuntimeError: called outside a step (no training forward first), or after the boundary's
-                backward without ``step()`` in between.
-            ValueError: a second backward in one optimizer step where DeepSpeed cannot accumulate
-                exactly (ZeRO-1 with ``overlap_comm``).
+            RuntimeError: no training forward first, or a second boundary backward without ``step()``.
+            ValueError: a second backward where DeepSpeed cannot accumulate exactly (ZeRO-1, ``overlap_comm``).
         """
         if not self._in_step:
             raise RuntimeError("backward() without a training forward(): call engine(batch) in train() mode first")
@@ -246,8 +236,7 @@ class FaultTolerantEngine:
         """DeepSpeed step; where DeepSpeed steps the optimizer, average, vote, then commit or discard.
 
         Raises:
-            RuntimeError: the boundary backward ran but DeepSpeed did not step (the boundary was
-                switched off before ``step()``).
+            RuntimeError: the boundary backward ran but DeepSpeed did not step (boundary unset before ``step()``).
         """
         self._decision = None
         self._ds_step(**kwargs)
@@ -358,10 +347,8 @@ class FaultTolerantEngine:
         """What this rank holds beyond DeepSpeed's model, optimizer and scheduler; heals and checkpoints carry it.
 
         Returns:
-            ``counters`` (DeepSpeed's ``global_steps``, ``global_samples``, ``skipped_steps``),
-            ``window_start`` (``micro_steps`` at the start of the current or next window), ``extra``
-            (every :meth:`register_state` entry, as :func:`ftbridge.zero.state.to_wire` gives it) and
-            ``manager`` (torchft's ``step``, ``batches_committed``).
+            ``counters`` (DeepSpeed's step counters), ``window_start`` (``micro_steps`` at the current or next
+            window's start), ``extra`` (:meth:`register_state` entries, wire form) and ``manager`` (torchft's).
         """
         e = self.engine
         return {
@@ -372,11 +359,8 @@ class FaultTolerantEngine:
         }
 
     def load_replica_state(self, state: Dict[str, Any], *, manager: bool = True) -> None:
-        """Apply a :meth:`replica_state` of a peer or a checkpoint (every rank of the group).
-
-        Args:
-            state: :meth:`replica_state` output.
-            manager: also set torchft's counters (a heal leaves them to torchft).
+        """Apply a peer's or a checkpoint's :meth:`replica_state` on every rank of the group; with ``manager``, set
+        torchft's counters too (a heal leaves them to torchft).
 
         Raises:
             ValueError: a registered state's keys or tensor shapes differ.
@@ -411,9 +395,8 @@ class FaultTolerantEngine:
             self._step_hooks.append(first_commit)
 
     def heal_state(self) -> Dict[str, Any]:
-        """This rank's live state for a joining peer: ZeRO optimizer partition and state (fp32 master
-        weights included), lr scheduler and :meth:`replica_state`, taken before the step's optimizer step.
-        """
+        """This rank's state for a joiner, taken before the optimizer step: ZeRO partition and optimizer state,
+        lr scheduler, :meth:`replica_state`."""
         e = self.engine
         state: Dict[str, Any] = {"optimizer": self.adapter.heal_state(), "replica": self.replica_state()}
         if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict"):
@@ -421,9 +404,7 @@ class FaultTolerantEngine:
         return state
 
     def heal_size_bound(self) -> int:
-        """Largest heal body (bytes) this rank accepts: its :meth:`heal_state`'s size, plus optimizer
-        state not created yet, plus headers. Copies no tensor.
-        """
+        """Largest heal body in bytes this rank accepts, optimizer state not created yet included; copies no tensor."""
         return size_bound(self.heal_state(), extra_bytes=lazy_state_bytes(self.adapter.optimizer))
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
