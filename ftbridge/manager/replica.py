@@ -1,9 +1,8 @@
 """torchft's quorum and the cross-replica process group for one rank: :class:`ReplicaManager`.
 
-It wraps torchft's ``Manager`` after setting torchft's ``TORCHFT_*`` variables to the resolved config,
-heals through :class:`ftbridge.manager.transport.SafeHTTPTransport`, and drives the commit protocol
-(:meth:`ReplicaManager.decide`, :meth:`ReplicaManager.should_commit`). Initialise the replica group's own
-torch.distributed world first. Why: docs/concepts.md, "The commit protocol", "Heal".
+Wraps torchft's ``Manager``, heals through :class:`ftbridge.manager.transport.SafeHTTPTransport` and drives the
+commit protocol. Initialise the group's own torch.distributed world first.
+Why: docs/concepts.md, "The commit protocol" and "Heal".
 """
 
 from __future__ import annotations
@@ -92,10 +91,7 @@ class ReplicaManager:
             state_dict=state_dict,
             min_replica_size=cfg.min_replicas,
             use_async_quorum=True,
-            # torchft's own calls (should_commit, heal fetches) wait for the group's slowest rank, which
-            # may itself be waiting out a cross-replica all-reduce on a hung peer (the process group's
-            # timeout): with the same timeout, should_commit expired first and crashed the survivor.
-            timeout=cfg.torchft_timeout,
+            timeout=cfg.torchft_timeout,  # 2x: docs/concepts.md, "Derived timeouts"
             quorum_timeout=cfg.quorum_timeout,
             connect_timeout=cfg.connect_timeout,
             rank=cfg.group_rank,
@@ -202,11 +198,8 @@ class ReplicaManager:
         self._torchft.wait_quorum()
 
     def step_members(self) -> Tuple[Tuple[str, ...], bool]:
-        """This step's quorum members' torchft replica ids, and whether every one takes part (waits for the quorum).
-
-        ``False`` in a step in which a member heals (the same on every member); ``((), False)`` when the quorum is
-        unknown.
-        """
+        """This step's quorum members' torchft replica ids, and whether every one takes part (``False`` while a
+        member heals); ``((), False)`` when the quorum is unknown. Waits for the quorum."""
         self.wait_quorum()
         result = self.quorum_guard.last_result if self.quorum_guard is not None else None
         if result is None:
@@ -216,8 +209,7 @@ class ReplicaManager:
 
     def allreduce(self, tensor: torch.Tensor,
                   reduce_op: Union[ReduceOp, ReduceOp.RedOpType] = ReduceOp.AVG) -> Any:
-        """Average (``AVG``) or sum (``SUM``) ``tensor`` (floating point, on the process group's device) in place over
-        the participating groups; a ``Work`` to wait on.
+        """Average or sum floating-point ``tensor`` in place over the participating groups; returns a ``Work``.
 
         Never raises: an error is recorded, the work completes and :meth:`should_commit` returns ``False``.
         """
@@ -235,10 +227,9 @@ class ReplicaManager:
         return work
 
     def lend(self, tensor: torch.Tensor) -> None:
-        """Declare ``tensor`` a private buffer of this step's next :meth:`allreduce` of it (reduced in place, no copy).
+        """Let this step's next :meth:`allreduce` of ``tensor`` reduce it in place without a copy.
 
-        The caller must not read or write ``tensor`` until that wait returns, and must drop it when the wait
-        fails. Forgotten at the next :meth:`start_quorum`.
+        Do not touch ``tensor`` until that wait returns; drop it when the wait fails. Reset by :meth:`start_quorum`.
         """
         self._lent[id(tensor)] = weakref.ref(tensor)
 
@@ -256,12 +247,10 @@ class ReplicaManager:
 
     def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0,
                plan: int = 0) -> "StepVerdict":
-        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`): the group's one decision for this step, kept as
-        :attr:`verdict`.
-
-        Call on every rank after the step's gradient all-reduces, right before :meth:`should_commit`. ``guard``:
-        the fingerprint when the guard is due; ``empty``, ``waited_s``: for
-        :func:`ftbridge.heal.restart_without_peer`; ``plan``: :attr:`ftbridge.manager.commit.View.plan`.
+        """AGREE and DECIDE (:mod:`ftbridge.manager.commit`) on every rank, after the gradient all-reduces and right
+        before :meth:`should_commit`: the group's one decision for this step (:attr:`verdict`). ``guard``: the
+        fingerprint when due; ``empty``, ``waited_s``: for :func:`ftbridge.heal.restart_without_peer`; ``plan``:
+        :attr:`ftbridge.manager.commit.View.plan`.
 
         Raises:
             QuorumTimeout: no quorum within its deadline and no ride.
@@ -325,8 +314,7 @@ class ReplicaManager:
         """torchft's commit vote (an AND over the group's ranks), after :meth:`decide`; applies a pending heal first.
 
         Raises:
-            RuntimeError: the vote did not complete within ``torchft_timeout``; the rank must exit (its vote is
-                cast, so going on could split the group's decision).
+            RuntimeError: no vote within ``torchft_timeout``; the rank must exit (its vote is cast).
         """
         try:
             committed = self._torchft.should_commit()
@@ -429,7 +417,7 @@ class GroupDiscard(RuntimeError):
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What :meth:`ReplicaManager.decide` found: this rank's agreement (``None`` without torchft's internals) and the
+    """:meth:`ReplicaManager.decide`'s result: this rank's agreement (``None`` without torchft's internals) and the
     group's decision."""
 
     agreement: Optional[Agreement]
