@@ -1,49 +1,16 @@
 """``ftbridge-run``: launch one replica group as its own torchrun job.
 
-An ftbridge job is N replica groups, each started by one ``ftbridge-run`` (on one or more nodes) that runs
-torchrun for that group only: every group has its own torch.distributed world and rendezvous, and the groups
-meet only through torchft's lighthouse (``ftbridge-lighthouse serve``).
-
-Usage, two groups of two ranks on one machine::
+Each replica group runs its own ``ftbridge-run`` and torchrun, so it has its own torch.distributed world and
+rendezvous; the groups meet only through the lighthouse (``ftbridge-lighthouse serve``)::
 
     ftbridge-lighthouse serve --min-replicas 1 &
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
 
-A warm spare (ready, outside the quorum; it takes over the first group the lighthouse drops,
-:mod:`ftbridge.spare`)::
-
-    ftbridge-run --spare-index 0 --num-replica-groups 2 --nproc-per-node 2 -- scripts/train_lm.py
-
-A group on two nodes (run on both; the endpoint is one of them)::
-
-    ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 8 \\
-        --nnodes 2 --rdzv-endpoint node3:29400 --lighthouse http://head:29510 -- train.py
-
-What it runs::
-
-    python -m torch.distributed.run --nnodes 1 --nproc-per-node M --node-rank 0
-        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:<free port> --rdzv-id ftbridge-group-I
-        --max-restarts R SCRIPT ARGS...
-
-with, in the environment of every rank (over the launcher's own environment):
-
-* ``REPLICA_GROUP_ID``/``FTBRIDGE_REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``/``FTBRIDGE_NUM_REPLICA_GROUPS``,
-  ``TORCHFT_LIGHTHOUSE``/``FTBRIDGE_LIGHTHOUSE`` (both names, so a stale inherited ``FTBRIDGE_*`` cannot override
-  the flags); ``FTBRIDGE_SPARE_INDEX`` (``K`` for ``--spare-index K``, else -1); a spare's ``REPLICA_GROUP_ID``
-  is ``N + K`` until it takes over a group;
-* the ``FTBRIDGE_*`` setting of each optional flag given (``FTBRIDGE_MIN_REPLICAS``, ..., :mod:`ftbridge.config`);
-* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and ``RUST_LOG=warn`` and ``OMP_NUM_THREADS=1`` unless set
-  (:func:`ftbridge.launch.processes.torchrun_command`; why: docs/troubleshooting.md);
-* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (``--shutdown-timeout-s``): seconds torchrun gives ranks after SIGTERM;
-* ``FTBRIDGE_JOB_TOKEN``: the job's heal secret, read from ``--job-token-file`` (a file, not a flag value:
-  other users can read a process's arguments); never printed;
-* ``FTBRIDGE_LAUNCH_ID``: a random tag that finds every process of this launch.
-
-``--max-restarts R`` (default 3): torchrun restarts the whole group when any rank fails; the restarted group
-rejoins the quorum and heals from a peer group. Signals are forwarded to torchrun, and no process is left
-behind (:mod:`ftbridge.launch.supervise`). Exit codes: torchrun's (128+N if torchrun died of signal N); 2 for
-a bad argument, found before anything is started.
+:func:`build_torchrun_command` lists the environment the ranks get. torchrun restarts the whole group when a rank
+fails (``--max-restarts``, default 3), and the group heals from a peer. Signals are forwarded to torchrun and no
+process is left behind (:mod:`ftbridge.launch.supervise`). Exit code: torchrun's (128+N if it died of signal N),
+or 2 for a bad argument, found before anything starts. Spares: docs/spares.md; several nodes: docs/multi-node.md.
 """
 
 from __future__ import annotations
@@ -147,12 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse ``FLAGS -- SCRIPT [ARGS...]``; ``script`` and ``script_args`` hold what follows ``--``.
-
-    Raises:
-        ValueError: no ``-- SCRIPT``.
-        SystemExit: from argparse, for ``--help`` (0) or a missing, unknown or ill-typed flag (2).
-    """
+    """Parse ``FLAGS -- SCRIPT [ARGS...]`` into a namespace with ``script`` and ``script_args``; ``ValueError``
+    without ``-- SCRIPT``, argparse's ``SystemExit`` for ``--help`` (0) or a bad flag (2)."""
     argv = list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
@@ -325,12 +288,14 @@ def build_torchrun_command(
     Args:
         args: from :func:`parse_args`.
         environ: the environment to pass on; ``os.environ`` when ``None``.
-        pick_port: returns a free port for the default rendezvous endpoint (called only when needed).
-        launch_id: the ``FTBRIDGE_LAUNCH_ID`` tag; random when ``None``.
+        pick_port: a free port for the default rendezvous endpoint; ``launch_id``: random when ``None``.
 
     Returns:
-        ``(argv, env)``: ``argv`` starts with ``sys.executable -m torch.distributed.run``; ``env`` is
-        ``environ`` plus the variables listed in the module docstring.
+        ``(argv, env)``: ``argv`` runs ``sys.executable -m torch.distributed.run``; ``env`` is ``environ`` plus
+        ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and their ``FTBRIDGE_*`` names (a
+        spare's id is ``N + K``), ``FTBRIDGE_SPARE_INDEX`` (-1: active), each optional flag's ``FTBRIDGE_*``,
+        ``FTBRIDGE_JOB_TOKEN``, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, ``FTBRIDGE_LAUNCH_ID`` and
+        :func:`ftbridge.launch.processes.torchrun_command`'s variables.
 
     Raises:
         ValueError: naming the bad value and the fix (nothing was started).
@@ -342,9 +307,7 @@ def build_torchrun_command(
 
     env = dict(environ)
     spare = getattr(args, "spare", None)
-    # A spare's id until it takes over a group: N + K, outside 0..N-1, so a script that reads its data
-    # shard before ftbridge.initialize returns fails (ShardedTextData rejects the rank) instead of
-    # silently reading group 0's rows.
+    # A spare's id until it takes over a group: N + K, outside 0..N-1 (docs/spares.md).
     group_id = args.replica_group_id if spare is None else args.num_replica_groups + spare
     env.update({
         "REPLICA_GROUP_ID": str(group_id),
