@@ -4,11 +4,8 @@ The change to a Trainer script (each replica group launched with ``ftbridge-run 
 
     from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
 
-and for a subclass of the Trainer (TRL's, your own): ``class MyTrainer(FaultTolerantTrainerMixin, SFTTrainer)``.
-:class:`FaultTolerantTrainerMixin` overrides ``create_accelerator_and_postprocess``, ``get_train_dataloader``,
-``create_scheduler`` and ``train``, and adds :class:`FaultToleranceCallback`. A discarded step is a skipped
-one: ``state.global_step`` advances, so a run with ``D`` discards makes ``max_steps - D`` updates. What
-changes, what is exact and what is refused: docs/huggingface.md, "The Transformers Trainer".
+For a subclass of the Trainer: ``class MyTrainer(FaultTolerantTrainerMixin, SFTTrainer)``. A discarded step is a
+skipped one (``state.global_step`` advances). Why: docs/huggingface.md, "The Transformers Trainer".
 """
 
 from __future__ import annotations
@@ -73,14 +70,9 @@ def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> 
 class FaultToleranceCallback(TrainerCallback):
     """One checkpoint writer across replica groups, the discards in the logs, the Trainer's place carried by a heal.
 
-    Turns the Trainer's saves off on every replica group but 0 and adds ``ft_discarded_steps`` (this group's
-    discards so far) to the logs. At the end of a step that healed, takes the donor's :meth:`heal_state` and
-    moves the :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where plain data parallelism
-    reads next (docs/huggingface.md, "A restarted group under the Trainer").
-
-    Args:
-        accelerator: the Trainer's :class:`~ftbridge.integrations.accelerate.FaultTolerantAccelerator`.
-        trainer: the Trainer, whose logging counters a heal moves with ``global_step``.
+    Only replica group 0 saves; logs get ``ft_discarded_steps``. After a step that healed, takes the donor's
+    :meth:`heal_state` and moves the :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where plain
+    data parallelism reads next, and the ``trainer``'s logging counters with ``global_step``.
     """
 
     def __init__(self, accelerator: FaultTolerantAccelerator, trainer: Any = None) -> None:
@@ -174,9 +166,8 @@ def _stream_position(global_step: int, batches_per_epoch: int, gradient_accumula
 
 
 class FaultTolerantTrainerMixin:
-    """Makes a Transformers ``Trainer`` (or a subclass) fault-tolerant across replica groups.
-
-    Put it first among the bases: ``class MyTrainer(FaultTolerantTrainerMixin, SomeTrainer)``.
+    """Makes a Transformers ``Trainer`` (or a subclass) fault-tolerant across replica groups; put it first among the
+    bases.
 
     Args:
         ft_config: ftbridge settings (keyword-only, as the rest); default ``FTBridgeConfig.resolve()``.
@@ -215,9 +206,7 @@ class FaultTolerantTrainerMixin:
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; ``resume_from_checkpoint=True`` takes the newest sealed checkpoint.
 
-        During the call, ``transformers.trainer.rotate_checkpoints`` waits for :meth:`seal_saved_checkpoint`
-        and ``skip_first_batches`` skips within the training
-        :class:`~ftbridge.integrations.accelerate_data.MovableLoader` (docs/huggingface.md, "Upstream internals").
+        Rebinds ``transformers.trainer.rotate_checkpoints`` and ``skip_first_batches`` during the call.
 
         Raises:
             ValueError: ``resume_from_checkpoint`` names no whole checkpoint (see ``resume_path``).
@@ -242,12 +231,10 @@ class FaultTolerantTrainerMixin:
             trainer_module.skip_first_batches, trainer_module.rotate_checkpoints = skip_original, rotate_original
 
     def seal_saved_checkpoint(self) -> None:
-        """After every rank of the writing group has saved, seal the new checkpoint, then run the held-back rotation.
-
-        Called by every rank of the group together (:meth:`FaultToleranceCallback.on_save`).
+        """Seal the new checkpoint once every rank of the group saved, then rotate; all ranks call it together.
 
         Raises:
-            OSError: the checkpoint cannot be sealed (it stays unsealed, older ones stay; a resume skips it).
+            OSError: the checkpoint cannot be sealed (it stays unsealed and older ones stay; a resume skips it).
         """
         pending, self._ft_rotation = getattr(self, "_ft_rotation", None), None
         self.accelerator.wait_for_everyone()
@@ -257,12 +244,11 @@ class FaultTolerantTrainerMixin:
             rotate()
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``
-        (``transformers.trainer.Accelerator`` rebound during this call only).
+        """The Trainer's own setup, building a ``FaultTolerantAccelerator`` where it builds an ``Accelerator``.
 
         Raises:
             ValueError: settings that cannot be exact (see the class).
-            RuntimeError: the Trainer built something else (a release that builds its accelerator elsewhere).
+            RuntimeError: the Trainer built another accelerator (an unsupported release).
         """
         ft_config = self._ft_kwargs["ft_config"]
         if ft_config is None:
@@ -281,9 +267,8 @@ class FaultTolerantTrainerMixin:
                                f"this transformers release ({transformers.__version__}) is not supported")
 
     def get_train_dataloader(self) -> Any:
-        """The Trainer's training loader, re-sharded as plain data parallelism on ``N * group_size`` ranks.
-
-        A warm spare's loader reads as group 0 until :meth:`create_scheduler` points it at the group taken over.
+        """The Trainer's training loader, re-sharded as plain data parallelism on ``N * group_size`` ranks; a warm
+        spare's reads as group 0 until :meth:`create_scheduler`.
 
         Raises:
             ValueError: a loader that cannot be re-sharded exactly
