@@ -1,10 +1,8 @@
 """The peer watch: cut a hung peer off once the lighthouse declares it dead (gloo process groups only).
 
-:class:`QuorumWatch` waits on each cross-replica all-reduce (:class:`WatchedWork`) and, past
-``peer_watch_poll``, reads the lighthouse's ``/status`` every poll; once a member of this step's quorum
-is stale it records :class:`PeerLost` (the step is discarded), abandons the all-reduce, sets its process
-group aside and has the next quorum rebuild. A resumed rank frozen during the step discards it
-(:meth:`QuorumWatch.dropped_while_frozen`). The step's agreement is never cut short.
+A wait on a cross-replica all-reduce longer than ``peer_watch_poll`` reads the lighthouse's ``/status`` every
+poll; once a member of the step's quorum is stale, the step is discarded (:class:`PeerLost`), the all-reduce
+abandoned and the process group rebuilt by the next quorum. A resumed rank frozen during the step discards it.
 Why: docs/concepts.md, "The timeout hierarchy"; docs/design.md, "The peer watch".
 """
 
@@ -36,16 +34,14 @@ def group_of(replica_id: str) -> str:
 
 
 def lost_members(members: Sequence[str], me: str, stale: Iterable[str]) -> Tuple[str, ...]:
-    """Members of quorum ``members`` (``replica_group_G:UUID``), other than group ``me`` (no UUID), whose id is in
-    ``stale``; sorted (pure). A member absent from the heartbeat table is not judged."""
+    """Sorted members (``replica_group_G:UUID``) other than group ``me`` whose id is in ``stale`` (pure)."""
     dead = set(stale)
     return tuple(sorted(m for m in members if group_of(m) != me and m in dead))
 
 
 def dropped_from_quorum(step_quorum_id: int, me: str, lighthouse_quorum_id: int,
                         lighthouse_members: Sequence[str]) -> bool:
-    """Whether the lighthouse issued a later quorum than ``step_quorum_id`` (a lower id is not judged) whose
-    ``lighthouse_members`` exclude group ``me`` (pure)."""
+    """Whether the lighthouse's quorum is later than ``step_quorum_id`` and excludes group ``me`` (pure)."""
     return lighthouse_quorum_id > step_quorum_id and all(group_of(m) != me for m in lighthouse_members)
 
 
@@ -65,12 +61,8 @@ def fetch_status_bounded(address: str, timeout: timedelta) -> LighthouseStatus:
 
 
 class FreezeClock:
-    """Notices that this process was frozen (SIGSTOP, a stuck host): a daemon thread ticks every ``tick``.
-
-    Args:
-        tick: tick interval.
-        clock: monotonic seconds (injectable for tests).
-    """
+    """Notices that this process was frozen (SIGSTOP, a stuck host): a daemon thread ticks every ``tick``;
+    ``clock`` gives monotonic seconds (a test seam)."""
 
     def __init__(self, tick: timedelta = timedelta(milliseconds=100),
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -179,8 +171,7 @@ class QuorumWatch:
         return lost
 
     def _look_nowait(self, since: float) -> Tuple[str, ...]:
-        """The verdict of the last finished :meth:`look` started at or after ``since``; starts the next one; never
-        blocks."""
+        """The last finished :meth:`look` started at or after ``since``, and start the next; never blocks."""
         if self._pending is not None:
             started, pending = self._pending
             if not pending.done():
@@ -222,11 +213,8 @@ class QuorumWatch:
         return rebuild
 
     def allreduce(self, manager: Any, tensor: torch.Tensor, reduce_op: Any, private: bool = False) -> "WatchedWork":
-        """torchft's ``manager.allreduce`` of ``tensor`` (float, any shape) under this watch, as a :class:`WatchedWork`.
-
-        ``reduce_op`` is ``AVG`` or ``SUM``. With ``private`` (the caller lent ``tensor``,
-        :meth:`ftbridge.manager.ReplicaManager.lend`) it is reduced in place, else a copy is.
-        """
+        """torchft's ``manager.allreduce`` (``AVG`` or ``SUM``) of float ``tensor`` under this watch; in place when
+        ``private`` (lent, :meth:`ftbridge.manager.ReplicaManager.lend`), else on a copy."""
         buf = tensor if private else tensor.clone()
         return WatchedWork(manager.allreduce(buf, reduce_op=reduce_op), buf, tensor, self,
                            lambda error: self._on_lost(manager, error))
@@ -274,8 +262,7 @@ class QuorumWatch:
 
 
 def start_watch(cfg: Any, guard: Any, use_cuda: bool, process_group: Any = None) -> Optional[QuorumWatch]:
-    """The rank's peer watch (given ``cfg``, the quorum ``guard``, and the cross-replica ``process_group`` whose
-    ``bury`` it uses), or ``None`` when off, on NCCL (``use_cuda``), or without the guard."""
+    """The rank's peer watch, or ``None`` when off, on NCCL (``use_cuda``) or without the quorum ``guard``."""
     if not cfg.peer_watch or use_cuda or guard is None:
         if cfg.peer_watch:
             logger.info("peer watch off (%s): a hung peer costs the cross-replica timeout",
