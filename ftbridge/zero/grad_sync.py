@@ -1,18 +1,10 @@
 """Cross-replica averaging of the ZeRO gradient partition: exact for any set of gradients.
 
-:class:`GradientSync` averages each rank's reduced gradient partition across the
-replica groups (ranks with the same group rank) through the torchft manager,
-before DeepSpeed's overflow check, norm and clipping. What travels is the same
-on every replica: the messages of :mod:`ftbridge.zero.messages`, issued in plan
-order per bucket during backward, after backward, or at the optimizer step,
-whichever is the earliest point at which their content is final. Every message
-goes through a communication hook (:mod:`ftbridge.comm_hooks`); a hook that
-raises is reported to the manager, so the step is discarded on every replica.
-:func:`checked_adapter` refuses what cannot be made exact; :func:`build_sync`
-builds the sync.
-
-Why: docs/concepts.md, "Where the sync sits in a ZeRO step" ("Messages fixed
-by the parameter layout", "When each message goes") and "Optimizer offload".
+:class:`GradientSync` averages each rank's reduced gradient partition with the same group rank's in the other
+replica groups, before DeepSpeed's overflow check, norm and clipping. The messages (:mod:`ftbridge.zero.messages`)
+are the same on every replica and go in plan order, each as early as its content is final, through a
+communication hook (:mod:`ftbridge.comm_hooks`); a hook that raises discards the step on every replica.
+Why: docs/concepts.md, "Where the sync sits in a ZeRO step" and "Optimizer offload".
 """
 
 from __future__ import annotations
@@ -42,14 +34,11 @@ class GradientSync:
     backward, :meth:`wait` right before DeepSpeed's optimizer step, then :meth:`commit` or :meth:`reset`.
 
     Args:
-        manager: the rank's replica manager.
-        adapter: where the partition lives for this ZeRO stage.
-        mode: ``"per_bucket"`` or ``"post_backward"``.
-        min_bytes: smallest message in per-bucket mode, bytes; ``0``: one per parameter fragment.
+        manager, adapter: the rank's replica manager, and where the partition lives for this ZeRO stage.
+        mode, min_bytes: as ``FTBridgeConfig.sync_mode`` and ``cross_replica_bucket_bytes``.
         hook: ``hook(state, flat) -> work`` (:mod:`ftbridge.comm_hooks`); default the plain average.
         hook_state: its state; default a :class:`CommHookState` of ``manager``.
-        order: ordering against DeepSpeed's CUDA streams (:mod:`ftbridge.zero.stream_order`);
-            default one active when the model is on a GPU.
+        order: ordering against DeepSpeed's CUDA streams (:mod:`ftbridge.zero.stream_order`); default: on GPU.
 
     Raises:
         ValueError: ``mode`` is not in :data:`SYNC_MODES`, or ``min_bytes < 0``.
@@ -110,9 +99,7 @@ class GradientSync:
         self._pending.append((work, flat, tag))
 
     def _wait_pending(self, on_result: Optional[Callable[[torch.Tensor, Any], None]] = None) -> None:
-        """Wait for every pending all-reduce; ``on_result(flat, tag)`` for tagged ones. Failures do not
-        raise: torchft records them and the step is discarded.
-        """
+        """Wait for every pending all-reduce; ``on_result(flat, tag)`` for tagged ones. Failures discard the step."""
         pending, self._pending = self._pending, []
         for work, flat, tag in pending:
             try:
@@ -153,13 +140,8 @@ class GradientSync:
 
     # -- per step ------------------------------------------------------------
     def begin_backward(self, *, boundary: bool, first: bool, no_sync: bool) -> None:
-        """Before a backward: arm per-bucket issue if this backward completes the gradient exactly.
-
-        Args:
-            boundary: DeepSpeed treats this backward as the accumulation boundary.
-            first: it is the first backward of the step's window.
-            no_sync: DeepSpeed defers the in-group reduction; the partition is assembled later.
-        """
+        """Before a backward: arm per-bucket issue if this backward completes the gradient exactly. ``boundary``: the
+        accumulation boundary; ``first``: the window's first backward; ``no_sync``: DeepSpeed defers the reduction."""
         self._armed = False
         if boundary and not no_sync:
             self.order.begin()
@@ -180,7 +162,8 @@ class GradientSync:
 
     def wait(self) -> None:
         """Right before the optimizer step: issue what is left, wait, put results in the partition.
-        Failures do not raise: torchft records them and the step is discarded.
+
+        Never raises: torchft records a failure and the step is discarded.
         """
         self._issue_rest()
         had_work = bool(self._pending)
@@ -252,9 +235,7 @@ class GradientSync:
 
 
 class CanonicalPartition:
-    """The tensors ``optimizer.step()`` reads (:meth:`ZeroAdapter.partition_grads`: views and zero pads,
-    in order), addressed as one flat range of elements.
-    """
+    """The tensors ``optimizer.step()`` reads (:meth:`ZeroAdapter.partition_grads`), as one flat range of elements."""
 
     def __init__(self, tensors: List[torch.Tensor]) -> None:
         self.tensors = [t for t in tensors if t.numel() > 0]
@@ -301,14 +282,11 @@ class CanonicalPartition:
 
 
 def checked_adapter(engine: Any) -> ZeroAdapter:
-    """The ZeRO adapter of ``engine``, after refusing every setting ftbridge cannot make exact.
-
-    Call before any other work (no server, no process group started yet).
+    """The ZeRO adapter of ``engine``, after refusing every setting ftbridge cannot make exact; call it first.
 
     Raises:
-        ValueError: ZeRO stage 0, or a feature, optimizer path or accumulation setting ftbridge cannot
-            make exact (:func:`~ftbridge.zero.engine_points.check_accumulation_settings`,
-            :meth:`ZeroAdapter.unsupported`, :meth:`ZeroAdapter.accumulation_refused`), naming the fix.
+        ValueError: ZeRO stage 0, or a feature, optimizer path or accumulation setting that cannot be exact
+            (:meth:`ZeroAdapter.unsupported`, :meth:`ZeroAdapter.accumulation_refused`), naming the fix.
     """
     adapter = adapter_for(engine)
     check_accumulation_settings(engine)
@@ -324,9 +302,8 @@ def checked_adapter(engine: Any) -> ZeroAdapter:
 def build_sync(adapter: ZeroAdapter, manager: ReplicaManager, sync_mode: str, min_bytes: int,
                hook: Optional[Callable[..., Any]] = None,
                hook_state: Optional[CommHookState] = None) -> GradientSync:
-    """The installed cross-replica sync of ``adapter``'s optimizer; :meth:`GradientSync.install` decides
-    and logs whether messages may go per bucket.
-    """
+    """The installed cross-replica sync of ``adapter``'s optimizer (per bucket where :meth:`GradientSync.install`
+    allows)."""
     sync = GradientSync(manager, adapter, sync_mode, min_bytes=min_bytes, hook=hook, hook_state=hook_state)
     sync.install()
     return sync
