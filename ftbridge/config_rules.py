@@ -1,18 +1,9 @@
 """The rules every :class:`ftbridge.config.FTBridgeConfig` must satisfy, checked once at resolve time.
 
-Each rule raises ``ValueError`` naming the bad value, the environment
-variable or flag that set it where there is one, and the fix, before any
-process group or engine exists. The rules come in three groups:
-
-- topology: replica group id and count, spare index, group rank and size, ``min_replicas``;
-- timeouts: each one positive, and the hierarchy
-  heartbeat interval < cross-replica timeout < in-group timeout, cross-replica timeout <= quorum timeout
-  (``docs/concepts.md`` explains why each bound holds);
-- transport and communication: addresses, ports, the job token, sync mode, comm hooks, the divergence guard.
-
-Below them, how a value is read before the rules see it: from the environment (:func:`first_set`,
-:func:`parse_env`, :func:`parse_json_object`), as an override of a given type (:func:`check_override`),
-as a duration (:func:`as_timedelta`), and back to torchft's whole seconds (:func:`whole_seconds`).
+Each rule raises ``ValueError`` naming the bad value, its variable or flag where there is one, and the fix, before
+any process group or engine exists: :func:`check_topology`, :func:`check_timeouts` (the timeout hierarchy),
+:func:`check_transport`. The readers below them parse a value before the rules see it.
+Why: docs/concepts.md, "The timeout hierarchy".
 """
 
 from __future__ import annotations
@@ -38,11 +29,7 @@ MIN_TOKEN_CHARS = 16
 
 
 def validate(cfg: FTBridgeConfig) -> None:
-    """Check every rule for ``cfg``.
-
-    Raises:
-        ValueError: the first rule ``cfg`` breaks, naming the value and the fix.
-    """
+    """Check every rule for ``cfg``; raise ``ValueError`` for the first one it breaks."""
     check_topology(cfg)
     check_timeouts(cfg)
     check_transport(cfg)
@@ -54,11 +41,8 @@ def _need(ok: bool, msg: str) -> None:
 
 
 def check_topology(cfg: FTBridgeConfig) -> None:
-    """Replica group id and count, spare index, group rank and size, ``min_replicas``, the lighthouse address.
-
-    Raises:
-        ValueError: a value outside its range, naming it and the fix.
-    """
+    """Replica group id and count, spare index, group rank and size, ``min_replicas``, slots, ``init_sync``, the
+    lighthouse address; ``ValueError`` for a value outside its range."""
     _need(cfg.replica_group_id >= 0,
           f"replica_group_id={cfg.replica_group_id} is negative; use 0, 1, 2, ...")
     _need(cfg.num_replica_groups >= 1,
@@ -94,11 +78,7 @@ def check_topology(cfg: FTBridgeConfig) -> None:
 
 
 def check_timeouts(cfg: FTBridgeConfig) -> None:
-    """Every timeout positive, and the timeout hierarchy.
-
-    Raises:
-        ValueError: a non-positive timeout, or two timeouts in the wrong order, naming both and the fix.
-    """
+    """Every timeout positive, and the timeout hierarchy; ``ValueError`` for a bad value or two in the wrong order."""
     for name in ("cross_replica_timeout", "in_group_timeout", "quorum_timeout",
                  "connect_timeout", "heartbeat_interval", "peer_watch_poll", "peer_watch_freeze_discard"):
         value = getattr(cfg, name)
@@ -135,11 +115,8 @@ def check_timeouts(cfg: FTBridgeConfig) -> None:
 
 
 def check_transport(cfg: FTBridgeConfig) -> None:
-    """Addresses, ports, the job token, the event log path, sync mode, comm hooks and the divergence guard.
-
-    Raises:
-        ValueError: a bad value, naming it, its environment variable and the fix.
-    """
+    """Addresses, ports, the job token, the event log path, sync mode, comm hooks and the divergence guard;
+    ``ValueError`` for a bad value."""
     if cfg.event_log:
         try:
             cfg.event_log_path()
@@ -230,9 +207,8 @@ def parse_env(kind: type, raw: str, name: str) -> Any:
 
 
 def check_override(kind: Any, value: Any, name: str) -> Any:
-    """An override of setting ``name`` checked against its kind: a ``bool`` or ``int`` setting also takes
-    the strings its environment variable takes (``"2"``, ``"no"``); other kinds pass through to
-    :meth:`FTBridgeConfig.validate`.
+    """Override ``value`` of setting ``name`` checked against its kind; a ``bool`` or ``int`` setting also takes
+    its variable's strings (``"2"``, ``"no"``); other kinds pass through.
 
     Raises:
         ValueError: a value of another type, naming the setting and what it takes.
@@ -259,11 +235,7 @@ def check_override(kind: Any, value: Any, name: str) -> Any:
 
 
 def parse_json_object(raw: str, name: str) -> dict:
-    """``raw`` (the text of setting or variable ``name``) as a JSON object.
-
-    Raises:
-        ValueError: ``raw`` is not JSON, or JSON other than an object.
-    """
+    """``raw`` (the text of setting or variable ``name``) as a JSON object; ``ValueError`` for anything else."""
     import json
 
     try:
