@@ -1,10 +1,8 @@
 """A training loader prepared by Accelerate, re-sharded across replica groups as plain data parallelism would.
 
-:func:`shard_across_replica_groups` gives group G's rank R the batches that plain data parallelism on
-``N * group_size`` ranks gives rank ``G * group_size + R``, in the same order every epoch and with the same
-length on every rank; :func:`sharding_refusal` says why a loader cannot be re-sharded exactly;
-:class:`MovableLoader` is such a loader that a heal can move (the Trainer's). How, and what is exact:
-docs/huggingface.md, "Re-sharding the training loader"; what is refused: "Refused".
+:func:`shard_across_replica_groups` gives group G's rank R the batches of plain data parallelism's rank
+``G * group_size + R`` of ``N * group_size``; :func:`sharding_refusal` says why a loader cannot be re-sharded
+exactly. Why: docs/huggingface.md, "Re-sharding the training loader" and "Refused".
 """
 
 from __future__ import annotations
@@ -33,21 +31,15 @@ def shard_across_replica_groups(loader: Any, *, num_replica_groups: int, replica
     """The loader of data-parallel rank ``replica_group_id * group_size + group_rank`` of ``N * group_size``.
 
     Args:
-        loader: a training ``DataLoaderShard`` from ``accelerator.prepare`` in this replica group, not
-            iterated into yet by a loop that must stay exact.
-        num_replica_groups: ``N``, the job's replica groups.
-        replica_group_id: this group's id ``G`` (after a warm spare took one over).
-        group_size: ranks per replica group.
-        group_rank: this rank in its group ``R``.
+        loader: a training ``DataLoaderShard`` from ``accelerator.prepare`` in this group, not iterated yet.
+        num_replica_groups, replica_group_id, group_size, group_rank: ``N``, ``G``, ranks per group, ``R``.
         movable: return a :class:`MovableLoader`.
 
     Returns:
-        A new ``DataLoaderShard`` (or :class:`MovableLoader`) as ``loader`` but for the batches of plain
-        data parallelism's rank ``G * group_size + R``; its ``iteration`` (epoch) continues ``loader``'s.
+        A new ``DataLoaderShard`` (or :class:`MovableLoader`) like ``loader``; its ``iteration`` continues ``loader``'s.
 
     Raises:
-        ValueError: a loader or setting that cannot be re-sharded exactly (:func:`sharding_refusal`),
-            or a topology out of range.
+        ValueError: a loader that cannot be re-sharded exactly (:func:`sharding_refusal`), or a topology out of range.
     """
     if not (num_replica_groups >= 1 and 0 <= replica_group_id < num_replica_groups and group_size >= 1
             and 0 <= group_rank < group_size):
@@ -77,10 +69,8 @@ def _loader_like(loader: Any, batch_sampler: Any, iteration: int, cls: Any = Dat
 class MovableLoader(DataLoaderShard):
     """A re-sharded training loader whose reads a heal can move to another place in the training stream.
 
-    Reads the stream from the loop's own position plus an offset (0 until :meth:`move_to`); each ``iter()``
-    yields ``len(self)`` batches less a :meth:`skip_first` skip. Positions count micro-batches from the
-    first of epoch 0 (epoch ``e``'s batch ``k`` is ``e * len + k``). With no move, it reads as a
-    ``DataLoaderShard``. See docs/huggingface.md, "Re-sharding the training loader".
+    Each ``iter()`` yields ``len(self)`` batches less a :meth:`skip_first` skip. Positions count micro-batches
+    from epoch 0 (epoch ``e``'s batch ``k`` is ``e * len + k``). Unmoved, it reads as a ``DataLoaderShard``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -97,11 +87,8 @@ class MovableLoader(DataLoaderShard):
         return self
 
     def reassign(self, *, replica_group_id: int, group_size: int, group_rank: int) -> None:
-        """Read as rank ``group_rank`` of group ``replica_group_id`` from the next iteration on (same length).
-
-        Raises:
-            ValueError: the rank is outside the group or the loader's ``num_processes`` data-parallel ranks.
-        """
+        """Read as rank ``group_rank`` of group ``replica_group_id`` from the next iteration on (same length);
+        ``ValueError`` for a rank outside the group or the loader's data-parallel ranks."""
         shard = self.batch_sampler
         index = replica_group_id * group_size + group_rank
         if not 0 <= group_rank < group_size or not 0 <= index < shard.num_processes:
@@ -110,11 +97,8 @@ class MovableLoader(DataLoaderShard):
         shard.process_index = index
 
     def move_to(self, position: int) -> None:
-        """From the next batch on, read the training stream from ``position``; all ranks of a group move together.
-
-        Raises:
-            ValueError: ``position`` is negative.
-        """
+        """From the next batch on, read the training stream from ``position`` (>= 0, else ``ValueError``); all ranks
+        of a group move together."""
         if position < 0:
             raise ValueError(f"position {position}: a training stream position counts from 0")
         self._pending = int(position)
@@ -174,8 +158,7 @@ def _close(reading: Optional[_Reading]) -> None:
 
 
 def sharding_refusal(loader: Any, group_size: int) -> Optional[str]:
-    """Why :func:`shard_across_replica_groups` cannot re-shard ``loader`` (prepared over ``group_size``
-    processes) exactly, or ``None``."""
+    """Why ``loader`` (prepared over ``group_size`` processes) cannot be re-sharded exactly, or ``None``."""
     if getattr(loader, SHARDED_MARK, False):
         return "this loader is re-sharded across replica groups already: call shard_across_replica_groups once"
     if isinstance(loader, DataLoaderDispatcher):
