@@ -1,11 +1,8 @@
 """Checkpoints of a fault-tolerant job: when, who, and resume.
 
-:class:`Checkpointer` hooks a :class:`ftbridge.engine.FaultTolerantEngine`'s step. After every boundary
-step, on every rank, the group agrees (one small all-reduce) whether a SIGTERM or a save request
-arrived, saves if :func:`~ftbridge.checkpoint.writer.save_due` and
-:func:`~ftbridge.checkpoint.writer.is_writer` say so, and after a SIGTERM sets
-:attr:`Checkpointer.stopping`. :meth:`Checkpointer.resume` loads the newest valid checkpoint before
-the first quorum. Reasoning: ``docs/checkpoints.md``, "How it works".
+:class:`Checkpointer` hooks the engine's step: the group agrees whether a SIGTERM or a save request arrived, saves
+where :func:`~ftbridge.checkpoint.writer.save_due` and :func:`~ftbridge.checkpoint.writer.is_writer` say so, and
+after a SIGTERM sets :attr:`Checkpointer.stopping`. Why: docs/checkpoints.md, "How it works".
 
 Example::
 
@@ -66,10 +63,8 @@ class CheckpointConfig:
     handle_sigterm: bool = True
     """SIGTERM: finish the step, save if writer, set :attr:`Checkpointer.stopping`."""
     sigterm_grace_s: Optional[float] = None
-    """After a SIGTERM, longest wait (s) for the step in flight; past it the rank exits at once (status 143).
-
-    Default ``FTBridgeConfig.sigterm_grace``; why: ``docs/checkpoints.md``, "How it works" (SIGTERM grace).
-    """
+    """After a SIGTERM, longest wait (s) for the step in flight, then exit 143 (default
+    ``FTBridgeConfig.sigterm_grace``)."""
     publish_timeout_s: float = 300.0
     """How long group rank 0 waits for the other ranks' files."""
     key_file: Optional[str] = None
@@ -87,16 +82,12 @@ class CheckpointConfig:
 
 
 class Checkpointer:
-    """Saves and resumes replica-group checkpoints for one rank.
-
-    Install it before the first step: it registers a step hook and, from the main thread, a SIGTERM handler.
-
-    Args:
-        engine: the rank's :class:`~ftbridge.engine.FaultTolerantEngine`.
-        cfg: checkpoint settings.
+    """Saves and resumes replica-group checkpoints for the rank of ``engine`` (a
+    :class:`~ftbridge.engine.FaultTolerantEngine`). Install it before the first step: it registers a step hook and,
+    from the main thread, a SIGTERM handler.
 
     Raises:
-        ValueError, OSError: from :func:`~ftbridge.checkpoint.store.load_key` for a bad key file.
+        ValueError, OSError: a bad key file (:func:`~ftbridge.checkpoint.store.load_key`).
     """
 
     def __init__(self, engine: Any, cfg: CheckpointConfig) -> None:
@@ -226,9 +217,7 @@ class Checkpointer:
     def resume(self) -> Optional[int]:
         """Load the newest valid checkpoint into this group; every group rank calls it before training.
 
-        Group rank 0 chooses and broadcasts the step; each rank hashes and parses the files it loads, and a
-        checkpoint any rank finds damaged is skipped for the next older one
-        (:func:`ftbridge.checkpoint.group_io.load_group_checkpoint`).
+        A checkpoint any rank finds damaged is skipped for the next older one.
 
         Returns:
             The step loaded, or ``None`` when the folder holds no checkpoint.
@@ -236,8 +225,8 @@ class Checkpointer:
         Raises:
             NoValidCheckpointError: checkpoints exist but none verifies.
             UnsafeCheckpointError: a file needs a type outside the allowlist (named); nothing was loaded.
-            GroupSizeMismatchError: saved by groups of another size; on every rank, before any state changes.
-            SlotsMismatchError: saved with other ``slots`` and :attr:`CheckpointConfig.allow_other_slots` off; likewise.
+            GroupSizeMismatchError: saved by groups of another size; before any state changes.
+            SlotsMismatchError: saved with other ``slots`` and :attr:`CheckpointConfig.allow_other_slots` off.
         """
         damaged: List[int] = []
         while True:
@@ -294,12 +283,8 @@ CHOICE_NONE, CHOICE_OK, CHOICE_INVALID = 0, 1, 2
 
 
 def broadcast_choice(code: int, step: int) -> Tuple[int, int]:
-    """Group rank 0's ``(code, step)`` on every rank of the group, as a tensor (no pickle); a rank alone gets its own.
-
-    Args:
-        code: one of the ``CHOICE_*`` values (only group rank 0's counts).
-        step: the checkpoint step for ``CHOICE_OK``.
-    """
+    """Group rank 0's ``(code, step)`` (a ``CHOICE_*`` value and the step for ``CHOICE_OK``) on every rank of the
+    group, as a tensor (no pickle)."""
     first = exchange_in_group([float(code), float(step)])[0]
     return int(first[0]), int(first[1])
 
