@@ -19,6 +19,11 @@ from ftbridge.heal.wire import decode_state, encode_state, header_length, plan_b
 from ftbridge.manager import transport as transport_mod
 from ftbridge.manager.transport import SafeHTTPTransport
 
+
+def _bound() -> int:
+    """The largest heal body a transport in these tests accepts: 64 MiB."""
+    return 64 << 20
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -175,7 +180,7 @@ def test_a_receive_buffer_is_touched_in_the_background_and_taken_once_if_large_e
 
 @pytest.fixture(scope="module")
 def pair():
-    donor = SafeHTTPTransport("127.0.0.1", timedelta(seconds=2))
+    donor = SafeHTTPTransport("127.0.0.1", timedelta(seconds=2), max_recv_bytes=_bound)
     joiner = SafeHTTPTransport("127.0.0.1", timedelta(seconds=2), heal_timeout=timedelta(seconds=5),
                                max_recv_bytes=lambda: 1 << 20)
     yield donor, joiner

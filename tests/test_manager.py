@@ -213,7 +213,8 @@ def test_torchft_calls_get_twice_the_cross_replica_timeout_even_with_torchfts_en
     cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), cross_replica_timeout=5,
                                  group_rank=0, group_size=1, replica_group_id=0)
     with caplog.at_level(logging.WARNING, logger="ftbridge.manager"):
-        manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
+        manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None,
+                             max_heal_bytes=lambda: 64 << 20)
     try:
         assert manager._torchft._timeout == timedelta(seconds=10)
         assert os.environ["TORCHFT_TIMEOUT_SEC"] == "10"
@@ -239,7 +240,8 @@ def _rank0_manager(monkeypatch, **settings):
         monkeypatch.delenv(name, raising=False)
     cfg = FTBridgeConfig.resolve({}, lighthouse=lighthouse.address(), group_rank=0, group_size=1,
                                  replica_group_id=0, **settings)
-    manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None)
+    manager = ReplicaManager(cfg, state_dict=dict, load_state_dict=lambda state: None,
+                             max_heal_bytes=lambda: 64 << 20)
     manager.test_own_ports = {int(lighthouse.address().rsplit(":", 1)[1]), store.port}
     try:
         yield manager

@@ -14,6 +14,11 @@ from ftbridge.manager import transport
 from ftbridge.staging import Staging, read_tensors, staged_body, staging_size
 
 
+def _bound() -> int:
+    """The largest heal body a transport in these tests accepts: 64 MiB."""
+    return 64 << 20
+
+
 def _state():
     flat = torch.arange(40, dtype=torch.float32)
     return {"optimizer": {"flat": flat, "view_a": flat[:10], "view_b": flat[10:25].view(3, 5),
@@ -104,8 +109,8 @@ def test_host_copy_of_a_storage():
 @pytest.mark.timeout(60)
 def test_transport_serves_a_staged_body_and_waits_for_it_before_state_changes(monkeypatch):
     monkeypatch.setattr(transport, "staged_body", lambda state, stg: staged_body(state, stg, force=True))
-    donor = transport.SafeHTTPTransport("127.0.0.1", timedelta(seconds=10))
-    joiner = transport.SafeHTTPTransport("127.0.0.1", timedelta(seconds=10))
+    donor = transport.SafeHTTPTransport("127.0.0.1", timedelta(seconds=10), max_recv_bytes=_bound)
+    joiner = transport.SafeHTTPTransport("127.0.0.1", timedelta(seconds=10), max_recv_bytes=_bound)
     try:
         donor._staging.stage_cpu = True
         state = _state()

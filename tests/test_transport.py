@@ -23,6 +23,11 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from ftbridge.manager.transport import SafeHTTPTransport, decode_state, encode_state
 
+
+def _bound() -> int:
+    """The largest heal body a transport in these tests accepts: 64 MiB."""
+    return 64 << 20
+
 NET_TIMEOUT = pytest.mark.timeout(30)
 
 
@@ -259,7 +264,7 @@ def test_empty_string_key_at_root_survives_or_is_refused():
 @pytest.fixture(scope="module")
 def _shared_transport():
     # One server for the module: each shutdown waits out serve_forever's 0.5 s poll interval.
-    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1))
+    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     yield t
     t.shutdown()
 
@@ -294,7 +299,7 @@ def test_bind_ipv6_loopback_uses_bracketed_metadata():
     if not socket.has_ipv6:
         pytest.skip("no IPv6 support")
     try:
-        t = SafeHTTPTransport("::1", timeout=timedelta(seconds=1))
+        t = SafeHTTPTransport("::1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     except OSError as e:
         pytest.skip(f"no IPv6 loopback here: {e}")
     try:
@@ -311,7 +316,7 @@ def test_bind_ipv6_loopback_uses_bracketed_metadata():
 @NET_TIMEOUT
 def test_bind_to_foreign_address_raises_oserror():
     with pytest.raises(OSError):
-        SafeHTTPTransport("192.0.2.1", timeout=timedelta(seconds=1))  # TEST-NET-1: never local
+        SafeHTTPTransport("192.0.2.1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)  # TEST-NET-1: never local
 
 
 @NET_TIMEOUT
@@ -325,7 +330,7 @@ def test_serves_state_to_a_receiver(transport):
 
 @NET_TIMEOUT
 def test_receiver_in_another_transport_fetches_state(transport):
-    other = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1))
+    other = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     try:
         state = {"w": torch.randn(256, 256), "step": 4}  # 256 KiB: several TCP segments
         transport.send_checkpoint([1], 4, state, timedelta(seconds=5))
@@ -370,7 +375,7 @@ class _WaitSignallingCondition(threading.Condition):
 
 @NET_TIMEOUT
 def test_request_arriving_before_send_waits_for_it():
-    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=10))
+    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=10), max_recv_bytes=_bound)
     t._cond = _WaitSignallingCondition()
     try:
         out = {}
@@ -468,7 +473,7 @@ def test_get_returns_the_encoded_body(transport):
 
 @NET_TIMEOUT
 def test_shutdown_closes_the_port():
-    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1))
+    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     port = t._server.socket.getsockname()[1]
     t.send_checkpoint([1], 1, {"x": torch.ones(1)}, timedelta(seconds=1))
     t.shutdown()
@@ -496,7 +501,7 @@ def test_receiver_refuses_a_pickle_served_by_a_hostile_donor(tmp_path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    receiver = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1))
+    receiver = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/heal/"
         with pytest.raises(ValueError):
@@ -511,7 +516,7 @@ def test_receiver_refuses_a_pickle_served_by_a_hostile_donor(tmp_path):
 
 @NET_TIMEOUT
 def test_recv_from_a_dead_donor_raises_oserror():
-    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1))
+    t = SafeHTTPTransport("127.0.0.1", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     address = t.metadata()
     t.shutdown()
     with pytest.raises(OSError):
@@ -541,7 +546,7 @@ def test_pickle_sent_to_the_transport_is_refused_and_changes_nothing(transport, 
 def test_bound_socket_is_the_chosen_interface_only():
     """Bound to 127.0.0.2, the port is closed on 127.0.0.1 (another address of the same machine)."""
     try:
-        t = SafeHTTPTransport("127.0.0.2", timeout=timedelta(seconds=1))
+        t = SafeHTTPTransport("127.0.0.2", timeout=timedelta(seconds=1), max_recv_bytes=_bound)
     except OSError as e:
         pytest.skip(f"127.0.0.2 not usable here: {e}")
     try:

@@ -52,7 +52,8 @@ class ReplicaManager:
             called in torchft's quorum thread.
         load_state_dict: loads a peer's state, on the training thread inside :meth:`should_commit`.
         use_cuda: the model is on a GPU (:func:`ftbridge.device.backend_for` picks the backend).
-        max_heal_bytes: the largest heal body this rank accepts (bytes); ``None``: no bound.
+        max_heal_bytes: returns the largest heal body this rank accepts (bytes), called at each fetch
+            (:meth:`ftbridge.engine.FaultTolerantEngine.heal_size_bound` in a job).
 
     Raises:
         KeyError: ``MASTER_ADDR``/``MASTER_PORT`` unset.
@@ -60,8 +61,8 @@ class ReplicaManager:
     """
 
     def __init__(self, cfg: FTBridgeConfig, *, state_dict: Callable[[], Dict[str, Any]],
-                 load_state_dict: Callable[[Dict[str, Any]], None], use_cuda: bool = False,
-                 max_heal_bytes: Optional[Callable[[], int]] = None) -> None:
+                 load_state_dict: Callable[[Dict[str, Any]], None], max_heal_bytes: Callable[[], int],
+                 use_cuda: bool = False) -> None:
         self.cfg = cfg
         _export_torchft_environ(cfg)
         # Where the quorum guard is installed, its rider makes the lighthouse call's tries itself, one at a

@@ -6,7 +6,7 @@ with the pickle-free format of :mod:`ftbridge.heal.wire`, bound to one interface
 (:mod:`ftbridge.heal.limits`) and an optional job token.
 
 Why (instead of torchft's ``HTTPTransport``) and how it is fast: docs/concepts.md, "Heal" (Transport);
-the threats and limits: docs/lighthouse.md, "The heal path"; measurements: docs/benchmarks.md,
+the threats and limits: docs/lighthouse.md, "The heal path"; measurements: docs/measurements.md,
 "Heal at link speed".
 """
 
@@ -48,21 +48,7 @@ MAX_CONNECTIONS = 16
 SERVING_SWITCH_INTERVAL_S = 0.0005
 """Python's GIL switch interval (s) while a donor serves a heal; restored by
 :meth:`SafeHTTPTransport.disallow_checkpoint`."""
-UNBOUNDED_CHUNK_BYTES = 64 << 20
-"""Chunk size (bytes) of a body read without a size bound, so allocation follows the bytes received."""
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
-
-
-
-def _read_into(resp: Any, view: memoryview) -> int:
-    """Fill ``view`` from the HTTP response; the bytes read (fewer if the body ended early)."""
-    got = 0
-    while got < len(view):
-        k = resp.readinto(view[got:])
-        if not k:
-            break
-        got += k
-    return got
 
 
 def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
@@ -78,19 +64,6 @@ def _recv_exact(resp: Any, sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def _read_chunked(resp: Any, total: int) -> tuple:
-    """Read up to ``total`` bytes in chunks of :data:`UNBOUNDED_CHUNK_BYTES`: ``(bytearray, bytes read)``."""
-    chunks, got = [], 0
-    while got < total:
-        buf = bytearray(min(UNBOUNDED_CHUNK_BYTES, total - got))
-        k = _read_into(resp, memoryview(buf))
-        chunks.append(buf if k == len(buf) else buf[:k])
-        got += k
-        if k < len(buf):
-            break
-    return (chunks[0] if len(chunks) == 1 else bytearray().join(chunks)), got
-
-
 class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     """torchft checkpoint transport over HTTP with a pickle-free format and bounded ends.
 
@@ -99,8 +72,9 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         timeout: the donor's bound on receiving a request, and on waiting for the requested step.
         heal_timeout: overall deadline of one fetch, and the donor's for one response; ``None``: the
             ``timeout`` torchft passes to :meth:`recv_checkpoint` (the donor allows ``2 * timeout``).
+        max_recv_bytes: returns the largest body this rank accepts (bytes, headers included), called at each
+            fetch and by :meth:`prepare_recv`; a larger announced body is refused before anything is allocated.
         token: the job token (``FTBRIDGE_JOB_TOKEN``); ``None`` or empty: no authentication.
-        max_recv_bytes: returns the largest body accepted (bytes), called at each fetch; ``None``: no bound.
         max_connections: requests served at once; more are closed unread.
         device: where received tensors go (CUDA: through :mod:`ftbridge.staging`); ``None``: CPU tensors.
 
@@ -108,8 +82,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         OSError: ``bind`` is not an address of this machine.
     """
 
-    def __init__(self, bind: str, timeout: timedelta, *, heal_timeout: Optional[timedelta] = None,
-                 token: Optional[str] = None, max_recv_bytes: Optional[Callable[[], int]] = None,
+    def __init__(self, bind: str, timeout: timedelta, *, max_recv_bytes: Callable[[], int],
+                 heal_timeout: Optional[timedelta] = None, token: Optional[str] = None,
                  max_connections: int = MAX_CONNECTIONS, device: Any = None) -> None:
         self._timeout = timeout
         self._device = device
@@ -308,7 +282,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         deadline = time.monotonic() + seconds
         host, port = check_heal_url(metadata, self._donor_host)
         url = f"{metadata}{int(step)}"
-        limit = self._max_recv_bytes() if self._max_recv_bytes is not None else None
+        limit = self._max_recv_bytes()
         headers = {"Authorization": f"{AUTH_SCHEME} {request_mac(self._token, metadata, step)}"} if self._token else {}
         t0, wall0 = time.perf_counter(), time.time()
         conn = http.client.HTTPConnection(host, port, timeout=seconds)
@@ -338,8 +312,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                     step, src_rank, url, size / 1e6, time.perf_counter() - t0)
         return state
 
-    def _read_body(self, resp: Any, sock: socket.socket, url: str, step: int, limit: Optional[int],
-                   deadline: float) -> tuple:
+    def _read_body(self, resp: Any, sock: socket.socket, url: str, step: int, limit: int, deadline: float) -> tuple:
         """``(JSON header, tensor blob, size)`` of a response, its size checked against ``limit`` before allocating."""
         if resp.status != 200:
             raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, None)
@@ -347,7 +320,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         if not _CONTENT_LENGTH.fullmatch(length):
             raise ValueError(f"heal state for step {step} from {url}: Content-Length {length[:40]!r} is not a size")
         size = int(length)
-        if limit is not None and size > limit:
+        if size > limit:
             raise ValueError(f"heal state for step {step} from {url}: the donor announces {size} bytes, more than "
                              f"a state like this rank's own can take ({limit} bytes with headers); refused before "
                              "allocating it")
@@ -361,12 +334,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         if device is not None and getattr(device, "type", device) == "cuda":
             # Straight into tensors on the GPU, through the pinned staging buffer: no host copy of the body.
             return head, read_tensors(resp.readinto, size - 8 - n, device, self._staging), size
-        if limit is not None:
-            blob: Union[bytearray, memoryview] = self._take_recv_buffer(size - 8 - n, deadline)
-            got = _recv_exact(resp, sock, memoryview(blob))
-        else:
-            blob, got = _read_chunked(resp, size - 8 - n)
-        got += len(prefix) + len(head)
+        blob = self._take_recv_buffer(size - 8 - n, deadline)
+        got = _recv_exact(resp, sock, blob) + len(prefix) + len(head)
         if got != size:
             raise ConnectionError(f"heal state for step {step} from {url}: received {got} of {size} bytes "
                                   "(the donor died or the connection broke)")
@@ -375,10 +344,10 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     def prepare_recv(self, wait_s: float = 0.0) -> None:
         """Map and touch memory for the next fetch now, in a background thread, waiting up to ``wait_s`` here.
 
-        Sized by ``max_recv_bytes`` (nothing without it, nor for a CUDA ``device``); the next fetch uses it if it
-        is large enough; :meth:`release_recv` drops it unused.
+        Sized by ``max_recv_bytes`` (nothing for a CUDA ``device``); the next fetch uses it if it is large enough;
+        :meth:`release_recv` drops it unused.
         """
-        if self._max_recv_bytes is not None and getattr(self._device, "type", self._device) != "cuda":
+        if getattr(self._device, "type", self._device) != "cuda":
             self._recv_buffer = ReceiveBuffer(self._max_recv_bytes())  # (a CUDA joiner reads through ftbridge.staging)
             self._recv_buffer.wait(wait_s)
 

@@ -87,7 +87,8 @@ def _manager(g: int, lighthouse: LighthouseServer, monkeypatch) -> ReplicaManage
                                  replica_group_id=g, num_replica_groups=GROUPS, min_replicas=2,
                                  cross_replica_timeout=10)
     w = torch.full((4,), float(g))
-    return ReplicaManager(cfg, state_dict=lambda: {"w": w}, load_state_dict=lambda s: w.copy_(s["w"]))
+    return ReplicaManager(cfg, state_dict=lambda: {"w": w}, load_state_dict=lambda s: w.copy_(s["w"]),
+                          max_heal_bytes=lambda: 64 << 20)
 
 
 _manager.stores = []

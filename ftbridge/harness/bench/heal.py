@@ -212,7 +212,7 @@ def _serve_state(mb: int, queue: Any, done: Any) -> None:
 
     n = 1 << 20  # 4 MB tensors
     state = {"optimizer": {str(i): torch.randn(n) for i in range(max(1, mb // 4))}, "step": 0}
-    tx = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60))
+    tx = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60), max_recv_bytes=lambda: (mb + 8) << 20)
     t0 = time.perf_counter()
     tx.send_checkpoint([1], 0, state, timedelta(seconds=60))
     queue.put((tx.metadata(), time.perf_counter() - t0))
@@ -245,8 +245,7 @@ def transport_alone(mb: int, reps: int) -> List[Metric]:
         except queue_mod.Empty:
             raise RuntimeError(
                 f"transport benchmark: the donor process (pid {donor.pid}) served nothing in 120 s") from None
-        # A job's joiner always bounds the body by its own state's size (the allocate-as-it-arrives path
-        # without a bound is for standalone use): give this one the bound of the state being served.
+        # A job's joiner bounds the body by its own state's size: this one by the state being served.
         joiner = SafeHTTPTransport("127.0.0.1", timedelta(seconds=60), max_recv_bytes=lambda: (mb + 8) << 20)
         rates, loop = [], []
         try:
