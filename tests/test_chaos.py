@@ -156,6 +156,26 @@ def test_final_loss_tolerance():
     assert inv.final_loss_close(None, 2.5, 0.1)
 
 
+def test_the_final_loss_is_the_jobs_at_its_last_step_not_a_left_groups_earlier_one():
+    from ftbridge.harness.chaos import verdict
+
+    final = [{"event": "final", "step": 7283, "val_loss": 1.80} for _ in range(4)]
+    left = [{"event": "final", "step": 964, "val_loss": 2.07}, {"event": "final", "step": 4313, "val_loss": 1.87}]
+    assert verdict.final_loss(final + left) == pytest.approx(1.80)
+    assert verdict.final_loss(left) == pytest.approx(1.87)
+    assert verdict.final_loss([{"event": "start"}]) is None
+
+
+def test_with_slots_the_final_loss_is_held_to_the_same_model_not_the_loose_tolerance():
+    from ftbridge.harness.chaos.runner import ChaosSettings, _loss_check
+
+    name, tolerance = _loss_check(ChaosSettings(workdir="unused", slots=3))
+    assert (name, tolerance) == ("same model as the failure-free run", 1e-3)
+    assert inv.final_loss_close(1.8048172, 1.8048179, tolerance) == []
+    assert "differs by 0.08" in str(inv.final_loss_close(1.8856, 1.8048, tolerance)[0])
+    assert _loss_check(ChaosSettings(workdir="unused")) == ("final loss within tolerance", 0.15)
+
+
 def _result(events, checks, violations=None, baseline_loss=None):
     from ftbridge.harness.chaos.runner import ChaosResult, ChaosSettings
 
@@ -251,6 +271,14 @@ def test_bad_count_or_kind_is_a_usage_error_before_anything_starts(argv, message
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_chaos_trains_with_a_slot_per_group_unless_told_otherwise():
+    from ftbridge.harness.chaos.cli import parse_args
+
+    assert parse_args(["--groups", "3"]).slots == 3
+    assert parse_args(["--groups", "3", "--slots", "0"]).slots == 0
+    assert parse_args(["--groups", "2", "--slots", "4"]).slots == 4
 
 
 def test_ranks_and_timeout_take_ftbridge_runs_spelling_and_the_old_one():

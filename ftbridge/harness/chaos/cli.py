@@ -60,13 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=at_least(0), default=0, metavar="COUNT",
                    help="warm spares (ftbridge-run --spare-index k, k < K) started once the job runs, 0..--groups "
                         "(default 0); scale_down is then skipped (a spare would take the leaving group's id)")
-    p.add_argument("--slots", type=at_least(0), default=0, metavar="N",
-                   help="train with slots (FTBRIDGE_SLOTS=N, at least --groups; 0: off, the default) and check "
-                        "that every committed step trained the whole grid of slots once")
+    p.add_argument("--slots", type=at_least(0), default=None, metavar="N",
+                   help="train with slots (FTBRIDGE_SLOTS=N, at least --groups; default: --groups; 0: off) and "
+                        "check that every committed step trained the whole grid of slots once and that the job "
+                        "ends with the failure-free run's model")
     p.add_argument("--quick", action="store_true", help="tiny model (CI smoke run)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the failure-free run (and the final-loss check)")
-    p.add_argument("--loss-tolerance", type=finite(0.0), default=0.15, help="nats (default 0.15)")
+    p.add_argument("--loss-tolerance", type=finite(0.0), default=0.15,
+                   help="largest |final val loss - failure-free val loss|, nats, slots off (default 0.15)")
+    p.add_argument("--slots-loss-tolerance", type=finite(0.0), default=1e-3,
+                   help="the same with --slots, where both runs train one model up to the order of floating-point "
+                        "sums (default 0.001)")
     p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
     p.add_argument("--workdir", default=None, help="logs and event logs (default: a temporary folder)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after '--': more scripts/train_lm.py arguments")
@@ -81,6 +86,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
     if args.nproc < 1:
         p.error(f"--nproc-per-node {args.nproc}: must be at least 1")
+    if args.slots is None:
+        args.slots = args.groups
     if 0 < args.slots < args.groups:
         p.error(f"--slots {args.slots} is fewer than --groups {args.groups}: each group needs a slot of its own")
     from ftbridge.harness.chaos.spares import validate_spares
@@ -138,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings = ChaosSettings(workdir=workdir, groups=args.groups, nproc=args.nproc, script_args=script_args,
                              seed=args.seed, cross_replica_timeout_s=args.cross_replica_timeout,
                              baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance, spares=args.spares,
-                             slots=args.slots)
+                             slots=args.slots, slots_loss_tolerance=args.slots_loss_tolerance)
     print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
           f"{args.groups} replica groups x {args.nproc} ranks, {args.spares} warm spare(s), logs in {workdir}",
           flush=True)

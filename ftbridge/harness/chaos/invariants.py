@@ -413,8 +413,8 @@ def final_loss_close(chaos_loss: Optional[float], baseline_loss: Optional[float]
         return [Violation("final loss", f"missing final validation loss (chaos {chaos_loss}, "
                                         f"failure-free {baseline_loss})")]
     if abs(chaos_loss - baseline_loss) > tolerance:
-        return [Violation("final loss", f"{chaos_loss:.4f} against {baseline_loss:.4f} without failures: "
-                                        f"differs by more than {tolerance}")]
+        return [Violation("final loss", f"{chaos_loss:.6f} against {baseline_loss:.6f} without failures: "
+                                        f"differs by {abs(chaos_loss - baseline_loss):.2g}, more than {tolerance:g}")]
     return []
 
 

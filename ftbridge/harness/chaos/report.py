@@ -57,6 +57,7 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
                      "cross_replica_timeout_s": s.cross_replica_timeout_s,
                      "heartbeat_timeout_ms": s.heartbeat_timeout_ms, "join_timeout_ms": s.join_timeout_ms,
                      "recovery_bound_s": s.recovery_bound_s, "loss_tolerance": s.loss_tolerance,
+                     "slots_loss_tolerance": s.slots_loss_tolerance,
                      "spares": s.spares},
         "wall_s": result.wall_s,
         "final_step": result.final_step,
@@ -91,7 +92,9 @@ def table(result: ChaosResult) -> str:
     lines.append("-" * len(head))
     loss = f"final val loss {result.final_loss:.4f}" if result.final_loss is not None else "no final loss"
     if result.baseline_loss is not None:
-        loss += f" (failure-free {result.baseline_loss:.4f}, tolerance {result.settings.loss_tolerance})"
+        tolerance = result.settings.slots_loss_tolerance if result.settings.slots else result.settings.loss_tolerance
+        loss += (f" (failure-free {result.baseline_loss:.4f}, differs by "
+                 f"{abs((result.final_loss or 0.0) - result.baseline_loss):.2g}, tolerance {tolerance:g})")
     n_skipped = sum(1 for o in result.outcomes if o.injected.skipped)
     lines.append(f"{len(result.outcomes) - n_skipped} failures injected ({n_skipped} skipped) in {result.wall_s:.0f} s "
                  f"(the failure-free run not included); {s['heals']} heals, "

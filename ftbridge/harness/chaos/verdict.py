@@ -21,9 +21,13 @@ if TYPE_CHECKING:
 
 
 def final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
-    """Mean final validation loss over the ranks' ``final`` records (``None`` without one)."""
-    finals = [e["val_loss"] for e in events if e.get("event") == "final" and e.get("val_loss") is not None]
-    return statistics.fmean(finals) if finals else None
+    """Mean final validation loss over the ranks' ``final`` records at the job's last step (``None`` without one);
+    a group that left earlier (a scale-down, a rank stopped between failures) wrote its own at a lower step."""
+    finals = [e for e in events if e.get("event") == "final" and e.get("val_loss") is not None]
+    if not finals:
+        return None
+    last = max(e["step"] for e in finals)
+    return statistics.fmean(e["val_loss"] for e in finals if e["step"] == last)
 
 
 def end_checks(settings: "ChaosSettings", events: Sequence[Dict[str, Any]], outcomes: Sequence["Outcome"],
