@@ -721,9 +721,9 @@ class Sim:
         with everything they hold: every dead end of theirs, not only what fits their rows."""
         if "none of its members took part" not in reason:
             return
-        members = list(members)
-        full = continuous(quorum_id, [(m._certified, id_runs(m._dead, len(m._dead) + 1), m._certified_committers)
-                                      for m in members], max(m._missed for m in members))
+        members = [m.history for m in members]
+        full = continuous(quorum_id, [(m.certified, id_runs(m.dead, len(m.dead) + 1), m.certified_committers)
+                                      for m in members], max(m.missed for m in members))
         assert full is not None, (f"round {self.now}: quorum {quorum_id} was discarded ({reason}), but its members' "
                                   "dead ends together cover every quorum after the certified one: their rows lost it")
 
@@ -782,7 +782,7 @@ class Sim:
                 g.aside_until = self.now + 1 + int(pause)  # every rank decides alike: the same pause
                 g.asides.append((self.now, g.aside_until))
             if self.revert.certify_on_agreement and r.agreement is not None and r.agreement.continuous:
-                r.rider._held, r.rider._missed_here = True, False
+                r.rider.history.held, r.rider.history.missed_here = True, False
         r0 = g.ranks[0]
         return Record(g.gid, g.launch, g.key, empty, step_before, committed, r0.tf.participants, r0.params,
                       r0.rider.riding)

@@ -97,7 +97,7 @@ def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0
         ahead = max((r.step_before + 1 for rounds in sim.history for r in rounds if r.committed), default=0)
         for g in sim.groups:
             if (g.exit_reason == "QuorumGap" and g.ranks[0].tf.step >= ahead
-                    and not any(q > g.ranks[0].rider._certified for q in g.lost_answers)):
+                    and not any(q > g.ranks[0].rider.history.certified for q in g.lost_answers)):
                 # Nobody trained beyond it: the stop is spurious unless a group it last agreed with is gone
                 # (then it cannot tell whether that group trained on, cut off, and must not guess), or a quorum
                 # was issued to it whose answer it never got (its members are unknown: a documented limit).

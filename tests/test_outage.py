@@ -304,7 +304,7 @@ def test_a_call_left_to_ride_is_held_then_taken_up_never_doubled():
     hung.set()
     t.join(10)
     assert out["q"].quorum_id == 3 and len(calls) == 1 and not r.holding()
-    assert r._dead_ends() == ()  # the answer taken up is this step's quorum, not a dead end
+    assert r.history.dead_ends() == ()  # the answer taken up is this step's quorum, not a dead end
 
 
 @dataclass

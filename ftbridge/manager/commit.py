@@ -61,6 +61,8 @@ docs/design.md, "Continuity"."""
 
 ROW = 26 + 2 * (DEAD_END_RUNS - 1)
 """float64 values per member in the agreement (:func:`encode_view`)."""
+ROW_OK = 10
+"""Index of a member's ``ok`` flag in its row."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,7 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
         return Agreement(True, False, False, why, guard, all_empty=empty)
     if riding:
         for rank, row in enumerate(rows):
-            if row[10] != 1.0:
+            if row[ROW_OK] != 1.0:
                 return Agreement(True, False, False, f"member {rank} recorded an error in this riding step", guard,
                                  True, empty)
     ride_on = not any(row[11] for row in rows) or any(row[24] for row in rows)

@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -24,20 +24,18 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from ftbridge import faults
 from ftbridge.log import RepeatLimit
 from ftbridge.manager.commit import (
-    DEAD_END_RUNS,
     ROW,
     Agreement,
     QuorumWait,
     View,
     decide_ride,
     encode_view,
-    id_runs,
     judge,
     membership_digest,
 )
 from ftbridge.manager.futures import in_thread
+from ftbridge.manager.history import LastQuorum, QuorumHistory, Reused
 from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
-from ftbridge.manager.quorum_rules import QuorumSeen, detect_lighthouse_restart
 
 logger = logging.getLogger(__name__)
 
@@ -68,37 +66,6 @@ class QuorumAnswerLost(RuntimeError):
 
 class OutageDisagreement(RuntimeError):
     """The members of this step's quorum did not agree on its view (or could not): the step is discarded."""
-
-
-@dataclass(frozen=True)
-class LastQuorum:
-    """The last quorum this rank got from the lighthouse (what a riding step reuses): torchft's ``result``, its
-    ``quorum_id``, membership ``digest``, this group's ``replica_rank`` in it and its ``world_size`` (the process
-    group's rank and size)."""
-
-    result: Any
-    quorum_id: int
-    digest: str
-    replica_rank: int
-    world_size: int
-
-
-class _Reused:
-    """The last quorum result, with nothing to heal and every member participating."""
-
-    heal = False
-    recover_src_manager_address = ""
-    recover_src_replica_rank = None
-    recover_dst_replica_ranks: List[int] = []
-
-    def __init__(self, last: LastQuorum, step: int) -> None:
-        self._result = last.result
-        self.max_step = step
-        self.max_replica_rank = last.replica_rank
-        self.max_world_size = last.world_size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._result, name)
 
 
 class OutageRider:
@@ -145,28 +112,10 @@ class OutageRider:
         self._made = 0  # tries of this step's call that reached torchft's manager server (ranks other than 0)
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
-        self._certified = -1  # history for the agreement's continuity (View.certified, View.dead_ends)
-        self._dead: set = set()  # quorum ids after the certified one in which this group committed nothing
-        self._epoch = 0  # lighthouse restarts seen: a late answer from before one is not this history
-        self._history_lock = threading.Lock()
+        self.history = QuorumHistory(gap_wait.total_seconds(), clock)
+        """The quorums since the last certified one (the agreement row's continuity fields)."""
         self._left_call: Optional[concurrent.futures.Future] = None  # the last lighthouse call this rank left
         self._adopted: Optional[concurrent.futures.Future] = None  # ... taken up again as a later step's call
-        self._certified_members: Tuple[str, ...] = ()
-        self._missed = -1  # View.missed
-        self._passed = False  # an agreement of the current quorum passed continuity (certified_members)
-        # In the current quorum, the latest step whose agreement passed and that anyone may have committed:
-        self._held = False  # ... this group committed it
-        self._missed_here = False  # ... this group discarded it while another member's row was ok
-        self._agreed = False  # this step's agreement passed continuity
-        self._oks = self._others_ok = 0  # rows ok in it (members whose row was not ok discard): all, all but own
-        self._committers = 0  # _oks of the step that set _held (View.committers once the quorum is certified)
-        self._certified_committers = 0
-        self._gap_wait, self._clock = gap_wait.total_seconds(), clock
-        self._gap_mark: Optional[float] = None  # end of the last counted step of a gap (None: no gap)
-        self._gap_s = 0.0  # seconds of the gap counted so far
-        self.gap_expired = False
-        """Non-continuous quorums have been discarded for longer than ``gap_wait`` (met steps only,
-        :meth:`after_commit`)."""
         self.riding = False
         """Whether the current step reuses the last quorum."""
         self._seen = True  # the lighthouse answered this group at this step's start (the agreement row)
@@ -206,41 +155,28 @@ class OutageRider:
         """Keep ``result``, the quorum torchft is about to use, for riding, and close the history of the one before
         (certified, missed or dead end)."""
         qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
-        if last is not None and (qid != last.quorum_id or members != self._members):
-            self._certified_members = self.certified_members()
-            with self._history_lock:
-                if detect_lighthouse_restart(QuorumSeen(last.quorum_id, self._members), qid, members):
-                    self._certified, self._dead, self._epoch = -1, set(), self._epoch + 1  # ids start anew
-                    self._missed, self._certified_committers = -1, 0  # RestartMajority holds the history across it
-                elif self._held:
-                    self._certified, self._missed, self._certified_committers = last.quorum_id, -1, self._committers
-                    self._dead = {k for k in self._dead if k > last.quorum_id}
-                elif self._missed_here:
-                    self._missed = last.quorum_id  # others may have committed there; this group stayed behind
-                else:
-                    self._dead.add(last.quorum_id)  # nobody committed there
-            self._passed = self._held = self._missed_here = False
+        self.history.close(None if last is None else (last.quorum_id, self._members), (qid, members))
         self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
                                               int(result.replica_world_size)), members
 
-    def _dead_ends(self) -> Tuple[Tuple[int, int], ...]:
-        with self._history_lock:
-            return id_runs(self._dead, DEAD_END_RUNS)
+    @property
+    def gap_expired(self) -> bool:
+        """Non-continuous quorums have been discarded for longer than ``gap_wait`` (met steps only,
+        :meth:`after_commit`)."""
+        return self.history.gap_expired
 
     def _left(self, future: concurrent.futures.Future) -> None:
         """The group left this call to ride: its quorum, whenever it comes, is a dead end."""
-        epoch = self._epoch
+        epoch = self.history.epoch
         self._left_call = future
 
         def note(done: concurrent.futures.Future) -> None:
             if done.cancelled() or done.exception() is not None:
                 return
             qid = int(getattr(done.result(), "quorum_id", -1))
-            with self._history_lock:
-                if done is self._adopted:
-                    return
-                if epoch == self._epoch and qid > self._certified and (self.last is None or qid != self.last.quorum_id):
-                    self._dead.add(qid)
+            with self.history.lock:
+                if done is not self._adopted:
+                    self.history.left_answered(epoch, qid, None if self.last is None else self.last.quorum_id)
 
         future.add_done_callback(note)
 
@@ -252,7 +188,7 @@ class OutageRider:
 
     def _take_up_left(self) -> Optional[concurrent.futures.Future]:
         """The left call if still in flight (this step waits on it instead of a new call), else ``None``."""
-        with self._history_lock:
+        with self.history.lock:
             call = self._left_call
             if call is None or call.done():
                 return None
@@ -262,7 +198,7 @@ class OutageRider:
     def certified_members(self) -> Tuple[str, ...]:
         """Replica ids of the newest quorum in which an agreement of this rank passed (empty: none); the quorum guard's
         majority rule after a lighthouse restart counts them."""
-        return self._members if self._passed else self._certified_members
+        return self.history.certified_members(self._members)
 
     def may_ride(self) -> bool:
         """Whether this step may ride: riding is on, the group committed the last step, and torchft still holds the last
@@ -296,11 +232,11 @@ class OutageRider:
                                 "matching quorum: its ranks disagree on the last quorum")
         return self._ride() if ride else None
 
-    def _ride(self) -> _Reused:
+    def _ride(self) -> Reused:
         assert self.last is not None
         self.riding = True
         self.rides += 1
-        return _Reused(self.last, int(self._manager.current_step()))
+        return Reused(self.last, int(self._manager.current_step()))
 
     def _decide(self) -> Tuple[bool, bool]:
         """Group rank 0: ``(ride, lighthouse seen)`` for this step."""
@@ -526,7 +462,7 @@ class OutageRider:
                        self._try_timeout.total_seconds())
         self._manager.report_error(QuorumAnswerLost(f"{self._who} lost its copy of this step's quorum"))
         self.lost = True
-        return _Reused(last, int(self._manager.current_step()))
+        return Reused(last, int(self._manager.current_step()))
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
     def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
@@ -549,11 +485,11 @@ class OutageRider:
         if last is None or int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None \
                 or self.skipped_collective():
             return None
-        participating = bool(m.is_participating())
+        participating, h = bool(m.is_participating()), self.history
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
-                                guard if participating else None, self._certified, self._dead_ends(), empty,
-                                self.num_groups, self._missed, self._certified_committers, self.holding(), plan))
+                                guard if participating else None, h.certified, h.dead_ends(), empty,
+                                self.num_groups, h.missed, h.certified_committers, self.holding(), plan))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that
@@ -561,18 +497,7 @@ class OutageRider:
         m, last = self._manager, self.last
         verdict = (replace(judge(rows, own, riding=self.riding), shared=True) if own is not None and rows is not None
                    else Agreement(False, False, False, failure, shared=own is None))
-        self._passed |= verdict.continuous
-        self._agreed = verdict.continuous
-        if verdict.continuous and rows is not None and last is not None:
-            self._oks = sum(row[10] == 1.0 for row in rows)
-            self._others_ok = self._oks - (rows[last.replica_rank][10] == 1.0)
-        if verdict.consistent and not verdict.continuous:
-            now = self._clock()
-            self._gap_s += now - (now if self._gap_mark is None else self._gap_mark)
-            self._gap_mark = now
-            self.gap_expired = self._gap_s >= self._gap_wait
-        elif verdict.continuous:
-            self._gap_mark, self._gap_s, self.gap_expired = None, 0.0, False
+        self.history.agreed(verdict, rows, last.replica_rank if last is not None else 0)
         if not verdict.commit and m.errored() is None:
             self.disagreements += 1
             m.report_error(OutageDisagreement(
@@ -604,13 +529,7 @@ class OutageRider:
         is a discard a missed step) and ``met`` (only then does the step count towards ``gap_wait``).
         """
         self._last_committed = committed
-        if not group_met and self._gap_mark is not None:
-            self._gap_mark = self._clock()
-        if self._agreed and committed:
-            self._held, self._missed_here, self._committers = True, False, self._oks
-        elif self._agreed and self._others_ok and group_agreed and not nobody_commits:
-            self._held, self._missed_here = False, True
-        self._agreed, self._oks, self._others_ok = False, 0, 0
+        self.history.decided(committed, group_agreed, nobody_commits, group_met)
         self._rode_last = self.riding
         if self.riding and committed:
             self.ride_commits += 1
