@@ -207,6 +207,8 @@ def test_the_report_lists_only_the_checks_that_ran_with_their_outcome():
                      inv.final_loss_close(1.9, 1.8, 0.15))
     text = report.table(_result(ev, [loss], violations=["something else"], baseline_loss=1.8))
     assert "FAILED: 1 of 1 checks held" in text and "BROKEN something else" in text and "not run" not in text
+    same = inv.Check("same model as the failure-free run", "1.7877 against failure-free 1.7877, tolerance 0.001", [])
+    assert "not run" not in report.table(_result(ev, [same], baseline_loss=1.7877))
 
 
 def test_outage_pause_counts_the_longest_gap_in_steps_and_the_report_shows_it():
