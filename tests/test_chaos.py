@@ -167,13 +167,13 @@ def test_the_final_loss_is_the_jobs_at_its_last_step_not_a_left_groups_earlier_o
 
 
 def test_with_slots_the_final_loss_is_held_to_the_same_model_not_the_loose_tolerance():
-    from ftbridge.harness.chaos.runner import ChaosSettings, _loss_check
+    from ftbridge.harness.chaos.runner import ChaosSettings
 
-    name, tolerance = _loss_check(ChaosSettings(workdir="unused", slots=3))
+    name, tolerance = ChaosSettings(workdir="unused", slots=3).loss_check
     assert (name, tolerance) == ("same model as the failure-free run", 1e-3)
     assert inv.final_loss_close(1.8048172, 1.8048179, tolerance) == []
     assert "differs by 0.08" in str(inv.final_loss_close(1.8856, 1.8048, tolerance)[0])
-    assert _loss_check(ChaosSettings(workdir="unused")) == ("final loss within tolerance", 0.15)
+    assert ChaosSettings(workdir="unused").loss_check == ("final loss within tolerance", 0.15)
 
 
 def _result(events, checks, violations=None, baseline_loss=None):

@@ -92,7 +92,7 @@ def table(result: ChaosResult) -> str:
     lines.append("-" * len(head))
     loss = f"final val loss {result.final_loss:.4f}" if result.final_loss is not None else "no final loss"
     if result.baseline_loss is not None:
-        tolerance = result.settings.slots_loss_tolerance if result.settings.slots else result.settings.loss_tolerance
+        tolerance = result.settings.loss_check[1]
         loss += (f" (failure-free {result.baseline_loss:.4f}, differs by "
                  f"{abs((result.final_loss or 0.0) - result.baseline_loss):.2g}, tolerance {tolerance:g})")
     n_skipped = sum(1 for o in result.outcomes if o.injected.skipped)

@@ -92,6 +92,14 @@ class ChaosSettings:
     slots: int = 0
 
     @property
+    def loss_check(self) -> Tuple[str, float]:
+        """The final-loss check's name and tolerance (nats): with slots the failure-free run's model, else its
+        loss."""
+        if self.slots:
+            return "same model as the failure-free run", self.slots_loss_tolerance
+        return "final loss within tolerance", self.loss_tolerance
+
+    @property
     def settle_s(self) -> float:
         """How long after a fault with an end the job's pauses still count against it, seconds: the
         lighthouse's heartbeat and join timeouts, in which the way back to it forms a new quorum."""
@@ -322,7 +330,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     baseline_loss = None
     if settings.baseline:
         baseline_loss = _baseline(settings, final_step)
-        name, tolerance = _loss_check(settings)
+        name, tolerance = settings.loss_check
         checks.append(invariants.Check(
             name, f"{_loss_text(final_loss)} against failure-free {_loss_text(baseline_loss)}, tolerance {tolerance:g}",
             invariants.final_loss_close(final_loss, baseline_loss, tolerance)))
@@ -345,13 +353,6 @@ def check_hosted(kinds: AbstractSet[FailureKind], spares: int) -> None:
         raise ValueError(f"failure kinds {', '.join(hosted)} put each replica group in a network namespace of "
                          f"its own, and here {why}: run as root with iproute2 and util-linux, without --spares, "
                          "or drop the kinds")
-
-
-def _loss_check(settings: ChaosSettings) -> Tuple[str, float]:
-    """The final-loss check's name and tolerance (nats): with slots the failure-free run's model, else its loss."""
-    if settings.slots:
-        return "same model as the failure-free run", settings.slots_loss_tolerance
-    return "final loss within tolerance", settings.loss_tolerance
 
 
 def _loss_text(loss: Optional[float]) -> str:
