@@ -11,6 +11,9 @@ Examples::
     # with a warm spare standing by (it takes over the first group the lighthouse drops)
     ftbridge-chaos --quick --spares 1 --count 12 --out spare-report
 
+    # add up a soak run in slices (report folders or an earlier soak.json): soak.txt, soak.png
+    ftbridge-chaos --summarize r1 r2 r3 --out soak-report
+
 Exit status: 0 when every invariant held, 1 otherwise, 2 on bad arguments.
 """
 
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the same with --slots, where both runs train one model up to the order of floating-point "
                         "sums (default 0.001)")
     p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
+    p.add_argument("--summarize", nargs="+", metavar="REPORT", default=None,
+                   help="run nothing: add up these chaos reports (--out folders, or an earlier soak.json) as the "
+                        "slices of one soak and write soak.json, soak.txt and soak.png into --out")
     p.add_argument("--workdir", default=None, help="logs and event logs (default: a temporary folder)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after '--': more scripts/train_lm.py arguments")
     return p
@@ -82,6 +88,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The checked arguments of ``ftbridge-chaos`` (exit 2 with a message naming the flag on a bad value)."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.summarize:
+        return args  # runs nothing: the run's flags are not read
     if args.groups < 2:
         p.error(f"--groups {args.groups}: a chaos run needs at least 2 replica groups (one must survive)")
     if args.nproc < 1:
@@ -120,8 +128,26 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def summarize(reports: List[str], out_dir: str) -> int:
+    """``--summarize``: add up the slices in ``reports`` into ``out_dir``; 0 when every slice held, 1 when
+    one did not, 2 when a report cannot be read (the message names it)."""
+    from ftbridge.harness.chaos import soak
+
+    try:
+        total = soak.add_up([s for path in reports for s in soak.load(path)])
+    except (OSError, ValueError) as e:
+        print(f"ftbridge-chaos: --summarize: {e}", file=sys.stderr)
+        return 2
+    paths = soak.write(total, out_dir)
+    print(soak.table(total))
+    print(f"report: {', '.join(paths)}")
+    return 0 if total.ok else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize, args.out)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     os.environ.setdefault("RUST_LOG", "warn")
     prepare_jit_build()

@@ -58,7 +58,7 @@ def summary(result: ChaosResult) -> Dict[str, Any]:
                      "heartbeat_timeout_ms": s.heartbeat_timeout_ms, "join_timeout_ms": s.join_timeout_ms,
                      "recovery_bound_s": s.recovery_bound_s, "loss_tolerance": s.loss_tolerance,
                      "slots_loss_tolerance": s.slots_loss_tolerance,
-                     "spares": s.spares},
+                     "spares": s.spares, "slots": s.slots},
         "wall_s": result.wall_s,
         "final_step": result.final_step,
         "final_val_loss": result.final_loss,
