@@ -1,19 +1,16 @@
 """Moving GPU tensors to and from bytes through one bucket-sized pinned host buffer (:class:`Staging`).
 
-For the heal transport: :func:`staged_body` (donor) and :func:`read_tensors` (joiner), in the bytes of
-:func:`ftbridge.heal.wire.encode_state`, so either side may stage or not. For async checkpoints:
-:func:`host_copy`, then :func:`synchronize`. Why: docs/gpu.md, "What the GPU code does".
+For the heal transport (:class:`ftbridge.heal.stream.StreamBody` on the donor,
+:func:`ftbridge.heal.stream.read_tensors` on a GPU joiner) and, with :func:`host_copy` then
+:func:`synchronize`, for async checkpoints. Why: docs/gpu.md, "What the GPU code does".
 """
 
 from __future__ import annotations
 
-import struct
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, cast
+from typing import Any, Callable, List, Optional, cast
 
 import torch
-
-from ftbridge.heal.wire import ST_MAX_HEADER_BYTES, BodyPlan, blob_entries, plan_body
 
 DEFAULT_STAGING_BYTES = 32 << 20
 """Bytes of the pinned staging buffer unless told otherwise (one cross-replica bucket is 25 MiB)."""
@@ -64,33 +61,37 @@ class Staging:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
         return self._buf
 
-    def chunks(self, tensor: torch.Tensor) -> Iterator[memoryview]:
-        """The bytes of ``tensor`` in order, through the buffer (a CPU tensor: one view); each valid until the next."""
-        t = tensor.detach()
-        if t.device.type == "cpu" and not self.stage_cpu:
-            flat = _as_bytes(t.contiguous())
-            if flat.numel():
-                yield _bytes_view(flat)
-            return
-        flat = _as_bytes(t.contiguous())
+    def moves(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes go through this buffer: a device tensor (or any, with ``stage_cpu``)."""
+        return tensor.device.type != "cpu" or self.stage_cpu
+
+    def to_host(self, flat: torch.Tensor) -> memoryview:
+        """A view of the buffer holding ``flat``'s bytes (1-D uint8, at most ``nbytes``), the copy completed.
+
+        The view is valid until the next use of the buffer; hold :attr:`lock` across both.
+
+        Raises:
+            ValueError: ``flat`` is longer than the buffer.
+        """
+        n = flat.numel()
+        if n > self.nbytes:
+            raise ValueError(f"{n} bytes do not fit the {self.nbytes}-byte staging buffer: copy in pieces")
         buf = self.buffer()
-        for start in range(0, flat.numel(), self.nbytes):
-            n = min(self.nbytes, flat.numel() - start)
-            buf[:n].copy_(flat[start:start + n], non_blocking=self.pin)
-            synchronize(t.device)
-            self.chunks_moved += 1
-            yield _bytes_view(buf[:n])
+        buf[:n].copy_(flat, non_blocking=self.pin)
+        synchronize(flat.device)
+        self.chunks_moved += 1
+        return _bytes_view(buf[:n])
 
     def fill(self, tensor: torch.Tensor, read_into: Callable[[memoryview], int]) -> int:
         """Fill contiguous ``tensor`` from ``read_into(view) -> n`` (``readinto``); the bytes filled (fewer: EOF)."""
         flat = _as_bytes(tensor)
         got = 0
-        if tensor.device.type == "cpu" and not self.stage_cpu:
-            return _read_full(read_into, _bytes_view(flat)) if flat.numel() else 0
+        if not self.moves(tensor):
+            return read_full(read_into, _bytes_view(flat)) if flat.numel() else 0
         buf = self.buffer()
         for start in range(0, flat.numel(), self.nbytes):
             n = min(self.nbytes, flat.numel() - start)
-            k = _read_full(read_into, _bytes_view(buf[:n]))
+            k = read_full(read_into, _bytes_view(buf[:n]))
             flat[start:start + k].copy_(buf[:k], non_blocking=self.pin)
             synchronize(tensor.device)  # the buffer is read again for the next chunk
             self.chunks_moved += 1
@@ -105,7 +106,8 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(cast(Any, t.numpy())).cast("B")
 
 
-def _read_full(read_into: Callable[[memoryview], int], view: memoryview) -> int:
+def read_full(read_into: Callable[[memoryview], int], view: memoryview) -> int:
+    """Fill ``view`` by repeated ``read_into`` calls; the bytes filled (fewer only at EOF)."""
     got = 0
     while got < len(view):
         k = read_into(view[got:])
@@ -130,80 +132,4 @@ def host_copy(storage: Any, pin: Optional[bool] = None) -> Any:
     return dst.untyped_storage()
 
 
-# -- the heal body -----------------------------------------------------------------------------------
-class StagedBody:
-    """A heal body (:mod:`ftbridge.heal.wire` layout) whose tensor bytes are written from the tensors themselves.
-
-    Args:
-        plan: the body laid out by :func:`ftbridge.heal.wire.plan_body` (its prefix, then each tensor's bytes).
-        staging: the buffer device tensors pass through.
-    """
-
-    def __init__(self, plan: BodyPlan, staging: Staging) -> None:
-        self.prefix, self.size, self.staging = plan.prefix, plan.size, staging
-        self.tensors = tuple(t.detach().contiguous() for t in plan.tensors)  # views sharing storage: written twice
-
-    def __len__(self) -> int:
-        return self.size
-
-    def write_to(self, write: Callable[[Any], Any], at_half: Optional[Callable[[], None]] = None) -> None:
-        """Write the body with ``write(bytes_like)``; ``at_half()`` once about half of it went (fault tests)."""
-        half, sent = len(self) // 2, 0
-        with self.staging.lock:
-            write(self.prefix)
-            sent = len(self.prefix)
-            for t in self.tensors:
-                for view in self.staging.chunks(t):
-                    write(view)
-                    before, sent = sent, sent + len(view)
-                    if at_half is not None and before < half <= sent:
-                        at_half()
-                        at_half = None
-        if at_half is not None:
-            at_half()
-
-
-def staged_body(state: Dict[str, Any], staging: Staging, force: bool = False) -> Optional[StagedBody]:
-    """:class:`StagedBody` of ``state`` when it holds a GPU tensor (or ``force``); ``None``: encode it whole.
-
-    ``None`` also for a dtype :func:`ftbridge.heal.wire.plan_body` does not lay out. Raises ``TypeError`` as
-    :func:`ftbridge.heal.wire.encode_state`.
-    """
-    plan = plan_body(state)
-    if plan is None or not (force or any(t.device.type != "cpu" for t in plan.tensors)):
-        return None
-    return StagedBody(plan, staging)
-
-
-def read_tensors(read_into: Callable[[memoryview], int], size: int, device: torch.device,
-                 staging: Staging) -> Dict[str, torch.Tensor]:
-    """Read the safetensors part of a heal body (``size`` bytes) into new tensors on ``device``.
-
-    The header is checked as :mod:`ftbridge.heal.wire` checks it before any allocation: at most ``size`` bytes.
-
-    Raises:
-        ValueError: a malformed or truncated header, or a dtype outside the wire format.
-        ConnectionError: the body ended inside a tensor.
-    """
-    prefix = bytearray(8)
-    if size < 8 or _read_full(read_into, memoryview(prefix)) != 8:
-        raise ValueError(f"heal state tensor blob of {size} bytes is truncated")
-    (n,) = struct.unpack("<Q", prefix)
-    if n > min(ST_MAX_HEADER_BYTES, size - 8):
-        raise ValueError(f"safetensors header of {n} bytes does not fit a blob of {size} bytes")
-    raw = bytearray(n)
-    if _read_full(read_into, memoryview(raw)) != n:
-        raise ValueError("safetensors header is truncated")
-    entries = blob_entries(bytes(raw), size - 8 - n)
-    out: Dict[str, torch.Tensor] = {}
-    with staging.lock:
-        for name, dtype, shape, begin, end in entries:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            if staging.fill(t, read_into) != end - begin:
-                raise ConnectionError(f"heal state ended inside tensor {name!r} (the donor died?)")
-            out[name] = t
-    return out
-
-
-__all__ = ["DEFAULT_STAGING_BYTES", "StagedBody", "Staging", "host_copy", "read_tensors", "staged_body",
-           "staging_size", "synchronize"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Staging", "host_copy", "read_full", "staging_size", "synchronize"]

@@ -18,6 +18,7 @@ from ftbridge.heal.stream import BodyAborted, ReceiveBuffer, StreamBody
 from ftbridge.heal.wire import decode_state, encode_state, header_length, plan_body
 from ftbridge.manager import transport as transport_mod
 from ftbridge.manager.transport import SafeHTTPTransport
+from ftbridge.staging import Staging
 
 
 def _bound() -> int:
@@ -37,6 +38,17 @@ def _state():
         "empty": torch.empty(0), "mask": torch.tensor([True, False]),
         "counters": {"global_steps": 12, "name": "x", "none": None}, "nothing": {},
     }
+
+
+@pytest.fixture(params=["host", "staged"])
+def staging(request):
+    """``None`` (host tensors sent from their memory), or a 24-byte buffer that CPU tensors go through as a
+    GPU's do (``stage_cpu``): many copies per tensor."""
+    if request.param == "host":
+        return None
+    s = Staging(24, pin=False)
+    s.stage_cpu = True
+    return s
 
 
 class Sink:
@@ -77,13 +89,23 @@ def assert_states_equal(got, want):
 # -- the body on the wire -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cap", [1 << 40, 7, 4096])
-def test_streamed_body_is_the_encoded_body_and_decodes_to_the_state(cap, monkeypatch):
+def test_streamed_body_is_the_encoded_body_and_decodes_to_the_state(cap, monkeypatch, staging):
     monkeypatch.setattr(stream, "SEND_CHUNK_BYTES", 24)  # many sends, crossing tensor boundaries
     state = _state()
-    body = StreamBody(plan_body(state))
+    body = StreamBody(plan_body(state), staging=staging)
     wire = _serve(body, sink=Sink(cap))
     assert len(wire) == body.size and wire == encode_state(state)
     assert_states_equal(decode_state(bytearray(wire)), state)
+    if staging is not None:  # every tensor byte went through the buffer, which did not grow
+        tensors = [t for t in plan_body(state).tensors]
+        assert staging.chunks_moved == sum(-(-t.numel() * t.element_size() // 24) for t in tensors) > len(tensors)
+        assert staging.buffer().numel() == 24
+
+
+def test_a_device_tensor_needs_a_staging_buffer():
+    plan = plan_body({"w": torch.zeros(3, device="meta")})
+    with pytest.raises(ValueError, match="needs a staging buffer"):
+        StreamBody(plan)
 
 
 def test_the_blob_is_a_safetensors_file_that_safetensors_itself_loads():
@@ -111,11 +133,11 @@ def test_halfway_stops_the_first_sends_at_half_the_body():
 
 # -- the snapshot: disallow_checkpoint freezes the body --------------------------------------------
 
-def test_after_freeze_a_response_in_flight_sends_the_state_as_it_was(monkeypatch):
+def test_after_freeze_a_response_in_flight_sends_the_state_as_it_was(monkeypatch, staging):
     monkeypatch.setattr(stream, "SEND_CHUNK_BYTES", 16)
     state = _state()
     want = encode_state(state)
-    body = StreamBody(plan_body(state))
+    body = StreamBody(plan_body(state), staging=staging)
     paused, go, out = threading.Event(), threading.Event(), {}
 
     def halfway():  # between two sends: nothing of the live state is being written
@@ -260,8 +282,10 @@ def test_an_oversize_claim_is_refused_before_any_buffer_is_taken_or_allocated(pa
     assert taken == []
 
 
-def test_disallow_during_a_fetch_still_delivers_the_snapshot(pair, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
+def test_disallow_during_a_fetch_still_delivers_the_snapshot(pair, monkeypatch, staged):
     donor, joiner = pair
+    donor._staging.stage_cpu = staged  # a GPU donor's path: through the staging buffer, not waited for
     monkeypatch.setattr(stream, "SEND_CHUNK_BYTES", 64 << 10)
     state = {"w": torch.randn(200_000)}
     want = state["w"].clone()

@@ -1,17 +1,18 @@
-"""GPU staging of heal bodies and snapshots (ftbridge.staging), on CPU: sizes, chunking, byte layout, the transport."""
+"""GPU staging (ftbridge.staging) and the GPU joiner's receive (ftbridge.heal.stream.read_tensors), on CPU.
+
+The donor's staged body is tested with the host one in tests/test_heal_stream.py (fixture ``staging``)."""
 
 from __future__ import annotations
 
 import io
-from datetime import timedelta
 
 import pytest
 import torch
 
 from ftbridge import staging
-from ftbridge.heal.wire import decode_parts, decode_state, encode_state
-from ftbridge.manager import transport
-from ftbridge.staging import Staging, read_tensors, staged_body, staging_size
+from ftbridge.heal.stream import read_tensors
+from ftbridge.heal.wire import decode_parts, encode_state
+from ftbridge.staging import Staging, staging_size
 
 
 def _bound() -> int:
@@ -53,26 +54,13 @@ def test_staging_size():
         staging_size([1], cap_bytes=0)
 
 
-def test_staged_body_is_the_wire_format_through_one_small_buffer():
-    state = _state()
-    buf = _cpu_staging(24)  # smaller than most tensors: many chunks
-    body = staged_body(state, buf, force=True)
-    out = []
-    body.write_to(lambda v: out.append(bytes(v)))  # a view lives until the next chunk
-    data = b"".join(bytes(v) for v in out)
-    assert len(data) == len(body)
-    _assert_same(decode_state(data), state)
-    expected = sum(-(-t.numel() * t.element_size() // 24) for t in body.tensors)
-    assert buf.chunks_moved == expected > len(body.tensors)
-    assert buf.buffer().numel() == 24, "the staging buffer grew"
-    # Same bytes as the unstaged encoder's tensors: safetensors itself loads the blob.
-    n = int.from_bytes(data[:8], "little")
-    _assert_same(decode_parts(data[8:8 + n], bytes(data[8 + n:])), state)
-    assert data == encode_state(state), "the staged body is byte for byte the encoder's"
-    assert staged_body(state, buf) is None, "a CPU-only state is encoded whole, as before"
-    odd = {"w": torch.zeros(4, dtype=torch.float8_e4m3fn)}  # safetensors writes those: the whole body, encoded
-    assert staged_body(odd, buf, force=True) is None
-    assert decode_state(encode_state(odd))["w"].dtype == torch.float8_e4m3fn
+def test_to_host_copies_at_most_one_buffer_and_refuses_more():
+    buf = _cpu_staging(8)
+    data = torch.arange(8, dtype=torch.uint8)
+    assert bytes(buf.to_host(data)) == bytes(range(8)) and buf.chunks_moved == 1
+    with pytest.raises(ValueError, match="9 bytes do not fit the 8-byte staging buffer"):
+        buf.to_host(torch.zeros(9, dtype=torch.uint8))
+    assert buf.moves(data) and not Staging(8, pin=False).moves(data)
 
 
 def test_read_tensors_chunks_into_device_tensors_and_refuses_bad_bodies():
@@ -104,32 +92,3 @@ def test_host_copy_of_a_storage():
     out = torch.empty(0, dtype=torch.float32).set_(copy, 0, (6,), (1,))
     t.add_(1)
     torch.testing.assert_close(out, torch.arange(6, dtype=torch.float32))
-
-
-@pytest.mark.timeout(60)
-def test_transport_serves_a_staged_body_and_waits_for_it_before_state_changes(monkeypatch):
-    monkeypatch.setattr(transport, "staged_body", lambda state, stg: staged_body(state, stg, force=True))
-    donor = transport.SafeHTTPTransport("127.0.0.1", timedelta(seconds=10), max_recv_bytes=_bound)
-    joiner = transport.SafeHTTPTransport("127.0.0.1", timedelta(seconds=10), max_recv_bytes=_bound)
-    try:
-        donor._staging.stage_cpu = True
-        state = _state()
-        donor.send_checkpoint([1], 3, state, timedelta(seconds=10))
-        assert isinstance(donor._body, staging.StagedBody)
-        got = joiner.recv_checkpoint(0, donor.metadata(), 3, timedelta(seconds=10))
-        _assert_same(got, state)
-        donor.disallow_checkpoint()  # returns once the handler finished writing
-        assert donor._staging.chunks_moved > 0 and donor._sending == 0
-        # A response still writing from the live tensors holds disallow_checkpoint (the optimizer step) back.
-        import threading
-        donor._sending = 1
-        stopper = threading.Thread(target=donor.disallow_checkpoint)
-        stopper.start()
-        stopper.join(0.3)
-        assert stopper.is_alive(), "disallow_checkpoint returned while a staged response was being written"
-        donor._sent_staged()
-        stopper.join(5)
-        assert not stopper.is_alive()
-    finally:
-        donor.shutdown()
-        joiner.shutdown()

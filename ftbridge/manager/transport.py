@@ -22,7 +22,7 @@ import time
 import urllib.error
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Dict, List, Optional, Union, cast
+from typing import Any, Callable, Dict, List, Optional, cast
 
 from ftbridge import faults
 from ftbridge.heal.limits import (
@@ -34,10 +34,10 @@ from ftbridge.heal.limits import (
     mac_matches,
     request_mac,
 )
-from ftbridge.heal.stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer
+from ftbridge.heal.stream import BodyAborted, ReceiveBuffer, StreamBody, fresh_buffer, read_tensors
 from ftbridge.heal.wire import decode_parts, decode_state, encode_state, header_length, plan_body
 from ftbridge.manager.torchft_api import CheckpointTransport
-from ftbridge.staging import StagedBody, Staging, read_tensors, staged_body
+from ftbridge.staging import Staging
 
 __all__ = ["SafeHTTPTransport", "decode_parts", "decode_state", "encode_state"]
 
@@ -88,13 +88,12 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
         self._timeout = timeout
         self._device = device
         self._staging = Staging()
-        self._sending = 0  # staged bodies being written from live tensors (disallow_checkpoint waits for them)
         self._heal_timeout = heal_timeout
         self._token = token or None
         self._max_recv_bytes = max_recv_bytes
         self._donor_host: Optional[str] = None
         self._cond = threading.Condition()
-        self._body: Optional[Union[StreamBody, StagedBody]] = None
+        self._body: Optional[StreamBody] = None
         self._recv_buffer: Optional[ReceiveBuffer] = None
         self._saved_switch_interval: Optional[float] = None
         self._step = -1
@@ -137,9 +136,6 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 if body is None:
                     self.send_error(409, f"step {step} is not being served")
                     return
-                if isinstance(body, StagedBody):  # GPU state: chunk by chunk through the pinned buffer
-                    self._send_staged(body)
-                    return
                 # A short last send goes out at once, not after the previous one's delayed ACK (Nagle).
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 # Headers, the body's prefix and its first chunk in one system call (sendmsg): each
@@ -150,7 +146,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 # Blocking sends: the whole chunk in one system call rather than one per partial send;
                 # the connection's deadline (REAPER) still ends a stuck send.
                 self.connection.settimeout(None)
-                try:  # no copies of the body: sent from the donor's tensors (ftbridge.heal.stream)
+                try:  # sent from the donor's tensors, a GPU's through the pinned buffer (ftbridge.heal.stream)
                     body.serve(self.connection.sendmsg, cut=self._cut, head=head,
                                halfway=(lambda: faults.point("heal_send")) if faults.armed("heal_send") else None)
                 except BodyAborted as e:  # the joiner sees a short body: ConnectionError
@@ -160,21 +156,6 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 logger.info("heal transport: served step %d, %.1f MB: the request waited %.1f ms for the state, "
                             "sent in %.1f ms", step, body.size / 1e6, (t_ready - t_request) * 1e3,
                             (time.time() - t_ready) * 1e3)
-
-            def _send_staged(self, body: StagedBody) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-
-                def at_half() -> None:
-                    self.wfile.flush()
-                    faults.point("heal_send")
-
-                try:
-                    body.write_to(self.wfile.write, at_half=at_half)
-                finally:
-                    transport._sent_staged()
 
             def _cut(self) -> None:
                 try:
@@ -187,7 +168,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
 
         return Handler
 
-    def _wait_for(self, step: int) -> Optional[Union[StreamBody, StagedBody]]:
+    def _wait_for(self, step: int) -> Optional[StreamBody]:
         deadline = time.monotonic() + self._timeout.total_seconds()
         with self._cond:
             while self._body is None or self._step != step:
@@ -196,14 +177,7 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
                     return None
-            if isinstance(self._body, StagedBody):
-                self._sending += 1
             return self._body
-
-    def _sent_staged(self) -> None:
-        with self._cond:
-            self._sending -= 1
-            self._cond.notify_all()
 
     def metadata(self) -> str:
         """URL prefix of this transport, passed to joiners through the quorum."""
@@ -228,10 +202,8 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
             if self._body is not None and self._step == step:  # served early (ReplicaManager._serve_early)
                 return
         t0 = time.perf_counter()
-        body: Union[StreamBody, StagedBody, None] = staged_body(state_dict, self._staging)  # GPU: pinned buffer
-        if body is None:
-            plan = plan_body(state_dict)
-            body = StreamBody(plan if plan is not None else encode_state(state_dict))
+        plan = plan_body(state_dict)
+        body = StreamBody(plan if plan is not None else encode_state(state_dict), staging=self._staging)
         with self._cond:
             self._body, self._step = body, step
             if self._saved_switch_interval is None and sys.getswitchinterval() > SERVING_SWITCH_INTERVAL_S:
@@ -245,20 +217,16 @@ class SafeHTTPTransport(CheckpointTransport[Dict[str, Any]]):
     def disallow_checkpoint(self) -> None:
         """Stop serving: the donor's state may change from here on.
 
-        Responses in flight go on from a copy of what they have not sent; one still blocked after
-        ``ftbridge.heal.stream.FREEZE_GRACE_S`` is cut off. A GPU state's responses are waited for (each bounded
-        by the response deadline).
+        Responses in flight go on from a host copy of what they have not sent (a GPU state's too); one still
+        blocked in a send from the live state after ``ftbridge.heal.stream.FREEZE_GRACE_S`` is cut off.
         """
-        deadline = time.monotonic() + self._server.response_deadline_s
         with self._cond:
             body, self._body = self._body, None
             saved, self._saved_switch_interval = self._saved_switch_interval, None
             if saved is not None and abs(sys.getswitchinterval() - SERVING_SWITCH_INTERVAL_S) < 1e-9:
                 sys.setswitchinterval(saved)
             self._cond.notify_all()
-            while self._sending > 0 and time.monotonic() < deadline:
-                self._cond.wait(max(0.0, deadline - time.monotonic()))
-        if isinstance(body, StreamBody):
+        if body is not None:
             t0 = time.perf_counter()
             if not body.freeze():
                 logger.warning("heal transport: a response still wrote from the live state after being cut off")
