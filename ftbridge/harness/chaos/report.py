@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from ftbridge.harness.chaos import invariants, spares
 from ftbridge.harness.chaos.invariants import Stats
@@ -194,6 +194,13 @@ def plot(result: ChaosResult, path: str) -> str:
     ax_p.set_yticks(range(0, result.settings.groups + 1))
     ax_s.set_ylabel("training loss")
     ax_s.set_xlabel("step")
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Lay out, save as ``path`` (PNG, its folder made) and close a matplotlib figure; returns ``path``."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -201,13 +208,19 @@ def plot(result: ChaosResult, path: str) -> str:
     return path
 
 
+def write_files(out_dir: str, stem: str, data: Dict[str, Any], text: str, draw: Callable[[str], str]) -> List[str]:
+    """Write ``STEM.json`` (``data``), ``STEM.txt`` (``text``) and ``STEM.png`` (``draw(path)``) into ``out_dir``
+    (made if missing); return their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{stem}.{ext}") for ext in ("json", "txt", "png")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    draw(paths[2])
+    return paths
+
+
 def write(result: ChaosResult, out_dir: str) -> List[str]:
     """Write ``chaos.json``, ``chaos.txt`` and ``chaos.png`` into ``out_dir``; return their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, n) for n in ("chaos.json", "chaos.txt", "chaos.png")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump(summary(result), f, indent=2)
-    with open(paths[1], "w", encoding="utf-8") as f:
-        f.write(table(result) + "\n")
-    plot(result, paths[2])
-    return paths
+    return write_files(out_dir, "chaos", summary(result), table(result), lambda path: plot(result, path))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 from ftbridge.harness.chaos.invariants import Stats
+from ftbridge.harness.chaos.report import save_figure, write_files
 
 MAX_REPORT_BYTES = 64 * 1024 * 1024
 _KIND_LISTS = ("survivors_s", "rejoin_s", "outage_steps_lost", "outage_pause_s")
@@ -242,20 +243,10 @@ def plot(soak: Soak, path: str) -> str:
     ax_r.set_xlabel("seconds after the injection")
     ax_r.set_title(f"recoveries, {'every check held in every slice' if soak.ok else 'SOME SLICE FAILED A CHECK'}")
     ax_r.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write(soak: Soak, out_dir: str) -> List[str]:
     """Write ``soak.json`` (the slices, reloadable by :func:`load`), ``soak.txt`` and ``soak.png``."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, n) for n in ("soak.json", "soak.txt", "soak.png")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump({"failures": soak.injected, "slices": [s.to_json() for s in soak.slices]}, f, indent=1)
-    with open(paths[1], "w", encoding="utf-8") as f:
-        f.write(table(soak) + "\n")
-    plot(soak, paths[2])
-    return paths
+    data = {"failures": soak.injected, "slices": [s.to_json() for s in soak.slices]}
+    return write_files(out_dir, "soak", data, table(soak), lambda path: plot(soak, path))
