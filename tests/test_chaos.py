@@ -469,3 +469,32 @@ def test_a_kind_needing_hosts_of_their_own_is_refused_with_spares_or_without_roo
     assert FailureKind.PARTITION_PEER not in parse_args([]).kind_list
     with pytest.raises(SystemExit):
         parse_args(["--kinds", "partition_peer,kill_rank"])
+
+
+def test_with_slots_every_groups_final_parameters_are_held_to_the_failure_free_runs(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from ftbridge.harness.chaos.verdict import same_parameters
+
+    ours, base = tmp_path / "ours", tmp_path / "base"
+    ours.mkdir()
+    base.mkdir()
+    w = torch.linspace(-1, 1, 100)
+
+    def save(folder, name, tensor, step):
+        save_file({"w": tensor.contiguous(), "b": torch.ones(3)}, str(folder / name),
+                  metadata={"global_steps": str(step)})
+
+    save(base, "group0.st", w, 50)
+    save(ours, "group0.st", w + 1e-6, 50)
+    save(ours, "group1.st", w, 50)
+    save(ours, "group2.st", w * 3, 20)  # left at step 20 (a scale-down): not compared
+    (ours / "group3.st").write_bytes(b"12345")  # killed while writing: not compared
+    check = same_parameters(str(ours), str(base), 50, 1e-3)
+    assert check.held and check.judged.startswith("2 groups at step 50"), check
+    save(ours, "group1.st", w * 1.01, 50)  # 1 % off: a lost unit, a wrong divisor
+    check = same_parameters(str(ours), str(base), 50, 1e-3)
+    assert not check.held and "group1.st" in str(check.violations[0]) and "1.00e-02" in str(check.violations[0])
+    missing = same_parameters(str(ours), str(base), 60, 1e-3)
+    assert not missing.held and "no parameters saved at step 60" in str(missing.violations[0])

@@ -302,7 +302,8 @@ def final_digest(engine: Any, adapter: Any = None) -> Dict[str, Any]:
 
 
 def save_params(path: Optional[str], engine: Any, adapter: Any, fields: Dict[str, Any]) -> None:
-    """Write the full parameters of ``engine`` (gathered under ZeRO-3) as safetensors."""
+    """Write the full parameters of ``engine`` (gathered under ZeRO-3) as safetensors, float32, with the step
+    they hold in the metadata (``global_steps``)."""
     from safetensors.torch import save_file
 
     tensors = adapter.full_parameters()
@@ -311,7 +312,8 @@ def save_params(path: Optional[str], engine: Any, adapter: Any, fields: Dict[str
     path = path.format(**fields)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     names = [n for n, _ in engine.module.named_parameters()]
-    save_file({n: t.detach().float().contiguous() for n, t in zip(names, tensors)}, path)
+    save_file({n: t.detach().float().contiguous() for n, t in zip(names, tensors)}, path,
+              metadata={"global_steps": str(int(engine.global_steps))})
 
 
 def target_steps(args: argparse.Namespace) -> int:

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-loss-tolerance", type=finite(0.0), default=1e-3,
                    help="the same with --slots, where both runs train one model up to the order of floating-point "
                         "sums (default 0.001)")
+    p.add_argument("--slots-param-tolerance", type=finite(0.0), default=1e-3,
+                   help="with --slots, the largest ||p - p_failure_free|| / ||p_failure_free|| of the final "
+                        "parameters of every group (default 0.001)")
     p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
     p.add_argument("--summarize", nargs="+", metavar="REPORT", default=None,
                    help="run nothing: add up these chaos reports (--out folders, or an earlier soak.json) as the "
@@ -171,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings = ChaosSettings(workdir=workdir, groups=args.groups, nproc=args.nproc, script_args=script_args,
                              seed=args.seed, cross_replica_timeout_s=args.cross_replica_timeout,
                              baseline=not args.no_baseline, loss_tolerance=args.loss_tolerance, spares=args.spares,
-                             slots=args.slots, slots_loss_tolerance=args.slots_loss_tolerance)
+                             slots=args.slots, slots_loss_tolerance=args.slots_loss_tolerance,
+                             slots_param_tolerance=args.slots_param_tolerance)
     print(f"ftbridge-chaos: {len(schedule)} failures ({', '.join(f.kind.value for f in schedule)}), "
           f"{args.groups} replica groups x {args.nproc} ranks, {args.spares} warm spare(s), logs in {workdir}",
           flush=True)

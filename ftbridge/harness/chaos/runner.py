@@ -67,6 +67,9 @@ class ChaosSettings:
         loss_tolerance: largest accepted |final val loss - failure-free val loss| (nats), slots off.
         slots_loss_tolerance: the same with slots on, where the two runs train the same model up to the order
             of floating-point sums (check "same model as the failure-free run").
+        slots_param_tolerance: with slots, the largest accepted ||p - p_failure_free|| / ||p_failure_free|| of
+            the final parameters of every group at the last step (check "same parameters as the failure-free
+            run").
         spares: warm spares (``ftbridge-run --spare-index k``) started once the job commits together,
             0 to ``groups`` (:func:`ftbridge.harness.chaos.spares.validate_spares`).
         slots: ``FTBRIDGE_SLOTS`` of the job and of the failure-free run (0: off); with slots the end
@@ -88,6 +91,7 @@ class ChaosSettings:
     baseline: bool = True
     loss_tolerance: float = 0.15
     slots_loss_tolerance: float = 1e-3
+    slots_param_tolerance: float = 1e-3
     spares: int = 0
     slots: int = 0
 
@@ -234,6 +238,8 @@ def _job(settings: ChaosSettings, name: str, env: Dict[str, str], together: bool
                    lighthouse_process=bool(kinds & LIGHTHOUSE_PROCESS), proxies=bool(kinds & PROXIED),
                    hosts=bool(kinds & HOSTED))
     job.script_args += ["--stop-file", os.path.join(job.workdir, "stop")]
+    if settings.slots:  # the final parameters, for the check against the failure-free run's
+        job.script_args += ["--save-params", os.path.join(job.workdir, "params", "group{replica_group}.st")]
     return job
 
 
@@ -329,11 +335,15 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     chaos_wall_s = time.time() - t_start  # the failure-free run below is not part of the chaos run's time
     baseline_loss = None
     if settings.baseline:
-        baseline_loss = _baseline(settings, final_step)
+        baseline_loss, baseline_dir = _baseline(settings, final_step)
         name, tolerance = settings.loss_check
         checks.append(invariants.Check(
             name, f"{_loss_text(final_loss)} against failure-free {_loss_text(baseline_loss)}, tolerance {tolerance:g}",
             invariants.final_loss_close(final_loss, baseline_loss, tolerance)))
+        if settings.slots:
+            checks.append(verdict.same_parameters(os.path.join(job.workdir, "params"),
+                                                  os.path.join(baseline_dir, "params"), final_step,
+                                                  settings.slots_param_tolerance))
     violations = [str(v) for c in checks for v in c.violations]
     return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
                        leftover, chaos_wall_s, checks, stopped)
@@ -432,8 +442,8 @@ def _wait_launches(job: LocalJob, active: Dict[int, GroupProcess], timeout_s: fl
                        f"the launch holding replica group {g} ({gp.log_path}) to exit")
 
 
-def _baseline(settings: ChaosSettings, steps: int) -> Optional[float]:
-    """Final validation loss of a failure-free run of ``steps`` steps, all groups from the start."""
+def _baseline(settings: ChaosSettings, steps: int) -> Tuple[Optional[float], str]:
+    """Final validation loss of a failure-free run of ``steps`` steps, all groups from the start, and its folder."""
     job = _job(settings, "baseline", {}, together=True)
     job.script_args += ["--steps", str(steps)]  # the last --steps wins
     try:
@@ -441,4 +451,4 @@ def _baseline(settings: ChaosSettings, steps: int) -> Optional[float]:
         job.wait(timeout_s=max(600.0, steps * 1.0))
     finally:
         job.stop()
-    return verdict.final_loss(job.events())
+    return verdict.final_loss(job.events()), job.workdir

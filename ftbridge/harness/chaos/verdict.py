@@ -9,6 +9,9 @@ failure-free baseline is compared with. Pure readers of records and files: no pr
 
 from __future__ import annotations
 
+import glob
+import math
+import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
@@ -28,6 +31,68 @@ def final_loss(events: Sequence[Dict[str, Any]]) -> Optional[float]:
         return None
     last = max(e["step"] for e in finals)
     return statistics.fmean(e["val_loss"] for e in finals if e["step"] == last)
+
+
+def _saved_params(folder: str) -> Dict[str, int]:
+    """``{path: step}`` of the parameter files in ``folder`` (``train_lm.py --save-params``), unreadable ones
+    at step -1."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.st"))):
+        try:
+            with safe_open(path, framework="pt") as f:
+                out[path] = int((f.metadata() or {}).get("global_steps", -1))
+        except (OSError, ValueError, SafetensorError):  # a group killed while writing: the caller finds it missing
+            out[path] = -1
+    return out
+
+
+def param_distance(path: str, reference: str) -> Dict[str, float]:
+    """``relative`` (||p - r|| / ||r||, every parameter as one vector) and ``max_abs`` (max |p - r|) between
+    two parameter files.
+
+    Raises:
+        ValueError: their parameter names or shapes differ.
+    """
+    from safetensors.torch import load_file
+
+    p, r = load_file(path), load_file(reference)
+    if p.keys() != r.keys() or any(p[k].shape != r[k].shape for k in r):
+        raise ValueError(f"{path} and {reference} hold different parameters (names or shapes)")
+    diff_sq = sum(float((p[k].double() - r[k].double()).square().sum()) for k in r)
+    ref_sq = sum(float(r[k].double().square().sum()) for k in r)
+    max_abs = max((float((p[k] - r[k]).abs().max()) for k in r if r[k].numel()), default=0.0)
+    return {"relative": math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30), "max_abs": max_abs}
+
+
+def same_parameters(chaos_dir: str, baseline_dir: str, final_step: int, tolerance: float) -> invariants.Check:
+    """Every group's final parameters at ``final_step`` are within ``tolerance`` (relative L2) of the
+    failure-free run's at that step: with slots both trained one model up to the order of floating-point sums.
+
+    A file at another step is a group that left earlier (a scale-down) and is not compared; no file at
+    ``final_step`` on either side is a violation.
+    """
+    name, V = "same parameters as the failure-free run", invariants.Violation
+    ours = [p for p, step in _saved_params(chaos_dir).items() if step == final_step]
+    theirs = [p for p, step in _saved_params(baseline_dir).items() if step == final_step]
+    if not ours or not theirs:
+        return invariants.Check(name, f"parameter files at step {final_step}", [V(name, (
+            f"no parameters saved at step {final_step}: {len(ours)} from the chaos run ({chaos_dir}), "
+            f"{len(theirs)} from the failure-free run ({baseline_dir})"))])
+    violations, worst = [], {"relative": 0.0, "max_abs": 0.0}
+    for path in ours:
+        try:
+            d = param_distance(path, theirs[0])
+        except ValueError as e:
+            violations.append(V(name, str(e)))
+            continue
+        worst = {k: max(worst[k], d[k]) for k in worst}
+        if not d["relative"] <= tolerance:  # NaN fails too
+            violations.append(V(name, f"{os.path.basename(path)}: ||p - p_failure_free|| / ||p_failure_free|| = "
+                                      f"{d['relative']:.2e}, more than {tolerance:g} (max |diff| {d['max_abs']:.2e})"))
+    return invariants.Check(name, f"{len(ours)} groups at step {final_step}: relative L2 {worst['relative']:.1e}, "
+                                  f"max |diff| {worst['max_abs']:.1e}, tolerance {tolerance:g}", violations)
 
 
 def end_checks(settings: "ChaosSettings", events: Sequence[Dict[str, Any]], outcomes: Sequence["Outcome"],
