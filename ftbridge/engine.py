@@ -27,6 +27,7 @@ from ftbridge.config import FTBridgeConfig
 from ftbridge.events import EventLog, tensor_checksum
 from ftbridge.guard import DivergenceGuard
 from ftbridge.heal import NoPeerToHealFrom, joined_empty, lazy_state_bytes
+from ftbridge.heal.extra import ExtraState
 from ftbridge.heal.wire import size_bound
 from ftbridge.log import get_logger
 from ftbridge.manager import ReplicaManager
@@ -71,7 +72,7 @@ class FaultTolerantEngine:
         self.checksum_every = cfg.checksum_every if checksum_every is None else checksum_every
         if self.checksum_every < 0:
             raise ValueError(f"checksum_every={self.checksum_every} must be >= 0 (0: never write a parameter checksum)")
-        self._extra_state: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any]], None]]] = {}
+        self.extra = ExtraState()
         self._step_hooks: list = []
         self.log = get_logger("ftbridge.engine", cfg, step_fn=lambda: self.manager.current_step)
         self.manager = (manager_factory or ReplicaManager)(cfg, state_dict=self.heal_state,
@@ -130,7 +131,7 @@ class FaultTolerantEngine:
 
     # -- user-registered state (e.g. the data position) ---------------------
     def register_state(self, key: str, state_dict: Callable[[], Dict[str, Any]],
-                       load_state_dict: Callable[[Dict[str, Any]], None]) -> None:
+                       load_state_dict: Callable[[Dict[str, Any]], None], *, at_step_start: bool = False) -> None:
         """Add state that a heal must carry, e.g. the data loader position.
 
         Args:
@@ -138,13 +139,14 @@ class FaultTolerantEngine:
             state_dict: returns a nested dict of tensors and JSON scalars; clone any tensor that forward or
                 backward changes (a heal reads tensors in place until the optimizer step).
             load_state_dict: applies a peer's value.
+            at_step_start: read ``state_dict`` at the start of every step, before the forward, and carry that
+                value; a group healing before its first forward applies it then (the random generators:
+                :mod:`ftbridge.heal.rng`).
 
         Raises:
             ValueError: ``key`` is already registered.
         """
-        if key in self._extra_state:
-            raise ValueError(f"heal state key {key!r} is already registered; pick another name")
-        self._extra_state[key] = (state_dict, load_state_dict)
+        self.extra.register(key, state_dict, load_state_dict, at_step_start=at_step_start)
 
     def add_step_hook(self, hook: Callable[[bool], None]) -> None:
         """Call ``hook(committed)`` after every boundary step, on every rank (e.g. checkpoints)."""
@@ -185,9 +187,13 @@ class FaultTolerantEngine:
         self._backwards = 0
         self._boundary_backward = self._deferred_backward = False
         self.adapter.begin_window()
+        self.extra.begin_step()  # before the quorum thread may read it for a joiner
         self.manager.start_quorum()
         if self._heal_first:
             self.manager.wait_quorum()  # the heal fetch runs alone (_prepare_heal_receive)
+            received = self.manager.pending_heal_state()
+            if received is not None:
+                self.extra.load(received["replica"].get("extra", {}), before_forward=True)
         if not self._first_step_checked and faults.armed("first_quorum"):
             self.manager.wait_quorum()  # in the quorum, before training a single step
             faults.point("first_quorum")
@@ -249,6 +255,7 @@ class FaultTolerantEngine:
                     "boundary set from the last backward of an optimizer step until step() returns")
             return
         self._in_step = False
+        self.extra.end_step()
         self._boundary_backward = False
         self.last_committed = committed
         self._record(committed)
@@ -354,7 +361,7 @@ class FaultTolerantEngine:
         return {
             "counters": {k: int(getattr(e, k)) for k in _COUNTERS},
             "window_start": self._window_start if self._in_step else int(e.micro_steps),
-            "extra": {k: to_wire(fn()) for k, (fn, _) in self._extra_state.items()},
+            "extra": self.extra.wire(),
             "manager": self.manager.state_dict(),
         }
 
@@ -372,10 +379,7 @@ class FaultTolerantEngine:
         into_window = int(e.micro_steps) - self._window_start if self._in_step else 0
         self._window_start = align_to_window(int(state["window_start"]), e.gradient_accumulation_steps())
         e.micro_steps = self._window_start + into_window
-        extra = state.get("extra", {})
-        for k, (fn, load) in self._extra_state.items():
-            if k in extra:
-                load(from_wire(fn(), extra[k]))
+        self.extra.load(state.get("extra", {}))
         if manager and "manager" in state:
             self.manager.load_state_dict({k: int(v) for k, v in state["manager"].items()})
 

@@ -56,6 +56,12 @@ class FakeManager:
     def wait_quorum(self):
         pass
 
+    pending = None
+    """What :meth:`pending_heal_state` returns: a donor's ``heal_state`` the test hands over, or ``None``."""
+
+    def pending_heal_state(self):
+        return self.pending
+
     def decide(self, guard=None, empty=False, waited_s=0.0, plan=0):
         """The group's decision of a one-rank group alone: commit unless an error was reported; a restarted
         group with nothing waits, then stops (ftbridge.heal.restart_without_peer, alone in its quorum)."""

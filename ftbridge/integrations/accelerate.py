@@ -18,6 +18,7 @@ from accelerate.scheduler import AcceleratedScheduler
 
 from ftbridge.bootstrap import attach
 from ftbridge.config import FTBridgeConfig
+from ftbridge.heal import rng
 from ftbridge.integrations import accelerate_data, sealed_checkpoints
 
 SUPPORTED_ACCELERATE = ("1.15.",)
@@ -249,6 +250,8 @@ class FaultTolerantAccelerator(Accelerator):
             raise ValueError("a second model was prepared: a FaultTolerantAccelerator trains one DeepSpeed engine; "
                              "prepare one model per accelerator")
         attach(engine, ft_config=self.ft_config, **self._attach_kwargs)
+        # The random generators too (dropout, a collator's masking), as the donor's forward started from them.
+        engine.ftbridge.register_state("rng", rng.state_dict, rng.load_state_dict, at_step_start=True)
         mark_discarded_steps(engine)
         self.ft_engine = engine
         self.ft_config = engine.ftbridge.cfg  # a warm spare's: the replica group it took over

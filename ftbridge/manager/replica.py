@@ -198,6 +198,14 @@ class ReplicaManager:
         """Block until this step's quorum (started by :meth:`start_quorum`) is decided and applied."""
         self._torchft.wait_quorum()
 
+    def pending_heal_state(self) -> Optional[Dict[str, Any]]:
+        """The donor's state this rank received in this step's quorum and will load in :meth:`should_commit`
+        (the engine's ``heal_state`` form), after :meth:`wait_quorum`; ``None`` when it heals nothing."""
+        pending = getattr(self._torchft, "_pending_state_dict", None)
+        user = pending.get("user") if isinstance(pending, dict) else None
+        state = user.get("default") if isinstance(user, dict) else None
+        return state if isinstance(state, dict) else None
+
     def step_members(self) -> Tuple[Tuple[str, ...], bool]:
         """This step's quorum members' torchft replica ids, and whether every one takes part (``False`` while a
         member heals); ``((), False)`` when the quorum is unknown. Waits for the quorum."""
