@@ -60,8 +60,7 @@ def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_wi
     assert len(checksums) == 1, f"the groups hold different parameters: {lines}"
 
 
-@pytest.mark.slow  # ~1 min
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # ~1 min: the Accelerate path's kill and heal, in the default suite
 def test_the_accelerate_example_heals_a_killed_group_which_reads_on_and_ends_with_the_same_model(local_job):
     """``examples/hf_accelerate.py`` loops on the engine's committed steps: group 1, SIGKILLed after step 10
     and restarted by torchrun (both groups needed for a quorum, so group 0 waits), heals, reads on at the
