@@ -23,14 +23,15 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 """Seconds between two status reads of a standing-by spare."""
+VACANT_FOR_S = 2.0
+"""Seconds a vacancy must stand, in reads this close together, before spare 0 takes it: a live group whose
+heartbeat was late past the lighthouse's timeout (a starved heartbeat thread) is fresh again by then."""
 STAGGER_S = 1.0
-"""Seconds spare ``K`` lets a vacancy stand per index before taking it (spare 0: at once)."""
+"""Seconds spare ``K`` lets a vacancy stand per index, beyond :data:`VACANT_FOR_S`, before taking it."""
 STATUS_TIMEOUT_S = 2.0
 """Bound on one status read (s); a failed read counts as "nothing seen" and is retried."""
 SLOW_READ_S = 1.0
 """A status read slower than this (s) counts as failed (the lighthouse was hung or cut off meanwhile)."""
-SETTLE_S = 0.5
-"""After a failed read, how long (s) a vacancy must show in answering reads before it is taken."""
 DEMOTED_KEY = "ftbridge/spare/demoted"
 """Group TCPStore key of rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
 STORE_KEY = "ftbridge/spare/replaces"
@@ -113,12 +114,14 @@ def vacancies(fresh: set, known: set, num_groups: int, live: Optional[set] = Non
 
 
 def choose_group(vacant: Sequence[int], first_seen: Dict[int, float], now: float, spare_index: int,
-                 stagger_s: float = STAGGER_S) -> Optional[int]:
-    """The smallest ``vacant`` id vacant for at least ``spare_index * stagger_s`` seconds, or ``None`` (pure).
+                 stagger_s: float = STAGGER_S, vacant_for_s: float = VACANT_FOR_S) -> Optional[int]:
+    """The smallest ``vacant`` id vacant for at least ``vacant_for_s + spare_index * stagger_s`` seconds, or
+    ``None`` (pure).
 
-    ``first_seen`` maps a group id to when (s, the clock of ``now``) this spare first saw it vacant.
+    ``first_seen`` maps a group id to when (s, the clock of ``now``) this spare first saw it vacant, in the
+    reads since; a read that shows it held again forgets it (:class:`VacancyWatch`).
     """
-    wait = spare_index * stagger_s
+    wait = vacant_for_s + spare_index * stagger_s
     for g in sorted(vacant):
         if now - first_seen.get(g, now) >= wait:
             return g
@@ -137,18 +140,14 @@ class VacancyWatch:
     job_gone_s: float
     first_seen: Dict[int, float] = field(default_factory=dict)
     last_live: Optional[float] = None
-    settled_after: Optional[float] = 0.0
-    """Vacancies count from this time on (``None``: the last read failed)."""
     last_seen: str = ""
     """The last read's heartbeats, ``replica id: age s (stale)``, for the log line."""
 
     def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
         """Take one status read (``None``: failed) at ``now`` (s); ``("join", G)``, ``("wait"|"exit", None)``."""
-        if heartbeats is None:  # the lighthouse did not answer: whatever it shows next needs time to settle
-            self.first_seen, self.settled_after = {}, None
+        if heartbeats is None:  # the lighthouse did not answer: a vacancy counts again from the next answer
+            self.first_seen = {}
             return "wait", None
-        if self.settled_after is None:
-            self.settled_after = now + SETTLE_S
         fresh, known = heartbeat_groups(heartbeats)
         self.last_seen = ", ".join(f"{h.replica_id}: {h.age_s:.2f} s{' (stale)' if h.stale else ''}"
                                    for h in heartbeats)
@@ -158,9 +157,7 @@ class VacancyWatch:
             return "exit", None
         vacant = vacancies(fresh, known, self.num_groups, live_groups(heartbeats))
         self.first_seen = {g: self.first_seen.get(g, now) for g in vacant}
-        g = choose_group(vacant, self.first_seen, now, self.spare_index)
-        if g is not None and now < self.settled_after:
-            return "wait", None
+        g = choose_group(vacant, self.first_seen, now, self.spare_index, vacant_for_s=VACANT_FOR_S)
         return ("join", g) if g is not None else ("wait", None)
 
 

@@ -473,7 +473,9 @@ class Sim:
     def _spares_take_vacancies(self) -> None:
         """Each standing-by spare that reads the lighthouse this round takes a vacant group id by the real rules
         (:func:`ftbridge.spare.vacancies`: heard of, every heartbeat stale, while another group is fresh;
-        :func:`ftbridge.spare.choose_group`: spare ``k`` waits ``k`` rounds). It starts with nothing."""
+        :func:`ftbridge.spare.choose_group`: spare ``k`` waits ``k`` rounds; no ``VACANT_FOR_S``, which guards
+        against heartbeats late by a starved thread, and heartbeats here are never late). It starts with
+        nothing."""
         f, lh = self.faults, self.lighthouse
         for g in self.groups:
             if g.exit_reason != "standby" or f.lighthouse != "up" or g.key in f.cut_lh | f.oneway_lh | f.hang:
@@ -482,7 +484,8 @@ class Sim:
             fresh = {gid for gid, age in beats if gid is not None and age < HEARTBEAT_TIMEOUT}
             vacant = vacancies(fresh, {gid for gid, _ in beats if gid is not None}, g.num_groups)
             g.first_seen = {gid: g.first_seen.get(gid, float(self.now)) for gid in vacant}
-            take = choose_group(vacant, g.first_seen, float(self.now), g.key - g.num_groups, stagger_s=1.0)
+            take = choose_group(vacant, g.first_seen, float(self.now), g.key - g.num_groups, stagger_s=1.0,
+                                vacant_for_s=0.0)
             if take is None:
                 continue
             g.gid, g.alive, g.exit_reason = take, True, ""

@@ -41,15 +41,30 @@ def test_groups_that_lost_the_lighthouse_together_leave_nothing_vacant():
     assert w.observe(10.0, outage) == ("wait", None)
     death = [hb(0, stale=True, age=2.04), hb(1, age=0.05), hb(2, age=0.09)]  # group 0 died, 1 and 2 live
     assert spare.live_groups(death) == {1, 2}
-    assert w.observe(10.1, death) == ("join", 0)
+    assert w.observe(10.1, death) == ("wait", None)
+    assert w.observe(10.1 + spare.VACANT_FOR_S, death) == ("join", 0)
 
 
-def test_spare_k_waits_k_stagger_periods_then_takes_the_smallest_vacancy():
+def test_spare_k_waits_the_vacancy_time_and_k_stagger_periods_then_takes_the_smallest_vacancy():
     first = {1: 10.0, 3: 10.5}
-    assert spare.choose_group([3, 1], first, 10.0, spare_index=0) == 1
-    assert spare.choose_group([3, 1], first, 10.9, spare_index=1, stagger_s=1.0) is None
-    assert spare.choose_group([3, 1], first, 11.0, spare_index=1, stagger_s=1.0) == 1
+    assert spare.choose_group([3, 1], first, 11.9, spare_index=0, vacant_for_s=2.0) is None
+    assert spare.choose_group([3, 1], first, 12.0, spare_index=0, vacant_for_s=2.0) == 1
+    assert spare.choose_group([3, 1], first, 12.9, spare_index=1, stagger_s=1.0, vacant_for_s=2.0) is None
+    assert spare.choose_group([3, 1], first, 13.0, spare_index=1, stagger_s=1.0, vacant_for_s=2.0) == 1
     assert spare.choose_group([], {}, 99.0, spare_index=0) is None
+
+
+def test_a_live_group_whose_heartbeat_was_only_late_is_not_taken():
+    # Chaos seed 60: a restarting launch starved a live group's heartbeat thread for 2.01 s (against a 2 s
+    # timeout); spare 0 took its id at once and the job held two copies of that group for a minute.
+    w = spare.VacancyWatch(num_groups=3, spare_index=0, job_gone_s=30)
+    late = [hb(0, age=0.08), hb(1, age=0.02), hb(2, stale=True, age=2.01)]
+    assert w.observe(10.0, late) == ("wait", None)
+    assert w.observe(10.5, [hb(0), hb(1), hb(2)]) == ("wait", None)  # its heartbeat came: no longer vacant
+    assert w.first_seen == {}
+    assert w.observe(11.0, late) == ("wait", None)
+    assert w.observe(12.9, late) == ("wait", None), "the vacancy counts from when it was seen again"
+    assert w.observe(13.0, late) == ("join", 2)
 
 
 def test_watch_joins_when_the_lighthouse_drops_a_group_and_not_before():
@@ -57,7 +72,8 @@ def test_watch_joins_when_the_lighthouse_drops_a_group_and_not_before():
     assert w.observe(0.0, None) == ("wait", None)                      # status read failed
     assert w.observe(0.1, [hb(0)]) == ("wait", None)                    # group 1 not up yet
     assert w.observe(1.0, [hb(0), hb(1)]) == ("wait", None)             # full strength
-    assert w.observe(2.0, [hb(0), hb(1, stale=True)]) == ("join", 1)    # dropped: join at once
+    assert w.observe(2.0, [hb(0), hb(1, stale=True)]) == ("wait", None)  # dropped: vacant from now
+    assert w.observe(2.0 + spare.VACANT_FOR_S, [hb(0), hb(1, stale=True)]) == ("join", 1)
 
 
 def test_second_spare_leaves_a_vacancy_to_the_first_one_that_fills_it():
@@ -112,10 +128,13 @@ def _cfg(**kw):
     return FTBridgeConfig.resolve(environ={}, num_replica_groups=2, **kw)
 
 
-def test_stand_by_takes_over_the_dead_groups_id_and_so_its_data_shard():
+def test_stand_by_takes_over_the_dead_groups_id_and_so_its_data_shard(monkeypatch):
+    import itertools
+
     from ftbridge.harness.lm_job import topology
 
-    reads = iter([[hb(0), hb(1)], [hb(0), hb(1)], [hb(0), hb(1, stale=True)]])
+    monkeypatch.setattr(spare, "VACANT_FOR_S", 0.05)
+    reads = itertools.chain([[hb(0), hb(1)], [hb(0), hb(1)]], itertools.repeat([hb(0), hb(1, stale=True)]))
     fetch = lambda address, timeout_s: SimpleNamespace(heartbeats=next(reads))  # noqa: E731
     cfg = _cfg(spare_index=0, replica_group_id=2)
     takeover = spare.stand_by(cfg, fetch=fetch)
@@ -238,7 +257,8 @@ def test_a_vacancy_seen_right_after_the_lighthouse_did_not_answer_must_settle_fi
     assert w.observe(3.0, [hb(0, stale=True), hb(1)]) == ("wait", None)  # answers again: group 0 looks gone
     assert w.observe(3.1, [hb(0), hb(1)]) == ("wait", None)           # its heartbeat arrived: no vacancy
     assert w.observe(3.2, [hb(0, stale=True), hb(1)]) == ("wait", None)
-    assert w.observe(3.6, [hb(0, stale=True), hb(1)]) == ("join", 0)  # still gone after settling
+    assert w.observe(5.1, [hb(0, stale=True), hb(1)]) == ("wait", None)
+    assert w.observe(5.2, [hb(0, stale=True), hb(1)]) == ("join", 0)  # still gone VACANT_FOR_S later
 
 
 def test_a_slow_status_read_counts_as_failed():
