@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-loss-tolerance", type=finite(0.0), default=1e-3,
                    help="the same with --slots, where both runs train one model up to the order of floating-point "
                         "sums (default 0.001)")
-    p.add_argument("--slots-param-tolerance", type=finite(0.0), default=1e-3,
+    p.add_argument("--slots-param-tolerance", type=finite(0.0), default=1e-2,
                    help="with --slots, the largest ||p - p_failure_free|| / ||p_failure_free|| of the final "
-                        "parameters of every group (default 0.001)")
+                        "parameters of every group (default 0.01)")
     p.add_argument("--out", default="chaos-report", help="report folder (default ./chaos-report)")
     p.add_argument("--summarize", nargs="+", metavar="REPORT", default=None,
                    help="run nothing: add up these chaos reports (--out folders, or an earlier soak.json) as the "

@@ -91,7 +91,7 @@ class ChaosSettings:
     baseline: bool = True
     loss_tolerance: float = 0.15
     slots_loss_tolerance: float = 1e-3
-    slots_param_tolerance: float = 1e-3
+    slots_param_tolerance: float = 1e-2
     spares: int = 0
     slots: int = 0
 
