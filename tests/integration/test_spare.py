@@ -25,6 +25,7 @@ import pytest
 
 from ftbridge.events import read_events, tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
+from ftbridge.harness.local_job import parent_pid
 from ftbridge.launch.processes import pid_alive
 from tests.conftest import TINY
 
@@ -48,9 +49,16 @@ def test_spare_replaces_a_killed_group(local_job, nproc):
                    120, "both groups to commit together")
     assert not any(e.get("event") == "spare_join" for e in job.events()), "the spare joined a full job"
 
-    kill_time = time.time()
-    killed = job.kill_workers(1)
-    job.wait_until(lambda: any(e.get("event") == "spare_join" for e in job.events(1)), 60, "the spare to join")
+    # Group 1's torchrun is held stopped until the spare has taken the id, so that its restart comes back
+    # after the takeover (as from a slow or rebooted node) and must stand by, not race the spare.
+    (agent,) = {parent_pid(p) for p in job.worker_pids(1).values()}
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        kill_time = time.time()
+        killed = job.kill_workers(1)
+        job.wait_until(lambda: any(e.get("event") == "spare_join" for e in job.events(1)), 60, "the spare to join")
+    finally:
+        os.kill(agent, signal.SIGCONT)
     job.wait_heal(1, kill_time, 60, "the spare to heal as group 1")
     job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 and e["time"] > kill_time
                                and not e["healed"] for e in job.steps(1)), 60, "the spare to train with group 0")
