@@ -31,7 +31,6 @@ import torch  # noqa: E402 - after choose_device, which sets DS_ACCELERATOR for 
 from tqdm import tqdm  # noqa: E402
 
 import ftbridge  # noqa: E402
-from ftbridge.config import FTBridgeConfig  # noqa: E402
 
 IMPORTS_DONE = time.time()  # the heal benchmark's "process start" phase ends here
 
@@ -41,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_jit_build()
     if args.plain:  # the baseline the tests and benchmarks compare against: plain DeepSpeed, no ftbridge
         return plain_job.run(args, DEVICE, IMPORTS_DONE)
-    cfg = FTBridgeConfig.resolve(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
-                                 comm_wrapper=args.comm_wrapper, comm_state_option=args.comm_state_option)
+    cfg = lm_job.ft_config(args)  # slots on (one per group) unless FTBRIDGE_SLOTS says otherwise
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, model = lm_job.build_data_and_model(args)
     if DEVICE != "cpu":

@@ -16,10 +16,11 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from ftbridge.config import FTBridgeConfig
 from ftbridge.events import tensor_checksum
 from ftbridge.harness.data import ShardedTextData, load_text
 from ftbridge.harness.models import GPTConfig, build_model
@@ -183,6 +184,24 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
         cfg["bf16"] = {"enabled": True}
         # fp32 accumulation: ZeRO-1 then runs DeepSpeed's BF16_Optimizer, ZeRO-2 its compact fp32 path.
         cfg["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
+    return cfg
+
+
+def ft_config(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> FTBridgeConfig:
+    """The main job's ftbridge settings: the library's (arguments, then ``environ``, then defaults), except that
+    slots are on, one per planned replica group, unless ``FTBRIDGE_SLOTS`` is set (``ftbridge-run --slots N``;
+    ``--slots 0`` turns them off). So a failure does not change what the main job trains on
+    (docs/concepts.md, "Failure-transparent training").
+
+    Raises:
+        ValueError: as :meth:`ftbridge.config.FTBridgeConfig.resolve`.
+    """
+    environ = os.environ if environ is None else environ
+    given = dict(event_log=args.event_log, sync_mode=args.sync_mode, comm_hook=args.comm_hook,
+                 comm_wrapper=args.comm_wrapper, comm_state_option=args.comm_state_option)
+    cfg = FTBridgeConfig.resolve(environ, **given)
+    if environ.get("FTBRIDGE_SLOTS", "") == "":
+        cfg = FTBridgeConfig.resolve(environ, **given, slots=cfg.num_replica_groups)
     return cfg
 
 

@@ -100,7 +100,9 @@ class LocalJob:
             use it only for runs without failures.
         max_restarts: torchrun restarts per group.
         heartbeat_timeout_ms, join_timeout_ms: lighthouse settings.
-        env: extra environment for every group.
+        env: extra environment for every group. ``FTBRIDGE_SLOTS`` is ``0`` (slots off, the library's
+            default) unless set here or in this process's environment: ``scripts/train_lm.py`` alone would
+            turn slots on, and the tests and benchmarks name the mode they measure.
         group_sizes: ranks of particular groups, ``{group: nproc}``, where they
             differ from ``nproc_per_node`` (to try a job whose groups do not
             match, which ftbridge must refuse).
@@ -138,6 +140,8 @@ class LocalJob:
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self.join_timeout_ms = join_timeout_ms
         self.env = dict(env or {})
+        if "FTBRIDGE_SLOTS" not in os.environ:
+            self.env.setdefault("FTBRIDGE_SLOTS", "0")
         if checksum_every is not None:
             self.env.setdefault("FTBRIDGE_CHECKSUM_EVERY", str(checksum_every))
         self.lighthouse: Any = None
