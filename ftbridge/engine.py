@@ -161,6 +161,21 @@ class FaultTolerantEngine:
         """
         return slot_steps.units(self)
 
+    def set_step_weight(self, weight: float) -> None:
+        """Weight this group's gradient by ``weight`` in the current optimizer step's cross-replica average.
+
+        For a loss normalised per group by a count that differs between groups (the label tokens of padded
+        rows, as the Trainer's ``average_tokens_across_devices`` counts them within a group): pass that count,
+        the same on every rank of the group, before the step's last backward; the step then averages
+        ``sum_g count_g * grad_g / sum_g count_g`` over the participants, which is plain data parallelism's
+        result with the count summed over the whole job. Applies to one step; unset, groups count alike.
+
+        Raises:
+            ValueError: ``weight`` negative or not finite, ``gradient_allreduce_op`` ``"sum"``, or a PowerSGD hook.
+        """
+        device = next(self.engine.module.parameters()).device
+        self.sync.hook_state.set_weight(weight, device=device if device.type == "cuda" else "cpu")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 

@@ -105,6 +105,74 @@ def test_an_unknown_reduction_is_refused_naming_the_setting():
         base.CommHookState(None, "max")
 
 
+# -- a weight per group (label tokens of padded rows) ---------------------------------------------
+
+@pytest.mark.parametrize("name", ["no", "fp16", "bf16"])
+@pytest.mark.parametrize("healing", [(), (2,)])
+def test_a_step_weight_gives_the_count_weighted_average(name, healing):
+    # Each group's gradient is normalised by its own count (loss / count_g); plain data parallelism over the job
+    # wants sum_g count_g * grad_g / sum_g count_g. A healing group's tensor and weight both count as zero.
+    counts = [3.0, 17.0, 8.0]
+    world = FakeWorld(3, healing)
+    grads = _grads(3, 500, seed=3)
+    live = [g for g in range(3) if g not in healing]
+    expected = sum(counts[g] * grads[g] for g in live) / sum(counts[g] for g in live)
+    hook, _ = comm_hooks.build(name, manager=None)
+    states = [base.CommHookState(world.manager(i)) for i in range(3)]
+    for state, count in zip(states, counts):
+        state.set_weight(count)
+    tensors = [g.clone() for g in grads]
+    run_hook(world, hook, states, tensors)
+    tol = {"no": 1e-6, "fp16": 2e-3, "bf16": 2e-2}[name]
+    for t in tensors:
+        torch.testing.assert_close(t, expected, rtol=0, atol=tol * expected.abs().max().item())
+    unweighted = sum(grads[g] for g in live) / len(live)
+    assert (expected - unweighted).abs().max() > 10 * tol * expected.abs().max(), "the weights must matter here"
+    assert states[0].allreduces == 2, "one all-reduce of the weights per step, then the gradient"
+
+
+def test_a_step_weight_lasts_one_step():
+    world = FakeWorld(2)
+    states = [base.CommHookState(world.manager(i)) for i in range(2)]
+    for state, count in zip(states, (1.0, 3.0)):
+        state.set_weight(count)
+    grads = _grads(2, 100, seed=4)
+    tensors = [g.clone() for g in grads]
+    run_hook(world, default.allreduce_hook, states, tensors)
+    torch.testing.assert_close(tensors[0], (grads[0] + 3 * grads[1]) / 4)
+    for state in states:
+        state.end_step()
+    tensors = [g.clone() for g in grads]
+    run_hook(world, default.allreduce_hook, states, tensors)
+    assert torch.equal(tensors[0], (grads[0] + grads[1]) / 2), "the next step averages alike again"
+
+
+def test_a_group_of_weight_zero_adds_nothing():
+    world = FakeWorld(2)
+    states = [base.CommHookState(world.manager(i)) for i in range(2)]
+    states[0].set_weight(0)
+    states[1].set_weight(5)
+    grads = _grads(2, 100, seed=5)
+    tensors = [g.clone() for g in grads]
+    run_hook(world, default.allreduce_hook, states, tensors)
+    torch.testing.assert_close(tensors[0], grads[1])
+
+
+@pytest.mark.parametrize("weight, match", [(-1.0, "finite count >= 0"), (float("nan"), "finite"),
+                                           (float("inf"), "finite"), ("3", "finite")])
+def test_a_bad_step_weight_is_refused_naming_it(weight, match):
+    with pytest.raises(ValueError, match=match):
+        base.CommHookState(None).set_weight(weight)
+
+
+def test_a_step_weight_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="'sum'"):
+        base.CommHookState(None, "sum").set_weight(2.0)
+    _, state = comm_hooks.build("power_sgd", manager=None)
+    with pytest.raises(ValueError, match="PowerSGD.*no hook, fp16 or bf16"):
+        state.set_weight(2.0)
+
+
 @pytest.mark.parametrize("n,healing", [(2, ()), (1, ()), (3, (2,))])
 def test_fp16_divides_before_it_casts(n, healing):
     # 2 replicas, then the same job after one replica was lost (1 left), then a third joining (healing).

@@ -5,7 +5,8 @@ Rules: docs/comm_hooks.md, "Fault tolerance: what changes from DDP".
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import math
+from typing import Any, Dict, Optional, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -44,6 +45,10 @@ class CommHookState:
         """Bytes handed to the cross-replica all-reduce so far (payload, not wire bytes)."""
         self.allreduces = 0
         """Cross-replica all-reduce calls so far."""
+        self.weight: Optional[float] = None
+        """This group's weight in the current step's average (:meth:`set_weight`); ``None``: groups count alike."""
+        self._weight_device: Union[str, torch.device] = "cpu"
+        self._total_weight: Optional[float] = None
 
     # -- what hooks call ----------------------------------------------------
     @property
@@ -58,11 +63,58 @@ class CommHookState:
         return int(self.manager.current_step)
 
     @property
-    def divisor(self) -> int:
-        """Divisor of an average (waits for the quorum): :attr:`slots` if set, else participants; 1 for ``"sum"``."""
+    def divisor(self) -> float:
+        """Divisor of an average (waits for the quorum): :attr:`slots` if set, else participants; 1 for ``"sum"``.
+
+        With a :attr:`weight`: the participants' summed weights over this group's (``inf`` for weight 0), which
+        the group divides its own tensor by before the sum (:meth:`allreduce` does so): the sum is then
+        ``sum_g weight_g * tensor_g / sum_g weight_g``. The first use in a step sums the weights (one
+        all-reduce of one float64, waited for); a failure there is recorded and the step discarded.
+        """
         if self.reduction != "mean":
             return 1
+        if self.weight is not None:
+            total = self._sum_weights()
+            return math.inf if self.weight == 0 else total / self.weight
         return self.slots or self.participants
+
+    def set_weight(self, weight: float, device: Union[str, torch.device] = "cpu") -> None:
+        """Weight this group's gradient by ``weight`` in the current step's average across replica groups.
+
+        For losses normalised by a count that differs between groups (label tokens of padded rows): each group
+        passes its count, the same on every rank of the group, and the result is the count-weighted average,
+        as plain data parallelism over every rank gets with the count summed over the job. Cleared when the
+        step ends (:meth:`end_step`). ``device``: where the cross-replica all-reduce runs (the gradients').
+
+        Raises:
+            ValueError: ``weight`` negative or not finite; ``reduction="sum"``; a hook that reduces other
+                tensors than the gradient (PowerSGD's factors cannot be weighted per group).
+        """
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"step weight {weight!r}: use a finite count >= 0 (e.g. the group's label tokens)")
+        if self.reduction != "mean":
+            raise ValueError("a step weight with gradient_allreduce_op 'sum': gradients are summed, not averaged; "
+                             "drop the weight or use the default 'mean'")
+        if self.needs_partition:
+            raise ValueError(f"a step weight with a hook that reduces factors of its own ({type(self).__name__}, as "
+                             "PowerSGD does): they cannot be weighted per group; use no hook, fp16 or bf16")
+        self.weight, self._weight_device, self._total_weight = float(weight), device, None
+
+    def end_step(self) -> None:
+        """The step ended (committed or discarded): forget its weight."""
+        self.weight = self._total_weight = None
+
+    def _sum_weights(self) -> float:
+        if self._total_weight is None:
+            t = torch.tensor([self.weight], dtype=torch.float64, device=self._weight_device)
+            self.count(t)
+            try:
+                ok = wait_result(self.manager.allreduce(t, reduce_op=ReduceOp.SUM), t)
+            except Exception as e:  # noqa: BLE001 - recorded: the manager discards the step
+                self.manager.report_error(e)
+                ok = False
+            self._total_weight = float(t[0]) if ok else math.nan
+        return self._total_weight
 
     def allreduce(self, tensor: torch.Tensor, average: bool = True, divide_first: Optional[bool] = None) -> Any:
         """Start reducing ``tensor`` in place across replica groups: their sum, divided by :attr:`divisor`.
@@ -72,7 +124,8 @@ class CommHookState:
         Args:
             tensor: contiguous floating point tensor, any shape.
             average: ``False`` sums without dividing.
-            divide_first: divide before the sum; default ``True`` for fp16/bf16 (no overflow in the sum).
+            divide_first: divide before the sum; default ``True`` for fp16/bf16 (no overflow in the sum); always
+                with a :attr:`weight`.
 
         Returns:
             Work whose ``wait()`` returns once ``tensor`` holds the result, or ``False`` (``tensor``
@@ -80,7 +133,9 @@ class CommHookState:
         """
         self.count(tensor)
         divisor = self.divisor if average else 1
-        if divide_first is None:
+        if average and self.weight is not None:
+            divide_first = True  # the weight scales each group's own tensor
+        elif divide_first is None:
             divide_first = tensor.dtype in LOW_PRECISION
         if divide_first and divisor != 1:
             tensor.div_(divisor)
@@ -125,7 +180,7 @@ class CommHookState:
 class DividedWork:
     """Completes ``work``, the all-reduce (sum) of ``tensor``, by ``tensor /= divisor`` once after a successful wait."""
 
-    def __init__(self, work: Any, tensor: torch.Tensor, divisor: int) -> None:
+    def __init__(self, work: Any, tensor: torch.Tensor, divisor: float) -> None:
         self.work, self.tensor, self.divisor = work, tensor, divisor
         self._done = False
 

@@ -282,6 +282,18 @@ class FaultTolerantTrainerMixin:
             group_size=cfg.group_size, group_rank=cfg.group_rank, movable=True)
         return self._ft_loader
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """The Trainer's next accumulation window and its label count (``num_items_in_batch``). With
+        ``average_tokens_across_devices`` (the Trainer's default) that count, summed over the group's ranks,
+        weights this group's gradient in the cross-replica average (:meth:`ftbridge.engine.FaultTolerantEngine.
+        set_step_weight`): the loss is then normalised by the label tokens of the whole job, as plain data
+        parallelism's, however unevenly padded rows spread them over the groups."""
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        engine = self.accelerator.ft_engine
+        if engine is not None and num_items is not None and self.args.average_tokens_across_devices:
+            engine.ftbridge.set_step_weight(float(num_items))
+        return batch_samples, num_items
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """The Trainer's scheduler; once the engine exists, every heal carries its state (unless the engine
         owns it) and the Trainer's place in the run (:class:`FaultToleranceCallback`)."""

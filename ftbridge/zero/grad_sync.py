@@ -113,6 +113,7 @@ class GradientSync:
 
     def commit(self) -> None:
         """The step committed on every replica: the hook applies its state changes."""
+        self.hook_state.end_step()
         self.hook_state.commit()
 
     # -- install -----------------------------------------------------------
@@ -180,6 +181,7 @@ class GradientSync:
     def reset(self) -> None:
         """Forget pending work (after a discarded step); the hook forgets its state changes."""
         self._pending = []
+        self.hook_state.end_step()
         self.hook_state.discard()
         self._next = 0
         self._armed = False

@@ -36,16 +36,17 @@ def _max_diff(a, b):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage,gas", [
-    (2, 1),
-    pytest.param(1, 1, marks=pytest.mark.slow),
-    pytest.param(3, 1, marks=pytest.mark.slow),
-    pytest.param(2, 2, marks=pytest.mark.slow),
-    pytest.param(2, 3, marks=pytest.mark.slow),  # 10 batches an epoch: the last window holds one
-], ids=["zero2", "zero1", "zero3", "zero2-gas2", "zero2-gas3"])
-def test_fault_tolerant_trainer_trains_the_model_of_the_plain_trainer(local_job, tmp_path, stage, gas):
+@pytest.mark.parametrize("stage,gas,padded", [
+    (2, 1, False),
+    (2, 2, True),  # label tokens differ per group: each group's gradient weighs by its count
+    pytest.param(1, 1, False, marks=pytest.mark.slow),
+    pytest.param(3, 1, True, marks=pytest.mark.slow),
+    pytest.param(2, 2, False, marks=pytest.mark.slow),
+    pytest.param(2, 3, False, marks=pytest.mark.slow),  # 10 batches an epoch: the last window holds one
+], ids=["zero2", "zero2-gas2-padded", "zero1", "zero3-padded", "zero2-gas2", "zero2-gas3"])
+def test_fault_tolerant_trainer_trains_the_model_of_the_plain_trainer(local_job, tmp_path, stage, gas, padded):
     pytest.importorskip("transformers")
-    ft, plain = _run_both(local_job, tmp_path, ["--stage", str(stage), "--gas", str(gas)])
+    ft, plain = _run_both(local_job, tmp_path, ["--stage", str(stage), "--gas", str(gas)] + ["--padded"] * padded)
     for r, (got, want) in enumerate(zip(ft, plain)):
         assert got["trainer_type"] == "FaultTolerantTrainer" and want["trainer_type"] == "Trainer"
         assert got["is_deepspeed_engine"], got["engine_type"]
@@ -66,6 +67,18 @@ def test_fault_tolerant_trainer_trains_the_model_of_the_plain_trainer(local_job,
     assert lrs[0] < max(lrs) and lrs[-1] < max(lrs), "warm-up then decay: a step-count error would show"
 
 
+@pytest.mark.slow  # a negative control: ~20 s
+@pytest.mark.timeout(300)
+def test_padded_rows_without_the_token_weight_train_another_model(local_job, tmp_path):
+    """The negative control of the padded case: groups averaged alike, each normalised by its own label count."""
+    pytest.importorskip("transformers")
+    ft, plain = _run_both(local_job, tmp_path, ["--gas", "2", "--padded", "--no-weight"])
+    assert ft[0]["rows"] == plain[0]["rows"], "the same rows: only the weighting differs"
+    diff = _max_diff(ft[0]["params"], plain[0]["params"])
+    print(f"padded rows, groups weighted alike: max |ft - plain| = {diff:.3g}")
+    assert diff > 100 * ATOL
+
+
 @pytest.mark.slow  # a negative control: ~35 s
 @pytest.mark.timeout(300)
 def test_without_resharding_the_groups_train_another_model(local_job, tmp_path):
@@ -80,16 +93,23 @@ def test_without_resharding_the_groups_train_another_model(local_job, tmp_path):
 
 # -- the worker --------------------------------------------------------------------------------------------
 class Tokens(torch.utils.data.Dataset):
-    """``n`` fixed-length rows of seeded random tokens; row ``i`` carries its index as ``idx``."""
+    """``n`` fixed-length rows of seeded random tokens; row ``i`` carries its index as ``idx``. ``padded``: row ``i``'s
+    last ``(3 * i) % 7`` labels are -100 (padding), so accumulation windows hold different label counts."""
 
-    def __init__(self, n: int = 40, length: int = 8, vocab: int = 64) -> None:
+    def __init__(self, n: int = 40, length: int = 8, vocab: int = 64, padded: bool = False) -> None:
         self.ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(7))
+        self.labels = self.ids.clone()
+        if padded:
+            for i in range(n):
+                pad = (3 * i) % 7
+                if pad:
+                    self.labels[i, length - pad:] = -100
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i], "idx": i}
+        return {"input_ids": self.ids[i], "labels": self.labels[i], "idx": i}
 
 
 def _worker(argv) -> None:
@@ -99,6 +119,8 @@ def _worker(argv) -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--no-shard", action="store_true")
+    p.add_argument("--padded", action="store_true", help="rows with padded labels (Tokens)")
+    p.add_argument("--no-weight", action="store_true", help="the negative control: groups weighted alike")
     p.add_argument("--rows", type=int, default=40, help="dataset rows")
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: never)")
@@ -120,6 +142,8 @@ def _worker(argv) -> None:
         from ftbridge.integrations.transformers import FaultTolerantTrainer as Trainer
         if args.no_shard:  # the negative control: the Trainer's own per-group loader
             Trainer.get_train_dataloader = transformers.Trainer.get_train_dataloader
+        if args.no_weight:  # the negative control: no label-token weight per group
+            Trainer.get_batch_samples = transformers.Trainer.get_batch_samples
 
     rows, lrs, steps, step_rows = [], [], [], {}
 
@@ -158,7 +182,7 @@ def _worker(argv) -> None:
     transformers.set_seed(0)  # the same initial model in every replica group
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     initial = {n: q.detach().clone() for n, q in model.named_parameters()}
-    trainer = Recording(model=model, args=training_args, train_dataset=Tokens(args.rows),
+    trainer = Recording(model=model, args=training_args, train_dataset=Tokens(args.rows, padded=args.padded),
                         data_collator=transformers.default_data_collator, callbacks=[Record()])
     trainer.train(resume_from_checkpoint=True if args.resume else None)
 
