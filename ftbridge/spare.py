@@ -32,6 +32,8 @@ STATUS_TIMEOUT_S = 2.0
 """Bound on one status read (s); a failed read counts as "nothing seen" and is retried."""
 SLOW_READ_S = 1.0
 """A status read slower than this (s) counts as failed (the lighthouse was hung or cut off meanwhile)."""
+PROBE_S = 1.0
+"""Bound on the probe of a vacant group's own TCPStore before taking its id (s): an answer means it lives."""
 DEMOTED_KEY = "ftbridge/spare/demoted"
 """Group TCPStore key of rank 0's verdict on a restarted group: "1" stand by, "0" go on."""
 STORE_KEY = "ftbridge/spare/replaces"
@@ -142,6 +144,20 @@ class VacancyWatch:
     last_live: Optional[float] = None
     last_seen: str = ""
     """The last read's heartbeats, ``replica id: age s (stale)``, for the log line."""
+    stores: Dict[int, str] = field(default_factory=dict)
+    """The newest TCPStore address (``host:port``) seen for each group among the lighthouse's quorum members."""
+
+    def remember_stores(self, members: Sequence[Any]) -> None:
+        """Keep each group's store address from a read's quorum ``members``
+        (:class:`ftbridge.manager.lighthouse_status.Member`)."""
+        for m in members:
+            if m.replica_group is not None and m.store_address:
+                self.stores[m.replica_group] = m.store_address
+
+    def still_held(self, group: int, now: float) -> None:
+        """``group`` answered on its own store although the lighthouse shows it stale (cut off from the
+        lighthouse, alive): its vacancy counts anew from ``now``."""
+        self.first_seen[group] = now
 
     def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
         """Take one status read (``None``: failed) at ``now`` (s); ``("join", G)``, ``("wait"|"exit", None)``."""
@@ -183,19 +199,44 @@ class Takeover:
 def _read_heartbeats(address: str, fetch: Callable[..., Any],
                      clock: Callable[[], float] = time.monotonic) -> Optional[List[Any]]:
     """The lighthouse's heartbeat table, or ``None`` when the read failed or took longer than :data:`SLOW_READ_S`."""
+    status = _read_status(address, fetch, clock)
+    return None if status is None else list(status.heartbeats)
+
+
+def _read_status(address: str, fetch: Callable[..., Any], clock: Callable[[], float] = time.monotonic) -> Any:
+    """The lighthouse's status, or ``None`` when the read failed or took longer than :data:`SLOW_READ_S`."""
     t0 = clock()
     try:
-        beats = list(fetch(address, timeout_s=STATUS_TIMEOUT_S).heartbeats)
+        status = fetch(address, timeout_s=STATUS_TIMEOUT_S)
     except (OSError, ValueError) as exc:  # unreachable, HTTP error, or not torchft's page: retry
         logger.debug("spare: lighthouse status read failed: %s", exc)
         return None
-    return beats if clock() - t0 <= SLOW_READ_S else None
+    return status if clock() - t0 <= SLOW_READ_S else None
+
+
+def store_answers(store_address: str, timeout_s: float = PROBE_S) -> bool:
+    """Whether the TCPStore at ``store_address`` (``host:port``) answers one request within ``timeout_s``: its
+    process lives. Refused, reset or unanswered (a dead or stopped process): ``False``."""
+    from datetime import timedelta
+
+    from ftbridge.manager.store_probe import probe_store
+
+    try:
+        probe_store(store_address, timedelta(seconds=timeout_s))
+    except (TimeoutError, RuntimeError, OSError, ValueError) as exc:  # the stated outcome: no answer
+        logger.debug("spare: store %s does not answer: %s", store_address, exc)
+        return False
+    return True
 
 
 def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]] = None,
                      clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                     restarted: Optional[bool] = None) -> Tuple[Optional[int], float]:
+                     restarted: Optional[bool] = None,
+                     probe: Callable[[str], bool] = store_answers) -> Tuple[Optional[int], float]:
     """Group rank 0's stand-by loop: poll the lighthouse until a vacancy is taken or the job is over.
+
+    A group due to be taken whose own TCPStore (its address from the last quorum that listed it) still answers
+    lives, cut off from the lighthouse only: it keeps its id and its vacancy counts anew (docs/spares.md).
 
     Args:
         cfg: the spare's settings; ``restart_peer_wait`` bounds the wait without a live group.
@@ -204,6 +245,7 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         clock, sleep: wall clock (s) and sleep, for tests.
         restarted: this launch was restarted by torchrun (default: ``TORCHELASTIC_RESTART_COUNT`` > 0);
             the job-over bound then counts from now.
+        probe: ``probe(store_address) -> bool``, whether that store answers (default :func:`store_answers`).
 
     Returns:
         ``(group id, or None when the job is over; wall time it was first seen vacant)``.
@@ -217,13 +259,28 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted:
         watch.last_live = clock()
+    spared: set = set()  # groups found alive on their store in this vacancy, logged once
     while True:
         now = clock()
-        action, group = watch.observe(now, _read_heartbeats(cfg.lighthouse, fetch))
+        status = _read_status(cfg.lighthouse, fetch)
+        if status is not None:
+            watch.remember_stores(getattr(status, "members", ()))
+        action, group = watch.observe(now, None if status is None else list(status.heartbeats))
         if action == "join" and group is not None:
+            address = watch.stores.get(group)
+            if address is not None and probe(address):
+                if group not in spared:
+                    logger.info("[spare %d] replica group %d has no fresh heartbeat at the lighthouse, but its "
+                                "store %s answers: it lives, cut off from the lighthouse; not taking its id",
+                                cfg.spare_index, group, address)
+                spared.add(group)
+                watch.still_held(group, clock())
+                sleep(POLL_S)
+                continue
             logger.warning("[spare %d] lighthouse heartbeats when deciding: %s", cfg.spare_index,
                         watch.last_seen)
             return group, watch.first_seen[group]
+        spared &= set(watch.first_seen)  # a group fresh again starts a new vacancy
         if action == "exit":
             return None, now
         sleep(POLL_S)

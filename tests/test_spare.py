@@ -269,3 +269,62 @@ def test_a_slow_status_read_counts_as_failed():
 
     assert spare._read_heartbeats("lh", fetch, clock=lambda: next(clock)) is None
     assert spare._read_heartbeats("lh", fetch, clock=lambda: next(clock)) is not None
+
+
+# -- a group cut off from the lighthouse that still answers on its own store keeps its id -----------------
+
+def _member(group, store="10.0.0.1:4000"):
+    from ftbridge.manager.lighthouse_status import Member
+
+    return Member(f"replica_group_{group}:u", step=7, world_size=2, manager_address="http://m", store_address=store,
+                  recovering=False)
+
+
+def _cut_off_run(answers, members):
+    """Group 1 turns stale after the first read; ``answers``: what each probe of its store says in turn."""
+    reads = [SimpleNamespace(heartbeats=[hb(0), hb(1)], members=members)]
+    reads += [SimpleNamespace(heartbeats=[hb(0), hb(1, stale=True)], members=[_member(0, "10.0.0.2:4000")])] * 2000
+    it, ticks, probed = iter(reads), iter(range(100000)), []
+
+    def probe(address):
+        probed.append(address)
+        return next(answers)
+
+    group, _ = spare.watch_lighthouse(_cfg(spare_index=0), fetch=lambda address, timeout_s: next(it),
+                                      clock=lambda: next(ticks) * 0.1, sleep=lambda s: None, probe=probe)
+    return group, probed
+
+
+def test_a_vacant_group_whose_store_answers_keeps_its_id_until_it_stops_answering():
+    group, probed = _cut_off_run(iter([True, True, False]), [_member(0, "10.0.0.2:4000"), _member(1)])
+    assert group == 1
+    assert probed == ["10.0.0.1:4000"] * 3, "probed at each due vacancy, with the address its last quorum gave"
+
+
+def test_a_vacant_group_the_spare_never_saw_in_a_quorum_is_taken_without_a_probe():
+    group, probed = _cut_off_run(iter([]), [])
+    assert group == 1 and probed == []
+
+
+@pytest.mark.timeout(60)
+def test_store_answers_tells_a_live_store_from_a_closed_and_a_silent_one():
+    import socket
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    address = f"127.0.0.1:{store.port}"
+    assert spare.store_answers(address)
+    del store  # its server thread ends with it: connections are refused
+    assert not spare.store_answers(address, timeout_s=0.5)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts, nobody answers: a stopped process
+    try:
+        t0 = time.monotonic()
+        assert not spare.store_answers(f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+        assert time.monotonic() - t0 < 5.0, "bounded by its timeout, not the store client's own"
+    finally:
+        silent.close()
