@@ -270,7 +270,7 @@ def watch_lighthouse(cfg: FTBridgeConfig, *, fetch: Optional[Callable[..., Any]]
             address = watch.stores.get(group)
             if address is not None and probe(address):
                 if group not in spared:
-                    logger.info("[spare %d] replica group %d has no fresh heartbeat at the lighthouse, but its "
+                    logger.warning("[spare %d] replica group %d has no fresh heartbeat at the lighthouse, but its "
                                 "store %s answers: it lives, cut off from the lighthouse; not taking its id",
                                 cfg.spare_index, group, address)
                 spared.add(group)
