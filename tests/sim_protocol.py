@@ -41,6 +41,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
@@ -116,6 +117,9 @@ class Faults:
     lost_answer: FrozenSet[Tuple[int, int]] = frozenset()
     """Group rank ``r >= 1`` of the group loses its copy of the round's answer its rank 0 got (paused past its
     try's deadline with the try in flight): the real ``OutageRider._lost_answer`` runs on it."""
+    timed_out: FrozenSet[int] = frozenset()
+    """The group's try times out as the lighthouse issues the round's quorum to it: the answer goes nowhere, and
+    its ranks read the lighthouse's last quorum (the real ``UnseenQuorums.look``) before asking again."""
 
     def quiet(self) -> bool:
         """Nothing is wrong this round."""
@@ -138,6 +142,8 @@ class Revert:
     """A lighthouse call that never answers is waited for forever (no deadline, no ride)."""
     continuity: bool = False
     """A quorum that follows quorums none of its members took part in commits like any other."""
+    unseen: bool = False
+    """A quorum issued to a timed-out try is not looked for in the lighthouse's status."""
     majority_on_sight: bool = False
     """After a lighthouse restart, seeing a quorum that holds most groups of the one before ends the requirement,
     even if nothing commits there."""
@@ -520,16 +526,19 @@ class Sim:
         for g in runs:
             if g.asking is None:
                 continue
+            lost = None
             if q is not None and g.replica_id in q.replica_ids:
-                if g.key not in f.oneway_lh:
+                if g.key not in f.oneway_lh | f.timed_out:
                     g.asked_for = self.now - int(g.asking.started)
                     g.asking, out[g.key] = None, q
                     continue
-                g.stale_step = g.request_step  # answered, but the answer is lost on the way back
-                g.lost_answers.add(q.quorum_id)
-                lost = q
-            else:
-                lost = None
+                if g.key in f.oneway_lh:
+                    g.stale_step = g.request_step  # answered, but the answer is lost on the way back
+                    g.lost_answers.add(q.quorum_id)
+                    lost = q
+                elif not self.revert.unseen:  # the try timed out: its ranks read the lighthouse's last quorum
+                    self._look(g)
+
             action = g.asking.poll(float(self.now), g.monitor.during_call())
             if self.revert.quorum_deadline and action != QuorumWait.RIDE:
                 action = QuorumWait.WAIT
@@ -544,6 +553,17 @@ class Sim:
             elif action == QuorumWait.EXPIRED:
                 g.alive, g.exit_reason = False, "QuorumTimeout"
         return out
+
+    def _look(self, g: SimGroup) -> None:
+        """Every rank of ``g`` reads the lighthouse's last quorum after a timed-out try (``UnseenQuorums.look``)."""
+        lh = self.lighthouse
+        status = SimpleNamespace(previous_quorum_id=lh.quorum_id,
+                                 members=[SimpleNamespace(replica_id=rid) for rid in lh.members])
+        for r in g.ranks:
+            last = r.rider.last
+            r.rider.unseen._me, r.rider.unseen._me_of = g.replica_id, None
+            r.rider.unseen._fetch = lambda address, timeout_s: status
+            r.rider.unseen.look(None if last is None else last.quorum_id, None if last is None else last.quorum_id)
 
     def _own_rebuild(self, g: SimGroup, q: "Quorum") -> Tuple[bool, bool, bool]:
         """``(restarted, own vote, votes)`` of a member before it applies ``q`` (the quorum guard's rules): a

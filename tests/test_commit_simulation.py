@@ -29,7 +29,8 @@ RECOVERY = QUORUM_TIMEOUT + HEARTBEAT_TIMEOUT + JOIN_WAIT + RESTART_PEER_WAIT + 
 """Quiet rounds after the last fault within which every live group must commit again."""
 
 KINDS = ("lighthouse_dead", "lighthouse_hung", "lighthouse_restart", "cut_lh", "oneway_lh", "cut_peer", "slow",
-         "hang", "kill", "crash", "restart", "rank_error", "heal_fail", "late_error", "stale", "lost_answer")
+         "hang", "kill", "crash", "restart", "rank_error", "heal_fail", "late_error", "stale", "lost_answer",
+         "timed_out")
 
 
 @st.composite
@@ -283,6 +284,27 @@ def test_a_quorum_issued_only_to_calls_the_groups_left_is_no_gap():
     # Three groups, one of them dead: the quorum of the other two is not the whole job, so the check applies.
     sim = run(3, 1, True, [Faults(kill=frozenset({2})), Faults(), Faults(), *LEFT_CALLS])
     assert sim.groups[0].alive and sim.groups[1].alive
+
+
+CTRL_C = [Faults(kill=frozenset({1})), Faults(timed_out=frozenset({0})), Faults(restart=frozenset({1}))]
+"""Seen by a user with real processes: group 1 stopped with Ctrl-C; group 0's try timed out just as the lighthouse
+issued it a quorum of its own (torchft's lighthouse keeps a request after its caller gave up), whose answer went
+nowhere; group 1 was started again. No member of the next quorum had been in that one: group 0 discarded every step
+until it stopped with QuorumGap, and the job started over from step 0."""
+
+
+def test_a_quorum_issued_to_a_timed_out_try_is_read_from_the_lighthouse_and_is_no_gap():
+    sim = Sim(2, 1, ride=True)
+    for f in [Faults()] * 3 + CTRL_C + [Faults()] * (RESTART_PEER_WAIT + 8):
+        sim.round(f)
+    assert sim.committing() == {0, 1} and sim.groups[0].ranks[0].tf.step > 3 + RESTART_PEER_WAIT
+
+
+def test_the_status_read_reverted_stops_the_job_over_a_quorum_nobody_trained_in():
+    sim = Sim(2, 1, ride=True, revert=Revert(unseen=True))
+    for f in [Faults()] * 3 + CTRL_C + [Faults()] * (RESTART_PEER_WAIT + 8):
+        sim.round(f)
+    assert sim.groups[0].exit_reason == "QuorumGap" and not sim.committing()
 
 
 UNANSWERED_AFTER_RESTART = [Faults(restart_lighthouse=True, cut_lh=frozenset({1})), *[Faults(lighthouse="dead")] * 3,

@@ -66,10 +66,10 @@ def test_a_lighthouse_restart_starts_the_history_anew_and_a_late_answer_from_bef
     h.close((10, A), (0, A))  # the id went down: a restarted lighthouse
     assert (h.certified, h.dead_ends(), h.epoch) == (-1, (), epoch + 1)
     with h.lock:
-        h.left_answered(epoch, 11, current=0)
+        h.never_joined(epoch, 11, current=0)
     assert h.dead_ends() == ()
     with h.lock:
-        h.left_answered(h.epoch, 2, current=0)
+        h.never_joined(h.epoch, 2, current=0)
     assert h.dead_ends() == ((2, 2),)
 
 

@@ -94,6 +94,7 @@ class QuorumHistory:
             return
         self._before = self.certified_members(last[1])
         with self.lock:
+            self.dead.discard(new[0])  # issued again, now to a call the group acts on: no longer a dead end
             if detect_lighthouse_restart(QuorumSeen(last[0], tuple(last[1])), new[0], tuple(new[1])):
                 self.certified, self.dead, self.epoch = -1, set(), self.epoch + 1  # ids start anew
                 self.missed, self.certified_committers = -1, 0  # RestartMajority holds the history across it
@@ -111,9 +112,10 @@ class QuorumHistory:
         with self.lock:
             return id_runs(self.dead, DEAD_END_RUNS)
 
-    def left_answered(self, epoch: int, quorum_id: int, current: Optional[int]) -> None:
-        """A lighthouse call the group left to ride, made in ``epoch``, was answered with ``quorum_id``; ``current``
-        is the quorum the rank holds now. Call with :attr:`lock` held."""
+    def never_joined(self, epoch: int, quorum_id: int, current: Optional[int]) -> None:
+        """The lighthouse (in ``epoch``) issued ``quorum_id`` to a call of this group that the group never acted on (a
+        call left to ride, answered late; a try that timed out): nobody commits there, a dead end unless it is
+        ``current``, the quorum the rank holds now. Call with :attr:`lock` held."""
         if epoch == self.epoch and quorum_id > self.certified and quorum_id != current:
             self.dead.add(quorum_id)
 

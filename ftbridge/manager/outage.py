@@ -36,6 +36,8 @@ from ftbridge.manager.commit import (
 from ftbridge.manager.futures import in_thread
 from ftbridge.manager.history import LastQuorum, QuorumHistory, Reused
 from ftbridge.manager.lighthouse_monitor import LighthouseMonitor
+from ftbridge.manager.torchft_api import replica_id_of
+from ftbridge.manager.unseen import UnseenQuorums
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,9 @@ class OutageRider:
         self._members: Tuple[str, ...] = ()
         self.history = QuorumHistory(gap_wait.total_seconds(), clock)
         """The quorums since the last certified one (the agreement row's continuity fields)."""
+        self.unseen = UnseenQuorums(lighthouse, self.history, self._who, me=lambda: replica_id_of(manager))
+        """Quorums issued to a timed-out try of this rank's call (:mod:`ftbridge.manager.unseen`)."""
+        self._timed_out = False  # a try timed out and no quorum came since: its request may still be issued
         self._left_call: Optional[concurrent.futures.Future] = None  # the last lighthouse call this rank left
         self._adopted: Optional[concurrent.futures.Future] = None  # ... taken up again as a later step's call
         self.riding = False
@@ -155,6 +160,7 @@ class OutageRider:
         """Keep ``result``, the quorum torchft is about to use, for riding, and close the history of the one before
         (certified, missed or dead end)."""
         qid, members, last = int(result.quorum_id), tuple(sorted(replica_ids)), self.last
+        self._timed_out = False
         self.history.close(None if last is None else (last.quorum_id, self._members), (qid, members))
         self.last, self._members = LastQuorum(result, qid, membership_digest(replica_ids), int(result.replica_rank),
                                               int(result.replica_world_size)), members
@@ -176,7 +182,7 @@ class OutageRider:
             qid = int(getattr(done.result(), "quorum_id", -1))
             with self.history.lock:
                 if done is not self._adopted:
-                    self.history.left_answered(epoch, qid, None if self.last is None else self.last.quorum_id)
+                    self.history.never_joined(epoch, qid, None if self.last is None else self.last.quorum_id)
 
         future.add_done_callback(note)
 
@@ -271,8 +277,8 @@ class OutageRider:
             if self._group_rank == 0:
                 store.set(key, bytes([48 + ride, 48 + seen]))
                 if self._seq > 2:  # every rank has read it: they all passed the last step's should_commit
-                    store.delete_key(f"ftbridge/outage/{self._seq - 2}")
-                    store.delete_key(f"ftbridge/outage/{self._seq - 2}/outcome")
+                    for suffix in ("", "/outcome", "/unseen"):
+                        store.delete_key(f"ftbridge/outage/{self._seq - 2}{suffix}")
                 return ride, seen
             store.wait([key], self._decision_timeout)
             value = bytes(store.get(key))
@@ -336,8 +342,12 @@ class OutageRider:
         """One try in a helper thread, started ``after`` from now; ends with :class:`TryNotMade` if ``unless()`` holds
         by then."""
         def run() -> Any:
+            if self._timed_out:
+                self._look_for_unseen()
             if after:
                 time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
+            if self._timed_out:
+                self._look_for_unseen()  # right before the request replaces the timed-out one at the lighthouse
             if unless is not None and unless():
                 raise TryNotMade("rank 0 of the group decided this step's quorum call first")
             self._made += 1
@@ -372,9 +382,11 @@ class OutageRider:
                   ) -> Optional[Tuple[concurrent.futures.Future, int]]:
         """``(next try, tried + 1)`` for a try that timed out or got a stale answer while tries remain; ``None`` when it
         is the outcome."""
+        exc = future.exception()
+        if isinstance(exc, TimeoutError) and not isinstance(exc, TryNotMade):
+            self._timed_out = True
         if tried >= self._tries:
             return None
-        exc = future.exception()
         if exc is not None:
             if not isinstance(exc, TimeoutError) or isinstance(exc, TryNotMade):
                 return None
@@ -394,9 +406,15 @@ class OutageRider:
         if held is not None:
             logger.warning(msg + (f" ({held} more like this since the last one logged)" if held else ""), *args)
 
+    def _look_for_unseen(self) -> None:
+        """A try of this rank's call timed out: record the quorum the lighthouse issued to it, if any."""
+        if self.last is not None:
+            self.unseen.look(self.last.quorum_id, self.last.quorum_id)
+
     def _publish(self, outcome: bytes) -> None:
         if self.enabled and self._group_size > 1:
             try:
+                self.unseen.share(self._manager._store, f"ftbridge/outage/{self._seq}/unseen")  # before the outcome
                 self._manager._store.set(f"ftbridge/outage/{self._seq}/outcome", outcome)
             except Exception as exc:  # noqa: BLE001 - the others then time out waiting for it and fail the step
                 logger.error("%s could not publish this step's quorum outcome (%s)", self._who, exc)
@@ -423,6 +441,8 @@ class OutageRider:
         except Exception as exc:
             raise QuorumTimeout(f"{self._who} replica group rank 0's quorum outcome did not come within "
                                 f"{bound.total_seconds():g} s ({type(exc).__name__}: {exc})") from exc
+        self.unseen.adopt(store, f"ftbridge/outage/{self._seq}/unseen", None if self.last is None else
+                          self.last.quorum_id)
         if outcome == b"rode":
             self._left(future)
             return self.leave_call()

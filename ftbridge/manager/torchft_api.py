@@ -33,6 +33,7 @@ __all__ = [
     "installed_version",
     "internals_supported",
     "pause_manager_server",
+    "replica_id_of",
 ]
 
 TORCHFT_GUARDED_VERSIONS = ("0.2.",)
@@ -54,6 +55,16 @@ def internals_supported(manager: Any) -> bool:
             and all(hasattr(manager, a) for a in _GUARDED_FIELDS))
 
 
+def replica_id_of(manager: Any) -> str:
+    """The replica id group rank 0's manager server gave the lighthouse (``replica_group_G:UUID``), read from the
+    group's store (any rank).
+
+    Raises:
+        Whatever the store's ``get`` raises (the store is gone, or the key is not set within its timeout).
+    """
+    return manager._store.get(REPLICA_ID_KEY).decode("utf-8")
+
+
 def pause_manager_server(manager: Any, *, lighthouse_addr: str, hostname: str, heartbeat_interval: timedelta,
                          connect_timeout: timedelta, quorum_retries: int) -> Callable[[], None]:
     """Shut down group rank 0's manager server (its heartbeats stop); return ``resume()``, which builds a new one on the
@@ -66,7 +77,7 @@ def pause_manager_server(manager: Any, *, lighthouse_addr: str, hostname: str, h
     if server is None:
         raise AttributeError("only group rank 0's torchft Manager holds a manager server")
     port = int(server.address().rsplit(":", 1)[1])
-    replica_id = manager._store.get(REPLICA_ID_KEY).decode("utf-8")
+    replica_id = replica_id_of(manager)
     store_addr = f"{manager._store.host}:{manager._store.port}"
     world_size = manager._group_world_size
     server.shutdown()
