@@ -1,8 +1,8 @@
 """Do the lighthouse's timeouts fit the managers' settings? A pure check.
 
 :func:`check_timeouts` applies the rules ``heartbeat-interval``, ``quorum-wait``, ``heal-time``
-(ERROR: refuse to start) and ``heal-join``, ``restart-retries``, ``restart-outage`` (WARNING), in that
-order; conditions and reasons: ``docs/lighthouse.md``, "Timeout checks". :func:`enforce` acts on them.
+(ERROR: refuse to start) and ``departure-wait``, ``heal-join``, ``restart-retries``, ``restart-outage``
+(WARNING), in that order; conditions and reasons: ``docs/lighthouse.md``, "Timeout checks". :func:`enforce` acts on them.
 
 Example::
 
@@ -21,6 +21,9 @@ logger = logging.getLogger("lighthouse")
 
 RECONNECT_ALLOWANCE = timedelta(seconds=2)
 """Time a manager needs to notice a restarted lighthouse is back and send its quorum again."""
+
+DEPARTURE_MARGIN = timedelta(seconds=1)
+"""Least time between the survivors' quorum after a group dies and the end of the first try of their call."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +106,16 @@ def check_timeouts(lh: LighthouseTimeouts, mgr: ManagerTimeouts) -> List[Finding
                            f"quorum call, quorum_timeout={_s(mgr.quorum_timeout)} / (quorum_retries="
                            f"{mgr.quorum_retries} + 1) = {_s(one_try)}: a quorum waiting for a straggler would outlast "
                            "every try; lower join_timeout_ms, raise quorum_timeout or lower quorum_retries"))
+    departure = hb_timeout + tick + DEPARTURE_MARGIN
+    if wait < one_try <= departure:
+        out.append(Finding("WARNING", "departure-wait",
+                           f"heartbeat_timeout_ms={lh.heartbeat_timeout_ms} + quorum_tick_ms={lh.quorum_tick_ms} + "
+                           f"{_s(DEPARTURE_MARGIN)} = {_s(departure)} is not below one try of the managers' quorum "
+                           f"call ({_s(one_try)}): when one of two groups dies, the survivor's quorum waits out its "
+                           "heartbeat timeout and forms as that try ends, and the lighthouse can issue it to the try "
+                           "that just gave up (ftbridge reads it back from the status page, but one replaced within "
+                           "milliseconds is missed and stops the group with QuorumGap); lower heartbeat_timeout_ms "
+                           "or raise quorum_timeout"))
     if mgr.expected_heal_time >= mgr.cross_replica_timeout:
         out.append(Finding("ERROR", "heal-time",
                            f"expected_heal_time={_s(mgr.expected_heal_time)} is not below cross_replica_timeout="

@@ -33,8 +33,9 @@ DEFAULT_MIN_REPLICAS = 1
 DEFAULT_JOIN_TIMEOUT_MS = 1000
 """How long a quorum waits for heartbeating groups that have not joined yet (ms); torchft's is 60000."""
 
-DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
-"""A group silent for this long is considered dead (ms); torchft's default."""
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 3000
+"""A group silent for this long is considered dead (ms); torchft's is 5000, which with two groups makes the
+survivors' quorum form just as the first try of their call ends (the ``departure-wait`` check)."""
 
 DEFAULT_QUORUM_TICK_MS = 100
 """How often the lighthouse re-checks whether a quorum can form (ms)."""

@@ -18,7 +18,7 @@ S = timedelta(seconds=1)
 
 
 def _lh(**kw):
-    return LighthouseTimeouts(**{"heartbeat_timeout_ms": 5000, "join_timeout_ms": 1000, "quorum_tick_ms": 100, **kw})
+    return LighthouseTimeouts(**{"heartbeat_timeout_ms": 3000, "join_timeout_ms": 1000, "quorum_tick_ms": 100, **kw})
 
 
 def _mgr(**kw):
@@ -45,6 +45,8 @@ def test_defaults_of_the_lighthouse_and_ftbridge_fit():
     (_lh(join_timeout_ms=60000, heartbeat_timeout_ms=40000), _mgr(), ("ERROR", "quorum-wait"), "quorum_timeout=30 s"),
     # each try resends the request, which restarts the lighthouse's straggler wait: one try must outlast it
     (_lh(join_timeout_ms=6000, heartbeat_timeout_ms=8000), _mgr(), ("ERROR", "quorum-wait"), "+ 1) = 5 s"),
+    # torchft's 5000 ms: with two groups the survivor's quorum forms as the first 5 s try of its call ends
+    (_lh(heartbeat_timeout_ms=5000), _mgr(), ("WARNING", "departure-wait"), "heartbeat_timeout_ms=5000"),
     (_lh(), _mgr(expected_heal_time=12 * S), ("ERROR", "heal-time"), "cross_replica_timeout=10 s"),
     (_lh(join_timeout_ms=500), _mgr(expected_heal_time=2 * S), ("WARNING", "heal-join"), "join_timeout_ms=500"),
     (_lh(), _mgr(quorum_retries=0), ("WARNING", "restart-retries"), "quorum_retries=0"),

@@ -32,7 +32,7 @@ def job(
     lighthouse: str = "",
     lighthouse_port: int = DEFAULT_LIGHTHOUSE_PORT,
     lighthouse_min_replicas: int = 1,
-    lighthouse_heartbeat_timeout_ms: int = 5000,
+    lighthouse_heartbeat_timeout_ms: int = 3000,
     lighthouse_idle_exit_s: int = 300,
     min_replicas: int = 1,
     max_restarts: int = 3,
