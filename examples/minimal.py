@@ -55,8 +55,10 @@ def train() -> None:
         loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
         engine.backward(loss)
         engine.step()  # commits on every replica group, or discards on every one
+    from ftbridge.events import tensor_checksum  # SHA-256 of the parameters: the same on every replica group
+
     print(f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] step {engine.global_steps} "
-          f"loss {loss.item():.4f}", flush=True)
+          f"loss {loss.item():.4f} params {tensor_checksum(model.parameters())}", flush=True)
     engine.shutdown()
 
 

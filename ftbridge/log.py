@@ -70,6 +70,21 @@ def setup_logging(group_rank: int) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     if "FTBRIDGE_LOG_LEVEL" not in os.environ:
         logging.getLogger("torchft").setLevel(logging.WARNING)
+    logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderNoise())
+
+
+class _NoFlightRecorderNoise(logging.Filter):
+    """Drops torchft's "Unable to reset NCCL flight recorder recording" warning, logged at every quorum change by a
+    torch built without NCCL (CPU builds), where there is no such recording to reset."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage() or _has_flight_recorder()
+
+
+def _has_flight_recorder() -> bool:
+    import torch
+
+    return hasattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl")
 
 
 def get_logger(name: str, cfg: Any, step_fn: Optional[Callable[[], int]] = None) -> logging.LoggerAdapter:

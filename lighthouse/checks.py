@@ -2,7 +2,8 @@
 
 :func:`check_timeouts` applies the rules ``heartbeat-interval``, ``quorum-wait``, ``heal-time``
 (ERROR: refuse to start) and ``departure-wait``, ``heal-join``, ``restart-retries``, ``restart-outage``
-(WARNING), in that order; conditions and reasons: ``docs/lighthouse.md``, "Timeout checks". :func:`enforce` acts on them.
+(WARNING), in that order; conditions and reasons: ``docs/lighthouse.md``, "Timeout checks". :func:`enforce` acts
+on them.
 
 Example::
 

@@ -42,6 +42,7 @@ def test_the_minimal_script_runs_itself_as_a_local_job():
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("[replica")]
     assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 60", "[replica 1 rank 0] step 60"]
+    assert len({line.split(" params ")[1] for line in lines}) == 1, f"the groups hold different parameters: {lines}"
 
 
 @pytest.mark.timeout(420)
