@@ -88,6 +88,10 @@ class FaultTolerantEngine:
         self.slot_plan: List[Tuple[int, int]] = []
         """``(slot, micro)`` of every unit this group computes in the current attempt (:meth:`units`)."""
         self._plan = slot_steps.plan_digest(cfg, engine)
+        if cfg.slots:
+            self.log.info("slots on: %d slots of %d micro-batch(es) each per optimizer step, computed by whichever "
+                          "replica groups take part (FTBRIDGE_SLOTS=0 turns them off)", cfg.slots,
+                          engine.gradient_accumulation_steps())
         self.sync = build_sync(self.adapter, self.manager, cfg.sync_mode, cfg.cross_replica_bucket_bytes,
                                hook=hook, hook_state=hook_state)
         wrap_model_step(engine, self._model_step)

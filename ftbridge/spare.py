@@ -160,10 +160,14 @@ class VacancyWatch:
         self.first_seen[group] = now
 
     def observe(self, now: float, heartbeats: Optional[Sequence[Any]]) -> Tuple[str, Optional[int]]:
-        """Take one status read (``None``: failed) at ``now`` (s); ``("join", G)``, ``("wait"|"exit", None)``."""
+        """Take one status read (``None``: failed) at ``now`` (s); ``("join", G)``, ``("wait"|"exit", None)``.
+
+        A lighthouse that does not answer shows no live group: the job counts as over ``job_gone_s`` after the last
+        live group was seen, as when every group is stale (a job ended and its lighthouse stopped)."""
         if heartbeats is None:  # the lighthouse did not answer: a vacancy counts again from the next answer
             self.first_seen = {}
-            return "wait", None
+            gone = self.last_live is not None and now - self.last_live >= self.job_gone_s
+            return ("exit" if gone else "wait"), None
         fresh, known = heartbeat_groups(heartbeats)
         self.last_seen = ", ".join(f"{h.replica_id}: {h.age_s:.2f} s{' (stale)' if h.stale else ''}"
                                    for h in heartbeats)
@@ -377,8 +381,9 @@ def stand_by(cfg: FTBridgeConfig, *, store: Any = None, fetch: Optional[Callable
         group = share_decision(store, cfg.group_rank, group)
     seen = seen if cfg.group_rank == 0 else time.time()
     if group is None:
-        logger.info("[spare %d rank %d] no live replica group left: the job is over, exiting",
-                    cfg.spare_index, cfg.group_rank)
+        logger.warning("[spare %d rank %d] no live replica group for %g s (restart_peer_wait), or the lighthouse "
+                       "stopped answering: the job is over, exiting", cfg.spare_index, cfg.group_rank,
+                       cfg.restart_peer_wait.total_seconds())
         sys.exit(0)
     decided = time.time()
     logger.warning("[spare %d rank %d] replica group %d is vacant: taking its place", cfg.spare_index,

@@ -92,6 +92,17 @@ def test_watch_exits_once_no_group_has_been_live_for_job_gone_s():
     assert w.observe(5.0, [hb(0, stale=True), hb(1, stale=True)]) == ("exit", None)
 
 
+def test_watch_exits_when_the_lighthouse_stops_answering_after_the_job_ran():
+    """A launcher that stood by as a spare outlived its job: the job ended, its lighthouse was stopped, and the
+    spare waited for it for good."""
+    w = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=5)
+    assert w.observe(0.0, [hb(0), hb(1)]) == ("wait", None)
+    assert w.observe(4.0, None) == ("wait", None)
+    assert w.observe(5.0, None) == ("exit", None)
+    never = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=5)
+    assert never.observe(100.0, None) == ("wait", None)  # started before its lighthouse: it waits
+
+
 def test_watch_never_exits_before_it_saw_a_live_group():
     w = spare.VacancyWatch(num_groups=2, spare_index=0, job_gone_s=0)
     assert w.observe(100.0, []) == ("wait", None)
