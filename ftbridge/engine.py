@@ -348,7 +348,8 @@ class FaultTolerantEngine:
         why = "" if committed else f" ({self._discard_reason()})"
         self.log.log(level, "%s loss=%.4f participants=%d quorum=%d group samples/s=%.1f%s%s",
                      "committed" if committed else "DISCARDED", loss or float("nan"), rec["participants"],
-                     rec["quorum_id"], samples_per_s, " healed" if rec["healed"] else "", why)
+                     rec["quorum_id"], samples_per_s,
+                     " healed (the loss is of the state before the heal)" if rec["healed"] else "", why)
 
     def _discard_reason(self) -> str:
         """Why this step was discarded: the group's decision, or the first error recorded (one line)."""

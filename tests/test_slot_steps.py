@@ -140,3 +140,14 @@ def test_the_divisor_is_the_slots_only_for_a_mean():
     assert state.divisor == 2
     state.slots = 4
     assert state.divisor == 4
+
+
+def test_the_engine_says_in_its_log_that_slots_are_on(caplog):
+    with caplog.at_level("INFO", logger="ftbridge.engine"):
+        tiny_engine(2, ds={"gradient_accumulation_steps": 2}, manager=QuorumOf,
+                    ft={"num_replica_groups": 3, "replica_group_id": 0, "slots": 3})
+    assert "slots on: 3 slots of 2 micro-batch(es) each per optimizer step" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ftbridge.engine"):
+        tiny_engine(2, ft={"num_replica_groups": 2, "replica_group_id": 1})
+    assert "slots on" not in caplog.text
