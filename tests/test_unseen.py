@@ -126,7 +126,8 @@ def test_the_rider_reads_the_status_after_a_try_times_out_and_shares_it_with_its
     r0, r1 = _rider(rank=0, **kw), _rider(rank=1, **kw)
     reads = []
     r0.unseen._fetch = lambda a, t: reads.append(a) or _status(14, ME)
-    r1.unseen._fetch = lambda a, t: _status(None)  # rank 1 reads nothing itself: it takes rank 0's word
+    follower_reads = []
+    r1.unseen._fetch = lambda a, t: follower_reads.append(a) or _status(None)  # it takes rank 0's word instead
     for r in (r0, r1):
         _last_quorum_13(r)
     second = threading.Event()
@@ -136,7 +137,7 @@ def test_the_rider_reads_the_status_after_a_try_times_out_and_shares_it_with_its
     t.start()
     assert r1.quorum(c1).quorum_id == 15
     t.join(10)
-    assert len(reads) == 2  # right after the timeout and right before the next try
+    assert len(reads) == 2 and follower_reads == []  # right after the timeout and right before the next try
     for r in (r0, r1):
         r.remember(Quorum(15, 0, 2), [ME, PEER_AGAIN])
         assert r.history.dead == {14} and r.history.certified == 13

@@ -407,8 +407,10 @@ class OutageRider:
             logger.warning(msg + (f" ({held} more like this since the last one logged)" if held else ""), *args)
 
     def _look_for_unseen(self) -> None:
-        """A try of this rank's call timed out: record the quorum the lighthouse issued to it, if any."""
-        if self.last is not None:
+        """A try of this rank's call timed out: record the quorum the lighthouse issued to it, if any. A rank that
+        follows its rank 0 takes rank 0's findings instead (:meth:`UnseenQuorums.adopt`)."""
+        following = self.enabled and self._group_size > 1 and self._group_rank != 0
+        if self.last is not None and not following:
             self.unseen.look(self.last.quorum_id, self.last.quorum_id)
 
     def _publish(self, outcome: bytes) -> None:
