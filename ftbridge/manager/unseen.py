@@ -90,6 +90,7 @@ class UnseenQuorums:
         """Ids this rank found since :meth:`share` last sent them."""
         self.failed_reads = 0
         """Reads that failed (each changed nothing)."""
+        self._logged: Optional[int] = None  # the id last warned about (a read repeated at each try finds it again)
 
     def _replica_id(self) -> Optional[str]:
         if self._me is None and self._me_of is not None:
@@ -126,6 +127,9 @@ class UnseenQuorums:
         self.record(epoch, [qid], current)
         if qid not in self.found:
             self.found.append(qid)
+        if qid == self._logged:
+            return qid
+        self._logged = qid
         logger.warning("%s the lighthouse issued quorum %d to a quorum call of this group that timed out (no answer "
                        "reached it): nobody commits in it, counted as a dead end", self._who, qid)
         return qid
