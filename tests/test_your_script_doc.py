@@ -1,4 +1,5 @@
-"""docs/your-script.md shows examples/minimal.py as it is: every line of its Python block is in the file."""
+"""docs/your-script.md shows examples/minimal.py as it is: every line of its ```python blocks is in the file
+(```py blocks are sketches of other loops)."""
 
 from __future__ import annotations
 
