@@ -252,19 +252,26 @@ def test_a_call_is_made_in_tries_one_at_a_time_within_the_quorum_timeout():
     assert len(spent.timeouts) == 3
 
 
+def ask_as_a_group_of_two(r0, r1, fail: int, quorum_id: int):
+    """Ranks 0 (in a thread) and 1 of one group ask for a quorum whose first ``fail`` tries end by torchft's deadline
+    and whose next try is answered with ``quorum_id`` once both ranks made it; returns both calls (:class:`Tries`)."""
+    made = threading.Event()  # torchft's manager server answers a round once every rank made its try
+    c1 = Tries(fail=fail, answer=Quorum(quorum_id, 1, 2), made=made)
+    c0 = Tries(fail=fail, answer=Quorum(quorum_id, 0, 2), round_made=made)
+    t = threading.Thread(target=r0.quorum, args=(c0,))
+    t.start()
+    assert r1.quorum(c1).quorum_id == quorum_id
+    t.join(10)
+    return c0, c1
+
+
 def test_a_rank_other_than_0_makes_its_tries_again_while_it_follows():
     """torchft's manager server sends a try to the lighthouse once every rank of the group made it: a rank that
     stopped after its first try would leave rank 0's later tries unanswered."""
     store = Store()
     kw = dict(answer=True, size=2, store=store, quorum_timeout=timedelta(seconds=3), tries=3)
     r0, r1 = _rider(rank=0, **kw), _rider(rank=1, **kw)
-    third = threading.Event()  # torchft's manager server answers a round once every rank made its try
-    c1 = Tries(fail=2, answer=Quorum(2, 1, 2), made=third)
-    c0 = Tries(fail=2, answer=Quorum(2, 0, 2), round_made=third)
-    t = threading.Thread(target=r0.quorum, args=(c0,))
-    t.start()
-    assert r1.quorum(c1).quorum_id == 2
-    t.join(10)
+    c0, c1 = ask_as_a_group_of_two(r0, r1, fail=2, quorum_id=2)
     assert len(c0.timeouts) == len(c1.timeouts) == 3
 
 

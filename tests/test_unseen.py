@@ -3,7 +3,6 @@ status, recorded as dead ends, shared with the group's other ranks; and the ride
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -13,7 +12,7 @@ from ftbridge.manager.commit import ROW, ROW_OK, Agreement, continuous
 from ftbridge.manager.history import QuorumHistory
 from ftbridge.manager.lighthouse_status import StatusFormatError
 from ftbridge.manager.unseen import MAX_SHARED, UnseenQuorums, decode_ids, encode_ids, unseen_quorum
-from tests.test_outage import Quorum, Store, Tries, _rider
+from tests.test_outage import Quorum, Store, Tries, _rider, ask_as_a_group_of_two
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,13 +129,7 @@ def test_the_rider_reads_the_status_after_a_try_times_out_and_shares_it_with_its
     r1.unseen._fetch = lambda a, t: follower_reads.append(a) or _status(None)  # it takes rank 0's word instead
     for r in (r0, r1):
         _last_quorum_13(r)
-    second = threading.Event()
-    c1 = Tries(fail=1, answer=Quorum(15, 1, 2), made=second)
-    c0 = Tries(fail=1, answer=Quorum(15, 0, 2), round_made=second)
-    t = threading.Thread(target=r0.quorum, args=(c0,))
-    t.start()
-    assert r1.quorum(c1).quorum_id == 15
-    t.join(10)
+    ask_as_a_group_of_two(r0, r1, fail=1, quorum_id=15)
     assert len(reads) == 2 and follower_reads == []  # right after the timeout and right before the next try
     for r in (r0, r1):
         r.remember(Quorum(15, 0, 2), [ME, PEER_AGAIN])
