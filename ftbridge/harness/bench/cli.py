@@ -16,7 +16,8 @@ report is written)::
 
 ``--quick`` sets 1 repetition, 6 timed steps after 3 warm-up steps and a
 300 s job timeout; explicit ``--reps``/``--steps``/``--warmup-steps``/``--timeout-s``
-override it. See ``docs/benchmarks.md``.
+override it. The ftbridge jobs train with slots unless ``--slots off`` (``FTBRIDGE_SLOTS=0``), as the
+main job does. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leading steps left out of every step-time median (default 10; quick 3)")
     p.add_argument("--timeout-s", type=finite(0.0, strictly_above=True), default=None,
                    help="wall-clock limit of any one training job, seconds (default 600; quick 300)")
+    p.add_argument("--slots", choices=("on", "off"), default="on",
+                   help="train the ftbridge jobs with slots, one per planned replica group, as scripts/train_lm.py "
+                        "does by default (on), or with FTBRIDGE_SLOTS=0 (off); default on")
     p.add_argument("--list", action="store_true", help="print the benchmark names and exit")
     return p
 
@@ -105,7 +109,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, cor
         names = select(args.only, available)
         given = {k: getattr(args, k) for k in QUICK if getattr(args, k) is not None}
         settings = core.BenchSettings(workdir=os.path.abspath(os.path.join(args.out, "work")), quick=args.quick,
-                                      **{**(QUICK if args.quick else {}), **given})
+                                      slots=args.slots == "on", **{**(QUICK if args.quick else {}), **given})
         if settings.timeout_s <= 0:
             raise ValueError(f"--timeout-s {settings.timeout_s}: must be > 0 seconds")
         blocked = _first_file_on_the_way(args.out)
@@ -201,7 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # SIGTERM (a CI or `timeout` limit) ends the run like Ctrl-C: jobs stopped, the partial report written.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _run(args, settings, names)
+        with core.slots_environment(settings):
+            return _run(args, settings, names)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -210,8 +215,8 @@ def _run(args: argparse.Namespace, settings: core.BenchSettings, names: Sequence
     _setup_logging()
     shutil.rmtree(settings.workdir, ignore_errors=True)
     os.makedirs(settings.workdir)
-    log.info("running %s (%s), report in %s", ", ".join(names), "quick" if settings.quick else "full",
-             os.path.abspath(args.out))
+    log.info("running %s (%s, slots %s), report in %s", ", ".join(names), "quick" if settings.quick else "full",
+             "on" if settings.slots else "off", os.path.abspath(args.out))
     t0 = time.monotonic()
     metrics, failures, durations = run_all(settings, names)
     record = write_report(args.out, settings, metrics, failures, durations)

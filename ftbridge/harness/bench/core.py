@@ -10,9 +10,11 @@ invocation, and says whether the target is met.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,10 @@ class BenchSettings:
         warmup_steps: leading steps dropped from every step-time median.
         timeout_s: wall-clock limit of any one job (seconds); a job past it is
             killed by PID and the benchmark fails with its log tail.
+        slots: train every ftbridge job of the main job with slots, one per planned replica group
+            (``scripts/train_lm.py``'s default: a failure does not change what the job trains on); ``False``
+            sets ``FTBRIDGE_SLOTS=0`` (a failure shrinks the global batch). A benchmark that compares the two
+            (``slots``) sets its own. Applied by :func:`slots_environment`.
     """
 
     workdir: str
@@ -36,12 +42,29 @@ class BenchSettings:
     steps: int = 60
     warmup_steps: int = 10
     timeout_s: float = 600.0
+    slots: bool = True
 
     def __post_init__(self) -> None:
         if self.reps < 1:
             raise ValueError(f"reps={self.reps}: need at least 1 repetition")
         if self.steps <= 0 or self.warmup_steps < 0:
             raise ValueError(f"steps={self.steps}, warmup_steps={self.warmup_steps}: steps must be > 0, warm-up >= 0")
+
+
+@contextlib.contextmanager
+def slots_environment(settings: BenchSettings, environ: Any = os.environ) -> Iterator[None]:
+    """While open, ``FTBRIDGE_SLOTS`` in ``environ`` (this process's, which every job started meanwhile inherits)
+    says ``settings.slots``: empty (the main job's default, one slot per planned replica group) or ``0`` (off).
+    The previous value (or its absence) is restored on exit."""
+    previous = environ.get("FTBRIDGE_SLOTS")
+    environ["FTBRIDGE_SLOTS"] = "" if settings.slots else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            environ.pop("FTBRIDGE_SLOTS", None)
+        else:
+            environ["FTBRIDGE_SLOTS"] = previous
 
 
 @dataclass

@@ -69,7 +69,8 @@ def render_markdown(settings: BenchSettings, env: Dict[str, Any], metrics: Seque
     lines = ["# ftbridge benchmarks", "",
              f"{'Quick (CI smoke) run: figures are noisy. ' if settings.quick else ''}"
              f"{settings.reps} repetition(s), {settings.steps} timed steps after {settings.warmup_steps} "
-             f"warm-up steps per run. torch {env.get('torch')}, deepspeed {env.get('deepspeed')}, "
+             f"warm-up steps per run, slots {'on' if settings.slots else 'off'}. "
+             f"torch {env.get('torch')}, deepspeed {env.get('deepspeed')}, "
              f"torchft {env.get('torchft')}, {env.get('cpu_count')} CPU(s).", "",
              "| benchmark | metric | median | spread (±) | n | baseline | target | target met |",
              "|---|---|---|---|---|---|---|---|"]
