@@ -17,8 +17,9 @@ or by hand, each line in its own terminal (one ``ftbridge-run`` per group instea
     ftbridge-run --replica-group-id 0 --num-replica-groups 2 --nproc-per-node 1 -- examples/hf_accelerate.py
     ftbridge-run --replica-group-id 1 --num-replica-groups 2 --nproc-per-node 1 -- examples/hf_accelerate.py
 
-Each group prints its last step, loss and a checksum of its parameters: equal checksums, one model. What
-changes and what is refused: ``docs/huggingface.md``.
+Each group prints its last step, loss, a checksum of its parameters (equal checksums: one model) and one of
+its random state (equal: the groups draw the same dropout masks, a healed group included). What changes and
+what is refused: ``docs/huggingface.md``.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def training_function(args: argparse.Namespace) -> None:
     set_seed(args.seed)  # the same initial model and row order in every replica group
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
     rows = torch.randint(0, 128, (args.rows, 32), generator=torch.Generator().manual_seed(7))
+    # The loader's own generator: each new iterator draws a seed from it, not from the global generator
+    # that dropout draws from (a healed group starts a new iterator where the others go on).
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=args.batch_size,
-                                         shuffle=True)
+                                         shuffle=True, generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # Counted as Accelerate's examples count: in batches of the loader before prepare.
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=10,
@@ -94,7 +97,8 @@ def training_function(args: argparse.Namespace) -> None:
     state = accelerator.get_state_dict(model)
     cfg = model.ftbridge.cfg
     print(f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] step {int(model.global_steps)} "
-          f"loss {float(loss):.4f} params {tensor_checksum(state.values())}", flush=True)
+          f"loss {float(loss):.4f} params {tensor_checksum(state.values())} "
+          f"rng {tensor_checksum([torch.get_rng_state()])}", flush=True)
     accelerator.end_training()
 
 

@@ -295,6 +295,8 @@ class FaultTolerantEngine:
         self.cross_replica_wait_s += time.perf_counter() - t_wait
         step = self.manager.current_step
         empty = self._joined_empty and step == 0 and self.manager.heals == 0
+        if self.extra.forward_consumed:  # a donor's generators as its forward left them, for a mid-step joiner
+            self.manager.publish_step_end(self.extra.step_end_body)
         verdict = self.manager.decide(guard=self.guard.digest(step), empty=empty,  # the group's one decision
                                       waited_s=time.time() - self._launched, plan=self._plan)
         if verdict.decision.stop:
@@ -309,6 +311,8 @@ class FaultTolerantEngine:
                 "different model; resume the job from a checkpoint (--resume) instead")
         self.guard.act(step, verdict.agreement.guard if verdict.agreement else None, verdict.decision)
         committed = self.manager.should_commit()
+        if committed and self.manager.healed_this_step and self.extra.forward_consumed:
+            self._take_step_end()
         if committed:
             self.sync.commit()
             self.adapter.prepare_step()  # after a heal in should_commit too: from the averaged partition
@@ -317,6 +321,20 @@ class FaultTolerantEngine:
             self.sync.reset()
             self.adapter.discard_window()
         self._decision = committed
+
+    def _take_step_end(self) -> None:
+        """A joiner whose heal step committed: the donor's forward-consumed entries as they stood at its vote
+        (:mod:`ftbridge.manager.step_end`); without them it keeps those the heal carried (one step behind)."""
+        body = self.manager.fetch_step_end()
+        if body is None:
+            return
+        try:
+            self.extra.load_step_end(body)
+            self.log.info("took the donor's at_step_start state (random generators) as it stood at the heal step's "
+                          "vote (%d bytes)", len(body))
+        except ValueError as exc:
+            self.log.warning("the donor's state at the heal step's end was not applied (%s): this rank continues "
+                             "from the state read at the step's start", exc)
 
     def _record(self, committed: bool) -> None:
         m = self.manager

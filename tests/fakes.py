@@ -62,6 +62,18 @@ class FakeManager:
     def pending_heal_state(self):
         return self.pending
 
+    step_end_sent = None
+    """What :meth:`publish_step_end` wrote (a donor's body), or ``None``."""
+    step_end = None
+    """What :meth:`fetch_step_end` returns to a rank that healed this step: a donor's body the test hands over."""
+
+    def publish_step_end(self, body):
+        self.step_end_sent = body()
+        return True
+
+    def fetch_step_end(self):
+        return self.step_end if self.healed_this_step else None
+
     def decide(self, guard=None, empty=False, waited_s=0.0, plan=0):
         """The group's decision of a one-rank group alone: commit unless an error was reported; a restarted
         group with nothing waits, then stops (ftbridge.heal.restart_without_peer, alone in its quorum)."""

@@ -4,6 +4,7 @@ number generators (ftbridge.heal.rng), applied before a restarted group's first 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -82,3 +83,48 @@ def test_a_restarted_group_takes_the_donors_generators_before_its_first_forward(
     assert torch.equal(torch.get_rng_state(), after_donor), "the joiner's forward drew other masks"
     joiner.extra.load(joiner.manager.pending["replica"]["extra"])  # as in should_commit
     assert torch.equal(torch.get_rng_state(), after_donor), "the step's load set the generators back"
+
+
+@pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.timeout(120)
+def test_a_group_healed_mid_step_takes_the_donors_generators_as_they_stood_at_its_vote():
+    """A dropout model, the joiner's forward run on its own stream (it learnt of its heal mid-step): after the
+    committed heal step it holds the donor's generators as the donor's forward and backward left them, not the
+    ones read at the step's start (one step behind)."""
+    from ftbridge.harness.models import GPTConfig, build_model
+    from tests.fakes import TINY_GPT
+
+    def engine():
+        eng = tiny_engine(2, model=build_model(GPTConfig(**TINY_GPT, dropout=0.3), seed=3))
+        eng.register_state("rng", rng.state_dict, rng.load_state_dict, at_step_start=True)
+        return eng
+
+    def step(eng):
+        _, loss = eng(*gpt_batch(0))
+        eng.backward(loss)
+        eng.step()
+
+    donor, joiner, bystander = engine(), engine(), engine()
+    torch.manual_seed(5)
+    step(donor)
+    after_donor = torch.get_rng_state()
+    body = donor.manager.step_end_sent
+    assert body is not None, "the donor wrote nothing at its vote"
+
+    torch.manual_seed(77)  # the joiner's own stream; it heals in this step
+    joiner.manager.healed_this_step = True
+    joiner.manager.transport = SimpleNamespace(last_recv=None)  # the step's record reads the heal's fetch times
+    joiner.manager.step_end = body
+    step(joiner)
+    assert joiner.last_committed
+    assert torch.equal(torch.get_rng_state(), after_donor), "the joiner did not take the donor's step-end state"
+
+    torch.manual_seed(77)  # a rank that healed nothing keeps its own stream
+    bystander.manager.step_end = body
+    step(bystander)
+    assert not torch.equal(torch.get_rng_state(), after_donor)
+
+    joiner.manager.step_end = b"not an encoding"  # a bad body: warned, the rank keeps its state
+    torch.manual_seed(78)
+    step(joiner)
+    assert joiner.last_committed and not torch.equal(torch.get_rng_state(), after_donor)

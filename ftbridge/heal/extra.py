@@ -4,13 +4,16 @@ Users register it with ``engine.ftbridge.register_state`` (the data position, a 
 random number generators). An entry registered ``at_step_start`` is read on the training thread at the
 start of every step, before the forward, and a heal carries that value; a group that heals before its
 first forward (restarted, or a warm spare) applies it then, so that what its forward consumes (random
-numbers) is what the donor's consumed. Why: ``docs/heal.md``, "What a heal carries".
+numbers) is what the donor's consumed. A group that heals mid-step takes them again at the end of its heal
+step, as the donor held them at its commit vote (:meth:`ExtraState.step_end_body`, relayed by
+:mod:`ftbridge.manager.step_end`). Why: ``docs/heal.md``, "What a heal carries".
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Set, Tuple
 
+from ftbridge.heal.wire import decode_state, encode_state
 from ftbridge.zero.state import from_wire, to_wire
 
 StateFn = Callable[[], Dict[str, Any]]
@@ -42,6 +45,29 @@ class ExtraState:
         """Training thread, before the step's quorum starts: read the ``at_step_start`` entries."""
         self._applied.clear()
         self._snapshots = {k: to_wire(self._entries[k][0]()) for k in sorted(self._at_step_start)}
+
+    @property
+    def forward_consumed(self) -> bool:
+        """Whether any entry is registered ``at_step_start`` (state the forward consumes)."""
+        return bool(self._at_step_start)
+
+    def step_end_body(self) -> bytes:
+        """The ``at_step_start`` entries as they stand now (a donor, right before its commit vote), encoded with
+        :func:`ftbridge.heal.wire.encode_state`."""
+        return encode_state({k: to_wire(self._entries[k][0]()) for k in sorted(self._at_step_start)})
+
+    def load_step_end(self, body: bytes) -> None:
+        """Apply a donor's :meth:`step_end_body` (a joiner, after its heal step committed): the ``at_step_start``
+        entries it holds; entries it lacks keep this rank's value.
+
+        Raises:
+            ValueError: ``body`` is not a valid encoding, or an entry's keys or tensor shapes differ.
+        """
+        wire = decode_state(body)
+        for k in sorted(self._at_step_start):
+            if k in wire:
+                fn, load = self._entries[k]
+                load(from_wire(fn(), wire[k]))
 
     def end_step(self) -> None:
         """The step ended (committed or not): between steps every entry is read when asked for."""

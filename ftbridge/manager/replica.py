@@ -27,6 +27,7 @@ from ftbridge.manager.outage import OutageRider
 from ftbridge.manager.quorum_guard import _install_quorum_guard
 from ftbridge.manager.quorum_watch import start_watch
 from ftbridge.manager.stand_aside import StandAside, leave_quorums, longest_pause
+from ftbridge.manager.step_end import StepEndRelay
 from ftbridge.manager.store_probe import ProbedProcessGroupGloo, ProbedProcessGroupNCCL
 from ftbridge.manager.torchft_api import TORCHFT_GUARDED_VERSIONS, DummyWork, Manager, installed_version
 from ftbridge.manager.transport import SafeHTTPTransport
@@ -77,6 +78,7 @@ class ReplicaManager:
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
                                            token=cfg.job_token, max_recv_bytes=max_heal_bytes, device=(
                                                torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
+        self._step_end = StepEndRelay(cfg.group_rank, cfg.cross_replica_timeout)
         self.heals = 0
         self.heal_source: Optional[int] = None
         """Replica group id of the donor of the heal of the current quorum (``None``: no heal)."""
@@ -206,11 +208,24 @@ class ReplicaManager:
         state = user.get("default") if isinstance(user, dict) else None
         return state if isinstance(state, dict) else None
 
+    def publish_step_end(self, body: Callable[[], bytes]) -> bool:
+        """As a heal donor in this step's quorum, write ``body()`` for the joiners to read after the vote
+        (:meth:`ftbridge.manager.step_end.StepEndRelay.publish`); call right before :meth:`decide`. Never raises."""
+        return self._step_end.publish(self._last_result(), body)
+
+    def fetch_step_end(self) -> Optional[bytes]:
+        """After a committed step in which this rank healed: its donor's :meth:`publish_step_end` body, or ``None``
+        (:meth:`ftbridge.manager.step_end.StepEndRelay.fetch`). Never raises."""
+        return self._step_end.fetch(self._last_result()) if self._healed_this_step else None
+
+    def _last_result(self) -> Any:
+        return self.quorum_guard.last_result if self.quorum_guard is not None else None
+
     def step_members(self) -> Tuple[Tuple[str, ...], bool]:
         """This step's quorum members' torchft replica ids, and whether every one takes part (``False`` while a
         member heals); ``((), False)`` when the quorum is unknown. Waits for the quorum."""
         self.wait_quorum()
-        result = self.quorum_guard.last_result if self.quorum_guard is not None else None
+        result = self._last_result()
         if result is None:
             return (), False
         ids = tuple(str(r) for r in (getattr(result, "replica_ids", None) or ()))

@@ -5,8 +5,10 @@ groups, one of them killed and restarted partway; the Hugging Face examples (``h
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -79,4 +81,35 @@ def test_the_accelerate_example_heals_a_killed_group_which_reads_on_and_ends_wit
     assert any(e["healed"] for e in job.steps(1)), "the restarted group healed from group 0"
     lines = [[line for line in job.log_text(g).splitlines() if line.startswith("[replica")][-1] for g in (0, 1)]
     assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 32", "[replica 1 rank 0] step 32"]
+    assert lines[0].split(" params ")[1] == lines[1].split(" params ")[1], lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_accelerate_group_that_heals_mid_step_ends_with_the_donors_random_state(local_job):
+    """``examples/hf_accelerate.py`` (GPT-2 with dropout): group 1 is SIGSTOPped past the heartbeat timeout
+    while group 0 trains on alone, then continued; it heals in a step whose forward ran on its own random
+    state. At the end both groups hold one model and one random state: the heal step's end took the donor's
+    generators as they stood at its commit vote (a heal alone leaves them one step behind). ``max_restarts=0``:
+    both exiting 0 means group 1 came back by healing, not by a restart."""
+    pytest.importorskip("transformers")
+    # Enough steps that group 0 alone is still training when group 1, continued, gives up its frozen step
+    # (the cross-replica timeout) and rejoins.
+    job = local_job(2, 1, ["--epochs", "100"], script=os.path.join(ROOT, "examples", "hf_accelerate.py"),
+                    max_restarts=0, env={"OMP_NUM_THREADS": "1", "FTBRIDGE_CROSS_REPLICA_TIMEOUT_S": "3"})
+    job.start()
+    job.wait_until(lambda: any(e["committed"] and e["participants"] == 2 for e in job.steps(1)), 240,
+                   "both groups to commit together")
+    pid = job.worker_pids(1)[0]
+    t_stop = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        job.wait_until(lambda: sum(e["committed"] and e["participants"] == 1 and e["time"] > t_stop
+                                   for e in job.steps(0)) >= 3, 60, "group 0 to commit 3 steps alone")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    job.wait_heal(1, t_stop, 120, "group 1 to heal from group 0")
+    assert job.wait(timeout_s=300) == {0: 0, 1: 0}, job.tails()
+    lines = [[line for line in job.log_text(g).splitlines() if line.startswith("[replica")][-1] for g in (0, 1)]
+    assert lines[0].split(" loss")[0].split("] ")[1] == lines[1].split(" loss")[0].split("] ")[1], lines
     assert lines[0].split(" params ")[1] == lines[1].split(" params ")[1], lines
