@@ -3,9 +3,10 @@ and NumPy's global generator.
 
 ``engine.ftbridge.register_state("rng", state_dict, load_state_dict, at_step_start=True)`` makes a heal
 carry them (the Hugging Face integrations do). Read at the start of a step, they are the state the
-donor's forward starts from; a group that heals before its first forward continues the donor's random
-stream exactly, one that heals mid-step one step behind it (``docs/heal.md``, "What a heal carries").
-"""
+donor's forward starts from, which a group that heals before its first forward applies then; one that
+heals mid-step takes them again as the donor held them at its commit vote
+(:mod:`ftbridge.manager.step_end`). Either way it continues the donor's random stream exactly
+(``docs/heal.md``, "What a heal carries")."""
 
 from __future__ import annotations
 
