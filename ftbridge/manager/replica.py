@@ -78,7 +78,7 @@ class ReplicaManager:
         self.transport = SafeHTTPTransport(cfg.heal_bind, cfg.cross_replica_timeout, heal_timeout=cfg.heal_deadline,
                                            token=cfg.job_token, max_recv_bytes=max_heal_bytes, device=(
                                                torch.device("cuda", torch.cuda.current_device()) if use_cuda else None))
-        self._step_end = StepEndRelay(cfg.group_rank, cfg.cross_replica_timeout)
+        self._step_end = StepEndRelay(cfg.group_rank, cfg.store_call_timeout)
         self.heals = 0
         self.heal_source: Optional[int] = None
         """Replica group id of the donor of the heal of the current quorum (``None``: no heal)."""

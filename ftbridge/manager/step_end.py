@@ -54,7 +54,8 @@ class StepEndRelay:
     Args:
         group_rank: this rank's rank inside its replica group (keys are per group rank: rank ``k`` of a joiner
             heals from rank ``k`` of its donor).
-        timeout: bound on each store call (connect included); the cross-replica timeout.
+        timeout: bound on each store call (connect included): ``FTBridgeConfig.store_call_timeout``, half the
+            cross-replica timeout, so that a donor's write on a slow store leaves its peers' vote time to finish.
         connect: ``(store address with prefix, timeout) -> store client``; torchft's ``create_store_client``.
     """
 
