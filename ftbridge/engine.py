@@ -332,9 +332,9 @@ class FaultTolerantEngine:
             self.extra.load_step_end(body)
             self.log.info("took the donor's at_step_start state (random generators) as it stood at the heal step's "
                           "vote (%d bytes)", len(body))
-        except ValueError as exc:
-            self.log.warning("the donor's state at the heal step's end was not applied (%s): this rank continues "
-                             "from the state read at the step's start", exc)
+        except Exception as exc:  # noqa: BLE001 - a peer's body (hostile input) must not stop this rank
+            self.log.warning("the donor's state at the heal step's end was not applied (%s: %s): this rank "
+                             "continues from the state read at the step's start", type(exc).__name__, exc)
 
     def _record(self, committed: bool) -> None:
         m = self.manager
