@@ -75,6 +75,15 @@ def test_survivor_stall_ends_at_first_commit_without_the_dead_group():
     assert s["step_time_s"] == pytest.approx(0.1)  # first (warm-up) step dropped
 
 
+def test_with_slots_the_survivors_step_counts_the_units_it_computes_after_the_kill():
+    full, alone = [[0, 0]], [[0, 0], [1, 0]]  # a group's own unit; then the dead group's too
+    records = [rec(1.0, 1, units=full), rec(1.1, 2, units=full), rec(1.2, 3, units=full),
+               rec(3.3, 4, participants=1, units=alone)]
+    assert survivor_stall(records, kill_time=1.22)["step_time_s"] == pytest.approx(0.2)
+    assert survivor_stall([{k: v for k, v in r.items() if k != "units"} for r in records],
+                          kill_time=1.22)["step_time_s"] == pytest.approx(0.1), "without slots: one step"
+
+
 def test_survivor_stall_raises_without_records():
     with pytest.raises(ValueError, match="before the kill"):
         survivor_stall([rec(5, 1)], kill_time=1)

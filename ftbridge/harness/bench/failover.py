@@ -104,7 +104,9 @@ def survivor_stall(records: Sequence[Dict[str, Any]], kill_time: float) -> Dict[
         ``stall_s`` (kill to the first commit with fewer participants than the
         last record before the kill), ``discarded`` (uncommitted steps in
         between), ``step_time_s`` (median ``step_time_s`` of committed steps
-        before the kill, warm-up step excluded) and ``lost`` (:func:`committed_steps_lost`).
+        before the kill, warm-up step excluded; with slots, times the units that first commit computed over
+        the median units of those steps: the survivor's first step computes the dead group's units too,
+        ``ceil(N * G / P)`` of them) and ``lost`` (:func:`committed_steps_lost`).
 
     Raises:
         ValueError: no record before the kill, or no such commit after it.
@@ -121,8 +123,10 @@ def survivor_stall(records: Sequence[Dict[str, Any]], kill_time: float) -> Dict[
                          f"({len(after)} records after it)")
     discarded = sum(1 for r in after if r["time"] <= first["time"] and not r["committed"])
     times = [r["step_time_s"] for r in before if r["committed"]]
+    units = [len(r["units"]) for r in before if r["committed"] and r.get("units")]
+    load = len(first["units"]) / median(units) if units and first.get("units") else 1.0
     return {"stall_s": first["time"] - kill_time, "discarded": float(discarded),
-            "step_time_s": median(times[1:] or times), "lost": float(committed_steps_lost(recs))}
+            "step_time_s": median(times[1:] or times) * load, "lost": float(committed_steps_lost(recs))}
 
 
 def count_metric(name: str, samples: Sequence[float], target_max: Optional[float], *, bench: str = NAME,
@@ -153,7 +157,8 @@ def stall_metrics(bench: str, runs: Sequence[failure_jobs.KillRun], survivor: in
                             and e["group_rank"] == 0], r.kill_time)["stall_s"] for r in baseline_runs]
     out = [
         Metric(bench, prefix + "survivor stall / (heartbeat timeout + 1 step)", median(ratio), "ratio", ratio,
-               median(bounds), "heartbeat timeout + median step", "<= 1", median(ratio) <= 1.0,
+               median(bounds), "heartbeat timeout + median step (with slots, of the survivor's units)", "<= 1",
+               median(ratio) <= 1.0,
                {"stall_s": stalls, "bound_s": bounds, "heartbeat_timeout_s": runs[0].heartbeat_timeout_s,
                 "step_time_s": [s["step_time_s"] for s in stats]}),
         Metric(bench, prefix + "survivor stall", median(stalls), "s", stalls, median(base) if base else None,
