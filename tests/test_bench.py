@@ -202,6 +202,28 @@ def test_parse_quick_defaults_and_overrides(tmp_path):
         cli.parse(["--reps", "0"])
 
 
+def test_slots_default_on_and_the_jobs_environment_says_so_while_the_run_lasts(monkeypatch, tmp_path):
+    from ftbridge.harness.local_job import LocalJob
+
+    monkeypatch.delenv("FTBRIDGE_SLOTS", raising=False)
+    _, on, _ = cli.parse([])
+    _, off, _ = cli.parse(["--slots", "off"])
+    assert (on.slots, off.slots) == (True, False)
+    with pytest.raises(SystemExit):
+        cli.parse(["--slots", "2"])
+    env: dict = {}
+    with core.slots_environment(on, env):
+        assert env == {"FTBRIDGE_SLOTS": ""}  # empty: train_lm.py's default, one slot per planned group
+    assert env == {}, "the previous environment is restored"
+    env = {"FTBRIDGE_SLOTS": "3"}
+    with core.slots_environment(off, env):
+        assert env["FTBRIDGE_SLOTS"] == "0"
+    assert env == {"FTBRIDGE_SLOTS": "3"}
+    with core.slots_environment(on):  # a job made meanwhile inherits the empty value (LocalJob's default is 0)
+        assert "FTBRIDGE_SLOTS" not in LocalJob(str(tmp_path), 2, 1, []).env
+    assert LocalJob(str(tmp_path), 2, 1, []).env["FTBRIDGE_SLOTS"] == "0"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--timeout-s", "nan"], "argument --timeout-s: nan is not a finite number"),
     (["--steps", "-5"], "argument --steps: -5 is below the smallest allowed value, 1"),
