@@ -42,3 +42,10 @@ def test_spare_phases_tile_drop_to_full_capacity():
 def test_missing_join_is_named():
     with pytest.raises(ValueError, match="spare_join"):
         spare_phases([e for e in EVENTS if e.get("event") != "spare_join"], 101.9, KILL)
+
+
+def test_with_slots_the_discarded_heal_step_ends_the_heal_phase():
+    slots = [e if not e.get("healed") else {**e, "committed": False, "participants": 2} for e in EVENTS]
+    phases = spare_phases(slots, drop_time=101.9, kill_time=KILL)
+    assert phases["heal step"] == pytest.approx(0.1)
+    assert sum(phases.values()) == pytest.approx(102.5 - 101.9)

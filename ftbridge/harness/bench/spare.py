@@ -45,7 +45,7 @@ HEARTBEAT_INTERVAL_S = 0.1
 """The managers' heartbeat interval (ftbridge's default), for the drop time."""
 TARGET_S = 1.0
 """Target: full capacity back at most this long after the lighthouse drops the dead group (s)."""
-SPARE_PHASES = ("status poll", "decide", "manager + engine", "quorum", "state transfer", "first commit",
+SPARE_PHASES = ("status poll", "decide", "manager + engine", "quorum", "state transfer", "heal step",
                 "full-capacity step")
 
 
@@ -59,8 +59,8 @@ def capacity_back(events: Sequence[Dict[str, Any]], kill_time: float, healed: bo
     Args:
         events: group 1 rank 0's records, all launches (step records carry ``participants``, ``healed``).
         kill_time: wall time of the SIGKILL (s since the epoch).
-        healed: return the replacement's first committed step instead (the healing one: in the quorum,
-            contributing zeros).
+        healed: return the replacement's first committed step instead (in the quorum: the healing step,
+            contributing zeros; with slots the step after it, since a heal step is discarded everywhere).
 
     Returns:
         That step record.
@@ -84,7 +84,7 @@ def spare_phases(events: Sequence[Dict[str, Any]], drop_time: float, kill_time: 
     Boundaries: the drop, ``spare_join.vacancy_seen`` (the status read that
     saw it), ``spare_join.time`` (decided), the engine's ``start`` record
     (torchft manager and engine built), ``heal_transfer.start``, its end, the
-    healed commit, the full-capacity commit.
+    end of the heal step (committed; with slots discarded, as every heal step is), the full-capacity commit.
 
     Raises:
         ValueError: a boundary is missing after the kill.
@@ -100,7 +100,7 @@ def spare_phases(events: Sequence[Dict[str, Any]], drop_time: float, kill_time: 
     join = first("spare_join event", lambda e: e.get("event") == "spare_join")
     start = first("start event", lambda e: e.get("event") == "start")
     transfer = first("heal_transfer event", lambda e: e.get("event") == "heal_transfer")
-    healed = first("healed commit", lambda e: "event" not in e and e["committed"] and e["healed"])
+    healed = first("heal step", lambda e: "event" not in e and e["healed"])
     full = capacity_back(ev, kill_time)
     bounds = [drop_time, join["vacancy_seen"], join["time"], start["time"], transfer["start"], transfer["time"],
               healed["time"], full["time"]]
@@ -191,7 +191,8 @@ def run(settings: BenchSettings) -> List[Metric]:
                   cold_s),
            ratio_metric(NAME, "warm spare / cold restart, drop -> full capacity", spare_s, cold_s,
                         baseline_name=cold_name, paired=len(spare_s) == len(cold_s))]
-    out += [Metric(NAME, "warm spare: lighthouse drop -> first commit in the quorum (the healing step)",
+    out += [Metric(NAME, "warm spare: lighthouse drop -> first commit in the quorum (the healing step; with slots the "
+                         "one after it)",
                    median(spare_in), "s", spare_in, median(cold_in), "cold restart, the same (s)")]
     out += [Metric(NAME, f"spare phase: {p}", median([x[p] for x in phases]), "s", [x[p] for x in phases])
             for p in SPARE_PHASES]
