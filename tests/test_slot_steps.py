@@ -151,3 +151,21 @@ def test_the_engine_says_in_its_log_that_slots_are_on(caplog):
     with caplog.at_level("INFO", logger="ftbridge.engine"):
         tiny_engine(2, ft={"num_replica_groups": 2, "replica_group_id": 1})
     assert "slots on" not in caplog.text
+
+
+def test_a_step_with_an_error_recorded_at_its_quorum_computes_no_absent_groups_units():
+    """A quorum that cannot commit (the quorum guard recorded an error, as for a lone quorum right after a
+    lighthouse restart) is discarded after the home units: the absent groups' units would be thrown away."""
+    class ErroredAtQuorum(QuorumOf):
+        members = (0,)
+
+        def step_members(self):
+            self.report_error(RuntimeError("quorum 1 after a lighthouse restart holds one group\nmore"))
+            return super().step_members()
+
+    engine = tiny_engine(2, manager=ErroredAtQuorum, ds={"gradient_accumulation_steps": 2},
+                         ft={"slots": 3, "num_replica_groups": 3, "replica_group_id": 0})
+    seen = _step(engine)
+    assert [u for u, _ in seen] == [(0, 0), (0, 1)], "the whole grid was computed for a step that cannot commit"
+    assert seen[-1][1] is True
+    assert engine.last_committed is False and int(engine.global_steps) == 0

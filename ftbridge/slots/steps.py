@@ -50,13 +50,19 @@ def group_plan(manager: Any, slots: int, micro: int, groups: int, group: int) ->
 
     Returns:
         ``(extra units in order, "")``, or ``([], reason)`` when the step is discarded (every rank has then
-        recorded an error).
+        recorded an error): the quorum is unusable (:func:`participants_of`), or group rank 0 has an error
+        recorded already (a step that cannot commit computes no other group's units).
 
     Raises:
         RuntimeError: the in-group exchange failed.
     """
     members, everyone = manager.step_members()
     present, why = participants_of(members, everyone, groups)
+    error = manager.errored()
+    if not why and error is not None:  # e.g. the quorum lacks the majority after a lighthouse restart
+        first = (str(error).splitlines() or [type(error).__name__])[0][:200]
+        why = (f"an error is already recorded in this step, which is discarded everywhere ({first}): the absent "
+               "groups' units are not computed")
     row = [0.0 if why else 1.0] + [1.0 if g in present else 0.0 for g in range(groups)]
     decided = exchange_in_group(row)[0]
     if decided != row:
