@@ -14,7 +14,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from ftbridge.manager.store_probe import ProbedProcessGroupGloo, call_bounded, probe_store
+from ftbridge.manager import store_probe
+from ftbridge.manager.store_probe import ProbedProcessGroupGloo, call_bounded, probe_store, rendezvous_wait_s
 
 
 @pytest.fixture
@@ -112,10 +113,46 @@ def test_a_rendezvous_with_a_gone_peer_ends_at_twice_the_timeout_and_installs_no
         pg.configure(gone_peers_address, "replica_group_0", 0, 2)
     assert time.monotonic() - t < 4
     if isinstance(failure.value, TimeoutError):
-        assert re.search(r"did not connect within 2 s \(2 x cross_replica_timeout\)", str(failure.value))
+        assert re.search(r"did not connect within 2 s of entering configure \(2 x cross_replica_timeout\)",
+                         str(failure.value))
     else:
         assert "Connection refused" in str(failure.value), failure.value
     for thread in [th for th in threading.enumerate() if th.name == "ftbridge-gloo-rendezvous"]:
         thread.join(timeout=30)  # gloo gives up on its own; its group must not be installed then
         assert not thread.is_alive()
     assert pg._pg is None
+
+
+def test_the_rendezvous_bound_counts_from_configures_entry_and_a_late_rank_gets_none():
+    assert rendezvous_wait_s(entered=100.0, now=100.0, timeout_s=5.0) == 10.0
+    assert rendezvous_wait_s(entered=100.0, now=103.0, timeout_s=5.0) == 7.0
+    assert rendezvous_wait_s(entered=100.0, now=104.4, timeout_s=5.0) == pytest.approx(5.6)
+    assert rendezvous_wait_s(entered=100.0, now=104.5, timeout_s=5.0) is None  # 0.9 x 5 s: peers leave at ~5 s
+    assert rendezvous_wait_s(entered=100.0, now=105.01, timeout_s=5.0) is None
+    assert rendezvous_wait_s(entered=100.0, now=99.0, timeout_s=5.0) == 10.0  # a clock read before entry
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_reaches_the_rendezvous_a_timeout_late_gives_up_at_once_without_trying(monkeypatch):
+    # Its peers left the vote with it and wait for its address one timeout: they have gone. Waiting the
+    # rendezvous bound for them would delay its group's next quorum by that long.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{store.port}/torchft/5/0"
+    tried = []
+    monkeypatch.setattr(store_probe.ProcessGroupGloo, "_create_pg", lambda self, *a: tried.append(a))
+    real_probe = store_probe.probe_store
+
+    def slow_probe(store_addr, timeout):
+        real_probe(store_addr, timeout)
+        pg._configure_entered -= 5.0  # as if the connections had stalled a whole timeout
+
+    monkeypatch.setattr(store_probe, "probe_store", slow_probe)
+    pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=5))
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure"):
+        pg.configure(addr, "replica_group_0", 0, 2)
+    assert time.monotonic() - t < 2
+    assert tried == []
+    monkeypatch.setattr(store_probe, "probe_store", real_probe)
+    pg.configure(addr, "replica_group_0", 0, 2)  # on time: the rendezvous is tried
+    assert len(tried) == 1

@@ -39,7 +39,8 @@ def call_bounded(fn: Callable[[], T], timeout: timedelta, what: str) -> T:
     future = in_thread(fn, "ftbridge-bounded-call")
     done, _ = concurrent.futures.wait([future], timeout=timeout.total_seconds())
     if not done:
-        raise TimeoutError(f"{what} did not answer within {timeout.total_seconds():g} s (its host hung?)")
+        raise TimeoutError(f"{what} did not answer within {timeout.total_seconds():g} s "
+                           "(its host hung, or opening the connection stalled)")
     return future.result()
 
 

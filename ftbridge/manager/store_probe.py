@@ -2,8 +2,9 @@
 
 :func:`probe_store` makes one request with a deadline; :class:`ProbedProcessGroupGloo` and
 :class:`ProbedProcessGroupNCCL` probe the quorum's store before torchft's ``configure`` dials it (a hung
-primary fails that step instead of blocking), the gloo one bounds its rendezvous, and both can set a group
-with a pending operation aside (``bury``). Why: docs/design.md, "The quorum guard" and "The peer watch".
+primary fails that step instead of blocking), the gloo one bounds its rendezvous from ``configure``'s entry
+(:func:`rendezvous_wait_s`), and both can set a group with a pending operation aside (``bury``). Why:
+docs/design.md, "The quorum guard" and "The peer watch".
 """
 
 from __future__ import annotations
@@ -11,13 +12,37 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ftbridge.manager.futures import call_bounded, in_thread
 from ftbridge.manager.torchft_api import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 
 RENDEZVOUS_BOUND = 2
-"""A gloo rendezvous may take at most this many times the group's timeout."""
+"""A ``configure`` (probe, store connection and gloo's rendezvous) may take at most this many times the group's
+timeout, counted from its entry."""
+
+LATE_ENTRY = 0.9
+"""A rank that reaches gloo's rendezvous this fraction of the timeout or more after it entered ``configure`` gives
+up at once: its peers left the reconfigure vote with it and wait for its address for one timeout only."""
+
+
+def rendezvous_wait_s(entered: float, now: float, timeout_s: float) -> Optional[float]:
+    """How long gloo's rendezvous may take, seconds, for a rank that entered ``configure`` at ``entered``.
+
+    Args:
+        entered: ``time.monotonic()`` at ``configure``'s entry, seconds.
+        now: ``time.monotonic()`` as the rendezvous starts, seconds.
+        timeout_s: the group's timeout, seconds (> 0).
+
+    Returns:
+        ``None`` when ``now - entered`` is at least :data:`LATE_ENTRY` times the timeout (the rank is too late:
+        the members that reached the rendezvous on time stop waiting for it at about one timeout); else what is
+        left of :data:`RENDEZVOUS_BOUND` times the timeout from ``entered``.
+    """
+    elapsed = max(0.0, now - entered)
+    if elapsed >= LATE_ENTRY * timeout_s:
+        return None
+    return RENDEZVOUS_BOUND * timeout_s - elapsed
 
 
 def probe_store(store_addr: str, timeout: timedelta) -> None:
@@ -54,6 +79,7 @@ class _Probed:
             self._pg = None
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+        self._configure_entered = time.monotonic()
         try:
             probe_store(store_addr, self._timeout)
         except Exception:
@@ -71,25 +97,38 @@ class _Probed:
 
 
 class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
-    """torchft's ``ProcessGroupGloo`` whose ``configure`` fails within its timeout on a hung store, and within
-    :data:`RENDEZVOUS_BOUND` times it when a peer it must connect to is gone."""
+    """torchft's ``ProcessGroupGloo`` whose ``configure`` fails within its timeout on a hung store, at once when it
+    reaches the rendezvous too late for its peers, and within :data:`RENDEZVOUS_BOUND` times the timeout from its
+    entry when a peer it must connect to is gone."""
 
     def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-        """Gloo's rendezvous (torchft's ``_create_pg``), bounded by :data:`RENDEZVOUS_BOUND` times the timeout.
+        """Gloo's rendezvous (torchft's ``_create_pg``), bounded by :func:`rendezvous_wait_s`.
 
         Raises:
-            TimeoutError: not done within the bound; a group the abandoned thread builds later is dropped.
+            TimeoutError: the rank reached the rendezvous :data:`LATE_ENTRY` times the timeout or more after it
+                entered ``configure`` (no rendezvous is tried), or the rendezvous was not done within what is left
+                of the bound (a group the abandoned thread builds later is dropped).
             RuntimeError: gloo's own failure within the bound.
         """
-        bound = self._timeout * RENDEZVOUS_BOUND
+        timeout_s = self._timeout.total_seconds()
+        now = time.monotonic()
+        entered = getattr(self, "_configure_entered", now)
+        bound_s = rendezvous_wait_s(entered, now, timeout_s)
+        if bound_s is None:
+            raise TimeoutError(
+                f"the cross-replica process group (rank {rank} of {world_size}): this rank reached the rendezvous "
+                f"{now - entered:.2f} s after entering configure, and its peers wait for it {timeout_s:g} s "
+                "(cross_replica_timeout) from about then (opening the store connection stalled?); step discarded, "
+                "the next quorum builds afresh")
         build = in_thread(lambda: super(ProbedProcessGroupGloo, self)._create_pg(store, rank, world_size),
                           "ftbridge-gloo-rendezvous")
-        done, _ = concurrent.futures.wait([build], timeout=bound.total_seconds())
+        done, _ = concurrent.futures.wait([build], timeout=bound_s)
         if not done:
             raise TimeoutError(
                 f"the cross-replica process group (rank {rank} of {world_size}) did not connect within "
-                f"{bound.total_seconds():g} s ({RENDEZVOUS_BOUND} x cross_replica_timeout): a member that "
-                "published its address is gone or unreachable; step discarded, the next quorum builds afresh")
+                f"{RENDEZVOUS_BOUND * timeout_s:g} s of entering configure ({RENDEZVOUS_BOUND} x "
+                "cross_replica_timeout): a member that published its address is gone or unreachable; step "
+                "discarded, the next quorum builds afresh")
         return build.result()
 
 
