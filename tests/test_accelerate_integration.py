@@ -7,6 +7,7 @@
   (skipped steps, accumulation micro-steps and a ``OneCycleLR`` cap included), the learning rates
   Accelerate's own wrapper gives on ``N * gs`` processes;
 * a discarded step reads as skipped to Accelerate's DeepSpeed optimizer wrapper and holds the learning rate;
+* with slots, ``accelerator.backward`` over ``units()`` steps DeepSpeed once, after the step's last unit;
 * the refusals, each naming the setting.
 """
 
@@ -26,10 +27,12 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import GradientState
 
 from ftbridge.integrations.accelerate import (
+    FaultTolerantAccelerator,
     ReplicaGroupsScheduler,
     check_accelerate_version,
     mark_discarded_steps,
     settings_refusal,
+    sync_on_the_last_unit,
 )
 from ftbridge.integrations.accelerate_data import shard_across_replica_groups
 
@@ -276,6 +279,55 @@ def test_a_discarded_step_reads_as_skipped_and_holds_the_learning_rate(monkeypat
     assert skipped == [False, True, False]
     assert [engine.ftbridge.last_committed, engine.global_steps] == [True, 2]
     assert lrs == pytest.approx([0.003, 0.003, 0.005]), "held on the discard; two steps (groups) per commit"
+
+
+# -- slots -------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.parametrize("members,units", [((0,), 6), ((0, 1, 2), 2)], ids=["alone", "all-live"])
+def test_with_slots_accelerates_backward_steps_deepspeed_once_after_the_steps_last_unit(members, units):
+    """Group 0 of 3 slots, 2 micro-batches each: alone it computes all 6 units of the step, with every group
+    live its own 2. ``accelerator.backward`` (Accelerate's ``DeepSpeedEngineWrapper``) sets DeepSpeed's
+    boundary from ``sync_gradients`` and steps when it is true: one optimizer step, after the last unit."""
+    import deepspeed
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    import ftbridge
+    from ftbridge.config import FTBridgeConfig
+    from ftbridge.harness.models import GPTConfig, build_model
+    from tests.fakes import TINY_GPT, gpt_batch
+    from tests.test_slot_steps import QuorumOf
+
+    model = build_model(GPTConfig(**TINY_GPT), seed=3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000}})
+    ftbridge.attach(engine, checksum_every=0, manager_factory=type("Q", (QuorumOf,), {"members": members}),
+                    ft_config=FTBridgeConfig.resolve(environ={}, slots=3, num_replica_groups=3, replica_group_id=0))
+    state, wrapper = GradientState(), DeepSpeedEngineWrapper(engine)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    seen = []
+    for unit in sync_on_the_last_unit(engine.ftbridge.units(), engine, state):
+        seen.append(state.sync_gradients)
+        _, loss = engine(*gpt_batch(10 * unit.slot + unit.micro))
+        wrapper.backward(loss, sync_gradients=state.sync_gradients)
+        assert int(engine.global_steps) == int(state.sync_gradients), "DeepSpeed stepped before the last unit"
+    assert seen == [False] * (units - 1) + [True]
+    assert state.sync_gradients and engine.ftbridge.last_committed
+    assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+
+
+def test_with_slots_accumulate_and_the_loader_shard_are_refused_with_the_fix():
+    accelerator = FaultTolerantAccelerator.__new__(FaultTolerantAccelerator)
+    accelerator.ft_config, accelerator.ft_engine = SimpleNamespace(slots=2), object()
+    with pytest.raises(ValueError, match=r"slots=2: accelerator.units\(\) sets the accumulation boundary"):
+        accelerator.accumulate()
+    with pytest.raises(ValueError, match=r"UnitSampler.for_engine\(model, len\(dataset\)\)"):
+        accelerator.shard_across_replica_groups(object())
+    accelerator.ft_engine = None
+    with pytest.raises(ValueError, match="prepare the model first"):
+        accelerator.units()
 
 
 # -- refusals ----------------------------------------------------------------------------------------------

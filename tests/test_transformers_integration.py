@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ftbridge.config import FTBridgeConfig
+from ftbridge.heal.wire import decode_state, encode_state
 from ftbridge.integrations.transformers import (
     FaultToleranceCallback,
     FaultTolerantTrainer,
@@ -25,6 +27,7 @@ from ftbridge.integrations.transformers import (
     arguments_refusal,
     check_transformers_version,
 )
+from ftbridge.zero.state import from_wire, to_wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -233,14 +236,25 @@ def test_a_heal_puts_the_group_at_the_donors_step_and_rows(single_rank_world):
     callback.on_train_begin(args, state, TrainerControl())
     batches = iter(loader)
     assert next(batches).tolist() == [2, 3]  # the step that heals reads its own first rows
-    callback.load_heal_state({"global_step": 12, "total_flos": 5.0, "num_input_tokens_seen": 400})
+    donors_logs = [{"loss": 2.5, "step": 10}, {"eval/loss": float("nan"), "step": 12}]
+    best = {"best_metric": 0.5, "best_global_step": 10, "best_model_checkpoint": "out/checkpoint-10"}
+    donor = {"global_step": 12, "total_flos": 5.0, "num_input_tokens_seen": 400,
+             "log_history": json.dumps(donors_logs), **best}
+    callback.load_heal_state(from_wire(callback.heal_state(), decode_state(encode_state(to_wire(donor)))))
     state.global_step, state.num_input_tokens_seen = 1, 24
     control = callback.on_step_end(args, state, TrainerControl(), train_dataloader=loader)
     assert (state.global_step, state.total_flos, state.num_input_tokens_seen) == (13, 5.0, 408)
     assert state.epoch == 13 / 10 and trainer._globalstep_last_logged == 12 and not control.should_training_stop
     assert next(batches).tolist() == [14, 15], "step 14 reads epoch 1's batch 3 (sequential rows): plain rank 1's"
-    assert callback.heal_state() == {"global_step": 13, "total_flos": 5.0, "num_input_tokens_seen": 408}
-    callback.load_heal_state({"global_step": 19, "total_flos": 0.0, "num_input_tokens_seen": 0})
+    assert json.dumps(state.log_history) == json.dumps(donors_logs)  # the run's logs, as the donor kept them
+    assert (state.best_metric, state.best_global_step, state.best_model_checkpoint) == tuple(best.values())
+    state.log_history.append({"loss": 2.0, "step": 13})
+    assert callback.heal_state() == {"global_step": 13, "total_flos": 5.0, "num_input_tokens_seen": 408,
+                                     "log_history": json.dumps([*donors_logs, {"loss": 2.0, "step": 13}]), **best}
+    with pytest.raises(ValueError, match="log_history is not a JSON list of objects"):
+        callback.load_heal_state({**donor, "log_history": '{"loss": 1}'})
+        callback.on_step_end(args, state, TrainerControl(), train_dataloader=loader)
+    callback.load_heal_state({**donor, "global_step": 19})
     assert callback.on_step_end(args, state, TrainerControl(), train_dataloader=loader).should_training_stop
 
 

@@ -1,7 +1,8 @@
 """Hugging Face Accelerate with DeepSpeed ZeRO, fault-tolerant across replica groups: :class:`FaultTolerantAccelerator`.
 
 Import it as ``Accelerator``, then call :meth:`~FaultTolerantAccelerator.shard_across_replica_groups` on the
-prepared training loader. The engine stays a ``DeepSpeedEngine`` with ftbridge attached (``model.ftbridge``).
+prepared training loader; or, with slots (``FTBRIDGE_SLOTS``), loop over :meth:`~FaultTolerantAccelerator.units`
+and read each unit's rows. The engine stays a ``DeepSpeedEngine`` with ftbridge attached (``model.ftbridge``).
 What changes, what is exact and what is refused: docs/huggingface.md.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import accelerate
 import deepspeed
@@ -20,6 +21,7 @@ from ftbridge.bootstrap import attach
 from ftbridge.config import FTBridgeConfig
 from ftbridge.heal import rng
 from ftbridge.integrations import accelerate_data, sealed_checkpoints
+from ftbridge.slots import Unit
 
 SUPPORTED_ACCELERATE = ("1.15.",)
 """Accelerate releases this module was checked against (the internals: docs/huggingface.md, "Upstream internals")."""
@@ -40,7 +42,8 @@ class ReplicaGroupsScheduler(AcceleratedScheduler):
 
     Args:
         scheduler, optimizers, step_with_optimizer, split_batches: as for ``AcceleratedScheduler``.
-        replica_groups: ``N``, the job's replica groups (>= 1).
+        replica_groups: ``N``, the job's replica groups (>= 1); with slots, the slots (plain data parallelism's
+            ranks are the slots times the group size).
     """
 
     def __init__(self, scheduler: Any, optimizers: Any, *, replica_groups: int, step_with_optimizer: bool = True,
@@ -70,6 +73,27 @@ def mark_discarded_steps(engine: Any) -> None:
             optimizer.overflow = True
 
     engine.ftbridge.add_step_hook(on_step)
+
+
+def sync_on_the_last_unit(units: Iterator[Unit], engine: Any, gradient_state: Any) -> Iterator[Unit]:
+    """``units`` (``engine.ftbridge.units()``) with Accelerate's ``sync_gradients`` set for each one as DeepSpeed's
+    accumulation boundary: true on the step's last unit only.
+
+    ``accelerator.backward`` sets the boundary from ``sync_gradients`` and steps the engine when it is true, and
+    the prepared scheduler steps only then; with slots a step has as many units as the group computes, not
+    ``gradient_accumulation_steps``. ``sync_gradients`` is true again when the iteration ends or is abandoned.
+
+    Args:
+        units: the engine's units of one step (:meth:`ftbridge.engine.FaultTolerantEngine.units`).
+        engine: the ``DeepSpeedEngine`` they belong to.
+        gradient_state: Accelerate's ``GradientState`` (the accelerator's ``gradient_state``).
+    """
+    try:
+        for unit in units:
+            gradient_state._set_sync_gradients(bool(engine.is_gradient_accumulation_boundary()))
+            yield unit
+    finally:
+        gradient_state._set_sync_gradients(True)
 
 
 def settings_refusal(accelerator: Any) -> Optional[str]:
@@ -127,7 +151,7 @@ class FaultTolerantAccelerator(Accelerator):
         checksum_every, comm_hook, manager_factory: see :class:`ftbridge.engine.FaultTolerantEngine`.
 
     Raises:
-        ValueError: settings that cannot be exact (:func:`settings_refusal`), or ``FTBRIDGE_SLOTS``.
+        ValueError: settings that cannot be exact (:func:`settings_refusal`).
         RuntimeError: an Accelerate release ftbridge was not checked against.
     """
 
@@ -143,9 +167,6 @@ class FaultTolerantAccelerator(Accelerator):
         if refused:
             raise ValueError(refused)
         self.ft_config = ft_config if ft_config is not None else FTBridgeConfig.resolve()
-        if self.ft_config.slots:
-            raise ValueError(f"slots={self.ft_config.slots} (FTBRIDGE_SLOTS) is not supported under Accelerate yet: "
-                             "unset FTBRIDGE_SLOTS (ftbridge-run --slots)")
         self._attach_kwargs: Dict[str, Any] = dict(checksum_every=checksum_every, comm_hook=comm_hook,
                                                    manager_factory=manager_factory)
         self.ft_engine: Any = None
@@ -174,16 +195,49 @@ class FaultTolerantAccelerator(Accelerator):
         prepared = super().prepare_scheduler(scheduler)
         return self._per_job(prepared) if type(prepared) is AcceleratedScheduler else prepared
 
+    def units(self) -> Iterator[Unit]:
+        """The units of the current optimizer step (:meth:`ftbridge.engine.FaultTolerantEngine.units`); run one
+        forward and ``backward`` on each unit's rows, then ``optimizer.step()`` and ``scheduler.step()`` as usual.
+
+        ``sync_gradients`` is true on the step's last unit only (:func:`sync_on_the_last_unit`). With slots
+        (``FTBRIDGE_SLOTS``) the group also computes the units of absent groups, and the step trains on the rows
+        of the failure-free run: read them with ``UnitSampler.for_engine(model, len(dataset))``.
+
+        Raises:
+            ValueError: the model is not prepared yet.
+            RuntimeError: called inside a step (a forward ran since the last optimizer step).
+        """
+        if self.ft_engine is None:
+            raise ValueError("prepare the model first (accelerator.prepare(model, optimizer, ...)), then loop over "
+                             "accelerator.units()")
+        return sync_on_the_last_unit(self.ft_engine.ftbridge.units(), self.ft_engine, self.gradient_state)
+
+    def accumulate(self, *models: Any) -> Any:
+        """``Accelerator.accumulate``.
+
+        Raises:
+            ValueError: with slots: :meth:`units` sets each unit's boundary, which ``accumulate`` would count again.
+        """
+        if self.ft_config.slots:
+            raise ValueError(f"slots={self.ft_config.slots}: accelerator.units() sets the accumulation boundary of "
+                             "each unit; drop accelerator.accumulate(...) from the loop")
+        return super().accumulate(*models)
+
     def shard_across_replica_groups(self, loader: Any) -> Any:
         """The prepared training ``loader`` re-sharded across replica groups, to use in its place
         (:func:`ftbridge.integrations.accelerate_data.shard_across_replica_groups`; not for evaluation loaders).
 
         Raises:
-            ValueError: the model is not prepared yet, or a loader that cannot be re-sharded exactly.
+            ValueError: the model is not prepared yet, slots are on (each unit's rows come from a
+                ``UnitSampler``), or a loader that cannot be re-sharded exactly.
         """
         if self.ft_engine is None:
             raise ValueError("prepare the model first (accelerator.prepare(model, optimizer, ...)), then shard the "
                              "training loader: a warm spare learns which replica group it trains as there")
+        if self.ft_config.slots:
+            raise ValueError(f"slots={self.ft_config.slots}: a group reads the rows of whichever units it computes, "
+                             "not a shard; loop over accelerator.units() and read each unit's rows with "
+                             "ftbridge.slots.data.UnitSampler.for_engine(model, len(dataset)).indices(unit)")
         cfg = self.ft_engine.ftbridge.cfg
         out = accelerate_data.shard_across_replica_groups(
             loader, num_replica_groups=cfg.num_replica_groups, replica_group_id=cfg.replica_group_id,
@@ -261,8 +315,9 @@ class FaultTolerantAccelerator(Accelerator):
         if self.ft_engine is None:
             raise ValueError("a scheduler was prepared before the model: prepare the model, optimizer and "
                              "scheduler in one call, accelerator.prepare(model, optimizer, loader, scheduler)")
+        cfg = self.ft_engine.ftbridge.cfg
         out = ReplicaGroupsScheduler(prepared.scheduler, prepared.optimizers,
-                                     replica_groups=self.ft_engine.ftbridge.cfg.num_replica_groups,
+                                     replica_groups=cfg.slots or cfg.num_replica_groups,
                                      step_with_optimizer=prepared.step_with_optimizer,
                                      split_batches=prepared.split_batches)
         out._is_accelerate_prepared = True  # as Accelerate marks what it prepared

@@ -11,8 +11,9 @@ skipped one (``state.global_step`` advances). Why: docs/huggingface.md, "The Tra
 from __future__ import annotations
 
 import functools
+import json
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import transformers
 import transformers.trainer as trainer_module
@@ -41,7 +42,12 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
 
 
 def arguments_refusal(args: Any, ft_config: Optional[FTBridgeConfig] = None) -> Optional[str]:
-    """Why ftbridge cannot make a Trainer with ``args`` (``TrainingArguments``) exact, or ``None``."""
+    """Why ftbridge cannot make a Trainer with ``args`` (``TrainingArguments``) and ``ft_config`` exact, or
+    ``None``."""
+    if ft_config is not None and ft_config.slots:
+        return (f"slots={ft_config.slots} (FTBRIDGE_SLOTS) is not supported by FaultTolerantTrainer: the Trainer's "
+                "loop draws its own batches, not the units of absent groups; unset FTBRIDGE_SLOTS (ftbridge-run "
+                "--slots), or write the loop with FaultTolerantAccelerator.units() (docs/huggingface.md)")
     if getattr(args, "deepspeed", None) is None:
         return ("FaultTolerantTrainer runs DeepSpeed ZeRO: pass TrainingArguments(deepspeed='ds_config.json') "
                 "(or a dict such as {'zero_optimization': {'stage': 2}, 'train_micro_batch_size_per_gpu': 'auto'})")
@@ -71,8 +77,9 @@ class FaultToleranceCallback(TrainerCallback):
     """One checkpoint writer across replica groups, the discards in the logs, the Trainer's place carried by a heal.
 
     Only replica group 0 saves; logs get ``ft_discarded_steps``. After a step that healed, takes the donor's
-    :meth:`heal_state` and moves the :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where plain
-    data parallelism reads next, and the ``trainer``'s logging counters with ``global_step``.
+    :meth:`heal_state` (its counters, ``log_history`` and best-checkpoint record) and moves the
+    :class:`~ftbridge.integrations.accelerate_data.MovableLoader` to where plain data parallelism reads next, and
+    the ``trainer``'s logging counters with ``global_step``.
     """
 
     def __init__(self, accelerator: FaultTolerantAccelerator, trainer: Any = None) -> None:
@@ -82,16 +89,27 @@ class FaultToleranceCallback(TrainerCallback):
         self._snapshot: Dict[str, Any] = {"global_step": 0, "total_flos": 0.0, "num_input_tokens_seen": 0}
         self._healed: Optional[Dict[str, Any]] = None
         self._moved = False
+        self._state: Any = None  # the TrainerState of the current train()
 
     def heal_state(self) -> Dict[str, Any]:
-        """This group's place at the end of its last step (JSON scalars): what a healing group takes."""
-        return dict(self._snapshot)
+        """This group's place at the end of its last step (JSON scalars): what a healing group takes.
+
+        Returns:
+            ``global_step``, ``total_flos``, ``num_input_tokens_seen`` as of the last step's end; the Trainer's
+            ``log_history`` as JSON text (``str``; its entries hold the logs of every step so far) and its
+            ``best_metric``, ``best_global_step``, ``best_model_checkpoint`` (``None`` before any evaluation).
+        """
+        state = self._state
+        return {**self._snapshot,
+                "log_history": json.dumps(state.log_history if state is not None else []),
+                **{k: getattr(state, k, None) for k in _BEST}}
 
     def load_heal_state(self, state: Dict[str, Any]) -> None:
         """Keep a donor's :meth:`heal_state`; applied at the end of the step that healed."""
         self._healed = dict(state)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._state = state
         self._take_snapshot(state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -114,6 +132,7 @@ class FaultToleranceCallback(TrainerCallback):
     def _take_donors_place(self, args: Any, state: Any, control: Any, loader: Any) -> None:
         donor, self._healed = self._healed, None
         assert donor is not None
+        history = _log_history(donor["log_history"])
         if not isinstance(loader, accelerate_data.MovableLoader):
             raise RuntimeError(f"the Trainer trains from a {type(loader).__name__}, not the loader "
                                "FaultTolerantTrainer.get_train_dataloader returns: a healed replica group could not "
@@ -123,6 +142,9 @@ class FaultToleranceCallback(TrainerCallback):
         state.global_step = step
         state.total_flos = float(donor["total_flos"])
         state.num_input_tokens_seen = int(donor["num_input_tokens_seen"]) + own_tokens
+        state.log_history = history
+        for k in _BEST:
+            setattr(state, k, donor[k])
         n, gas = len(loader), args.gradient_accumulation_steps
         position, was = _stream_position(step, n, gas), loader.position
         loader.move_to(position)  # a live group healed after a disagreement reads on where it was
@@ -156,6 +178,22 @@ class FaultToleranceCallback(TrainerCallback):
         if self.accelerator.ft_config.replica_group_id != 0:
             control.should_save = False
         return control
+
+
+_BEST = ("best_metric", "best_global_step", "best_model_checkpoint")
+"""The Trainer's record of its best evaluation, carried by a heal."""
+
+
+def _log_history(text: str) -> List[Dict[str, Any]]:
+    """A donor's ``log_history`` (JSON text) as the Trainer keeps it.
+
+    Raises:
+        ValueError: ``text`` is not JSON for a list of objects.
+    """
+    history = json.loads(text)
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        raise ValueError("the donor's log_history is not a JSON list of objects")
+    return history
 
 
 def _stream_position(global_step: int, batches_per_epoch: int, gradient_accumulation_steps: int) -> int:

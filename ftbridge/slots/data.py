@@ -63,7 +63,8 @@ class UnitSampler:
     @classmethod
     def for_engine(cls, engine: Any, num_samples: int, *, shuffle: bool = True, seed: int = 0) -> "UnitSampler":
         """A sampler with ``engine``'s micro-batch, accumulation steps and data-parallel size (``slots``, or the replica
-        groups, times the group size)."""
+        groups, times the group size); ``engine`` is ftbridge's engine or a ``DeepSpeedEngine`` it is attached to."""
+        engine = getattr(engine, "ftbridge", engine)
         cfg, ds = engine.cfg, engine.engine
         width = (cfg.slots or cfg.num_replica_groups) * cfg.group_size
         return cls(num_samples, int(ds.train_micro_batch_size_per_gpu()), int(ds.gradient_accumulation_steps()),

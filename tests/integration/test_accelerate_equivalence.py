@@ -10,11 +10,13 @@ rate after every step, and end with the plain run's parameters, while its model 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
 from ftbridge.checkpoint import manifest
+from ftbridge.harness import local_job as local_job_module
 from tests.integration.hf_runs import run_ft_and_plain
 
 pytest.importorskip("accelerate")
@@ -23,6 +25,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "ac
 
 ATOL = 1e-6
 """Parameters of the two runs may differ by the order of floating-point sums (2 ranks vs 2 groups)."""
+SLOTS_ATOL = 2e-5
+"""The same with slots, over about a thousand steps, most of them with one group summing both slots' units
+(8.3e-7 measured after 806 steps; tests/integration/test_slots.py's tolerance)."""
 
 
 def _run_both(local_job, tmp_path, extra=(), group_size=1):
@@ -99,3 +104,41 @@ def test_a_checkpoint_saved_by_2_groups_loads_into_3(local_job, tmp_path):
         for name, want in saved["params"].items():
             assert torch.equal(got["params"][name], want), f"group {r} did not load {name}"
             assert not torch.equal(got["params"][name], initial[name]), "the saved model had trained"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("slots", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["slots", "no-slots"])
+def test_with_slots_a_group_alone_then_a_joiner_train_plain_accelerates_model(local_job, tmp_path, slots):
+    """Slots under Accelerate (the worker's ``--slots`` loop over ``accelerator.units()``, ``FTBRIDGE_SLOTS=2``,
+    2 micro-batches a step): group 0 trains alone first and computes both slots' units; group 1 joins by
+    healing (that step is discarded everywhere and tried again), then each computes its own. Both end with
+    plain Accelerate's parameters on 2 ranks after as many steps, and every committed step's learning rate is
+    plain's. Without slots (the control) group 0 alone trained on half the rows: far from plain."""
+    ft_out, plain_out = tmp_path / "ft", tmp_path / "plain"
+    args = ["--slots", "--gas", "2"]
+    job = local_job(2, 1, ["--out", str(ft_out), *args], script=WORKER, max_restarts=0,
+                    env={"OMP_NUM_THREADS": "1", **({"FTBRIDGE_SLOTS": "2"} if slots else {})})
+    job.script_args += ["--stop-file", f"{job.workdir}/stop"]
+    job.start(groups=[0])
+    job.wait_step(0, 5, timeout_s=120)
+    started = time.time()
+    job.start_group(1)
+    job.wait_heal(1, started, 120, "group 1 to join by healing")
+    healed = min(e["step"] for e in job.steps(1) if e["healed"] and e["time"] >= started)
+    job.wait_step(1, healed + 3, timeout_s=60)
+    target = job.stop_soon(5)
+    assert job.wait(timeout_s=180) == {0: 0, 1: 0}, job.tails()
+    local_job_module.run_plain_deepspeed(str(tmp_path), 2, ["--out", str(plain_out), *args, "--steps", str(target)],
+                                         240, script=WORKER)
+    ft = [torch.load(ft_out / f"result_{r}.pt") for r in (0, 1)]
+    plain = torch.load(plain_out / "result_0.pt")
+    assert ft[0]["global_steps"] == ft[1]["global_steps"] == plain["global_steps"] == target
+    worst = max((ft[g]["params"][n] - p).abs().max().item() for g in (0, 1) for n, p in plain["params"].items())
+    print(f"slots {slots}: healed at step {healed}, {target} steps, max |ft - plain| = {worst:.3g}")
+    if not slots:
+        assert worst > 100 * SLOTS_ATOL, f"without slots the job trained plain's model ({worst})"
+        return
+    assert worst <= SLOTS_ATOL, f"{worst} away from plain Accelerate after {target} steps"
+    assert list(ft[0]["lrs"]) == list(range(1, target + 1)) == list(plain["lrs"])
+    assert list(ft[0]["lrs"].values()) == pytest.approx(list(plain["lrs"].values()), rel=1e-12, abs=0)
+    assert min(ft[1]["lrs"]) == healed + 1 and all(ft[1]["lrs"][s] == ft[0]["lrs"][s] for s in ft[1]["lrs"])

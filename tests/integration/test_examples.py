@@ -48,17 +48,19 @@ def test_the_minimal_script_runs_itself_as_a_local_job():
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("example", [
-    pytest.param("hf_trainer.py", marks=pytest.mark.slow),  # the Trainer path runs in test_trainer_*.py in CI
-    "hf_accelerate.py",
+@pytest.mark.parametrize("example,steps", [
+    pytest.param("hf_trainer.py", 32, marks=pytest.mark.slow),  # the Trainer path runs in test_trainer_*.py in CI
+    ("hf_accelerate.py", 32),
+    # slots under Accelerate run in test_accelerate_equivalence.py in CI
+    pytest.param("hf_accelerate_slots.py", 16, marks=pytest.mark.slow),
 ])
-def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_with_one_model(example):
+def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_with_one_model(example, steps):
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example)], check=False,
                          capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("[replica")]
-    assert [line.split(" loss")[0] for line in lines] == ["[replica 0 rank 0] step 32", "[replica 1 rank 0] step 32"]
+    assert [line.split(" loss")[0] for line in lines] == [f"[replica {g} rank 0] step {steps}" for g in (0, 1)]
     checksums = {line.split(" params ")[1] for line in lines}
     assert len(checksums) == 1, f"the groups hold different parameters: {lines}"
 

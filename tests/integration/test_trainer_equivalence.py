@@ -198,6 +198,7 @@ def _worker(argv) -> None:
         "lrs": lrs, "global_steps": steps, "rows": rows, "step_rows": step_rows, "max_steps": trainer.state.max_steps,
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "spare": int(os.environ.get("FTBRIDGE_SPARE_INDEX", "-1")) >= 0,
+        "logs": [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e],
         "discarded": sum(getattr(cb, "discarded", 0) for cb in trainer.callback_handler.callbacks),
         "trainer_type": Trainer.__name__, "engine_type": type(engine).__name__,
         "is_deepspeed_engine": type(engine) is deepspeed.DeepSpeedEngine,

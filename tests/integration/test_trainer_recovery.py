@@ -105,6 +105,9 @@ def _assert_joined_the_run(live, joined, plain):
     tail = live["global_steps"].index(first)
     assert joined["lrs"] == live["lrs"][tail:], "the learning rate of every step the groups shared"
     assert live["step_rows"][1] == plain[0]["step_rows"][1]
+    assert [step for step, _ in live["logs"]] == list(range(1, 21))  # logging_steps=1
+    assert joined["logs"][:first - 1] == live["logs"][:first - 1], "the run's logs before the heal, the donor's"
+    assert [step for step, _ in joined["logs"]] == list(range(1, 21))
     for name, value in live["params"].items():
         assert torch.equal(joined["params"][name], value), f"{name}: the groups differ"
 

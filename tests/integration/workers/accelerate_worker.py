@@ -12,6 +12,11 @@ Flags: ``--out DIR``, ``--epochs``, ``--stage`` (ZeRO), ``--gas`` (gradient accu
 ``--no-shard`` (negative control: skip the re-sharding), ``--save-state`` (after training, two
 ``save_state`` calls with ``total_limit=1``, then ``load_state()`` over parameters moved by 1), ``--resume DIR``
 (``load_state(DIR)`` before training; with ``--epochs 0`` the result holds the loaded parameters).
+
+``--slots``: the failure-transparent loop instead. Under ftbridge, ``for unit in accelerator.units()`` with
+each unit's rows from ``UnitSampler.for_engine`` (the job sets ``FTBRIDGE_SLOTS``); plain, the units of its
+own rank with the same sampler and ``accumulate``. Trains ``--steps`` optimizer steps, fewer once
+``--stop-file`` names a step; the result's ``lrs`` then maps every committed step to its learning rate.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ def main() -> None:
     p.add_argument("--save-state", action="store_true",
                    help="after training: save_state twice (total_limit 1) into OUT/project, then load_state()")
     p.add_argument("--resume", help="load_state(RESUME) right after prepare, before training")
+    p.add_argument("--slots", action="store_true", help="the loop over units (see the module docstring)")
+    p.add_argument("--steps", type=int, default=10**6, help="with --slots: optimizer steps to train")
+    p.add_argument("--stop-file", help="with --slots: stop at the step this file names, once it exists")
     args = p.parse_args()
 
     import deepspeed
@@ -66,12 +74,15 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 8))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    if not args.plain and not args.no_shard:
+    if not args.plain and not args.no_shard and not args.slots:
         loader = accelerator.shard_across_replica_groups(loader)
     if args.resume:
         accelerator.load_state(args.resume)
 
     lrs, rows, discarded = [], [], 0
+    if args.slots:
+        lrs = _train_units(args, accelerator, model, optimizer, scheduler, loader.dataset)
+        args.epochs = 0
     for _ in range(args.epochs):
         for xb, yb, ib in loader:
             with accelerator.accumulate(model):
@@ -125,6 +136,46 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     torch.save(result, os.path.join(args.out, f"result_{dp_rank}.pt"))
     accelerator.end_training()
+
+
+def _train_units(args, accelerator, model, optimizer, scheduler, dataset):
+    """The ``--slots`` loop; returns ``{committed step: learning rate after it}``."""
+    import contextlib
+
+    from ftbridge.slots import Unit
+    from ftbridge.slots.data import UnitSampler
+
+    if args.plain:
+        world = accelerator.num_processes
+        sampler = UnitSampler(len(dataset), 3, args.gas, world, seed=1234)
+    else:
+        sampler = UnitSampler.for_engine(model, len(dataset), seed=1234)
+
+    def target():
+        if args.stop_file and os.path.exists(args.stop_file):
+            with open(args.stop_file, encoding="utf-8") as f:
+                return min(args.steps, int(f.read()))
+        return args.steps
+
+    lrs = {}
+    while model.global_steps < target():
+        step = int(model.global_steps)
+        if args.plain:
+            units = [Unit(step=step, slot=accelerator.process_index, micro=m, group_rank=0, group_size=1,
+                          slots=world) for m in range(args.gas)]
+        else:
+            units = accelerator.units()
+        for unit in units:
+            xb, yb, _ = (t.to(accelerator.device) for t in dataset[sampler.indices(unit)])
+            with accelerator.accumulate(model) if args.plain else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(model(xb), yb)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        if model.global_steps == step + 1:
+            lrs[step + 1] = scheduler.get_last_lr()[0]
+    return lrs
 
 
 if __name__ == "__main__":
