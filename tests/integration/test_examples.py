@@ -50,7 +50,8 @@ def test_the_minimal_script_runs_itself_as_a_local_job():
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("example,steps", [
     pytest.param("hf_trainer.py", 32, marks=pytest.mark.slow),  # the Trainer path runs in test_trainer_*.py in CI
-    ("hf_accelerate.py", 32),
+    # CI runs hf_accelerate.py with a killed group (below) and minimal.py as a local job (above)
+    pytest.param("hf_accelerate.py", 32, marks=pytest.mark.slow),
     # slots under Accelerate run in test_accelerate_equivalence.py in CI
     pytest.param("hf_accelerate_slots.py", 16, marks=pytest.mark.slow),
 ])
