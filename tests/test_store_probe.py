@@ -149,7 +149,9 @@ def test_a_rank_that_reaches_the_rendezvous_a_timeout_late_gives_up_at_once_with
     monkeypatch.setattr(store_probe, "probe_store", slow_probe)
     pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=5))
     t = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure"):
+    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure \(probing "
+                       r"the store 0\.\d\d s, closing the previous group 0\.\d\d s, opening the store connection "
+                       r"0\.\d\d s\)"):
         pg.configure(addr, "replica_group_0", 0, 2)
     assert time.monotonic() - t < 2
     assert tried == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, List, Optional, Tuple
 
 from ftbridge.manager.futures import call_bounded, in_thread
 from ftbridge.manager.torchft_api import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
@@ -63,7 +63,6 @@ class _Probed:
 
     _timeout: timedelta
     _pg: Any  # torchft's ProcessGroupWrapper: the c10d process group of the current quorum
-    abort: Callable[..., None]  # torchft's ProcessGroup method, found next in the MRO
 
     def bury(self) -> None:
         """Set the current c10d process group aside with its operations pending; the next ``configure`` builds a new
@@ -80,13 +79,34 @@ class _Probed:
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         self._configure_entered = time.monotonic()
+        self._configure_phases: Optional[List[Tuple[str, float]]] = [("entry", self._configure_entered)]
         try:
-            probe_store(store_addr, self._timeout)
-        except Exception:
-            self._store_unreachable = True
-            self.abort(errored=False)  # no stale group with the old members survives a failed configure
-            raise
-        super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+            try:
+                probe_store(store_addr, self._timeout)
+            except Exception:
+                self._store_unreachable = True
+                self.abort(errored=False)  # no stale group with the old members survives a failed configure
+                raise
+            self._phase("probing the store")
+            super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._configure_phases = None
+
+    def abort(self, errored: bool = True) -> None:
+        """torchft's ``abort`` (the current group is closed; torchft's next ``configure`` builds another)."""
+        super().abort(errored)  # type: ignore[misc]
+        self._phase("closing the previous group")
+
+    def _phase(self, what: str) -> None:
+        """Inside ``configure``: record that ``what`` ended now (for :meth:`_phases_text`)."""
+        phases = getattr(self, "_configure_phases", None)
+        if phases is not None:
+            phases.append((what, time.monotonic()))
+
+    def _phases_text(self) -> str:
+        """How long each recorded part of the current ``configure`` took, e.g. ``"probing the store 0.00 s, ..."``."""
+        phases = getattr(self, "_configure_phases", None) or []
+        return ", ".join(f"{what} {t - prev:.2f} s" for (_, prev), (what, t) in zip(phases, phases[1:]))
 
     def take_store_unreachable(self) -> bool:
         """Whether a ``configure`` since the last call found the quorum's store unanswering (then cleared); call after
@@ -111,15 +131,16 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
             RuntimeError: gloo's own failure within the bound.
         """
         timeout_s = self._timeout.total_seconds()
+        self._phase("opening the store connection")
         now = time.monotonic()
         entered = getattr(self, "_configure_entered", now)
         bound_s = rendezvous_wait_s(entered, now, timeout_s)
         if bound_s is None:
             raise TimeoutError(
                 f"the cross-replica process group (rank {rank} of {world_size}): this rank reached the rendezvous "
-                f"{now - entered:.2f} s after entering configure, and its peers wait for it {timeout_s:g} s "
-                "(cross_replica_timeout) from about then (opening the store connection stalled?); step discarded, "
-                "the next quorum builds afresh")
+                f"{now - entered:.2f} s after entering configure ({self._phases_text()}), and its peers wait for it "
+                f"{timeout_s:g} s (cross_replica_timeout) from about then; step discarded, the next quorum builds "
+                "afresh")
         build = in_thread(lambda: super(ProbedProcessGroupGloo, self)._create_pg(store, rank, world_size),
                           "ftbridge-gloo-rendezvous")
         done, _ = concurrent.futures.wait([build], timeout=bound_s)
