@@ -79,6 +79,15 @@ def test_without_resharding_the_groups_train_another_model(local_job, tmp_path):
     assert any((ft[0]["params"][n] - p).abs().max().item() > 100 * ATOL for n, p in plain[0]["params"].items())
 
 
+@pytest.mark.slow  # a negative control: ~30 s
+@pytest.mark.timeout(300)
+def test_without_the_cross_replica_average_the_groups_train_apart(local_job, tmp_path):
+    ft, plain = _run_both(local_job, tmp_path, ["--no-sync"])
+    assert [r["rows"] for r in ft] == [r["rows"] for r in plain], "the rows of plain data parallelism"
+    gap = max((ft[0]["params"][n] - ft[1]["params"][n]).abs().max().item() for n in ft[0]["params"])
+    assert gap > 100 * ATOL, f"the groups hold one model without the cross-replica average ({gap})"
+
+
 @pytest.mark.slow  # ~1.5 min: a job of 2 groups saves, then one of 3 loads
 @pytest.mark.timeout(500)
 def test_a_checkpoint_saved_by_2_groups_loads_into_3(local_job, tmp_path):

@@ -49,11 +49,10 @@ def test_the_minimal_script_runs_itself_as_a_local_job():
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("example,steps", [
-    pytest.param("hf_trainer.py", 32, marks=pytest.mark.slow),  # the Trainer path runs in test_trainer_*.py in CI
+    ("hf_trainer.py", 32),
     # CI runs hf_accelerate.py with a killed group (below) and minimal.py as a local job (above)
     pytest.param("hf_accelerate.py", 32, marks=pytest.mark.slow),
-    # slots under Accelerate run in test_accelerate_equivalence.py in CI
-    pytest.param("hf_accelerate_slots.py", 16, marks=pytest.mark.slow),
+    ("hf_accelerate_slots.py", 16),
 ])
 def test_a_hugging_face_example_runs_itself_as_a_local_job_and_its_groups_end_with_one_model(example, steps):
     pytest.importorskip("transformers")

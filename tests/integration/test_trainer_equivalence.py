@@ -91,6 +91,18 @@ def test_without_resharding_the_groups_train_another_model(local_job, tmp_path):
     assert diff > 100 * ATOL
 
 
+@pytest.mark.slow  # a negative control: ~30 s
+@pytest.mark.timeout(300)
+def test_without_the_cross_replica_average_the_groups_train_apart(local_job, tmp_path):
+    """The negative control of the average: each group steps on its own gradient; the rows are plain's."""
+    pytest.importorskip("transformers")
+    ft, plain = _run_both(local_job, tmp_path, ["--no-sync"])
+    assert [r["rows"] for r in ft] == [r["rows"] for r in plain], "the rows of plain data parallelism"
+    diff = _max_diff(ft[0]["params"], ft[1]["params"])
+    print(f"without the cross-replica average: max |group 0 - group 1| = {diff:.3g}")
+    assert diff > 100 * ATOL
+
+
 # -- the worker --------------------------------------------------------------------------------------------
 class Tokens(torch.utils.data.Dataset):
     """``n`` fixed-length rows of seeded random tokens; row ``i`` carries its index as ``idx``. ``padded``: row ``i``'s
@@ -121,6 +133,7 @@ def _worker(argv) -> None:
     p.add_argument("--no-shard", action="store_true")
     p.add_argument("--padded", action="store_true", help="rows with padded labels (Tokens)")
     p.add_argument("--no-weight", action="store_true", help="the negative control: groups weighted alike")
+    p.add_argument("--no-sync", action="store_true", help="the negative control: no cross-replica average")
     p.add_argument("--rows", type=int, default=40, help="dataset rows")
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps (0: never)")
@@ -182,8 +195,12 @@ def _worker(argv) -> None:
     transformers.set_seed(0)  # the same initial model in every replica group
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     initial = {n: q.detach().clone() for n, q in model.named_parameters()}
+    hook = {}
+    if args.no_sync and not args.plain:  # the negative control: each group keeps its own gradient
+        from ftbridge.harness.control_hooks import no_sync_hook
+        hook = {"comm_hook": no_sync_hook}
     trainer = Recording(model=model, args=training_args, train_dataset=Tokens(args.rows, padded=args.padded),
-                        data_collator=transformers.default_data_collator, callbacks=[Record()])
+                        data_collator=transformers.default_data_collator, callbacks=[Record()], **hook)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
 
     engine = trainer.model_wrapped

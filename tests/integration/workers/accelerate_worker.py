@@ -9,7 +9,8 @@ the initial and final parameters, the learning rate after every optimizer step, 
 engine's class name, the keys of ``accelerator.get_state_dict(model)`` and of the unwrapped model.
 
 Flags: ``--out DIR``, ``--epochs``, ``--stage`` (ZeRO), ``--gas`` (gradient accumulation steps),
-``--no-shard`` (negative control: skip the re-sharding), ``--save-state`` (after training, two
+``--no-shard`` (negative control: skip the re-sharding), ``--no-sync`` (negative control: no cross-replica
+average), ``--save-state`` (after training, two
 ``save_state`` calls with ``total_limit=1``, then ``load_state()`` over parameters moved by 1), ``--resume DIR``
 (``load_state(DIR)`` before training; with ``--epochs 0`` the result holds the loaded parameters).
 
@@ -22,6 +23,7 @@ own rank with the same sampler and ``accumulate``. Trains ``--steps`` optimizer 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -41,6 +43,7 @@ def main() -> None:
     p.add_argument("--save-state", action="store_true",
                    help="after training: save_state twice (total_limit 1) into OUT/project, then load_state()")
     p.add_argument("--resume", help="load_state(RESUME) right after prepare, before training")
+    p.add_argument("--no-sync", action="store_true", help="the negative control: no cross-replica average")
     p.add_argument("--slots", action="store_true", help="the loop over units (see the module docstring)")
     p.add_argument("--steps", type=int, default=10**6, help="with --slots: optimizer steps to train")
     p.add_argument("--stop-file", help="with --slots: stop at the step this file names, once it exists")
@@ -57,6 +60,9 @@ def main() -> None:
         "zero_optimization": {"stage": args.stage, "stage3_gather_16bit_weights_on_model_save": True},
         "steps_per_print": 10**9})
     make = Accelerator if args.plain else FaultTolerantAccelerator
+    if args.no_sync and not args.plain:  # the negative control: each group keeps its own gradient
+        from ftbridge.harness.control_hooks import no_sync_hook
+        make = functools.partial(FaultTolerantAccelerator, comm_hook=no_sync_hook)
     # On the CPU, Accelerate sets up a distributed state only with an explicit backend.
     accelerator = make(deepspeed_plugin=plugin, gradient_accumulation_steps=args.gas,
                        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=1234),
