@@ -330,6 +330,18 @@ def test_with_slots_accumulate_and_the_loader_shard_are_refused_with_the_fix():
         accelerator.units()
 
 
+def test_units_without_slots_warn_once_that_a_missing_groups_rows_are_not_trained(caplog):
+    accelerator = FaultTolerantAccelerator.__new__(FaultTolerantAccelerator)
+    cfg = SimpleNamespace(slots=0, group_rank=0, num_replica_groups=2)
+    accelerator.ft_config, accelerator.ft_engine = cfg, SimpleNamespace(ftbridge=SimpleNamespace(
+        cfg=cfg, units=lambda: iter([])))
+    accelerator.__dict__["gradient_state"] = GradientState()
+    for _ in range(2):
+        assert list(accelerator.units()) == []
+    warned = [r.getMessage() for r in caplog.records if "with slots off" in r.getMessage()]
+    assert len(warned) == 1 and "FTBRIDGE_SLOTS=2 (ftbridge-run --slots 2)" in warned[0], caplog.text
+
+
 # -- refusals ----------------------------------------------------------------------------------------------
 def _accelerator(**over):
     from accelerate.utils import DistributedType

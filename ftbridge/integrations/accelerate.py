@@ -8,6 +8,7 @@ What changes, what is exact and what is refused: docs/huggingface.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -22,6 +23,8 @@ from ftbridge.config import FTBridgeConfig
 from ftbridge.heal import rng
 from ftbridge.integrations import accelerate_data, sealed_checkpoints
 from ftbridge.slots import Unit
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ACCELERATE = ("1.15.",)
 """Accelerate releases this module was checked against (the internals: docs/huggingface.md, "Upstream internals")."""
@@ -201,7 +204,8 @@ class FaultTolerantAccelerator(Accelerator):
 
         ``sync_gradients`` is true on the step's last unit only (:func:`sync_on_the_last_unit`). With slots
         (``FTBRIDGE_SLOTS``) the group also computes the units of absent groups, and the step trains on the rows
-        of the failure-free run: read them with ``UnitSampler.for_engine(model, len(dataset))``.
+        of the failure-free run: read them with ``UnitSampler.for_engine(model, len(dataset))``. Without slots
+        the units are the group's own micro-batches (a warning says so once, on group rank 0).
 
         Raises:
             ValueError: the model is not prepared yet.
@@ -210,7 +214,15 @@ class FaultTolerantAccelerator(Accelerator):
         if self.ft_engine is None:
             raise ValueError("prepare the model first (accelerator.prepare(model, optimizer, ...)), then loop over "
                              "accelerator.units()")
-        return sync_on_the_last_unit(self.ft_engine.ftbridge.units(), self.ft_engine, self.gradient_state)
+        controller = self.ft_engine.ftbridge
+        if not controller.cfg.slots and not getattr(self, "_ft_told_no_slots", False):
+            self._ft_told_no_slots = True
+            if controller.cfg.group_rank == 0:
+                logger.warning("accelerator.units() with slots off: each replica group computes its own "
+                               "micro-batches only, and a step without a group trains without its rows; set "
+                               "FTBRIDGE_SLOTS=%d (ftbridge-run --slots %d) for the same model whatever fails",
+                               controller.cfg.num_replica_groups, controller.cfg.num_replica_groups)
+        return sync_on_the_last_unit(controller.units(), self.ft_engine, self.gradient_state)
 
     def accumulate(self, *models: Any) -> Any:
         """``Accelerator.accumulate``.
