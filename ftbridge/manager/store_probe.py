@@ -15,7 +15,19 @@ from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
 from ftbridge.manager.futures import call_bounded, in_thread
-from ftbridge.manager.torchft_api import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+from ftbridge.manager.torchft_api import (
+    TORCHFT_GUARDED_VERSIONS,
+    ProcessGroupGloo,
+    ProcessGroupNCCL,
+    create_store_client,
+    installed_version,
+)
+
+CONNECT_ATTEMPT_S = 1.0
+"""An attempt to open a store connection not done after this long is abandoned and another one started."""
+
+CONNECT_ATTEMPTS = 3
+"""Attempts to open a store connection before its timeout; the last one gets what is left of the timeout."""
 
 RENDEZVOUS_BOUND = 2
 """A ``configure`` (probe, store connection and gloo's rendezvous) may take at most this many times the group's
@@ -45,17 +57,50 @@ def rendezvous_wait_s(entered: float, now: float, timeout_s: float) -> Optional[
     return RENDEZVOUS_BOUND * timeout_s - elapsed
 
 
-def probe_store(store_addr: str, timeout: timedelta) -> None:
-    """Check that the TCPStore at ``store_addr`` (``host:port[/prefix]``) answers one request.
+def connect_store(store_addr: str, timeout: timedelta) -> Any:
+    """A client of the TCPStore at ``store_addr`` (``host:port[/prefix]``; torchft's ``create_store_client``:
+    a ``PrefixStore`` over a ``TCPStore`` whose requests wait up to ``timeout``).
+
+    Up to :data:`CONNECT_ATTEMPTS` attempts, each abandoned after :data:`CONNECT_ATTEMPT_S` (the last one after
+    what is left of ``timeout``): on this project's machines a c10d client now and then takes 5 s to connect to
+    a live local store whatever its timeout, while the next attempt connects at once (docs/design.md, "Hung
+    stores"). An abandoned attempt runs on in its thread until c10d gives up; its client is dropped.
 
     Raises:
-        TimeoutError: no answer within ``timeout`` (connect, then one ``check``).
+        TimeoutError: no attempt connected within ``timeout``.
+        DistError: the store refused the connection until an attempt's own timeout.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    where = store_addr.split("/", 1)[0]
+    for tries in range(1, CONNECT_ATTEMPTS + 1):
+        attempt = in_thread(lambda: create_store_client(store_addr, timeout=timeout), "ftbridge-store-connect")
+        left = deadline - time.monotonic()
+        wait_s = left if tries == CONNECT_ATTEMPTS else min(CONNECT_ATTEMPT_S, left)
+        done, _ = concurrent.futures.wait([attempt], timeout=max(0.0, wait_s))
+        if done:
+            return attempt.result()
+        if time.monotonic() >= deadline:
+            break
+    raise TimeoutError(f"the quorum's store {where} did not accept a connection within "
+                       f"{timeout.total_seconds():g} s ({tries} attempt{'s' if tries > 1 else ''}; its host hung?)")
+
+
+def probe_store(store_addr: str, timeout: timedelta) -> Any:
+    """Open a client of the TCPStore at ``store_addr`` (``host:port[/prefix]``, :func:`connect_store`) and check that
+    the store answers one request.
+
+    Returns:
+        The client, for the caller to use (requests wait up to ``timeout``).
+
+    Raises:
+        TimeoutError: no connection, or no answer, within ``timeout`` in all.
         DistError: the store refused or closed the connection.
     """
-    def ask() -> None:
-        create_store_client(store_addr, timeout=timeout).check(["ftbridge/probe"])
-
-    call_bounded(ask, timeout, f"the quorum's store {store_addr.split('/', 1)[0]}")
+    deadline = time.monotonic() + timeout.total_seconds()
+    store = connect_store(store_addr, timeout)
+    left = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+    call_bounded(lambda: store.check(["ftbridge/probe"]), left, f"the quorum's store {store_addr.split('/', 1)[0]}")
+    return store
 
 
 class _Probed:
@@ -121,6 +166,38 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
     reaches the rendezvous too late for its peers, and within :data:`RENDEZVOUS_BOUND` times the timeout from its
     entry when a peer it must connect to is gone."""
 
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: Optional[int] = None,
+                  group_rank: Optional[int] = None, group_world_size: Optional[int] = None,
+                  global_ranks: Optional[List[int]] = None) -> None:
+        """torchft's ``ProcessGroupWrapper.configure`` (torchft 0.2) on the store connection the probe opened, so that
+        a reconfigure opens one connection, not two (each may stall: :func:`connect_store`). Another torchft
+        release gets the probe and then torchft's own ``configure``.
+
+        Raises:
+            TimeoutError: the store did not answer in time (:func:`probe_store`), or the rendezvous failed its
+                bound (:meth:`_create_pg`); the group is left closed.
+        """
+        if not installed_version().startswith(TORCHFT_GUARDED_VERSIONS):
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)
+            return
+        self._configure_entered = time.monotonic()
+        self._configure_phases = [("entry", self._configure_entered)]
+        try:
+            try:
+                store = probe_store(store_addr, self._timeout)
+            except Exception:
+                self._store_unreachable = True
+                self.abort(errored=False)  # no stale group with the old members survives a failed configure
+                raise
+            self._phase("opening and probing the store")
+            self._replica_id, self._quorum_id, self._rank = replica_id, quorum_id, rank
+            self._group_rank, self._group_world_size, self._global_ranks = group_rank, group_world_size, global_ranks
+            self.abort(errored=False)
+            self._pg = self._create_pg(store, rank, world_size)
+        finally:
+            self._configure_phases = None
+
     def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
         """Gloo's rendezvous (torchft's ``_create_pg``), bounded by :func:`rendezvous_wait_s`.
 
@@ -131,7 +208,6 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
             RuntimeError: gloo's own failure within the bound.
         """
         timeout_s = self._timeout.total_seconds()
-        self._phase("opening the store connection")
         now = time.monotonic()
         entered = getattr(self, "_configure_entered", now)
         bound_s = rendezvous_wait_s(entered, now, timeout_s)
