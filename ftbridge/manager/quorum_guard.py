@@ -26,10 +26,10 @@ from ftbridge.manager.quorum_rules import (
     vote_needed,
 )
 from ftbridge.manager.quorum_watch import wait_for_keys
-from ftbridge.manager.store_probe import connect_store
 from ftbridge.manager.torchft_api import (
     TORCHFT_GUARDED_VERSIONS,
     Manager,
+    create_store_client,
     installed_version,
     internals_supported,
 )
@@ -236,7 +236,7 @@ def _vote_on_store(result: Any, base: str, mine: bool, store: Any, last: Optiona
         Whatever the store raises: ``DistStoreError`` when a vote does not come within ``timeout``.
     """
     if store is None:
-        store = connect_store(f"{result.store_address}/ftbridge/vote", timeout)
+        store = create_store_client(f"{result.store_address}/ftbridge/vote", timeout=timeout)
     base = f"{base}/{int(store.add(f'{base}/count/{int(result.replica_rank)}', 1))}"
     store.set(f"{base}/{int(result.replica_rank)}", f"{int(mine)}:{int(group_size)}".encode())
     keys = [f"{base}/{r}" for r in range(int(result.replica_world_size))]

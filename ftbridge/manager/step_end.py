@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
 from ftbridge.manager.futures import call_bounded
-from ftbridge.manager.store_probe import connect_store
+from ftbridge.manager.torchft_api import create_store_client
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,11 @@ class StepEndRelay:
             heals from rank ``k`` of its donor).
         timeout: bound on each store call (connect included): ``FTBridgeConfig.store_call_timeout``, half the
             cross-replica timeout, so that a donor's write on a slow store leaves its peers' vote time to finish.
-        connect: ``(store address with prefix, timeout) -> store client``;
-            :func:`ftbridge.manager.store_probe.connect_store`.
+        connect: ``(store address with prefix, timeout) -> store client``; torchft's ``create_store_client``.
     """
 
     def __init__(self, group_rank: int, timeout: timedelta,
-                 connect: Callable[[str, timedelta], Any] = connect_store) -> None:
+                 connect: Callable[[str, timedelta], Any] = create_store_client) -> None:
         self._group_rank, self._timeout, self._connect = group_rank, timeout, connect
         self._last: Optional[Tuple[str, str]] = None  # (store address, key) of this rank's last write
 
