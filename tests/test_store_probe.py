@@ -143,19 +143,18 @@ def test_a_rank_that_reaches_the_rendezvous_a_timeout_late_gives_up_at_once_with
     real_probe = store_probe.probe_store
 
     def slow_probe(store_addr, timeout):
-        store = real_probe(store_addr, timeout)
-        pg._configure_entered -= 5.0  # as if the connection had stalled a whole timeout
-        return store
+        real_probe(store_addr, timeout)
+        pg._configure_entered -= 5.0  # as if the connections had stalled a whole timeout
 
     monkeypatch.setattr(store_probe, "probe_store", slow_probe)
     pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=5))
     t = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure \(opening "
-                       r"and probing the store 0\.\d\d s, closing the previous group 0\.\d\d s\)"):
+    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure \(probing "
+                       r"the store 0\.\d\d s, closing the previous group 0\.\d\d s, opening the store connection "
+                       r"0\.\d\d s\)"):
         pg.configure(addr, "replica_group_0", 0, 2)
     assert time.monotonic() - t < 2
     assert tried == []
     monkeypatch.setattr(store_probe, "probe_store", real_probe)
     pg.configure(addr, "replica_group_0", 0, 2)  # on time: the rendezvous is tried
     assert len(tried) == 1
-
