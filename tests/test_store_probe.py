@@ -64,11 +64,24 @@ def test_configure_on_a_hung_primarys_store_raises_so_torchft_discards_the_step(
 
 
 @pytest.mark.timeout(60)
-def test_configure_on_a_live_store_builds_the_group():
+def test_configure_on_a_live_store_builds_the_group_on_one_store_connection(monkeypatch):
+    import torchft.process_group as torchft_pg
+
+    opened = []
+
+    def counting(real):
+        def connect(*args, **kwargs):
+            opened.append(args[0])
+            return real(*args, **kwargs)
+        return connect
+
+    monkeypatch.setattr(store_probe, "create_store_client", counting(store_probe.create_store_client))
+    monkeypatch.setattr(torchft_pg, "create_store_client", counting(torchft_pg.create_store_client))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=5))
     pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "replica_group_0", 0, 1)
     assert pg.size() == 1
+    assert opened == [f"127.0.0.1:{store.port}/torchft/1/0"]  # the probe's connection, reused by the rendezvous
     pg.shutdown()
 
 
@@ -143,18 +156,19 @@ def test_a_rank_that_reaches_the_rendezvous_a_timeout_late_gives_up_at_once_with
     real_probe = store_probe.probe_store
 
     def slow_probe(store_addr, timeout):
-        real_probe(store_addr, timeout)
-        pg._configure_entered -= 5.0  # as if the connections had stalled a whole timeout
+        store = real_probe(store_addr, timeout)
+        pg._configure_entered -= 5.0  # as if the connection had stalled a whole timeout
+        return store
 
     monkeypatch.setattr(store_probe, "probe_store", slow_probe)
     pg = ProbedProcessGroupGloo(timeout=timedelta(seconds=5))
     t = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure \(probing "
-                       r"the store 0\.\d\d s, closing the previous group 0\.\d\d s, opening the store connection "
-                       r"0\.\d\d s\)"):
+    with pytest.raises(TimeoutError, match=r"reached the rendezvous 5\.\d\d s after entering configure \(opening "
+                       r"and probing the store 0\.\d\d s, closing the previous group 0\.\d\d s\)"):
         pg.configure(addr, "replica_group_0", 0, 2)
     assert time.monotonic() - t < 2
     assert tried == []
     monkeypatch.setattr(store_probe, "probe_store", real_probe)
     pg.configure(addr, "replica_group_0", 0, 2)  # on time: the rendezvous is tried
     assert len(tried) == 1
+

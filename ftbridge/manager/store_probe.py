@@ -15,7 +15,13 @@ from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
 from ftbridge.manager.futures import call_bounded, in_thread
-from ftbridge.manager.torchft_api import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+from ftbridge.manager.torchft_api import (
+    TORCHFT_GUARDED_VERSIONS,
+    ProcessGroupGloo,
+    ProcessGroupNCCL,
+    create_store_client,
+    installed_version,
+)
 
 RENDEZVOUS_BOUND = 2
 """A ``configure`` (probe, store connection and gloo's rendezvous) may take at most this many times the group's
@@ -45,17 +51,23 @@ def rendezvous_wait_s(entered: float, now: float, timeout_s: float) -> Optional[
     return RENDEZVOUS_BOUND * timeout_s - elapsed
 
 
-def probe_store(store_addr: str, timeout: timedelta) -> None:
-    """Check that the TCPStore at ``store_addr`` (``host:port[/prefix]``) answers one request.
+def probe_store(store_addr: str, timeout: timedelta) -> Any:
+    """Open a client of the TCPStore at ``store_addr`` (``host:port[/prefix]``; torchft's ``create_store_client``)
+    and check that the store answers one request.
+
+    Returns:
+        The client, for the caller to use (a ``PrefixStore``; requests wait up to ``timeout``).
 
     Raises:
         TimeoutError: no answer within ``timeout`` (connect, then one ``check``).
         DistError: the store refused or closed the connection.
     """
-    def ask() -> None:
-        create_store_client(store_addr, timeout=timeout).check(["ftbridge/probe"])
+    def ask() -> Any:
+        store = create_store_client(store_addr, timeout=timeout)
+        store.check(["ftbridge/probe"])
+        return store
 
-    call_bounded(ask, timeout, f"the quorum's store {store_addr.split('/', 1)[0]}")
+    return call_bounded(ask, timeout, f"the quorum's store {store_addr.split('/', 1)[0]}")
 
 
 class _Probed:
@@ -121,6 +133,39 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
     reaches the rendezvous too late for its peers, and within :data:`RENDEZVOUS_BOUND` times the timeout from its
     entry when a peer it must connect to is gone."""
 
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: Optional[int] = None,
+                  group_rank: Optional[int] = None, group_world_size: Optional[int] = None,
+                  global_ranks: Optional[List[int]] = None) -> None:
+        """torchft's ``ProcessGroupWrapper.configure`` (torchft 0.2) on the store connection the probe opened, so that
+        a reconfigure opens one connection, not two: on this project's machines a second c10d connection to a
+        store, opened right after the first, now and then took 5 s whatever its timeout (docs/design.md, "Hung
+        stores"). Another torchft release gets the probe and then torchft's own ``configure``.
+
+        Raises:
+            TimeoutError: the store did not answer in time (:func:`probe_store`), or the rendezvous failed its
+                bound (:meth:`_create_pg`); the group is left closed.
+        """
+        if not installed_version().startswith(TORCHFT_GUARDED_VERSIONS):
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)
+            return
+        self._configure_entered = time.monotonic()
+        self._configure_phases = [("entry", self._configure_entered)]
+        try:
+            try:
+                store = probe_store(store_addr, self._timeout)
+            except Exception:
+                self._store_unreachable = True
+                self.abort(errored=False)  # no stale group with the old members survives a failed configure
+                raise
+            self._phase("opening and probing the store")
+            self._replica_id, self._quorum_id, self._rank = replica_id, quorum_id, rank
+            self._group_rank, self._group_world_size, self._global_ranks = group_rank, group_world_size, global_ranks
+            self.abort(errored=False)
+            self._pg = self._create_pg(store, rank, world_size)
+        finally:
+            self._configure_phases = None
+
     def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
         """Gloo's rendezvous (torchft's ``_create_pg``), bounded by :func:`rendezvous_wait_s`.
 
@@ -131,7 +176,6 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
             RuntimeError: gloo's own failure within the bound.
         """
         timeout_s = self._timeout.total_seconds()
-        self._phase("opening the store connection")
         now = time.monotonic()
         entered = getattr(self, "_configure_entered", now)
         bound_s = rendezvous_wait_s(entered, now, timeout_s)
