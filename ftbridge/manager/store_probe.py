@@ -75,6 +75,7 @@ class _Probed:
 
     _timeout: timedelta
     _pg: Any  # torchft's ProcessGroupWrapper: the c10d process group of the current quorum
+    _configure_phases: Optional[List[Tuple[str, float]]] = None  # (part, its end) of the configure under way
 
     def bury(self) -> None:
         """Set the current c10d process group aside with its operations pending; the next ``configure`` builds a new
@@ -90,19 +91,37 @@ class _Probed:
             self._pg = None
 
     def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
-        self._configure_entered = time.monotonic()
-        self._configure_phases: Optional[List[Tuple[str, float]]] = [("entry", self._configure_entered)]
+        """Probe the quorum's store (:meth:`_probe`), then torchft's ``configure``.
+
+        Raises:
+            TimeoutError: the store did not answer in time (:func:`probe_store`); the group is left closed.
+        """
         try:
-            try:
-                probe_store(store_addr, self._timeout)
-            except Exception:
-                self._store_unreachable = True
-                self.abort(errored=False)  # no stale group with the old members survives a failed configure
-                raise
-            self._phase("probing the store")
+            self._probe(store_addr)
             super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
         finally:
             self._configure_phases = None
+
+    def _probe(self, store_addr: str) -> Any:
+        """A ``configure``'s first part: note its entry (for the rendezvous bound and the phases) and probe the store.
+
+        Returns:
+            The probe's store client (:func:`probe_store`).
+
+        Raises:
+            Whatever :func:`probe_store` raises, after closing the current group (no stale group with the old
+            members survives a failed ``configure``) and noting the store unreachable (:meth:`take_store_unreachable`).
+        """
+        self._configure_entered = time.monotonic()
+        self._configure_phases = [("entry", self._configure_entered)]
+        try:
+            store = probe_store(store_addr, self._timeout)
+        except Exception:
+            self._store_unreachable = True
+            self.abort(errored=False)
+            raise
+        self._phase("opening and probing the store")
+        return store
 
     def abort(self, errored: bool = True) -> None:
         """torchft's ``abort`` (the current group is closed; torchft's next ``configure`` builds another)."""
@@ -116,7 +135,8 @@ class _Probed:
             phases.append((what, time.monotonic()))
 
     def _phases_text(self) -> str:
-        """How long each recorded part of the current ``configure`` took, e.g. ``"probing the store 0.00 s, ..."``."""
+        """How long each recorded part of the current ``configure`` took, e.g.
+        ``"opening and probing the store 0.00 s, closing the previous group 0.00 s"``."""
         phases = getattr(self, "_configure_phases", None) or []
         return ", ".join(f"{what} {t - prev:.2f} s" for (_, prev), (what, t) in zip(phases, phases[1:]))
 
@@ -136,10 +156,9 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: Optional[int] = None,
                   group_rank: Optional[int] = None, group_world_size: Optional[int] = None,
                   global_ranks: Optional[List[int]] = None) -> None:
-        """torchft's ``ProcessGroupWrapper.configure`` (torchft 0.2) on the store connection the probe opened, so that
-        a reconfigure opens one connection, not two: on this project's machines a second c10d connection to a
-        store, opened right after the first, now and then took 5 s whatever its timeout (docs/design.md, "Hung
-        stores"). Another torchft release gets the probe and then torchft's own ``configure``.
+        """torchft's ``ProcessGroupWrapper.configure`` (torchft 0.2) on the store connection the probe opened: a
+        reconfigure opens one store connection, not two (why: docs/design.md, "Hung stores"). Another torchft
+        release gets the probe and then torchft's own ``configure``.
 
         Raises:
             TimeoutError: the store did not answer in time (:func:`probe_store`), or the rendezvous failed its
@@ -149,16 +168,8 @@ class ProbedProcessGroupGloo(_Probed, ProcessGroupGloo):
             super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
                               global_ranks)
             return
-        self._configure_entered = time.monotonic()
-        self._configure_phases = [("entry", self._configure_entered)]
         try:
-            try:
-                store = probe_store(store_addr, self._timeout)
-            except Exception:
-                self._store_unreachable = True
-                self.abort(errored=False)  # no stale group with the old members survives a failed configure
-                raise
-            self._phase("opening and probing the store")
+            store = self._probe(store_addr)
             self._replica_id, self._quorum_id, self._rank = replica_id, quorum_id, rank
             self._group_rank, self._group_world_size, self._global_ranks = group_rank, group_world_size, global_ranks
             self.abort(errored=False)
