@@ -42,11 +42,12 @@ def test_every_failure_kind_once_all_invariants_hold(tmp_path, kinds):
                              cross_replica_timeout_s=5.0, baseline=False)
     result = run_chaos(settings, schedule)
     paths = report.write(result, str(tmp_path / "report"))
+    text = f"{report.table(result)}\n{result.log_tails}"
 
-    assert not [o.injected.failure.kind.value for o in result.outcomes if o.injected.skipped]
-    assert {o.injected.failure.kind for o in result.outcomes} == set(kinds)
-    assert all(o.recovered for o in result.outcomes), report.table(result)
-    assert result.violations == [], report.table(result)
+    assert not [o.injected.failure.kind.value for o in result.outcomes if o.injected.skipped], text
+    assert {o.injected.failure.kind for o in result.outcomes} == set(kinds), text
+    assert all(o.recovered for o in result.outcomes), text
+    assert result.violations == [], text
     assert result.leftover_pids == []
     # Heals happened where they must: every hit group came back by healing.
     for o in result.outcomes:
@@ -75,7 +76,7 @@ def test_chaos_with_a_warm_spare_and_an_outage_holds_every_invariant(tmp_path):
                              cross_replica_timeout_s=5.0, baseline=False, spares=1)
     result = run_chaos(settings, schedule)
     summary = report.summary(result)
-    text = report.table(result)
+    text = f"{report.table(result)}\n{result.log_tails}"
 
     assert {o.injected.failure.kind for o in result.outcomes} == set(kinds)
     assert not [o.injected.skipped for o in result.outcomes if o.injected.skipped], text
@@ -123,7 +124,7 @@ def test_lighthouse_link_and_slow_group_faults_hold_every_invariant(tmp_path):
     settings = ChaosSettings(workdir=str(tmp_path / "run"), groups=2, nproc=1, script_args=TINY, seed=5,
                              cross_replica_timeout_s=5.0, baseline=False)
     result = run_chaos(settings, schedule)
-    text = report.table(result)
+    text = f"{report.table(result)}\n{result.log_tails}"
 
     assert {o.injected.failure.kind for o in result.outcomes} == set(NETWORK_KINDS)
     assert not [o.injected.skipped for o in result.outcomes if o.injected.skipped], text

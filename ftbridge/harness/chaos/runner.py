@@ -172,6 +172,9 @@ class ChaosResult:
     """The checks that ran at the end, each with what it judged and found (``violations`` flattens them)."""
     spare_pids: List[int] = field(default_factory=list)
     """Standing-by rank PIDs (spares, demoted restarts) the runner stopped at the end."""
+    log_tails: str = ""
+    """When the run is not :attr:`ok`: each launch's failure lines and last lines (``LocalJob.tails``), so that a
+    failed run in CI tells what its ranks did after the job's folder is gone; empty otherwise."""
 
     @property
     def ok(self) -> bool:
@@ -345,8 +348,11 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
                                                   os.path.join(baseline_dir, "params"), final_step,
                                                   settings.slots_param_tolerance))
     violations = [str(v) for c in checks for v in c.violations]
-    return ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
-                       leftover, chaos_wall_s, checks, stopped)
+    result = ChaosResult(settings, schedule, outcomes, events, violations, final_step, final_loss, baseline_loss,
+                         leftover, chaos_wall_s, checks, stopped)
+    if not result.ok:
+        result.log_tails = job.tails()
+    return result
 
 
 def check_hosted(kinds: AbstractSet[FailureKind], spares: int) -> None:
