@@ -44,7 +44,7 @@ def test_call_bounded_returns_the_value_or_reraises():
 @pytest.mark.timeout(60)
 def test_probe_of_a_hung_store_times_out_instead_of_blocking(hung_store):
     t = time.monotonic()
-    with pytest.raises(TimeoutError, match=f"the quorum's store {hung_store} did not answer within 1 s"):
+    with pytest.raises(TimeoutError, match=f"the quorum's store {hung_store} did not accept a connection within 1 s"):
         probe_store(f"{hung_store}/torchft/3/0", timedelta(seconds=1))
     assert time.monotonic() - t < 5
 
@@ -172,3 +172,40 @@ def test_a_rank_that_reaches_the_rendezvous_a_timeout_late_gives_up_at_once_with
     pg.configure(addr, "replica_group_0", 0, 2)  # on time: the rendezvous is tried
     assert len(tried) == 1
 
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_connection_attempt_is_abandoned_for_another(monkeypatch):
+    # A stalled attempt is faked in Python (it never reaches c10d): an attempt abandoned inside c10d that ends
+    # while the interpreter shuts down aborts it.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{store.port}/torchft/9/0"
+    release, calls = threading.Event(), []
+    real = store_probe.create_store_client
+
+    def stalls_once(store_addr, timeout):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            release.wait(30)
+            raise ConnectionError("abandoned attempt")
+        return real(store_addr, timeout)
+
+    monkeypatch.setattr(store_probe, "create_store_client", stalls_once)
+    try:
+        t = time.monotonic()
+        client = store_probe.probe_store(addr, timedelta(seconds=5))
+        assert len(calls) == 2 and time.monotonic() - t < 4
+        client.set("k", "v")
+        assert store.get("torchft/9/0/k") == b"v"
+
+        def stalls(store_addr, timeout):
+            release.wait(30)
+            raise ConnectionError("abandoned attempt")
+
+        monkeypatch.setattr(store_probe, "create_store_client", stalls)
+        t = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not accept a connection within 3 s \(3 attempts"):
+            store_probe.connect_store(addr, timedelta(seconds=3))
+        assert 2.5 < time.monotonic() - t < 5
+    finally:
+        release.set()

@@ -23,6 +23,12 @@ from ftbridge.manager.torchft_api import (
     installed_version,
 )
 
+CONNECT_ATTEMPT_S = 1.0
+"""A probe's connection attempt not done after this long is abandoned and another one started."""
+
+CONNECT_ATTEMPTS = 3
+"""Connection attempts of a probe before its timeout; the last one gets what is left of the timeout."""
+
 RENDEZVOUS_BOUND = 2
 """A ``configure`` (probe, store connection and gloo's rendezvous) may take at most this many times the group's
 timeout, counted from its entry."""
@@ -51,23 +57,51 @@ def rendezvous_wait_s(entered: float, now: float, timeout_s: float) -> Optional[
     return RENDEZVOUS_BOUND * timeout_s - elapsed
 
 
+def connect_store(store_addr: str, timeout: timedelta) -> Any:
+    """A client of the TCPStore at ``store_addr`` (``host:port[/prefix]``; torchft's ``create_store_client``: a
+    ``PrefixStore`` over a ``TCPStore`` whose requests wait up to ``timeout``).
+
+    Up to :data:`CONNECT_ATTEMPTS` attempts, each abandoned after :data:`CONNECT_ATTEMPT_S` (the last one after
+    what is left of ``timeout``): a c10d connection to a live store can stall for seconds whatever its timeout
+    while the next one connects at once (docs/design.md, "Hung stores"). An abandoned attempt runs on in its
+    thread until c10d gives up; its client is dropped.
+
+    Raises:
+        TimeoutError: no attempt connected within ``timeout``.
+        DistError: the store refused the connection until an attempt's own timeout.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    tries = 0
+    while tries < CONNECT_ATTEMPTS:
+        tries += 1
+        attempt = in_thread(lambda: create_store_client(store_addr, timeout=timeout), "ftbridge-store-connect")
+        left = deadline - time.monotonic()
+        wait_s = left if tries == CONNECT_ATTEMPTS else min(CONNECT_ATTEMPT_S, left)
+        done, _ = concurrent.futures.wait([attempt], timeout=max(0.0, wait_s))
+        if done:
+            return attempt.result()
+        if time.monotonic() >= deadline:
+            break
+    raise TimeoutError(f"the quorum's store {store_addr.split('/', 1)[0]} did not accept a connection within "
+                       f"{timeout.total_seconds():g} s ({tries} attempt{'s' if tries > 1 else ''}; its host hung?)")
+
+
 def probe_store(store_addr: str, timeout: timedelta) -> Any:
-    """Open a client of the TCPStore at ``store_addr`` (``host:port[/prefix]``; torchft's ``create_store_client``)
-    and check that the store answers one request.
+    """Open a client of the TCPStore at ``store_addr`` (``host:port[/prefix]``, :func:`connect_store`) and check that
+    the store answers one request.
 
     Returns:
         The client, for the caller to use (a ``PrefixStore``; requests wait up to ``timeout``).
 
     Raises:
-        TimeoutError: no answer within ``timeout`` (connect, then one ``check``).
+        TimeoutError: no connection, or no answer, within ``timeout`` in all.
         DistError: the store refused or closed the connection.
     """
-    def ask() -> Any:
-        store = create_store_client(store_addr, timeout=timeout)
-        store.check(["ftbridge/probe"])
-        return store
-
-    return call_bounded(ask, timeout, f"the quorum's store {store_addr.split('/', 1)[0]}")
+    deadline = time.monotonic() + timeout.total_seconds()
+    store = connect_store(store_addr, timeout)
+    left = timedelta(seconds=max(0.1, deadline - time.monotonic()))
+    call_bounded(lambda: store.check(["ftbridge/probe"]), left, f"the quorum's store {store_addr.split('/', 1)[0]}")
+    return store
 
 
 class _Probed:
