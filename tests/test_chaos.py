@@ -498,3 +498,28 @@ def test_with_slots_every_groups_final_parameters_are_held_to_the_failure_free_r
     assert not check.held and "group1.st" in str(check.violations[0]) and "1.00e-02" in str(check.violations[0])
     missing = same_parameters(str(ours), str(base), 60, 1e-3)
     assert not missing.held and "no parameters saved at step 60" in str(missing.violations[0])
+
+
+def test_a_launch_that_outlives_the_job_is_a_broken_check_not_a_crash():
+    from ftbridge.harness.chaos.runner import _wait_launches
+
+    class Proc:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    class Launch:
+        def __init__(self, code, path):
+            self.proc, self.log_path = Proc(code), path
+
+    class Job:
+        def wait_until(self, condition, timeout_s, what):
+            if not condition():
+                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+    check = _wait_launches(Job(), {0: Launch(0, "g0.log"), 2: Launch(None, "g2.log")}, 1.0)
+    assert check.name == "every launch ends with the job" and check.judged == "2 launches waited for"
+    assert [v.detail for v in check.violations] == [
+        "the launch holding replica group 2 (g2.log) still ran 1 s after the job's stop (its log tells why)"]

@@ -321,10 +321,11 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
         if all(o.recovered for o in outcomes):
             active, stopped = _stop_standing_by(job, sorted(alive), settings.recovery_timeout_s)
             final_step = job.stop_soon(settings.tail_steps)
-            _wait_launches(job, active, settings.recovery_timeout_s)
+            ended = _wait_launches(job, active, settings.recovery_timeout_s)
         else:  # broken off: the job may hold no live group to stop in order; the checks judge what happened
             stopped, final_step = [], max((e["step"] for e in job.events() if "event" not in e and e["committed"]),
                                           default=0)
+            ended = invariants.Check("every launch ends with the job", "not judged: the run was broken off")
     finally:
         job.stop()
     events = job.events()
@@ -334,6 +335,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
     checks = verdict.end_checks(settings, events, outcomes, sorted(alive), final_step, len(pids), leftover,
                          ckpt_dir if every else None)
     checks.extend(verdict.death_checks(settings, job, events, outcomes, t_stop))
+    checks.append(ended)
     final_loss = verdict.final_loss(events)
     chaos_wall_s = time.time() - t_start  # the failure-free run below is not part of the chaos run's time
     baseline_loss = None
@@ -439,13 +441,27 @@ def _stop_standing_by(job: LocalJob, alive: Sequence[int], timeout_s: float
     return active, standby
 
 
-def _wait_launches(job: LocalJob, active: Dict[int, GroupProcess], timeout_s: float) -> None:
-    """Wait until the launch holding each active group has exited (it trains to the stop step first)."""
+def _wait_launches(job: LocalJob, active: Dict[int, GroupProcess], timeout_s: float) -> invariants.Check:
+    """Wait up to ``timeout_s`` in all until the launch holding each active group has exited (it trains to the
+    stop step first).
+
+    Returns:
+        The check "every launch ends with the job", with a violation per launch still running at the deadline
+        (for example a group restarted after the others finished, which torchrun restarts again each time it
+        finds no peer to heal from); the caller's ``job.stop()`` ends those.
+    """
     deadline = time.monotonic() + timeout_s
+    late = []
     for g, gp in sorted(active.items()):
         proc = gp.proc
-        job.wait_until(lambda: proc.poll() is not None, max(1.0, deadline - time.monotonic()),
-                       f"the launch holding replica group {g} ({gp.log_path}) to exit")
+        try:
+            job.wait_until(lambda: proc.poll() is not None, max(1.0, deadline - time.monotonic()),
+                           f"the launch holding replica group {g} ({gp.log_path}) to exit")
+        except TimeoutError:
+            late.append(invariants.Violation(
+                "every launch ends with the job", f"the launch holding replica group {g} ({gp.log_path}) still "
+                f"ran {timeout_s:.0f} s after the job's stop (its log tells why)"))
+    return invariants.Check("every launch ends with the job", f"{len(active)} launches waited for", late)
 
 
 def _baseline(settings: ChaosSettings, steps: int) -> Tuple[Optional[float], str]:
