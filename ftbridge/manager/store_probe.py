@@ -71,9 +71,7 @@ def connect_store(store_addr: str, timeout: timedelta) -> Any:
         DistError: the store refused the connection until an attempt's own timeout.
     """
     deadline = time.monotonic() + timeout.total_seconds()
-    tries = 0
-    while tries < CONNECT_ATTEMPTS:
-        tries += 1
+    for tries in range(1, CONNECT_ATTEMPTS + 1):
         attempt = in_thread(lambda: create_store_client(store_addr, timeout=timeout), "ftbridge-store-connect")
         left = deadline - time.monotonic()
         wait_s = left if tries == CONNECT_ATTEMPTS else min(CONNECT_ATTEMPT_S, left)
@@ -164,14 +162,13 @@ class _Probed:
 
     def _phase(self, what: str) -> None:
         """Inside ``configure``: record that ``what`` ended now (for :meth:`_phases_text`)."""
-        phases = getattr(self, "_configure_phases", None)
-        if phases is not None:
-            phases.append((what, time.monotonic()))
+        if self._configure_phases is not None:
+            self._configure_phases.append((what, time.monotonic()))
 
     def _phases_text(self) -> str:
         """How long each recorded part of the current ``configure`` took, e.g.
         ``"opening and probing the store 0.00 s, closing the previous group 0.00 s"``."""
-        phases = getattr(self, "_configure_phases", None) or []
+        phases = self._configure_phases or []
         return ", ".join(f"{what} {t - prev:.2f} s" for (_, prev), (what, t) in zip(phases, phases[1:]))
 
     def take_store_unreachable(self) -> bool:
