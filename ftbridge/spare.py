@@ -73,18 +73,20 @@ class DuplicateReplicaGroup(RuntimeError):
 
 
 def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Optional[str] = None,
-               nobody_heals: bool = False) -> bool:
+               healers: Optional[int] = None) -> bool:
     """Whether this member must leave a quorum in which another member holds its group id (pure).
 
-    A healing holder leaves unless it is the first holder by replica id; when nobody heals, every holder but
-    the first leaves. Why: docs/spares.md, "Limits".
+    A healing holder leaves when it is the only member that heals (every other holder is up to date) or when it
+    is not the first holder by replica id; when nobody heals, every holder but the first leaves. Why:
+    docs/spares.md, "Limits".
 
     Args:
         replica_ids: the quorum's torchft replica ids (``replica_group_G:UUID``).
         group: this member's replica group id.
         healing: whether this member heals in this quorum.
         me: this member's replica id (``None``: unknown, only the healing rule applies).
-        nobody_heals: every member is at the quorum's highest step.
+        healers: how many members of the quorum heal (torchft's ``replica_world_size - max_world_size``);
+            ``None``: unknown.
     """
     from ftbridge.manager.lighthouse_status import replica_group_of
 
@@ -92,7 +94,9 @@ def must_leave(replica_ids: Sequence[str], group: int, healing: bool, me: Option
     if len(holders) <= 1:
         return False
     first = me is not None and me == holders[0]
-    return (healing and not first) or (nobody_heals and me is not None and not first)
+    if healing:
+        return healers == 1 or not first
+    return healers == 0 and me is not None and not first
 
 
 def live_groups(heartbeats: Sequence[Any]) -> set:
@@ -313,24 +317,64 @@ def _mark_ready(cfg: FTBridgeConfig, when: float) -> None:
     log.close()
 
 
+def _settled_reads(address: str, fetch: Callable[..., Any], bound_s: float, label: str,
+                   clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> List[List[Any]]:
+    """Heartbeat tables to judge the lighthouse's view by: its first answer within ``bound_s`` seconds and, when
+    reads failed before it, every answer in the :data:`VACANT_FOR_S` after it (a lighthouse that was hung shows
+    live groups stale until their next heartbeats arrive). Empty when it never answered; ``label`` names the
+    caller in the log."""
+    deadline = clock() + bound_s
+    beats = _read_heartbeats(address, fetch, clock)
+    if beats is not None:
+        return [beats]
+    logger.warning("%s lighthouse %s does not answer: waiting up to %g s for it before joining, to learn whether "
+                   "a spare holds this group's id", label, address, bound_s)
+    while beats is None and clock() < deadline:
+        sleep(POLL_S)
+        beats = _read_heartbeats(address, fetch, clock)
+    if beats is None:
+        return []
+    reads, settled = [beats], clock() + VACANT_FOR_S
+    while clock() < settled:
+        sleep(POLL_S)
+        more = _read_heartbeats(address, fetch, clock)
+        if more is not None:
+            reads.append(more)
+    return reads
+
+
 def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: float, store: Any = None,
-                    fetch: Optional[Callable[..., Any]] = None) -> FTBridgeConfig:
+                    fetch: Optional[Callable[..., Any]] = None, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> FTBridgeConfig:
     """``cfg`` as spare ``N + G`` if another process holds this restarted group's id, else ``cfg``.
 
     Only for a torchrun restart (``restart_count > 0``) in a job of several groups. Rank 0 reads the lighthouse
-    once (unreadable: not taken) and shares the verdict on the group's TCPStore. ``imported_at`` is
-    :data:`ftbridge.IMPORTED_AT`; ``store``, ``fetch`` as in :func:`stand_by`.
+    until it answers, at most ``quorum_timeout`` (a group cannot join a quorum sooner anyway; still no answer:
+    not taken), then for :data:`VACANT_FOR_S` more if it had not answered at once, and shares the verdict on the
+    group's TCPStore. ``imported_at`` is :data:`ftbridge.IMPORTED_AT`; ``store``, ``fetch`` as in
+    :func:`stand_by`; ``clock``, ``sleep`` for tests.
+
+    Raises:
+        torch.distributed.DistStoreError: (ranks other than 0) rank 0's verdict did not come within
+            ``quorum_timeout`` plus :data:`VACANT_FOR_S` plus two status reads.
     """
     if cfg.spare_index >= 0 or restart_count <= 0 or cfg.num_replica_groups < 2:
         return cfg
+    label = f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] restarted, but the"
+    bound_s = cfg.quorum_timeout.total_seconds()
     taken = False
     if cfg.group_rank == 0:
         if fetch is None:
             from ftbridge.manager.lighthouse_status import fetch_status
 
             fetch = fetch_status
-        beats = _read_heartbeats(cfg.lighthouse, fetch)
-        taken = beats is not None and held_by_another(beats, cfg.replica_group_id, time.time() - imported_at)
+        reads = _settled_reads(cfg.lighthouse, fetch, bound_s, label, clock, sleep)
+        if not reads:
+            logger.warning("%s lighthouse gave no answer in %g s: joining as replica group %d (if a spare holds "
+                           "the id, one of the two leaves at their first quorum together)", label, bound_s,
+                           cfg.replica_group_id)
+        taken = any(held_by_another(beats, cfg.replica_group_id, time.time() - imported_at) for beats in reads)
     if cfg.group_size > 1:
         if store is None:
             import torch.distributed.distributed_c10d as c10d
@@ -339,7 +383,10 @@ def demote_if_taken(cfg: FTBridgeConfig, *, restart_count: int, imported_at: flo
         if cfg.group_rank == 0:
             store.set(DEMOTED_KEY, "1" if taken else "0")
         else:
-            taken = store.get(DEMOTED_KEY).decode() == "1"  # rank 0 answers within one status read
+            from datetime import timedelta
+
+            store.wait([DEMOTED_KEY], timedelta(seconds=bound_s + VACANT_FOR_S + 2 * STATUS_TIMEOUT_S))
+            taken = store.get(DEMOTED_KEY).decode() == "1"
     if not taken:
         return cfg
     index = cfg.num_replica_groups + cfg.replica_group_id

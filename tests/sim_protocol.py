@@ -604,7 +604,7 @@ class Sim:
             g.voted = (q.quorum_id, tuple(sorted(q.replica_ids))) if complete else None
         at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
         if must_leave(q.replica_ids, g.gid, q.steps[g.replica_id] < q.max_step, g.replica_id,
-                      len(at_max) == len(q.replica_ids)):
+                      len(q.replica_ids) - len(at_max)):
             g.alive, g.exit_reason = False, "DuplicateReplicaGroup"  # before torchft heals (ReplicaManager._on_quorum)
             return
         for i, r in enumerate(g.ranks):

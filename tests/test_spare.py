@@ -214,12 +214,58 @@ def test_restarted_group_whose_id_a_spare_holds_stands_by_as_a_spare():
     assert spare.demote_if_taken(cfg, restart_count=1, imported_at=0.0, fetch=alone) is cfg
 
 
-def test_unreadable_lighthouse_never_demotes():
+class _Clock:
+    """A fake monotonic clock that ``sleep`` moves."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def test_a_lighthouse_that_never_answers_never_demotes_and_is_waited_for_at_most_the_quorum_timeout():
+    clock = _Clock()
+
     def down(address, timeout_s):
+        clock.now += 0.5
         raise OSError("connection refused")
 
     cfg = _cfg(replica_group_id=1)
-    assert spare.demote_if_taken(cfg, restart_count=2, imported_at=0.0, fetch=down) is cfg
+    assert spare.demote_if_taken(cfg, restart_count=2, imported_at=0.0, fetch=down, clock=clock,
+                                 sleep=clock.sleep) is cfg
+    assert cfg.quorum_timeout.total_seconds() <= clock.now <= cfg.quorum_timeout.total_seconds() + 1
+
+
+def test_a_lighthouse_that_answers_at_once_is_read_once():
+    reads = []
+    beats = [hb_age(0, 0.05), hb_age(1, 0.05, uid="spare")]
+    fetch = lambda address, timeout_s: reads.append(1) or SimpleNamespace(heartbeats=beats)  # noqa: E731
+    demoted = spare.demote_if_taken(_cfg(replica_group_id=1), restart_count=1, imported_at=0.0, fetch=fetch)
+    assert demoted.spare_index == 3
+    assert len(reads) == 1
+
+
+def test_a_restart_while_the_lighthouse_is_hung_waits_for_its_answer_and_stands_by_if_its_id_is_taken():
+    """A restart that read the lighthouse once while it was hung joined as a second copy of its group
+    (chaos seed 71): every member then lost quorums to rendezvous timeouts until one copy left."""
+    clock, reads = _Clock(), []
+    resumed = [hb_age(0, 0.05), hb_age(1, 4.0, stale=True, uid="spare")]  # its heartbeats not in yet
+    beats = [hb_age(0, 0.05), hb_age(1, 0.05, uid="spare")]
+
+    def hung_then_answers(address, timeout_s):
+        reads.append(clock.now)
+        clock.now += timeout_s if len(reads) <= 3 else 0.01  # three reads time out, as on a stopped lighthouse
+        if len(reads) <= 3:
+            raise OSError("timed out")
+        return SimpleNamespace(heartbeats=resumed if len(reads) == 4 else beats)
+
+    demoted = spare.demote_if_taken(_cfg(replica_group_id=1), restart_count=1, imported_at=0.0,
+                                    fetch=hung_then_answers, clock=clock, sleep=clock.sleep)
+    assert demoted.spare_index == 3 and len(reads) > 4
 
 
 def test_only_the_healing_holder_of_a_duplicated_group_id_leaves():
@@ -245,18 +291,36 @@ def test_two_holders_of_one_id_where_nobody_heals_keep_only_the_first():
     """Two spares that took one vacancy at once (at step 0 nobody heals): both used to stay, two copies of
     the group training on one data shard."""
     ids = ["replica_group_0:a", "replica_group_1:x", "replica_group_1:y"]
-    assert spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", nobody_heals=True)
-    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:x", nobody_heals=True)
+    assert spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", healers=0)
+    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:x", healers=0)
     # Someone heals: only the healing holder leaves (the other may be the one up to date).
-    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", nobody_heals=False)
+    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:y", healers=1)
 
 
 def test_two_holders_of_one_id_that_both_heal_keep_the_first():
     """Both holders behind the quorum's step (a restart beside a spare that fell behind; chaos seed 47): both
     used to leave, and the group had no holder until torchrun restarted it."""
     ids = ["replica_group_0:a", "replica_group_1:x", "replica_group_1:y"]
-    stays = [not spare.must_leave(ids, 1, healing=True, me=me) for me in ("replica_group_1:x", "replica_group_1:y")]
-    assert stays == [True, False]
+    for healers in (None, 2):
+        stays = [not spare.must_leave(ids, 1, healing=True, me=me, healers=healers)
+                 for me in ("replica_group_1:x", "replica_group_1:y")]
+        assert stays == [True, False]
+
+
+def test_a_holder_that_alone_heals_leaves_even_when_first_by_replica_id():
+    """A torchrun restart at step 0 that joined while the lighthouse could not say its id was taken (chaos
+    seed 71): first by replica id, it stayed and healed, and the up-to-date holder had to leave one quorum
+    later, costing every member a rendezvous timeout."""
+    ids = ["replica_group_0:a", "replica_group_1:restart", "replica_group_1:zspare"]
+    assert spare.must_leave(ids, 1, healing=True, me="replica_group_1:restart", healers=1)
+    assert not spare.must_leave(ids, 1, healing=False, me="replica_group_1:zspare", healers=1)
+    from ftbridge.manager import ReplicaManager
+
+    fake = SimpleNamespace(cfg=_cfg(replica_group_id=1), transport=SimpleNamespace(expect_donor=lambda d: None))
+    result = SimpleNamespace(recover_src_manager_address="http://x", replica_ids=ids, heal=True, quorum_id=9,
+                             replica_rank=1, replica_world_size=3, max_world_size=2)
+    with pytest.raises(spare.DuplicateReplicaGroup, match="quorum 9"):
+        ReplicaManager._on_quorum(fake, result)
 
 
 def test_a_vacancy_seen_right_after_the_lighthouse_did_not_answer_must_settle_first():

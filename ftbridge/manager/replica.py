@@ -158,8 +158,9 @@ class ReplicaManager:
 
         rank = getattr(result, "replica_rank", None)
         me = ids[int(rank)] if rank is not None and 0 <= int(rank) < len(ids) else None
-        nobody_heals = int(getattr(result, "max_world_size", -1)) == int(getattr(result, "replica_world_size", -2))
-        if must_leave(ids, cfg.replica_group_id, bool(getattr(result, "heal", False)), me, nobody_heals):
+        at_max, world = getattr(result, "max_world_size", None), getattr(result, "replica_world_size", None)
+        healers = int(world) - int(at_max) if at_max is not None and world is not None else None
+        if must_leave(ids, cfg.replica_group_id, bool(getattr(result, "heal", False)), me, healers):
             msg = (f"[replica {cfg.replica_group_id} rank {cfg.group_rank}] quorum {int(result.quorum_id)}: another "
                    f"member holds replica group {cfg.replica_group_id} (a spare took its place while this group was "
                    "paused past the heartbeat timeout, or two spares took it at once); leaving so that one group "
