@@ -9,6 +9,7 @@ does the waiting and the measuring.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -26,6 +27,9 @@ _TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.
                      FailureKind.KILL_JOINER_IN_HEAL, FailureKind.KILL_DONOR_IN_HEAL, FailureKind.KILL_IN_CHECKPOINT,
                      FailureKind.PARTITION_LIGHTHOUSE, FailureKind.LOSSY_LINK, FailureKind.PARTITION_PEER}
 """Kinds that take a group out of the job for a while: another group with state must be running."""
+HOLDER_WAIT_S = 2.0
+"""Longest wait (s) for another running group to log the job's newest committed step before a kill counts as
+taking the last holder of the job's newest state (:meth:`Injector._keep_a_holder`)."""
 SLOW_PERIOD_S = 0.2
 """A slowed group's ranks are stopped for the first half of every period of this length."""
 
@@ -60,6 +64,26 @@ class Injected:
     skipped: str = ""
     ended: Optional[float] = None
     heal_optional: bool = False
+
+
+def newest_commit(path: str, tail_bytes: int = 1 << 16) -> int:
+    """The newest committed ``step`` among the step records in the last ``tail_bytes`` of a JSON-lines event log
+    (-1: none, or no such file). A torn or foreign line is skipped."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return -1
+    newest = -1
+    for line in lines:
+        try:
+            record = json.loads(line)
+            if isinstance(record, dict) and "event" not in record and record.get("committed") is True:
+                newest = max(newest, int(record["step"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return newest
 
 
 class Injector:
@@ -120,6 +144,29 @@ class Injector:
             return Injected(failure, time.time(), skipped=str(e))
 
     # -- kinds ------------------------------------------------------------
+    def _keep_a_holder(self, victims: Set[int], need: int = 1) -> None:
+        """Make sure at least ``need`` running groups outside ``victims`` hold the job's newest committed step (read
+        from the groups' rank-0 event logs), waiting up to :data:`HOLDER_WAIT_S` for a group one step behind.
+
+        Killing every holder of the newest steps is a double fault no in-memory replica survives: the steps
+        would be lost, and the others stop with ``QuorumGap`` (docs/chaos.md, "Failure kinds").
+
+        Raises:
+            _NoTarget: fewer holders; the failure is skipped with that reason.
+        """
+        logs = {g: self.job.event_log(g, 0) for g in self.alive}
+        frontier = max((newest_commit(path) for path in logs.values()), default=-1)
+        deadline = time.monotonic() + HOLDER_WAIT_S
+        while frontier >= 0:
+            held = sorted(g for g in self.alive - victims if newest_commit(logs[g]) >= frontier)
+            if len(held) >= need:
+                return
+            if time.monotonic() >= deadline:
+                raise _NoTarget(f"only {len(held)} running replica group(s) other than the one(s) it would kill hold "
+                                f"the job's newest committed step {frontier} (it needs {need}): the kill could take "
+                                "the last holder of the newest state, a double fault no in-memory replica survives")
+            time.sleep(0.1)
+
     def _pick(self, rng: random.Random) -> int:
         """A replica group to hit, drawn from the running ones.
 
@@ -142,6 +189,7 @@ class Injector:
 
     def _kill_rank(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)
+        self._keep_a_holder({g})
         pids, shared = self.job.worker_pids(g), self._shared(g)
         r = rng.choice(sorted(pids))
         t = time.time()
@@ -151,6 +199,7 @@ class Injector:
 
     def _kill_group(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)
+        self._keep_a_holder({g})
         shared = self._shared(g)
         t = time.time()
         pids = self.job.kill_workers(g, timeout_s=self.timeout_s)
@@ -170,6 +219,7 @@ class Injector:
     def _kill_in_heal(self, failure: Failure, rng: random.Random) -> Injected:
         g = self._pick(rng)
         joiner = failure.kind == FailureKind.KILL_JOINER_IN_HEAL
+        self._keep_a_holder({g}, need=1 if joiner else 2)  # the donor, whichever it is, holds the newest step
         name = "heal_recv" if joiner else "heal_send"
         # Armed before the kill, so the group's first heal after its restart meets it. The joiner's
         # trigger names the group; the donor's fires in whichever group torchft picks to send.
@@ -183,6 +233,7 @@ class Injector:
 
     def _kill_in_checkpoint(self, failure: Failure, rng: random.Random) -> Injected:
         # Whichever group is the writer (replica rank 0 of the quorum) at the next scheduled save.
+        self._keep_a_holder(set(), need=2)
         t = time.time()
         victim = self._fire("checkpoint_publish", None, failure.index)
         return Injected(failure, t, [victim], [victim], f"checkpoint writer group {victim} killed before publishing")
@@ -215,6 +266,7 @@ class Injector:
             return Injected(failure, time.time(), skipped=f"only {len(self.alive)} replica groups running: "
                                                           "scaling down would leave one group with no spare")
         g = self._pick(rng)
+        self._keep_a_holder({g})
         t = time.time()
         self.job.stop_group(g)
         self.alive.discard(g)
