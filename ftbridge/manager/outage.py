@@ -487,23 +487,20 @@ class OutageRider:
         return Reused(last, int(self._manager.current_step()))
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
-    def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0,
-              borrowed: bool = False) -> Agreement:
+    def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
         """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's
         decision. Never raises.
 
         ``guard``: this rank's fingerprint when the guard is due; ``empty``: the group joined with nothing;
-        ``plan``, ``borrowed``: :attr:`~ftbridge.manager.commit.View.plan`,
-        :attr:`~ftbridge.manager.commit.View.borrowed`.
+        ``plan``: :attr:`~ftbridge.manager.commit.View.plan`.
         """
-        own = self.own_row(guard, empty, plan, borrowed)
+        own = self.own_row(guard, empty, plan)
         if own is None:
             return self.conclude(None, None, "this rank's collectives of this step did not all run")
         rows, failure = self._exchange(own)
         return self.conclude(own, rows, failure)
 
-    def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0,
-                borrowed: bool = False) -> Optional[List[float]]:
+    def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Optional[List[float]]:
         """This member's agreement row, or ``None`` when it cannot take part (no quorum, a process group not the last
         quorum's or failed, a collective of this step skipped)."""
         m, last = self._manager, self.last
@@ -514,8 +511,7 @@ class OutageRider:
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
                                 int(m.num_participants()), participating, m.errored() is None, self._seen,
                                 guard if participating else None, h.certified, h.dead_ends(), empty,
-                                self.num_groups, h.missed, h.certified_committers, self.holding(), plan,
-                                borrowed and not empty))
+                                self.num_groups, h.missed, h.certified_committers, self.holding(), plan))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that
