@@ -123,6 +123,7 @@ class FaultTolerantEngine:
         self._launched = time.time()
         self._joined_empty = joined_empty(restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                           spare_index=cfg.spare_index, num_replica_groups=cfg.num_replica_groups)
+        self._committed_since_launch = False  # a joiner that committed holds its group's history (View.borrowed)
         self._prepare_heal_receive()
         self.events.write(event="start", time=time.time(), step=0, pid=os.getpid(), zero_stage=self.adapter.stage,
                           group_size=cfg.group_size, sync_mode=cfg.sync_mode, offload=self.adapter.offload,
@@ -295,10 +296,11 @@ class FaultTolerantEngine:
         self.cross_replica_wait_s += time.perf_counter() - t_wait
         step = self.manager.current_step
         empty = self._joined_empty and step == 0 and self.manager.heals == 0
+        borrowed = self._joined_empty and not self._committed_since_launch  # healed from a peer, not committed since
         if self.extra.forward_consumed:  # a donor's generators as its forward left them, for a mid-step joiner
             self.manager.publish_step_end(self.extra.step_end_body)
         verdict = self.manager.decide(guard=self.guard.digest(step), empty=empty,  # the group's one decision
-                                      waited_s=time.time() - self._launched, plan=self._plan)
+                                      waited_s=time.time() - self._launched, plan=self._plan, borrowed=borrowed)
         if verdict.decision.stop:
             self.events.write(event="restart_without_peer", time=time.time(), step=step, stopped=True,
                               attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -321,6 +323,7 @@ class FaultTolerantEngine:
             self.sync.reset()
             self.adapter.discard_window()
         self._decision = committed
+        self._committed_since_launch |= committed
 
     def _take_step_end(self) -> None:
         """A joiner whose heal step committed: the donor's forward-consumed entries as they stood at its vote

@@ -74,7 +74,7 @@ class FakeManager:
     def fetch_step_end(self):
         return self.step_end if self.healed_this_step else None
 
-    def decide(self, guard=None, empty=False, waited_s=0.0, plan=0):
+    def decide(self, guard=None, empty=False, waited_s=0.0, plan=0, borrowed=False):
         """The group's decision of a one-rank group alone: commit unless an error was reported; a restarted
         group with nothing waits, then stops (ftbridge.heal.restart_without_peer, alone in its quorum)."""
         from ftbridge.heal import restart_without_peer

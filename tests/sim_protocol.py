@@ -165,6 +165,9 @@ class Revert:
     spare_holds_state: bool = False
     """A spare that took a group's id counts as holding the job's state (it is not ``empty``), like a group at the
     job's start: alone in a quorum, it trains a second model from step 0."""
+    healed_joiner_vouches: bool = False
+    """A joiner that healed from a peer vouches for the group id it holds before it has committed (it is not
+    ``borrowed``): with every id present, a quorum behind that id's dead holder counts as the whole job."""
 
 
 def H(*parts: Any) -> str:
@@ -329,6 +332,7 @@ class SimGroup:
         self.restart_round = 0  # round of the lighthouse restart whose majority the group waits for
         self.started_round = 0
         self.heals = 0
+        self.committed_once = False  # this launch committed a step (the engine's _committed_since_launch)
         self.commit_failures = 0
         self.aside_until = 0  # the group stands aside (no heartbeat, no request) until this round
         self.asides: List[Tuple[int, int]] = []  # (round it stood aside, round it is back), this launch
@@ -687,6 +691,10 @@ class Sim:
         """Started with nothing (:meth:`_joined_empty`) and has healed or committed nothing since."""
         return self._joined_empty(g) and g.ranks[0].tf.step == 0 and g.heals == 0
 
+    def _borrowed(self, g: SimGroup) -> bool:
+        """Started with nothing and has not committed since (the engine's ``borrowed``, ``View.borrowed``)."""
+        return self._joined_empty(g) and not g.committed_once and not self.revert.healed_joiner_vouches
+
     def _restart_rule(self, g: SimGroup, r: SimRank) -> bool:
         """:func:`ftbridge.heal.restart_without_peer` on rank ``r`` after its agreement: reports the error of a
         waiting step; whether the rank says stop."""
@@ -709,7 +717,7 @@ class Sim:
                 if (g.key, i) in self.faults.late_error and r.tf.error is None:
                     r.tf.report_error(RuntimeError("late error in this step"))
                 due = r.guard.due(r.tf.step)
-                own = r.rider.own_row(r.params if due else None, self._empty(g))
+                own = r.rider.own_row(r.params if due else None, self._empty(g), borrowed=self._borrowed(g))
                 if own is not None and self.revert.participation_view:
                     own[8] = own[9] = 0.0
                 if own is not None and self.revert.continuity:
@@ -787,6 +795,7 @@ class Sim:
             g.heals += 1
         committed = g.alive and all(r.tf.error is None for r in g.ranks)  # torchft's should_commit: an AND
         g.commit_failures = 0 if committed else g.commit_failures + 1
+        g.committed_once |= committed
         if committed:
             g.majority.committed()
         for r, d in zip(g.ranks, decisions):

@@ -293,3 +293,21 @@ def test_a_group_met_the_others_only_if_every_rank_did():
                       heal_ready=False, replica_group=0)
     assert ran.met and not lost.met
     assert decide_group(rows(ran, ran)).met and not decide_group(rows(ran, lost)).met
+
+
+def test_a_replacement_that_healed_from_a_peer_behind_its_group_cannot_vouch_for_that_group():
+    """Chaos seed 72: quorum 8 = groups 0 and 2 committed steps 3218-3322, then both died; group 2's restart and
+    group 0's replacement healed at 3217 from group 1, which missed quorum 8. All three ids were present, each
+    member training on "state of its own", so the quorum counted as the whole job and committed step 3218 again:
+    105 committed steps lost. A joiner vouches for its group only once it has committed."""
+    def member(group, borrowed, certified=-1, committers=0):
+        return encode_view(replace(view(group, qid=25, step=3217, participants=3), certified=certified,
+                                   committers=committers, num_groups=3, borrowed=borrowed))
+
+    rows = [member(0, True), member(1, False, certified=7, committers=3), member(2, True)]
+    verdict = judge(rows, rows[1], riding=False)
+    assert verdict.consistent and not verdict.continuous and not verdict.commit
+    assert "quorum 25 follows quorum 8" in verdict.reason
+    own = [member(0, False), member(1, False, certified=7, committers=3), member(2, False)]
+    assert judge(own, own[1], riding=False).commit  # every group by a member with its own history: nobody else trained
+    assert not judge(rows, rows[1], riding=False).all_empty  # a healed joiner holds the job's state (heal.py's rule)

@@ -74,13 +74,17 @@ class View:
             ``config_digest + 1`` of the slot plan, 0 without slots.
         membership: :func:`membership_digest` of the quorum's replica ids.
         participants: the divisor it averages by; participating: its gradient counts (not healing).
-        ok: no error recorded in this step; lighthouse_seen: the lighthouse answered at the step's start.
+        ok: no error recorded in this step and at least torchft's ``min_replica_size`` participants (below it
+            torchft's ``should_commit`` refuses without an error); lighthouse_seen: the lighthouse answered at the
+            step's start.
         guard: state fingerprint (16 hex digits) when the guard is due and it participates.
         certified, dead_ends, missed, committers: its quorum history (docs/design.md, "Continuity"): the
             newest quorum its agreement passed in (-1: none), runs ``(first, last)`` of later quorums it was in
             where none passed (newest first, at most :data:`DEAD_END_RUNS`), the newest quorum it missed (-1:
             none), and the members ok on the certifying step.
         empty: joined with nothing (:func:`ftbridge.heal.joined_empty`); num_groups: ``num_replica_groups``.
+        borrowed: joined with nothing, healed since, and has not committed yet: it holds a peer's state, not its
+            group's own history, so it cannot vouch for its group (:func:`judge`).
         holding: a lighthouse call its group left to ride is still in flight.
     """
 
@@ -101,6 +105,7 @@ class View:
     committers: int = 0
     holding: bool = False
     plan: int = 0
+    borrowed: bool = False
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -122,7 +127,8 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first
-    + 1, last + 1), empty, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none).
+    + 1, last + 1), state, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none); state: 0
+    own, 1 empty, 2 borrowed.
 
     Raises:
         ValueError: a digest is not 16 hex digits, a number is outside ``[0, 2**53)``, or more than
@@ -138,7 +144,8 @@ def encode_view(v: View) -> List[float]:
     runs += [0.0] * (2 * DEAD_END_RUNS - len(runs))
     return [1.0, float(v.replica_group + 1), float(v.quorum_id), *_chunks(v.membership, "membership digest"),
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
-            *guard, float(v.certified + 1), *runs[:2], float(v.empty), float(v.num_groups),
+            *guard, float(v.certified + 1), *runs[:2], 1.0 if v.empty else 2.0 if v.borrowed else 0.0,
+            float(v.num_groups),
             float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan), *runs[2:]]
 
 
@@ -254,9 +261,10 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
         return Agreement(False, False, False, "the members train by different slot plans (FTBRIDGE_SLOTS, "
                                               "gradient_accumulation_steps, micro-batch or group size differ)")
     # Every group of the job is here, each by a member that trains this step on state of its own: nobody else
-    # trained. A member that joined empty or heals now (a spare that took the id, a restart) cannot vouch for
-    # its group: the id's old holder may live on, cut off, with steps this quorum never saw.
-    groups = {int(row[1]) - 1 for row in rows if row[9] == 1.0 and row[20] != 1.0}
+    # trained. A member that joined empty, heals now, or healed from a peer and has not committed since (a spare
+    # that took the id, a restart) cannot vouch for its group: the id's old holder may live on, cut off, or have
+    # died, with steps this quorum never saw.
+    groups = {int(row[1]) - 1 for row in rows if row[9] == 1.0 and row[20] == 0.0}
     whole = own[21] > 0 and groups >= set(range(int(own[21])))
     missed = max(int(row[22]) - 1 for row in rows)
     gap = None if whole else continuous(int(key[0]), histories, missed)

@@ -487,20 +487,23 @@ class OutageRider:
         return Reused(last, int(self._manager.current_step()))
 
     # -- AGREE (training thread) ---------------------------------------------------------------------
-    def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Agreement:
+    def agree(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0,
+              borrowed: bool = False) -> Agreement:
         """Agree with every member of this step's quorum on its view; every rank, every step, right before the group's
         decision. Never raises.
 
         ``guard``: this rank's fingerprint when the guard is due; ``empty``: the group joined with nothing;
-        ``plan``: :attr:`~ftbridge.manager.commit.View.plan`.
+        ``plan``, ``borrowed``: :attr:`~ftbridge.manager.commit.View.plan`,
+        :attr:`~ftbridge.manager.commit.View.borrowed`.
         """
-        own = self.own_row(guard, empty, plan)
+        own = self.own_row(guard, empty, plan, borrowed)
         if own is None:
             return self.conclude(None, None, "this rank's collectives of this step did not all run")
         rows, failure = self._exchange(own)
         return self.conclude(own, rows, failure)
 
-    def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0) -> Optional[List[float]]:
+    def own_row(self, guard: Optional[str] = None, empty: bool = False, plan: int = 0,
+                borrowed: bool = False) -> Optional[List[float]]:
         """This member's agreement row, or ``None`` when it cannot take part (no quorum, a process group not the last
         quorum's or failed, a collective of this step skipped)."""
         m, last = self._manager, self.last
@@ -508,10 +511,14 @@ class OutageRider:
                 or self.skipped_collective():
             return None
         participating, h = bool(m.is_participating()), self.history
+        # torchft's should_commit refuses below min_replica_size without recording an error: such a row is not ok,
+        # or a member would count the others as committing a step nobody commits (a "missed" quorum).
+        enough = int(m.num_participants()) >= int(getattr(m, "_min_replica_size", 1))
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
-                                int(m.num_participants()), participating, m.errored() is None, self._seen,
+                                int(m.num_participants()), participating, m.errored() is None and enough, self._seen,
                                 guard if participating else None, h.certified, h.dead_ends(), empty,
-                                self.num_groups, h.missed, h.certified_committers, self.holding(), plan))
+                                self.num_groups, h.missed, h.certified_committers, self.holding(), plan,
+                                borrowed and not empty))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that

@@ -271,11 +271,11 @@ class ReplicaManager:
         self._torchft.load_state_dict(state)
 
     def decide(self, guard: Optional[str] = None, empty: bool = False, waited_s: float = 0.0,
-               plan: int = 0) -> "StepVerdict":
+               plan: int = 0, borrowed: bool = False) -> "StepVerdict":
         """AGREE and DECIDE (:mod:`ftbridge.manager.commit`) on every rank, after the gradient all-reduces and right
         before :meth:`should_commit`: the group's one decision for this step (:attr:`verdict`). ``guard``: the
-        fingerprint when due; ``empty``, ``waited_s``: for :func:`ftbridge.heal.restart_without_peer`; ``plan``:
-        :attr:`ftbridge.manager.commit.View.plan`.
+        fingerprint when due; ``empty``, ``waited_s``: for :func:`ftbridge.heal.restart_without_peer`; ``plan``,
+        ``borrowed``: :attr:`ftbridge.manager.commit.View.plan`, :attr:`ftbridge.manager.commit.View.borrowed`.
 
         Raises:
             QuorumTimeout: no quorum within its deadline and no ride.
@@ -287,7 +287,7 @@ class ReplicaManager:
         t0 = time.perf_counter()
         if self.quorum_watch is not None:  # frozen during the step and left out meanwhile: discard
             self.quorum_watch.check_commit(tf, self._step_start)
-        agreement = self.outage.agree(guard, empty, plan) if self.outage is not None else None
+        agreement = self.outage.agree(guard, empty, plan, borrowed) if self.outage is not None else None
         stop = self._restart_rule(agreement, empty, waited_s)
         healing, ready = self._heal_agreement.state() if self._heal_agreement is not None else (False, False)
         unreachable = self.cfg.group_rank == 0 and self._cross_pg.take_store_unreachable()

@@ -2,7 +2,7 @@
 
 No other module of ``ftbridge/``, ``lighthouse/`` or ``scripts/`` imports torchft
 (``tests/test_boundaries.py``; docs/concepts.md, "Import graph"). torchft internals (:class:`DummyWork`,
-``Manager._client``, ``_quorum_id``, ``_healing``, ``_pending_state_dict``, ``_pg``, ``_store``,
+``Manager._client``, ``_quorum_id``, ``_healing``, ``_pending_state_dict``, ``_min_replica_size``, ``_pg``, ``_store``,
 ``_manager``, the wrapper's ``_pg``, ``_ManagedWork._work``) are used only inside :mod:`ftbridge.manager`
 and only where :func:`internals_supported` holds.
 """
