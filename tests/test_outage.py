@@ -769,3 +769,19 @@ def test_steps_the_group_could_not_meet_in_do_not_count_towards_the_gap_wait(mon
     assert r.gap_expired is not excused  # 9 s counted: 0-1 and 25-33
     step(34)
     assert r.gap_expired
+
+
+def test_a_row_below_torchfts_min_replica_size_is_not_ok():
+    """torchft's should_commit refuses with fewer participants than min_replica_size without recording an error.
+    An ok row there made the donor of a heal (one participant, --min-replicas 2) count the joiner as committing
+    the heal step and record that quorum as missed: with the joiner not vouching for its group, the pair then
+    discarded every later quorum (the Accelerate example's kill and heal, in a CI dry run)."""
+    from ftbridge.manager.commit import ROW_OK
+
+    r = _rider()
+    assert r.own_row()[ROW_OK] == 1.0
+    r._manager._min_replica_size = 2
+    r._manager.participants = 1
+    assert r.own_row()[ROW_OK] == 0.0
+    r._manager.participants = 2
+    assert r.own_row()[ROW_OK] == 1.0
