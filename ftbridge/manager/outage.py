@@ -510,12 +510,12 @@ class OutageRider:
         if last is None or int(m._quorum_id) != last.quorum_id or m._pg.errored() is not None \
                 or self.skipped_collective():
             return None
-        participating, h = bool(m.is_participating()), self.history
+        participating, participants, h = bool(m.is_participating()), int(m.num_participants()), self.history
         # torchft's should_commit refuses below min_replica_size without recording an error: such a row is not ok,
         # or a member would count the others as committing a step nobody commits (a "missed" quorum).
-        enough = int(m.num_participants()) >= int(getattr(m, "_min_replica_size", 1))
+        enough = participants >= int(getattr(m, "_min_replica_size", 1))
         return encode_view(View(self.replica_group_id, last.quorum_id, last.digest, int(m.current_step()),
-                                int(m.num_participants()), participating, m.errored() is None and enough, self._seen,
+                                participants, participating, m.errored() is None and enough, self._seen,
                                 guard if participating else None, h.certified, h.dead_ends(), empty,
                                 self.num_groups, h.missed, h.certified_committers, self.holding(), plan,
                                 borrowed and not empty))
