@@ -124,6 +124,13 @@ class Store:
         with self.cond:
             self.kv.pop(k, None)
 
+    def add(self, k, n):
+        with self.cond:
+            value = int(self.kv.get(k, b"0")) + n
+            self.kv[k] = str(value).encode()
+            self.cond.notify_all()
+            return value
+
     def check(self, keys):
         with self.cond:
             return all(k in self.kv for k in keys)
@@ -472,6 +479,84 @@ def test_a_rank_makes_no_try_again_once_its_rank_0_decided():
 
     assert r1.quorum(lost).quorum_id == 1 and r1.lost and len(made) == 1
     t.join(10)
+
+
+class ManagerServer:
+    """torchft 0.2's ``ManagerServer.quorum`` (src/manager.rs) for one replica group of ``world_size`` ranks: a request
+    enters its group rank into the round's participants and subscribes to the one broadcast channel; the request that
+    completes the participants clears them and starts the lighthouse call with *its own* timeout; the answer goes to
+    every request subscribed when it is sent. A request whose caller timed out leaves its entry behind.
+
+    ``lighthouse(round, timeout_s)`` returns the quorum id of a round, or ``None`` (no broadcast, as torchft's error
+    path)."""
+
+    def __init__(self, world_size: int, lighthouse) -> None:
+        self.world_size, self.lighthouse = world_size, lighthouse
+        self.lock = threading.Lock()
+        self.participants: Set[int] = set()
+        self.subscribed: List[dict] = []
+        self.rounds = 0
+        self.requests: Dict[int, int] = {}
+
+    def quorum(self, group_rank: int, timeout: timedelta):
+        box = {"done": threading.Event(), "answer": None}
+        with self.lock:
+            self.requests[group_rank] = self.requests.get(group_rank, 0) + 1
+            self.participants.add(group_rank)
+            self.subscribed.append(box)
+            if len(self.participants) == self.world_size:
+                self.participants.clear()
+                self.rounds += 1
+                threading.Thread(target=self._round, args=(self.rounds, timeout.total_seconds()), daemon=True).start()
+        if not box["done"].wait(timeout.total_seconds()):
+            with self.lock:
+                if not box["done"].is_set():
+                    self.subscribed.remove(box)
+                    raise TimeoutError("Timeout expired")
+        return Answer(box["answer"], 2, replica_rank=group_rank)
+
+    def _round(self, n: int, timeout_s: float) -> None:
+        qid = self.lighthouse(n, timeout_s)
+        if qid is None:
+            return
+        with self.lock:
+            boxes, self.subscribed = self.subscribed, []
+        for box in boxes:
+            box["answer"] = qid
+            box["done"].set()
+
+
+def test_a_following_rank_tries_after_its_rank_0_so_it_gets_the_answer_rank_0_gets():
+    """Seen in the chaos soak (seeds 75, 76): while the lighthouse hung, rank 0 read its status before each retry
+    (up to a read timeout each) and rank 1 did not, so rank 1's retry reached torchft's manager server first and its
+    deadline passed first. The lighthouse answered the round between the two deadlines: rank 0 got the quorum,
+    rank 1's copy was lost, and rank 1 exited (a new quorum) or left a request behind for the next round."""
+    store = Store()
+    kw = dict(size=2, store=store, quorum_timeout=timedelta(seconds=3), tries=3)
+    r0, r1 = _rider(answer=True, rank=0, **kw), _rider(answer=True, rank=1, **kw)
+    never = threading.Event()
+
+    def lighthouse(n: int, timeout_s: float):
+        if n == 1:  # hung: the round ends by its deadline without a broadcast
+            never.wait(timeout_s)
+            return None
+        never.wait(0.5)  # answers half a try after the round began
+        return 2
+
+    server = ManagerServer(2, lighthouse)
+
+    def slow_status(address, timeout_s):  # the hung lighthouse's status page: each read waits out its timeout
+        never.wait(0.4)
+        raise OSError("timed out")
+
+    r0.unseen._me, r0.unseen._me_of, r0.unseen._fetch = "replica_group_0:a", None, slow_status
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r0=r0.quorum(lambda timeout: server.quorum(0, timeout))))
+    t.start()
+    got["r1"] = r1.quorum(lambda timeout: server.quorum(1, timeout))
+    t.join(10)
+    assert got["r0"].quorum_id == got["r1"].quorum_id == 2 and not r1.lost
+    assert server.participants == set() and server.requests == {0: 2, 1: 2}  # no request left for the next round
 
 
 def test_a_rank_whose_rank_0_is_gone_stops_with_a_deadline():

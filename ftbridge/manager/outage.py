@@ -53,6 +53,9 @@ RETRY_GRACE = timedelta(milliseconds=200)
 FRESH = timedelta(seconds=1)
 """At a step's start, a lighthouse probe started at most this long ago still counts."""
 
+PACE = (timedelta(microseconds=500), timedelta(milliseconds=5))
+"""First and longest pause between a following rank's reads of its rank 0's try count (:meth:`OutageRider._paced`)."""
+
 
 class QuorumTimeout(RuntimeError):
     """No quorum within its deadline and riding was not possible: the rank exits, torchrun restarts the group."""
@@ -112,6 +115,7 @@ class OutageRider:
         self.lost = False
         """This step's quorum is the last one again because this rank's answer was lost: nothing of it is new."""
         self._made = 0  # tries of this step's call that reached torchft's manager server (ranks other than 0)
+        self._numbered = (0, 0)  # (step seq, tries numbered in it): a following rank's pacing (_number_try)
         self.last: Optional[LastQuorum] = None
         self._members: Tuple[str, ...] = ()
         self.history = QuorumHistory(gap_wait.total_seconds(), clock)
@@ -277,7 +281,7 @@ class OutageRider:
             if self._group_rank == 0:
                 store.set(key, bytes([48 + ride, 48 + seen]))
                 if self._seq > 2:  # every rank has read it: they all passed the last step's should_commit
-                    for suffix in ("", "/outcome", "/unseen"):
+                    for suffix in ("", "/outcome", "/unseen", "/made"):
                         store.delete_key(f"ftbridge/outage/{self._seq - 2}{suffix}")
                 return ride, seen
             store.wait([key], self._decision_timeout)
@@ -340,7 +344,10 @@ class OutageRider:
     def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0),
              unless: Optional[Callable[[], bool]] = None) -> concurrent.futures.Future:
         """One try in a helper thread, started ``after`` from now; ends with :class:`TryNotMade` if ``unless()`` holds
-        by then."""
+        by then. With riding on, rank 0 counts its tries on the group's store and the other ranks make each of theirs
+        after rank 0's (:meth:`_paced`)."""
+        seq, number = self._seq, self._number_try()
+
         def run() -> Any:
             if self._timed_out:
                 self._look_for_unseen()
@@ -348,9 +355,13 @@ class OutageRider:
                 time.sleep(after.total_seconds())  # a retry's back-off: the last try's server side ends first
             if self._timed_out:
                 self._look_for_unseen()  # right before the request replaces the timed-out one at the lighthouse
+            if number:
+                self._paced(seq, number)
             if unless is not None and unless():
                 raise TryNotMade("rank 0 of the group decided this step's quorum call first")
             self._made += 1
+            if self.enabled and self._group_size > 1 and self._group_rank == 0:
+                self._count_try(seq)
             return call(self._try_timeout)
 
         future = in_thread(run, "ftbridge-quorum-call")
@@ -363,6 +374,45 @@ class OutageRider:
 
             threading.Timer(0.005, freeze).start()
         return future
+
+    def _number_try(self) -> int:
+        """A following rank's next try of this step's call: its number among the step's tries (1, 2, ...); 0 for rank 0,
+        a group of one, or riding off (no pacing)."""
+        if not (self.enabled and self._group_size > 1 and self._group_rank != 0):
+            return 0
+        count = self._numbered[1] + 1 if self._numbered[0] == self._seq else 1
+        self._numbered = (self._seq, count)
+        return count
+
+    def _count_try(self, seq: int) -> None:
+        """Group rank 0, right before it makes a try of step ``seq``'s call: counts it on the group's store for the
+        ranks that follow (:meth:`_paced`). A store error is logged: those ranks then make no try until rank 0's
+        outcome, and lose their copy of its answer (:meth:`_lost_answer`)."""
+        try:
+            self._manager._store.add(f"ftbridge/outage/{seq}/made", 1)
+        except Exception as exc:  # noqa: BLE001 - the stated outcome above; the call itself goes ahead
+            logger.error("%s could not count this step's quorum try on the group's store (%s)", self._who, exc)
+
+    def _paced(self, seq: int, number: int) -> None:
+        """A rank other than 0: wait until rank 0 made its ``number``-th try of step ``seq``'s call, so this rank's
+        try reaches torchft's manager server after rank 0's and its deadline is the later one: an answer rank 0 gets
+        reaches this rank too (docs/design.md, "The outage rider", "Tries in step").
+
+        Raises:
+            TryNotMade: rank 0 published its outcome first, or made no such try within the quorum deadline plus the
+                decision timeout (this try is not made).
+        """
+        store = self._manager._store
+        key, outcome = f"ftbridge/outage/{seq}/made", f"ftbridge/outage/{seq}/outcome"
+        end = time.monotonic() + (self._quorum_deadline + self._decision_timeout).total_seconds()
+        pause = PACE[0].total_seconds()
+        while int(store.add(key, 0)) < number:
+            if store.check([outcome]):
+                raise TryNotMade("rank 0 of the group decided this step's quorum call first")
+            if time.monotonic() > end:
+                raise TryNotMade(f"rank 0 of the group made no try {number} of this step's quorum call in time")
+            time.sleep(pause)
+            pause = min(2 * pause, PACE[1].total_seconds())
 
     def _stale_answer(self, result: Any) -> bool:
         """Whether the first answer after a cleanly left ride counts a member of the ridden quorum behind (an earlier
