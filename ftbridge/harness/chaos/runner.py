@@ -60,7 +60,8 @@ class ChaosSettings:
         heartbeat_timeout_ms: the lighthouse's heartbeat timeout.
         join_timeout_ms: the lighthouse's join timeout.
         recovery_timeout_s: longest wait for the job to recover from one failure.
-        tail_steps: steps trained after the last failure, at least (more if the job commits more in 1 s).
+        tail_steps: steps trained after the last failure, at least (more if the job commits more within the
+            recovery bound: a group that falls out of the quorum right after the last recovery is back by then).
         checkpoint_every: save a checkpoint every N steps (0: none; a
             ``kill_in_checkpoint`` failure turns it on at 20).
         baseline: also train a failure-free run of the same length to compare the final loss.
@@ -320,7 +321,7 @@ def run_chaos(settings: ChaosSettings, schedule: List[Failure], progress: Any = 
         t_stop = time.time()
         if all(o.recovered for o in outcomes):
             active, stopped = _stop_standing_by(job, sorted(alive), settings.recovery_timeout_s)
-            final_step = job.stop_soon(settings.tail_steps)
+            final_step = job.stop_soon(settings.tail_steps, lead_s=settings.recovery_bound_s)
             ended = _wait_launches(job, active, settings.recovery_timeout_s)
         else:  # broken off: the job may hold no live group to stop in order; the checks judge what happened
             stopped, final_step = [], max((e["step"] for e in job.events() if "event" not in e and e["committed"]),
