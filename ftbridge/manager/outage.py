@@ -342,11 +342,11 @@ class OutageRider:
                                     f"{wait.deadline_s:g} s (quorum timeout + connect timeout + 5 s)")
 
     def _try(self, call: Callable[[timedelta], Any], after: timedelta = timedelta(0),
-             unless: Optional[Callable[[], bool]] = None) -> concurrent.futures.Future:
+             unless: Optional[Callable[[], bool]] = None, paced: bool = True) -> concurrent.futures.Future:
         """One try in a helper thread, started ``after`` from now; ends with :class:`TryNotMade` if ``unless()`` holds
         by then. With riding on, rank 0 counts its tries on the group's store and the other ranks make each of theirs
-        after rank 0's (:meth:`_paced`)."""
-        seq, number = self._seq, self._number_try()
+        after rank 0's (:meth:`_paced`), unless ``paced`` is false (a try made after rank 0's outcome)."""
+        seq, number = self._seq, self._number_try() if paced else 0
 
         def run() -> Any:
             if self._timed_out:
@@ -506,7 +506,7 @@ class OutageRider:
                 raise QuorumTimeout(f"{self._who} rank 0 got this step's quorum but this rank's call did not "
                                     f"end within {self._decision_timeout.total_seconds():g} s")
             if future.exception() is None and tried < self._tries and self._stale_answer(future.result()):
-                future, tried = self._try(call), tried + 1  # rank 0 asked again too: its try needs this one
+                future, tried = self._try(call, paced=False), tried + 1  # rank 0 asked again: its try needs this one
                 continue
             lost = future.exception()
             if isinstance(lost, TimeoutError) and self._made == 1:
