@@ -27,7 +27,13 @@ One round is one step attempt of every group that runs; the clock counts rounds.
   quorum where another holds its id leaves (:func:`~ftbridge.spare.must_leave`);
 * a cross-replica collective (one per group rank) completes only when every member of its process group
   runs the round on that same process group and every link between them holds; a rank after an error
-  leaves its later collectives out, as torchft does.
+  leaves its later collectives out, as torchft does;
+* slots (``Sim(slots=True)``, FTBRIDGE_SLOTS): each rank takes its group rank 0's plan before its gradient
+  all-reduces (:func:`ftbridge.slots.steps.group_plan`, by the real
+  :func:`~ftbridge.slots.steps.participants_of`); a step in which a member heals, or whose plan rank 0 cannot
+  make, is discarded on every rank of every member by :class:`~ftbridge.slots.steps.StepNotCovered`, a
+  :class:`~ftbridge.manager.heal_agreement.DiscardStep`: the rank's collectives and its agreement row are left
+  out, and a heal received in the step still applies.
 
 Parameters are hashes: a commit applies ``H(params, contributions, divisor)``, so two groups that commit a
 step with different averages hold different parameters. :meth:`Sim.check` asserts the invariants after
@@ -67,6 +73,7 @@ from ftbridge.manager.quorum_rules import (
     vote_needed,
 )
 from ftbridge.manager.stand_aside import StandAside, longest_pause
+from ftbridge.slots.steps import StepNotCovered, participants_of
 from ftbridge.spare import choose_group, must_leave, vacancies
 
 logging.getLogger("ftbridge.manager.outage").setLevel(logging.ERROR)
@@ -404,16 +411,19 @@ class Record:
 
 
 class Sim:
-    """``groups`` replica groups of ``size`` ranks each, riding on or off, under a schedule of :class:`Faults`."""
+    """``groups`` replica groups of ``size`` ranks each, riding on or off, under a schedule of :class:`Faults`;
+    ``slots``: the job trains with slots (:meth:`_slot_plan`)."""
 
     def __init__(self, groups: int, size: int, *, ride: bool = True, guard_every: int = 0, min_replicas: int = 1,
-                 revert: Optional[Revert] = None, peer_wait: int = RESTART_PEER_WAIT, spares: int = 0) -> None:
+                 revert: Optional[Revert] = None, peer_wait: int = RESTART_PEER_WAIT, spares: int = 0,
+                 slots: bool = False) -> None:
         self.groups = [SimGroup(g, size, ride, guard_every, lambda: float(self.now), groups, peer_wait)
                        for g in range(groups)]
         self.groups += [SimGroup(-1, size, ride, guard_every, lambda: float(self.now), groups, peer_wait, spare=True,
                                  key=groups + k) for k in range(spares)]
         self.lighthouse = SimLighthouse(min_replicas)
         self.guard_every = guard_every
+        self.slots = slots
         self.revert = revert or Revert()
         self.now = 0
         self.commits: Dict[int, str] = {}  # step -> parameters after committing it (the first clean committer's)
@@ -470,6 +480,8 @@ class Sim:
         steps = {g.replica_id: g.ranks[0].tf.step for g in stepping}
         for g in stepping:
             self._fetch_heal(g, donors, steps)
+            if self.slots:
+                self._slot_plan(g)
         self._gradients(stepping)
         self._agree(stepping)
         for g in stepping:
@@ -652,6 +664,33 @@ class Sim:
             tf._pending_state_dict = {"params": donors[src], "torchft": {"step": steps[src], "batches_committed": 0}}
             tf.load_state_dict(tf._pending_state_dict["torchft"])  # torchft takes the donor's counters at once
 
+    def _slot_plan(self, g: SimGroup) -> None:
+        """:func:`ftbridge.slots.steps.group_plan` on every rank of ``g``, after its quorum and heal fetch, before its
+        gradient all-reduces: each rank's row (the step's quorum usable by
+        :func:`~ftbridge.slots.steps.participants_of`, every member taking part, no error recorded yet; the groups
+        present) is compared with group rank 0's, which every rank takes. A rank whose row differs, whose rank 0's
+        says the step cannot be covered, or that leaves this group out records
+        :class:`~ftbridge.slots.steps.StepNotCovered`, unless it has an error already."""
+        rows = []
+        for r in g.ranks:
+            last = r.rider.last
+            members = tuple(last.result.replica_ids) if last is not None else ()
+            present, why = participants_of(members, bool(members) and r.tf.participants == len(members),
+                                           g.num_groups)
+            if not why and r.tf.error is not None:
+                why = "an error is already recorded in this step"
+            rows.append((why, [0.0 if why else 1.0] + [1.0 if k in present else 0.0 for k in range(g.num_groups)]))
+        decided = rows[0][1]
+        for r, (why, row) in zip(g.ranks, rows):
+            if r.tf.error is not None:
+                continue
+            if row != decided:
+                r.tf.report_error(StepNotCovered("this rank's quorum differs from its group rank 0's"))
+            elif decided[0] != 1.0:
+                r.tf.report_error(StepNotCovered(why or "group rank 0 found the step's quorum unusable"))
+            elif decided[1 + g.gid] != 1.0:
+                r.tf.report_error(StepNotCovered(f"replica group {g.gid} is not among the step's participants"))
+
     def _pairs(self, g: SimGroup, rank: int, *, skip_errored: bool) -> bool:
         """Whether group rank ``rank``'s cross-replica collective of this round completes for ``g``."""
         f, ident = self.faults, g.ranks[rank].tf._pg.ident
@@ -821,9 +860,10 @@ class Sim:
 
     # -- invariants --------------------------------------------------------------------------------------
     def check(self, records: List[Record]) -> None:
-        """After every round: the ranks of a group hold one state; no two groups commit one step with different
-        parameters; no restarted group trains alone from step 0 once the job has committed steps; a clean
-        group never takes a corrupted state while most groups hold a clean one."""
+        """After every round: the ranks of a group hold one state; no step is committed twice with different
+        parameters (a split while a live group holds the first, committed steps lost once none does); no restarted
+        group trains alone from step 0 once the job has committed steps; a clean group never takes a corrupted
+        state while most groups hold a clean one."""
         for g in self.groups:
             if g.alive:
                 states = {(r.tf.step, r.params) for r in g.ranks}
@@ -840,7 +880,10 @@ class Sim:
             if first != rec.params and any(self._descends(g.ranks[0].params, first) for g in self.groups if g.alive):
                 raise AssertionError(f"round {self.now}: group {rec.group} committed step {rec.step_before} with "
                                      "other parameters than another group did, which a live group holds (split)")
-            self.commits[rec.step_before] = rec.params  # the other lineage is gone with its last holder
+            if first != rec.params:
+                raise AssertionError(f"round {self.now}: group {rec.group} (process {rec.key}) committed step "
+                                     f"{rec.step_before} again, with other parameters, and no live process holds the "
+                                     "first commit of it: committed steps lost")
         live = {g.key for g in self.groups if g.alive}
         clean = {g.key for g in self.groups if g.alive and g.ranks[0].params not in self.tainted}
         before_live, before_clean = self._before

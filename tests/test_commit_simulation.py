@@ -82,9 +82,9 @@ def scenarios(draw, kinds=KINDS, max_rounds=14):
 
 
 def run(groups, size, ride, schedule, min_replicas=1, revert=None, guard_every=0, warm=3, peer_wait=RESTART_PEER_WAIT,
-        spares=0):
+        spares=0, slots=False):
     sim = Sim(groups, size, ride=ride, guard_every=guard_every, min_replicas=min_replicas, revert=revert,
-              peer_wait=peer_wait, spares=spares)
+              peer_wait=peer_wait, spares=spares, slots=slots)
     for _ in range(warm):
         sim.round(Faults())
     assert sim.committing() == set(range(groups)), "the warm-up must commit everywhere"
@@ -542,3 +542,49 @@ def test_a_group_hung_past_the_heartbeat_timeout_meets_the_spare_that_took_its_i
     left = [g for g in sim.groups if g.exit_reason == "DuplicateReplicaGroup"]
     assert len(left) == 1 and left[0].gid == 0, "exactly one of the two holders of group 0 left"
     assert sim.committing() == {g.key for g in sim.groups if g.alive}
+
+
+# -- joiners that healed from a group behind the job (slots: the heal step is discarded everywhere) -------------
+def _behind_the_job(holder):
+    """Soak seed 72's path (docs/measurements.md), 3 groups of 2 ranks with slots. Group 1 is cut off from the
+    lighthouse: groups 0 and 2 form a quorum without it and commit steps 3 and 4. Group 2 is killed; its restart
+    joins group 0 and heals from it, and both die in that step: nobody holds steps 3 and 4 any more. Group 1 is
+    back, and a second restart of group 2 and a fresh holder of group 0's id (``holder``: ``restart``, a torchrun
+    restart; ``spare``, the warm spare, process 3, which reads no lighthouse until then, or it would take group 1's
+    id) join it. Both heal from group 1 at step 3. The heal step is discarded everywhere with slots (a member heals:
+    :class:`~ftbridge.slots.steps.StepNotCovered`), so the heals apply; without slots the continuity check fails
+    that step, its error drops both heals and the joiners stay empty. The next quorum holds every group id, each
+    member at step 3."""
+    spare = holder == "spare"
+    off = frozenset({1, 3}) if spare else frozenset({1})
+    return [Faults(cut_lh=off)] * 3 + [
+        Faults(cut_lh=off, kill=frozenset({2})),
+        Faults(cut_lh=off, restart=frozenset({2}), crash=frozenset({0, 2})),
+        Faults(cut_lh=off - {1}, restart=frozenset({2}) if spare else frozenset({0, 2})),
+    ]
+
+
+@pytest.mark.parametrize("holder", ["restart", "spare"])
+@pytest.mark.parametrize("ride", [False, True], ids=["no-ride", "ride"])
+def test_joiners_healed_from_a_group_behind_the_job_do_not_count_as_the_whole_job(ride, holder):
+    """Every id is present, but the joiners hold group 1's state, not their groups' histories: the quorum is judged
+    by the histories, which miss the quorum of groups 0 and 2, and nobody commits step 3 or 4 again. The members stop
+    with QuorumGap (the job resumes from a checkpoint)."""
+    spare = holder == "spare"
+    sim = run(3, 2, ride, _behind_the_job(holder), slots=True, spares=int(spare))
+    ahead = {r.step_before for rounds in sim.history[3:] for r in rounds if r.committed}
+    assert ahead == {3, 4}, f"after the warm-up only groups 0 and 2 commit, steps 3 and 4: {sorted(ahead)}"
+    joiners = [sim.groups[3] if spare else sim.groups[0], sim.groups[2]]
+    assert [(g.gid, g.heals, g.ranks[0].tf.step) for g in joiners] == [(0, 1, 3), (2, 1, 3)], \
+        "both joiners healed from group 1 at step 3 and kept it"
+    assert {g.key: g.exit_reason for g in sim.groups} == {0: "killed" if spare else "QuorumGap", 1: "QuorumGap",
+                                                          2: "QuorumGap", **({3: "QuorumGap"} if spare else {})}
+
+
+@pytest.mark.parametrize("holder", ["restart", "spare"])
+@pytest.mark.parametrize("ride", [False, True], ids=["no-ride", "ride"])
+def test_healed_joiners_vouching_for_their_ids_commit_the_jobs_steps_again(ride, holder):
+    """Counted as holding their ids, the joiners make the quorum the whole job: it commits step 3 again."""
+    with pytest.raises(AssertionError, match="committed steps lost"):
+        run(3, 2, ride, _behind_the_job(holder), slots=True, spares=int(holder == "spare"),
+            revert=Revert(healed_joiner_vouches=True))
