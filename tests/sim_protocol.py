@@ -70,6 +70,7 @@ from ftbridge.manager.quorum_rules import (
     RestartMajority,
     decide_reconfigure,
     detect_lighthouse_restart,
+    heals_backwards,
     vote_needed,
 )
 from ftbridge.manager.stand_aside import StandAside, longest_pause
@@ -175,6 +176,9 @@ class Revert:
     healed_joiner_vouches: bool = False
     """A joiner that healed from a peer vouches for the group id it holds before it has committed (it is not
     ``borrowed``): with every id present, a quorum behind that id's dead holder counts as the whole job."""
+    heal_backwards: bool = False
+    """A group that a quorum ranks behind a peer by a late request of a call it left (an older step) heals to the
+    peer's earlier step, over steps it committed since."""
 
 
 def H(*parts: Any) -> str:
@@ -619,8 +623,10 @@ class Sim:
         if voting:
             g.voted = (q.quorum_id, tuple(sorted(q.replica_ids))) if complete else None
         at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
-        if must_leave(q.replica_ids, g.gid, q.steps[g.replica_id] < q.max_step, g.replica_id,
-                      len(q.replica_ids) - len(at_max)):
+        heal = q.steps[g.replica_id] < q.max_step
+        backwards = heal and heals_backwards(True, g.ranks[0].tf.step, q.max_step) and not self.revert.heal_backwards
+        heal &= not backwards  # the quorum guard refuses it (HealBackwards) before ReplicaManager._on_quorum
+        if must_leave(q.replica_ids, g.gid, heal, g.replica_id, len(q.replica_ids) - len(at_max)):
             g.alive, g.exit_reason = False, "DuplicateReplicaGroup"  # before torchft heals (ReplicaManager._on_quorum)
             return
         for i, r in enumerate(g.ranks):
@@ -640,7 +646,9 @@ class Sim:
                     r.tf.report_error(RuntimeError("the quorum's store did not answer"))
             r.rider.remember(_Result(q, g.replica_id), q.replica_ids)
             r.tf.participants, r.tf.participating = len(at_max), g.replica_id in at_max
-            if q.steps[g.replica_id] < q.max_step:
+            if backwards:
+                r.tf.report_error(RuntimeError("the quorum would heal this group back to an earlier step"))
+            if heal:
                 r.tf._healing, r.healed_from = True, at_max[0]
         if self.revert.majority_clock and g.majority.pending is not None:  # the wait counted from the restart
             g.majority.pending = (g.majority.pending[0], g.restart_round)

@@ -588,3 +588,21 @@ def test_healed_joiners_vouching_for_their_ids_commit_the_jobs_steps_again(ride,
     with pytest.raises(AssertionError, match="committed steps lost"):
         run(3, 2, ride, _behind_the_job(holder), slots=True, spares=int(holder == "spare"),
             revert=Revert(healed_joiner_vouches=True))
+
+
+HEAL_BACK = [Faults(lighthouse="dead", cut_peer=frozenset({frozenset({0, 1})})), Faults(),
+             Faults(late_error=frozenset({(1, 0)})), Faults(stale=frozenset({0}))]
+"""Group 0 leaves a call to ride a dead lighthouse (cut from group 1 meanwhile); back together, group 1 records
+an error after its gradient all-reduce and group 0 commits the step alone; then the left call's request, with
+its older step, reaches the lighthouse last, which ranks group 0 behind group 1 and tells it to heal."""
+
+
+def test_a_group_ranked_behind_by_a_late_request_does_not_heal_back_over_its_commits():
+    sim = run(2, 1, True, HEAL_BACK)
+    assert all(g.alive for g in sim.groups)
+    assert len({g.ranks[0].params for g in sim.groups}) == 1
+
+
+def test_healing_back_by_a_late_request_loses_committed_steps():
+    with pytest.raises(AssertionError, match="committed steps lost"):
+        run(2, 1, True, HEAL_BACK, revert=Revert(heal_backwards=True))

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -557,3 +558,29 @@ def test_time_the_lighthouse_did_not_answer_gives_the_wait_for_a_majority_again(
     m.unanswered(4.5)  # a try went unanswered up to 4.5 s: the others could not come back before
     assert m.lacks(["replica_group_0:a"], 6.0) and not m.expired
     assert m.lacks(["replica_group_0:a"], 9.5) and m.expired
+
+
+def test_a_quorum_that_would_heal_a_group_back_to_an_earlier_step_is_refused_and_the_step_discarded(monkeypatch):
+    """The lighthouse ranks a group by the last request it read of it; a late request of a call the group left
+    to ride carries an older step (the simulation found a group heal back over a step it alone had committed)."""
+    from ftbridge.manager.quorum_guard import HealBackwards
+
+    errors, seen = [], []
+    result = SimpleNamespace(quorum_id=7, replica_ids=sorted([A, B]), max_step=4, replica_rank=0, replica_world_size=2,
+                             store_address="127.0.0.1:1", heal=True, recover_src_manager_address="http://b",
+                             recover_src_replica_rank=1, max_replica_rank=None, max_world_size=1)
+    mgr = SimpleNamespace(_client=_FakeClient(result), _quorum_id=7, current_step=lambda: 5,
+                          report_error=errors.append)
+    guard = _QuorumGuard(mgr, timedelta(seconds=10), on_restart=lambda old, new: None, on_quorum=seen.append)
+    import ftbridge.manager.quorum_rules as rules
+
+    monkeypatch.setattr(rules, "VOTE_SKIP_WINDOW_S", 600.0)  # a steady quorum: no vote on a store
+    guard.seen, guard._voted = QuorumSeen(7, tuple(sorted([A, B]))), (7, tuple(sorted([A, B])))
+    guard._returned = time.monotonic()
+    view = guard._quorum(group_rank=0, step=5, commit_failures=0)
+    assert not view.heal and view.recover_src_replica_rank is None and not view.recover_src_manager_address
+    assert not seen[0].heal and view.max_step == 4 and guard.refused_heals == 1
+    assert len(errors) == 1 and isinstance(errors[0], HealBackwards) and "holds step 5" in str(errors[0])
+    mgr.current_step = lambda: 3  # behind the quorum: an ordinary heal goes ahead
+    view = guard._quorum(group_rank=0, step=3, commit_failures=0)
+    assert view.heal and view.recover_src_replica_rank == 1 and len(errors) == 1

@@ -22,6 +22,7 @@ from ftbridge.manager.quorum_rules import (
     decide_reconfigure,
     detect_lighthouse_restart,
     group_size_conflict,
+    heals_backwards,
     rendezvous_namespace,
     vote_needed,
 )
@@ -37,12 +38,17 @@ from ftbridge.manager.torchft_api import (
 logger = logging.getLogger(__name__)
 
 
-class _QuorumView:
-    """A torchft ``QuorumResult`` with ``store_address`` replaced; every other attribute is the original's."""
+class HealBackwards(RuntimeError):
+    """The quorum told this group to heal to an earlier step than it holds: the step is discarded, nothing is
+    fetched (:func:`ftbridge.manager.quorum_rules.heals_backwards`)."""
 
-    def __init__(self, result: Any, store_address: str) -> None:
+
+class _QuorumView:
+    """A torchft ``QuorumResult`` with the attributes in ``overrides`` replaced; every other one is the original's."""
+
+    def __init__(self, result: Any, **overrides: Any) -> None:
         self._result = result
-        self.store_address = store_address
+        self.__dict__.update(overrides)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._result, name)
@@ -85,6 +91,8 @@ class _QuorumGuard:
         """Which quorums may commit after a lighthouse restart (told of commits by the replica manager)."""
         self.no_majority = 0
         """Steps discarded because a quorum after a lighthouse restart lacked a majority of the groups before it."""
+        self.refused_heals = 0
+        """Quorums that told this group to heal to an earlier step than it held (:class:`HealBackwards`)."""
         self.quorum_timeout = timedelta(seconds=30)
         """torchft's quorum timeout (``FTBridgeConfig.quorum_timeout``), named in the error when it expires."""
         self.rider: Optional[OutageRider] = None
@@ -112,6 +120,9 @@ class _QuorumGuard:
             self._rode |= self.rider.riding
             self.last_result = result
             return result
+        if bool(getattr(result, "heal", False)) and heals_backwards(True, int(self._manager.current_step()),
+                                                                    int(result.max_step)):
+            result = self._refuse_heal(result)
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
@@ -149,11 +160,23 @@ class _QuorumGuard:
                 logger.warning("quorum %d: another member rebuilds the cross-replica process group "
                                "(its lighthouse history differs); rebuilding too", quorum_id)
             self._manager._quorum_id = -1  # torchft compares right after this returns: reconfigure
-        view = _QuorumView(result, f"{result.store_address}/ftbridge/{namespace}")
+        view = _QuorumView(result, store_address=f"{result.store_address}/ftbridge/{namespace}")
         if self.rider is not None:  # lighthouse outage (ftbridge.manager.outage): the quorum a riding step reuses
             self.rider.remember(view, members)
         self.last_result = view
         return view
+
+    def _refuse_heal(self, result: Any) -> Any:
+        """``result`` without its heal, and a :class:`HealBackwards` error recorded (this step is discarded on every
+        rank of the group: each computes the same from the same quorum and step)."""
+        step, max_step = int(self._manager.current_step()), int(result.max_step)
+        msg = (f"quorum {int(result.quorum_id)} tells this group to heal to step {max_step}, but it holds step {step}: "
+               "the lighthouse counted a late request, with an older step, of a call this group left to ride; the "
+               "step is discarded and nothing is fetched (healing would overwrite committed steps)")
+        logger.warning("%s", msg)
+        self.refused_heals += 1
+        self._manager.report_error(HealBackwards(msg))
+        return _QuorumView(result, heal=False, recover_src_manager_address="", recover_src_replica_rank=None)
 
     @property
     def majority_expired(self) -> bool:
