@@ -53,6 +53,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import joined_empty, restart_without_peer
 from ftbridge.manager.commit import (
+    ROW_RIDING,
     Agreement,
     QuorumWait,
     continuous,
@@ -176,6 +177,9 @@ class Revert:
     healed_joiner_vouches: bool = False
     """A joiner that healed from a peer vouches for the group id it holds before it has committed (it is not
     ``borrowed``): with every id present, a quorum behind that id's dead holder counts as the whole job."""
+    riding_row: bool = False
+    """A member's row does not say that it rides: a member that got the same quorum from the lighthouse commits a
+    step a rider discards, by the lighthouse rule, while the rider believes nobody did."""
     heal_backwards: bool = False
     """A group that a quorum ranks behind a peer by a late request of a call it left (an older step) heals to the
     peer's earlier step, over steps it committed since."""
@@ -769,9 +773,11 @@ class Sim:
                     own[8] = own[9] = 0.0
                 if own is not None and self.revert.continuity:
                     own[17] = own[18] = own[19] = own[22] = 0.0
-                    own[26:] = [0.0] * (len(own) - 26)
+                    own[27:] = [0.0] * (len(own) - 27)
                 if own is not None and self.revert.newest_dead_end_run:
-                    own[26:] = [0.0] * (len(own) - 26)
+                    own[27:] = [0.0] * (len(own) - 27)
+                if own is not None and self.revert.riding_row:
+                    own[ROW_RIDING] = 0.0
                 owns[(g.key, i)] = own
                 if own is not None:
                     rows.setdefault((r.tf._pg.ident, i), {})[r.rider.last.replica_rank] = own

@@ -90,6 +90,18 @@ def test_a_riding_step_needs_every_member_ok_a_lighthouse_step_does_not():
     assert judge([a, b], a, riding=False).commit
 
 
+def test_a_member_that_got_the_quorum_from_the_lighthouse_judges_a_riding_step_by_the_riders_rule():
+    """One quorum id, two ways: a member rides it while the other got it from the lighthouse again (every member
+    asked). A rider with an error discards believing nobody commits; a member applying the lighthouse rule
+    committed, and the step was lost once it died (found by the simulation)."""
+    rider, asker = encode_view(replace(view(0, ok=False), riding=True)), encode_view(view(1, seen=True))
+    assert not judge([rider, asker], asker, riding=False).commit
+    assert "recorded an error in this riding step" in judge([rider, asker], asker, riding=False).reason
+    assert not judge([rider, asker], rider, riding=True).commit
+    ok_rider = encode_view(replace(view(0), riding=True))
+    assert judge([ok_rider, asker], asker, riding=False).commit
+
+
 def test_the_guard_verdict_comes_from_every_participating_fingerprint():
     rows = [encode_view(view(g, participants=3, guard=d)) for g, d in ((0, G2), (1, G1), (2, G1))]
     v = judge(rows, rows[0], riding=False)

@@ -606,3 +606,18 @@ def test_a_group_ranked_behind_by_a_late_request_does_not_heal_back_over_its_com
 def test_healing_back_by_a_late_request_loses_committed_steps():
     with pytest.raises(AssertionError, match="committed steps lost"):
         run(2, 1, True, HEAL_BACK, revert=Revert(heal_backwards=True))
+
+
+RIDER_ERRS = [Faults(oneway_lh=frozenset({0}), late_error=frozenset({(0, 0)})), Faults(kill=frozenset({1}))]
+"""Group 0 is deaf to the lighthouse's answers and rides the last quorum; group 1 asks and gets the same quorum id
+(every member asked); group 0 records an error late in the step; then group 1 is killed."""
+
+
+def test_a_step_a_rider_discards_is_not_committed_by_a_member_that_asked_the_lighthouse():
+    sim = run(2, 1, True, RIDER_ERRS, peer_wait=4)
+    assert sim.groups[0].alive
+
+
+def test_the_riding_flag_left_out_of_the_row_loses_a_committed_step():
+    with pytest.raises(AssertionError, match="committed steps lost"):
+        run(2, 1, True, RIDER_ERRS, peer_wait=4, revert=Revert(riding_row=True))

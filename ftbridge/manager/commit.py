@@ -59,10 +59,12 @@ DEAD_END_RUNS = 8
 """Runs of consecutive dead-end quorum ids a row carries (:attr:`View.dead_ends`); older runs are dropped. Why:
 docs/design.md, "Continuity"."""
 
-ROW = 26 + 2 * (DEAD_END_RUNS - 1)
+ROW = 27 + 2 * (DEAD_END_RUNS - 1)
 """float64 values per member in the agreement (:func:`encode_view`)."""
 ROW_OK = 10
 """Index of a member's ``ok`` flag in its row."""
+ROW_RIDING = 26
+"""Index of a member's ``riding`` flag in its row."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class View:
         borrowed: joined with nothing, healed since, and has not committed yet: it holds a peer's state, not its
             group's own history, so it cannot vouch for its group (:func:`judge`).
         holding: a lighthouse call its group left to ride is still in flight.
+        riding: this member reuses the last quorum in this step (it did not get it from the lighthouse).
     """
 
     replica_group: int
@@ -106,6 +109,7 @@ class View:
     holding: bool = False
     plan: int = 0
     borrowed: bool = False
+    riding: bool = False
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -127,8 +131,8 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first
-    + 1, last + 1), state, num groups, missed + 1, committers, holding, plan, older runs]`` (0 where none); state: 0
-    own, 1 empty, 2 borrowed.
+    + 1, last + 1), state, num groups, missed + 1, committers, holding, plan, riding, older runs]`` (0 where none);
+    state: 0 own, 1 empty, 2 borrowed.
 
     Raises:
         ValueError: a digest is not 16 hex digits, a number is outside ``[0, 2**53)``, or more than
@@ -146,7 +150,7 @@ def encode_view(v: View) -> List[float]:
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
             *guard, float(v.certified + 1), *runs[:2], 1.0 if v.empty else 2.0 if v.borrowed else 0.0,
             float(v.num_groups),
-            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan), *runs[2:]]
+            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan), float(v.riding), *runs[2:]]
 
 
 def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
@@ -165,7 +169,7 @@ def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
 
 def dead_end_runs(row: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
     """The dead-end runs ``(first, last)`` of one agreement row (:func:`encode_view`), newest first."""
-    cells = [row[18], row[19], *row[26:ROW]]
+    cells = [row[18], row[19], *row[ROW_RIDING + 1:ROW]]
     return tuple((int(cells[i]) - 1, int(cells[i + 1]) - 1) for i in range(0, len(cells), 2) if cells[i])
 
 
@@ -233,7 +237,9 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
         rows: the summed tensor, one row of :data:`ROW` per member (quorum replica rank); a row whose first
             value is not exactly 1 (missing or doubled) fails it.
         own: this member's row (:func:`encode_view`).
-        riding: this step reuses the last quorum, so every member must also be ok.
+        riding: this member reuses the last quorum in this step. When any member rides (this one or a row's
+            ``riding``), every member must also be ok: a member that got the quorum from the lighthouse judges by
+            the riders' rule too, so no member commits a riding step that a rider discards believing nobody did.
     """
     if not rows:
         return Agreement(False, False, False, "no members")
@@ -274,7 +280,7 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
                f"quorum {int(key[0])} follows quorum {gap}, in which none of its members took part: others may "
                "have committed steps there")
         return Agreement(True, False, False, why, guard, all_empty=empty)
-    if riding:
+    if riding or any(row[ROW_RIDING] == 1.0 for row in rows):
         for rank, row in enumerate(rows):
             if row[ROW_OK] != 1.0:
                 return Agreement(True, False, False, f"member {rank} recorded an error in this riding step", guard,
