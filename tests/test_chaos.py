@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ftbridge.harness.chaos import invariants as inv
@@ -583,3 +585,32 @@ def test_a_kill_goes_ahead_while_another_group_holds_the_newest_step(tmp_path, m
     inj = inject.Injector(job=job, alive={0, 1, 2}, fault_dir=str(tmp_path), seed=0).inject(
         Failure(3, FailureKind.KILL_GROUP, 1.0))
     assert not inj.skipped and killed == [0]
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["together", "one-behind"])
+def test_a_donor_kill_is_armed_only_once_the_other_groups_commit_together_again(tmp_path, monkeypatch, behind):
+    """A CI dry run: the first kill left group 2 a step behind group 1; armed at once, the donor's point fired
+    in group 1 as it healed group 2, and with it went the only holder of the newest step."""
+    from types import SimpleNamespace
+
+    from ftbridge.harness.chaos import inject
+
+    monkeypatch.setattr(inject, "DONOR_SYNC_S", 0.3)
+    monkeypatch.setattr(inject, "HOLDER_WAIT_S", 0.2)
+    for g in (0, 1, 2):
+        _commits(tmp_path / f"events_{g}_0.jsonl", list(range(90, 101 if g == 2 and behind else 102)))
+    steps = {1: [{"committed": True, "time": 101.0, "participants": 2}],
+             2: [{"committed": not behind, "time": 101.0, "participants": 2}]}
+    def wait_until(condition, timeout_s, what):  # LocalJob.wait_until's contract, without the log tails
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+            time.sleep(0.05)  # polling files written by other processes, as LocalJob does
+
+    job = SimpleNamespace(event_log=lambda g, r: str(tmp_path / f"events_{g}_{r}.jsonl"),
+                          steps=lambda g: steps[g], healed_since=lambda g, t: False, wait_until=wait_until)
+    injector = inject.Injector(job=job, alive={0, 1, 2}, fault_dir=str(tmp_path / "faults"), seed=0)
+    why = injector._arm_donor(0, 100.5)
+    armed = (tmp_path / "faults" / "heal_send").exists()
+    assert (bool(why), armed) == ((True, False) if behind else (False, True)), why

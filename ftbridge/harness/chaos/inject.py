@@ -30,6 +30,9 @@ _TAKE_A_GROUP_OUT = {FailureKind.KILL_RANK, FailureKind.KILL_GROUP, FailureKind.
 HOLDER_WAIT_S = 2.0
 """Longest wait (s) for another running group to log the job's newest committed step before a kill counts as
 taking the last holder of the job's newest state (:meth:`Injector._keep_a_holder`)."""
+DONOR_SYNC_S = 15.0
+"""Longest wait (s), after a donor kill's first kill, for the other running groups to commit together again
+before the donor's fault point is armed (:meth:`Injector._arm_donor`)."""
 SLOW_PERIOD_S = 0.2
 """A slowed group's ranks are stopped for the first half of every period of this length."""
 
@@ -221,15 +224,45 @@ class Injector:
         joiner = failure.kind == FailureKind.KILL_JOINER_IN_HEAL
         self._keep_a_holder({g}, need=1 if joiner else 2)  # the donor, whichever it is, holds the newest step
         name = "heal_recv" if joiner else "heal_send"
-        # Armed before the kill, so the group's first heal after its restart meets it. The joiner's
-        # trigger names the group; the donor's fires in whichever group torchft picks to send.
-        faults.arm(self.fault_dir, name, group=g if joiner else None)
+        # The joiner's trigger, armed before the kill, names the group: its first heal after its restart meets
+        # it. The donor's fires in whichever group torchft picks to send, so it is armed once the others are
+        # together again (_arm_donor).
+        if joiner:
+            faults.arm(self.fault_dir, name, group=g)
         t = time.time()
         self.job.kill_workers(g, timeout_s=self.timeout_s)
+        if not joiner:
+            unarmed = self._arm_donor(g, t)
+            if unarmed:
+                return Injected(failure, t, [g], [g], f"group {g} killed; its heal donor not killed: {unarmed}")
         victim = self._fire(name, g if joiner else None, failure.index, arm=False)
         hit = sorted({g, victim})
         who = "joiner" if joiner else "donor"
         return Injected(failure, t, hit, hit, f"group {g} killed; its heal {who} group {victim} killed mid-transfer")
+
+    def _arm_donor(self, g: int, killed_at: float) -> str:
+        """Arm the donor's fault point for group ``g``'s heal, once every other running group has committed with
+        all of them taking part since ``killed_at``; ``""`` when armed, else why not.
+
+        A kill can leave a survivor a step behind (it discarded a step the others committed); its heal then
+        comes first, and its donor is the only holder of the newest step. Armed before that heal, the point
+        would take that last holder (a double fault; :meth:`_keep_a_holder`).
+        """
+        others = sorted(self.alive - {g})
+
+        def together() -> bool:
+            return all(any(e["committed"] and e["time"] > killed_at and e["participants"] == len(others)
+                           for e in self.job.steps(o)) for o in others)
+
+        try:
+            self.job.wait_until(together, DONOR_SYNC_S, f"replica groups {others} to commit together")
+            self._keep_a_holder({g}, need=2)
+        except (TimeoutError, _NoTarget) as e:
+            return (str(e).splitlines() or [repr(e)])[0]
+        if self.job.healed_since(g, killed_at):
+            return "its restart healed before the other groups were together again"
+        faults.arm(self.fault_dir, "heal_send", group=None)
+        return ""
 
     def _kill_in_checkpoint(self, failure: Failure, rng: random.Random) -> Injected:
         # Whichever group is the writer (replica rank 0 of the quorum) at the next scheduled save.
