@@ -58,3 +58,33 @@ def test_stop_soon_leads_the_job_by_a_second_of_its_steps_or_the_margin(tmp_path
     _write_events(tmp_path / "events_0_0.jsonl", slow)
     _write_events(tmp_path / "events_1_0.jsonl", slow)
     assert job.stop_soon() == 13
+
+
+@pytest.mark.parametrize("log, stepped, relaunched", [
+    ("torch.distributed.DistNetworkError: ... code: -98, name: EADDRINUSE, message: address already in use", False,
+     True),
+    ("RuntimeError: something else", False, False),
+    ("... name: EADDRINUSE ...", True, False),
+], ids=["port-race", "other-error", "after-a-step"])
+def test_a_group_whose_worker_store_lost_its_port_before_its_first_step_is_launched_again_once(
+        tmp_path, log, stepped, relaunched):
+    from ftbridge.harness.local_job import GroupProcess, LocalJob
+
+    job = LocalJob(str(tmp_path), 1, 1, [])
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait(30)
+    (tmp_path / "group_0.0.log").write_text(log)
+    job.groups[0] = [GroupProcess(0, proc, str(tmp_path / "group_0.0.log"), started=100.0)]
+    _write_events(tmp_path / "events_0_0.jsonl", [{"step": 1, "committed": True, "time": 101.0}] if stepped else [])
+    started = []
+
+    def start_group(g):
+        started.append(g)
+        gp = GroupProcess(g, proc, str(tmp_path / "group_0.1.log"))
+        job.groups[g].append(gp)
+        return gp
+
+    job.start_group = start_group
+    job._relaunch_port_races()
+    job._relaunch_port_races()  # the relaunch is not relaunched again
+    assert started == ([0] if relaunched else [])

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -35,6 +36,8 @@ from ftbridge.events import read_events
 from ftbridge.harness.netfault import FaultProxy
 from ftbridge.harness.netns import GroupHosts
 from ftbridge.launch.processes import find_free_port, pid_alive, signal_pids, stop_process_groups, torchrun_command
+
+logger = logging.getLogger(__name__)
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 TRAIN_SCRIPT = os.path.join(REPO_SCRIPTS, "train_lm.py")
@@ -82,6 +85,8 @@ class GroupProcess:
     proc: subprocess.Popen
     log_path: str
     started: float = field(default_factory=time.time)
+    relaunch: bool = False
+    """This launch replaces one whose worker store lost its port (:meth:`LocalJob._relaunch_port_races`)."""
 
 
 class LocalJob:
@@ -397,7 +402,27 @@ class LocalJob:
         while not condition():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}\n{self.tails()}")
+            self._relaunch_port_races()
             time.sleep(poll_s)
+
+    def _relaunch_port_races(self) -> None:
+        """Launch a replica group again, once, whose launch exited before its first step because its worker store
+        lost its port: torchrun picks a free port and frees it before rank 0 binds it, and on a busy machine
+        another socket can take it first (``EADDRINUSE``). With ``max_restarts`` 0 nothing else would restart
+        it, and the test would fail on the machine, not on ftbridge."""
+        for g, launches in list(self.groups.items()):
+            gp = launches[-1]
+            if gp.relaunch or gp.proc.poll() in (None, 0):
+                continue
+            if any(e["time"] >= gp.started for e in self.steps(g)):
+                continue
+            with open(gp.log_path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            if "EADDRINUSE" not in text:
+                continue
+            logger.warning("replica group %d: its launch (pid %d) exited before its first step, its worker store's "
+                           "port taken by another socket (EADDRINUSE); launching it again", g, gp.proc.pid)
+            self.start_group(g).relaunch = True
 
     def healed_since(self, group: int, since: float) -> bool:
         """Whether replica group ``group`` (rank 0) healed after time ``since`` (seconds since the epoch)."""
