@@ -419,6 +419,19 @@ def test_a_quorum_call_that_times_out_ends_the_rank_naming_the_setting():
         guard._quorum(group_rank=0)
 
 
+def test_a_rank_whose_copy_of_its_rank_0s_answer_was_lost_exits_saying_so():
+    from ftbridge.manager.outage import QuorumTimeout, TryNotMade
+
+    class Client:
+        def _quorum(self, **kwargs):
+            raise TryNotMade("rank 0 of the group decided this step's quorum call first")
+
+    guard = _QuorumGuard(SimpleNamespace(_client=Client(), _quorum_id=3), timedelta(seconds=10),
+                         on_restart=lambda old, new: None)
+    with pytest.raises(QuorumTimeout, match="copy of the quorum its replica group's rank 0 got this step was lost"):
+        guard._quorum(group_rank=1)
+
+
 # -- a majority of the groups before a lighthouse restart -----------------------------------------
 
 def test_a_quorum_after_a_restart_needs_more_than_half_of_the_groups_before_it():

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ftbridge.manager.futures import call_bounded
-from ftbridge.manager.outage import OutageRider, QuorumTimeout
+from ftbridge.manager.outage import OutageRider, QuorumTimeout, TryNotMade
 from ftbridge.manager.quorum_rules import (
     GroupSizeMismatch,
     QuorumSeen,
@@ -108,6 +108,11 @@ class _QuorumGuard:
         started = time.monotonic()
         try:  # the rider makes the call's tries and rides out lighthouse outages (outage.py)
             result = self.rider.quorum(call) if self.rider is not None else self._client._quorum(**kwargs)
+        except TryNotMade as exc:  # a rank other than 0 whose tries ended without the answer its rank 0 got
+            raise QuorumTimeout(
+                f"this rank's copy of the quorum its replica group's rank 0 got this step was lost ({exc}): its "
+                "own tries timed out or were not made, and its rank 0 went on with an answer it cannot share. This "
+                "rank exits; torchrun restarts its group, which heals from a live peer") from exc
         except TimeoutError as exc:  # torchft's quorum timeout (the builtin TimeoutError)
             raise QuorumTimeout(
                 f"no quorum within the quorum timeout ({self.quorum_timeout.total_seconds():g} s, "
