@@ -125,9 +125,10 @@ class _QuorumGuard:
             self._rode |= self.rider.riding
             self.last_result = result
             return result
-        if bool(getattr(result, "heal", False)) and heals_backwards(True, int(self._manager.current_step()),
-                                                                    int(result.max_step)):
-            result = self._refuse_heal(result)
+        if bool(getattr(result, "heal", False)):
+            step = int(self._manager.current_step())
+            if heals_backwards(True, step, int(result.max_step)):
+                result = self._refuse_heal(result, step)
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)
         quorum_id, members = int(result.quorum_id), list(result.replica_ids)
@@ -171,10 +172,10 @@ class _QuorumGuard:
         self.last_result = view
         return view
 
-    def _refuse_heal(self, result: Any) -> Any:
+    def _refuse_heal(self, result: Any, step: int) -> Any:
         """``result`` without its heal, and a :class:`HealBackwards` error recorded (this step is discarded on every
-        rank of the group: each computes the same from the same quorum and step)."""
-        step, max_step = int(self._manager.current_step()), int(result.max_step)
+        rank of the group, holding ``step``: each computes the same from the same quorum and step)."""
+        max_step = int(result.max_step)
         msg = (f"quorum {int(result.quorum_id)} tells this group to heal to step {max_step}, but it holds step {step}: "
                "the lighthouse counted a late request, with an older step, of a call this group left to ride; the "
                "step is discarded and nothing is fetched (healing would overwrite committed steps)")
