@@ -53,6 +53,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 from ftbridge.guard import DivergenceGuard, ReplicaDivergenceError
 from ftbridge.heal import joined_empty, restart_without_peer
 from ftbridge.manager.commit import (
+    ROW_BEHIND,
     ROW_RIDING,
     Agreement,
     QuorumWait,
@@ -183,6 +184,9 @@ class Revert:
     heal_backwards: bool = False
     """A group that a quorum ranks behind a peer by a late request of a call it left (an older step) heals to the
     peer's earlier step, over steps it committed since."""
+    behind_across_restart: bool = False
+    """A member's row does not carry the step it missed across a lighthouse restart: when the only holders of that
+    step die as the lighthouse restarts, the survivors train it again."""
 
 
 def H(*parts: Any) -> str:
@@ -773,9 +777,11 @@ class Sim:
                     own[8] = own[9] = 0.0
                 if own is not None and self.revert.continuity:
                     own[17] = own[18] = own[19] = own[22] = 0.0
-                    own[27:] = [0.0] * (len(own) - 27)
+                    own[ROW_BEHIND:] = [0.0] * (len(own) - ROW_BEHIND)
                 if own is not None and self.revert.newest_dead_end_run:
-                    own[27:] = [0.0] * (len(own) - 27)
+                    own[ROW_BEHIND + 1:] = [0.0] * (len(own) - ROW_BEHIND - 1)
+                if own is not None and self.revert.behind_across_restart:
+                    own[ROW_BEHIND] = 0.0
                 if own is not None and self.revert.riding_row:
                     own[ROW_RIDING] = 0.0
                 owns[(g.key, i)] = own

@@ -290,6 +290,24 @@ def test_judge_reads_missed_and_committers_from_the_rows():
     assert "discarded a step of quorum 6" in judge([c], c, riding=False).reason
 
 
+def test_a_step_missed_before_a_lighthouse_restart_blocks_quorums_behind_it_unless_the_whole_job_is_here():
+    def member(group, step, behind=0, participating=True, empty=False):
+        return encode_view(replace(view(group, qid=2, step=step, participants=1 + (step > 0)), behind=behind,
+                                   participating=participating, num_groups=2, empty=empty))
+
+    # group 0 missed step 41 before the restart; group 1 was restarted empty and heals from it at step 41
+    rows = [member(0, 41, behind=42), member(1, 41, participating=False, empty=True)]
+    rows[0][8] = rows[1][8] = 1.0  # one participant: the healer does not count
+    verdict = judge(rows, rows[0], riding=False)
+    assert verdict.consistent and not verdict.commit
+    assert "discarded step 41 before the lighthouse restarted" in verdict.reason
+    ahead = [member(0, 42, behind=42, participating=False), member(1, 42)]  # a holder of step 42 is here: heal
+    ahead[0][8] = ahead[1][8] = 1.0
+    assert judge(ahead, ahead[0], riding=False).commit
+    whole = [member(0, 41, behind=42), member(1, 41)]  # every group on its own state: nobody trained beyond it
+    assert judge(whole, whole[0], riding=False).commit
+
+
 def test_no_pause_outlasts_half_of_the_wait_the_others_keep_after_a_lighthouse_restart():
     assert longest_pause(30.0, 30.0) == 15.0 and longest_pause(5.0, 300.0) == 40.0 and longest_pause(5.0, 0) == 40.0
     rule = StandAside(base_s=10.0, max_s=longest_pause(10.0, 30.0))

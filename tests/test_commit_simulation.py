@@ -621,3 +621,25 @@ def test_a_step_a_rider_discards_is_not_committed_by_a_member_that_asked_the_lig
 def test_the_riding_flag_left_out_of_the_row_loses_a_committed_step():
     with pytest.raises(AssertionError, match="committed steps lost"):
         run(2, 1, True, RIDER_ERRS, peer_wait=4, revert=Revert(riding_row=True))
+
+
+HOLDER_DIES_WITH_THE_LIGHTHOUSE = [Faults(late_error=frozenset({(0, 0)})), Faults(kill=frozenset({1})),
+                                   Faults(restart_lighthouse=True), Faults(restart=frozenset({1}))]
+"""Group 0 records an error late in step 3 and discards it while group 1 commits it; group 1, the only holder of
+step 3, is killed, the lighthouse restarts (quorum ids start anew, group 0's missed quorum with them) and group 1
+is restarted with nothing."""
+
+
+@pytest.mark.parametrize("ride", [False, True], ids=["no-ride", "ride"])
+def test_a_step_missed_before_a_lighthouse_restart_is_not_trained_again_when_its_only_holder_died(ride):
+    """Nobody alive holds step 3, and group 0 knows others may have committed it: it stops with QuorumGap (the job
+    resumes from a checkpoint) instead of training step 3 again with the restart."""
+    sim = run(2, 1, ride, HOLDER_DIES_WITH_THE_LIGHTHOUSE)
+    assert [(g.exit_reason, g.ranks[0].tf.step) for g in sim.groups][0] == ("QuorumGap", 3)
+    retrained = [r for rounds in sim.history[4:] for r in rounds if r.committed and r.step_before == 3]
+    assert not retrained, f"step 3 committed again after group 1 committed it: {retrained}"
+
+
+def test_the_missed_step_left_out_of_the_row_across_a_lighthouse_restart_loses_a_committed_step():
+    with pytest.raises(AssertionError, match="committed steps lost"):
+        run(2, 1, True, HOLDER_DIES_WITH_THE_LIGHTHOUSE, revert=Revert(behind_across_restart=True))

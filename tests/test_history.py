@@ -4,7 +4,7 @@ The protocol simulation (test_commit_simulation.py) drives it inside the outage 
 tests pin each transition alone.
 """
 
-from ftbridge.manager.commit import ROW, ROW_OK, Agreement
+from ftbridge.manager.commit import ROW, ROW_OK, ROW_STEP, Agreement
 from ftbridge.manager.history import QuorumHistory
 
 A, B = ("replica_0", "replica_1"), ("replica_0",)
@@ -14,15 +14,16 @@ def _passed(continuous=True):
     return Agreement(consistent=True, commit=continuous, ride_on=False, reason="", continuous=continuous)
 
 
-def _rows(oks):
+def _rows(oks, step=0):
     rows = [[0.0] * ROW for _ in oks]
     for row, ok in zip(rows, oks):
         row[ROW_OK] = 1.0 if ok else 0.0
+        row[ROW_STEP] = float(step)
     return rows
 
 
-def _step(h, *, committed, oks=(True, True), own=0, continuous=True):
-    h.agreed(_passed(continuous), _rows(oks), own)
+def _step(h, *, committed, oks=(True, True), own=0, continuous=True, step=0):
+    h.agreed(_passed(continuous), _rows(oks, step), own)
     h.decided(committed, group_agreed=True, nobody_commits=False, group_met=True)
 
 
@@ -71,6 +72,33 @@ def test_a_lighthouse_restart_starts_the_history_anew_and_a_late_answer_from_bef
     with h.lock:
         h.never_joined(h.epoch, 2, current=0)
     assert h.dead_ends() == ((2, 2),)
+
+
+def test_a_step_missed_before_a_lighthouse_restart_is_carried_across_it_by_its_number_until_a_commit():
+    h = QuorumHistory(30.0)
+    h.close(None, (7, A))
+    _step(h, committed=True, step=40)
+    _step(h, committed=False, oks=(False, True), own=0, step=41)  # the other member may have committed step 41
+    h.close((7, A), (8, A))
+    assert (h.missed, h.behind) == (7, 0)
+    h.close((8, A), (1, A))  # a restarted lighthouse: quorum ids cannot say it any more
+    assert (h.missed, h.certified, h.behind) == (-1, -1, 42)
+    h.close((1, A), (2, A))
+    _step(h, committed=False, oks=(False, False), step=42)
+    assert h.behind == 42, "kept through quorums that commit nothing"
+    _step(h, committed=True, step=42)
+    assert h.behind == 0, "a commit past the restart ends it"
+
+
+def test_a_missed_step_that_a_later_commit_certified_is_not_carried_across_a_restart():
+    h = QuorumHistory(30.0)
+    h.close(None, (7, A))
+    _step(h, committed=False, oks=(False, True), own=0, step=41)
+    h.close((7, A), (8, A))
+    _step(h, committed=True, step=42)  # healed from the holder and committed with it
+    h.close((8, A), (9, A))
+    h.close((9, A), (1, A))
+    assert h.behind == 0
 
 
 def test_certified_members_are_the_current_quorums_once_an_agreement_passed_in_it():

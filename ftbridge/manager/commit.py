@@ -59,12 +59,16 @@ DEAD_END_RUNS = 8
 """Runs of consecutive dead-end quorum ids a row carries (:attr:`View.dead_ends`); older runs are dropped. Why:
 docs/design.md, "Continuity"."""
 
-ROW = 27 + 2 * (DEAD_END_RUNS - 1)
+ROW = 28 + 2 * (DEAD_END_RUNS - 1)
 """float64 values per member in the agreement (:func:`encode_view`)."""
+ROW_STEP = 7
+"""Index of a member's step in its row."""
 ROW_OK = 10
 """Index of a member's ``ok`` flag in its row."""
 ROW_RIDING = 26
 """Index of a member's ``riding`` flag in its row."""
+ROW_BEHIND = 27
+"""Index of a member's :attr:`View.behind` in its row; its older dead-end runs follow."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class View:
             group's own history, so it cannot vouch for its group (:func:`judge`).
         holding: a lighthouse call its group left to ride is still in flight.
         riding: this member reuses the last quorum in this step (it did not get it from the lighthouse).
+        behind: since a lighthouse restart, until its group commits: 1 + the newest step it missed before the restart
+            (0: none); a quorum that does not hold the whole job commits only at a ``step`` of at least it.
     """
 
     replica_group: int
@@ -110,6 +116,7 @@ class View:
     plan: int = 0
     borrowed: bool = False
     riding: bool = False
+    behind: int = 0
 
 
 def membership_digest(replica_ids: Sequence[str]) -> str:
@@ -131,14 +138,15 @@ def _digest(chunks: Sequence[float]) -> str:
 def encode_view(v: View) -> List[float]:
     """One member's agreement row of :data:`ROW` float64 values, exact: ``[1, group + 1, quorum id, membership x4, step,
     participants, participating, ok, lighthouse seen, guard present, guard x4, certified + 1, newest dead-end run (first
-    + 1, last + 1), state, num groups, missed + 1, committers, holding, plan, riding, older runs]`` (0 where none);
+    + 1, last + 1), state, num groups, missed + 1, committers, holding, plan, riding, behind, older runs]`` (0 where
+    none);
     state: 0 own, 1 empty, 2 borrowed.
 
     Raises:
         ValueError: a digest is not 16 hex digits, a number is outside ``[0, 2**53)``, or more than
             :data:`DEAD_END_RUNS` runs.
     """
-    for name in ("replica_group", "quorum_id", "step", "participants", "plan"):
+    for name in ("replica_group", "quorum_id", "step", "participants", "plan", "behind"):
         if not 0 <= getattr(v, name) < 2**53:
             raise ValueError(f"agreement view: {name}={getattr(v, name)} must be in [0, 2**53)")
     if len(v.dead_ends) > DEAD_END_RUNS:
@@ -150,7 +158,8 @@ def encode_view(v: View) -> List[float]:
             float(v.step), float(v.participants), float(v.participating), float(v.ok), float(v.lighthouse_seen),
             *guard, float(v.certified + 1), *runs[:2], 1.0 if v.empty else 2.0 if v.borrowed else 0.0,
             float(v.num_groups),
-            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan), float(v.riding), *runs[2:]]
+            float(v.missed + 1), float(v.committers), float(v.holding), float(v.plan), float(v.riding),
+            float(v.behind), *runs[2:]]
 
 
 def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
@@ -169,7 +178,7 @@ def id_runs(ids: Iterable[int], limit: int) -> Tuple[Tuple[int, int], ...]:
 
 def dead_end_runs(row: Sequence[float]) -> Tuple[Tuple[int, int], ...]:
     """The dead-end runs ``(first, last)`` of one agreement row (:func:`encode_view`), newest first."""
-    cells = [row[18], row[19], *row[ROW_RIDING + 1:ROW]]
+    cells = [row[18], row[19], *row[ROW_BEHIND + 1:ROW]]
     return tuple((int(cells[i]) - 1, int(cells[i + 1]) - 1) for i in range(0, len(cells), 2) if cells[i])
 
 
@@ -273,6 +282,11 @@ def judge(rows: Sequence[Sequence[float]], own: Sequence[float], *, riding: bool
     groups = {int(row[1]) - 1 for row in rows if row[9] == 1.0 and row[20] == 0.0}
     whole = own[21] > 0 and groups >= set(range(int(own[21])))
     missed = max(int(row[22]) - 1 for row in rows)
+    behind = max(int(row[ROW_BEHIND]) for row in rows)
+    if not whole and behind > int(key[5]):
+        return Agreement(True, False, False, f"a member discarded step {behind - 1} before the lighthouse restarted, "
+                                             "which others may have committed, and no member here holds it",
+                         guard, all_empty=empty)
     gap = None if whole else continuous(int(key[0]), histories, missed)
     if gap is not None:
         why = (f"a member discarded a step of quorum {gap} that others may have committed, and no member here "

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ftbridge.manager.commit import DEAD_END_RUNS, ROW_OK, Agreement, id_runs
+from ftbridge.manager.commit import DEAD_END_RUNS, ROW_OK, ROW_STEP, Agreement, id_runs
 from ftbridge.manager.quorum_rules import QuorumSeen, detect_lighthouse_restart
 
 
@@ -71,6 +71,10 @@ class QuorumHistory:
         """The quorum id in which others may have committed while this group discarded (-1: none)."""
         self.certified_committers = 0
         """Members whose row was ok in the step that certified :attr:`certified`."""
+        self.behind = 0
+        """After a lighthouse restart, until this group commits: the steps a member must hold for a quorum that does
+        not hold the whole job to commit, 1 + the newest step this group missed before the restart (0: none). Quorum
+        ids start anew there, so :attr:`missed` cannot say it; steps can."""
         self.gap_expired = False
         """Non-continuous quorums have been discarded for longer than ``gap_wait_s`` (met steps only)."""
         self._gap_wait, self._clock = gap_wait_s, clock
@@ -84,6 +88,8 @@ class QuorumHistory:
         self._agreed = False  # this step's agreement passed continuity
         self._oks = self._others_ok = 0  # rows ok in it (a member whose row is not ok discards): all, all but own
         self._committers = 0  # _oks of the step that set held
+        self._step = -1  # the step of this step's agreement (its members' step)
+        self._missed_step = -1  # the newest step this group missed since it last certified a quorum (-1: none)
         self._gap_mark: Optional[float] = None  # end of the last counted step of a gap (None: no gap)
         self._gap_s = 0.0  # seconds of the gap counted so far
 
@@ -98,8 +104,11 @@ class QuorumHistory:
             if detect_lighthouse_restart(QuorumSeen(last[0], tuple(last[1])), new[0], tuple(new[1])):
                 self.certified, self.dead, self.epoch = -1, set(), self.epoch + 1  # ids start anew
                 self.missed, self.certified_committers = -1, 0  # RestartMajority holds the history across it
+                self.behind = max(self.behind, self._missed_step + 1)  # and the step it missed, by its number
+                self._missed_step = -1
             elif self.held:
                 self.certified, self.missed, self.certified_committers = last[0], -1, self._committers
+                self._missed_step = -1
                 self.dead = {k for k in self.dead if k > last[0]}
             elif self.missed_here:
                 self.missed = last[0]  # others may have committed there; this group stayed behind
@@ -129,6 +138,7 @@ class QuorumHistory:
         self._passed |= verdict.continuous
         self._agreed = verdict.continuous
         if verdict.continuous and rows is not None:
+            self._step = int(rows[own_index][ROW_STEP])
             self._oks = sum(row[ROW_OK] == 1.0 for row in rows)
             self._others_ok = self._oks - (rows[own_index][ROW_OK] == 1.0)
         if verdict.consistent and not verdict.continuous:
@@ -143,9 +153,11 @@ class QuorumHistory:
         """Record the group's decision on this step (see :meth:`ftbridge.manager.outage.OutageRider.after_commit`)."""
         if not group_met and self._gap_mark is not None:
             self._gap_mark = self._clock()
+        if committed:
+            self.behind = 0  # past the restart: the history of the quorums since then decides
         if self._agreed and committed:
             self.held, self.missed_here, self._committers = True, False, self._oks
         elif self._agreed and self._others_ok and group_agreed and not nobody_commits:
-            self.held, self.missed_here = False, True
+            self.held, self.missed_here, self._missed_step = False, True, self._step
         self._agreed, self._oks, self._others_ok = False, 0, 0
 

@@ -568,7 +568,7 @@ class OutageRider:
                                 participants, participating, m.errored() is None and enough, self._seen,
                                 guard if participating else None, h.certified, h.dead_ends(), empty,
                                 self.num_groups, h.missed, h.certified_committers, self.holding(), plan,
-                                borrowed and not empty, self.riding))
+                                borrowed and not empty, self.riding, h.behind))
 
     def conclude(self, own: Optional[List[float]], rows: Optional[List[List[float]]], failure: str) -> Agreement:
         """The verdict on the summed rows (``rows`` ``None``: the all-reduce failed, for ``failure``); a verdict that
