@@ -87,6 +87,8 @@ class GroupProcess:
     started: float = field(default_factory=time.time)
     relaunch: bool = False
     """This launch replaces one whose worker store lost its port (:meth:`LocalJob._relaunch_port_races`)."""
+    exit_read: bool = False
+    """Its exit was read for a lost port already (its logs are final once it exited: read once)."""
 
 
 class LocalJob:
@@ -412,8 +414,9 @@ class LocalJob:
         it, and the test would fail on the machine, not on ftbridge."""
         for g, launches in list(self.groups.items()):
             gp = launches[-1]
-            if gp.relaunch or gp.proc.poll() in (None, 0):
+            if gp.relaunch or gp.exit_read or gp.proc.poll() in (None, 0):
                 continue
+            gp.exit_read = True
             if any(e["time"] >= gp.started for e in self.steps(g)):
                 continue
             with open(gp.log_path, encoding="utf-8", errors="replace") as f:
