@@ -632,7 +632,7 @@ class Sim:
             g.voted = (q.quorum_id, tuple(sorted(q.replica_ids))) if complete else None
         at_max = [m for m in q.replica_ids if q.steps[m] == q.max_step]
         heal = q.steps[g.replica_id] < q.max_step
-        backwards = heal and heals_backwards(True, g.ranks[0].tf.step, q.max_step) and not self.revert.heal_backwards
+        backwards = heal and heals_backwards(g.ranks[0].tf.step, q.max_step) and not self.revert.heal_backwards
         heal &= not backwards  # the quorum guard refuses it (HealBackwards) before ReplicaManager._on_quorum
         if must_leave(q.replica_ids, g.gid, heal, g.replica_id, len(q.replica_ids) - len(at_max)):
             g.alive, g.exit_reason = False, "DuplicateReplicaGroup"  # before torchft heals (ReplicaManager._on_quorum)

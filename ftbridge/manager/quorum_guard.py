@@ -127,7 +127,7 @@ class _QuorumGuard:
             return result
         if bool(getattr(result, "heal", False)):
             step = int(self._manager.current_step())
-            if heals_backwards(True, step, int(result.max_step)):
+            if heals_backwards(step, int(result.max_step)):
                 result = self._refuse_heal(result, step)
         if self._on_quorum is not None:  # before torchft, on this same thread, fetches any heal of this quorum
             self._on_quorum(result)

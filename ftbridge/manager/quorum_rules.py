@@ -72,15 +72,15 @@ def group_size_conflict(sizes: Sequence[int], replica_rank: int, quorum_id: int)
             f"x --nnodes), or restart every group with {mine}")
 
 
-def heals_backwards(heal: bool, step: int, max_step: int) -> bool:
-    """Whether a quorum tells a group holding ``step`` to heal to the earlier ``max_step``.
+def heals_backwards(step: int, max_step: int) -> bool:
+    """Whether a heal a quorum orders takes a group holding ``step`` to the earlier ``max_step``.
 
     The lighthouse computes a member's step from the last request it read of that group; a late request of a
     call the group left to ride carries an older step, so the quorum can rank the group behind a peer it is
     ahead of. Healing would overwrite the group's committed steps with the peer's older state; the step is
     discarded instead and the next request carries the true step (docs/design.md, "No heal backwards").
     """
-    return heal and step > max_step
+    return step > max_step
 
 
 def rendezvous_namespace(members: Sequence[str], max_step: int) -> str:
